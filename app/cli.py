@@ -1,0 +1,62 @@
+"""The `thermocline` command line.
+
+Each subcommand lives in `app/commands/<name>.py` and exposes `register(subparsers)`,
+which adds its parser and sets `handler=` to a function taking the parsed args and
+returning an exit code. With no subcommand the window opens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from engine.errors import UserError
+
+# Module names under app.commands, in the order `--help` lists them.
+COMMANDS = ("chat", "generate", "place", "profile", "train_predictors", "eval", "models", "hw")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports bad usage as one `error:` line with exit code 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        sys.stderr.write(f"error: {self.prog}: {message} (see --help)\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="thermocline", description="Local chat with sparse LLMs.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    subparsers = parser.add_subparsers(dest="command", parser_class=_Parser)
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"app.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"app.commands.{name}":
+                continue  # not built yet
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command is None:
+            from app.gui.main import run_window
+
+            return run_window()
+        return int(args.handler(args) or 0)
+    except UserError as exc:
+        if args.debug:
+            raise
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
