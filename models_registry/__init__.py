@@ -1,0 +1,10 @@
+"""Catalogue of supported sparse models, downloads, hardware probe and fit estimates.
+
+Imports neither torch nor Qt (DESIGN.md): the window and the CLI use it before any
+engine is loaded.
+"""
+
+from .paths import models_dir, set_models_dir
+from .resolve import demo_model_dir, downloaded_model_dir, resolve_model
+
+__all__ = ["demo_model_dir", "downloaded_model_dir", "models_dir", "resolve_model", "set_models_dir"]

@@ -1,0 +1,138 @@
+"""The catalogue of supported sparse models, read from `catalogue.json` (data, not code).
+
+Each entry names the Hugging Face repo, the files a model needs, its shape and licence, the
+sparsity its authors measured, and where its activation predictors come from (a PowerInfer
+predictor repo, or trained locally with `thermocline train-predictors`). Figures we could
+not check against a public source are listed in the entry's `unverified` field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from engine.errors import UserError
+
+CATALOGUE_FILE = Path(__file__).with_name("catalogue.json")
+
+# What every model download fetches when the catalogue (or the user) does not say otherwise.
+DEFAULT_MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
+DEFAULT_PREDICTOR_FILES = ("model_*.pt", "config.json")
+
+
+@dataclass(frozen=True)
+class Predictor:
+    """Where a model's activation predictors come from."""
+
+    source: str  # "powerinfer" (a predictor repo) | "train" (trained locally) | "bundled"
+    repo: str | None = None
+    revision: str | None = None
+    files: tuple[str, ...] = DEFAULT_PREDICTOR_FILES
+
+
+@dataclass(frozen=True)
+class CatalogueEntry:
+    id: str
+    repo: str | None  # None for the embedded demo model
+    revision: str | None  # None: resolved at download time and pinned in the state file
+    files: tuple[str, ...]
+    size_bytes: int | None  # download size of `files` (weights in the repo's dtype)
+    architecture: str  # model_type: llama | mistral | falcon | bamboo
+    activation: str  # relu | fatrelu | drelu | relu2
+    context_length: int
+    params: str
+    license: str
+    sparsity: float | None  # fraction of FFN activations that are zero, per the authors
+    sparsity_source: str
+    predictor: Predictor
+    description: str
+    unverified: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict:
+        return {
+            "id": self.id,
+            "repo": self.repo,
+            "revision": self.revision,
+            "files": list(self.files),
+            "size_bytes": self.size_bytes,
+            "architecture": self.architecture,
+            "activation": self.activation,
+            "context_length": self.context_length,
+            "params": self.params,
+            "license": self.license,
+            "sparsity": self.sparsity,
+            "sparsity_source": self.sparsity_source,
+            "predictor": {
+                "source": self.predictor.source,
+                "repo": self.predictor.repo,
+                "revision": self.predictor.revision,
+                "files": list(self.predictor.files),
+            },
+            "description": self.description,
+            "unverified": list(self.unverified),
+        }
+
+
+def _parse_entry(raw: dict) -> CatalogueEntry:
+    pred = raw.get("predictor") or {"source": "train"}
+    return CatalogueEntry(
+        id=raw["id"],
+        repo=raw.get("repo"),
+        revision=raw.get("revision"),
+        files=tuple(raw.get("files") or DEFAULT_MODEL_FILES),
+        size_bytes=raw.get("size_bytes"),
+        architecture=raw["architecture"],
+        activation=raw["activation"],
+        context_length=int(raw["context_length"]),
+        params=raw.get("params", ""),
+        license=raw.get("license", "unknown"),
+        sparsity=raw.get("sparsity"),
+        sparsity_source=raw.get("sparsity_source", ""),
+        predictor=Predictor(
+            source=pred["source"],
+            repo=pred.get("repo"),
+            revision=pred.get("revision"),
+            files=tuple(pred.get("files") or DEFAULT_PREDICTOR_FILES),
+        ),
+        description=raw.get("description", ""),
+        unverified=tuple(raw.get("unverified", ())),
+    )
+
+
+@lru_cache(maxsize=4)
+def _load(path: Path) -> tuple[CatalogueEntry, ...]:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return tuple(_parse_entry(item) for item in data["models"])
+
+
+def load_catalogue(path: Path | None = None) -> tuple[CatalogueEntry, ...]:
+    """All catalogue entries, in the order of the data file."""
+    return _load(Path(path) if path else CATALOGUE_FILE)
+
+
+def find_entry(name: str, path: Path | None = None) -> CatalogueEntry | None:
+    """The entry whose id or repo id is `name` (case-insensitive), or None."""
+    key = name.strip().lower()
+    for entry in load_catalogue(path):
+        if entry.id.lower() == key or (entry.repo and entry.repo.lower() == key):
+            return entry
+    return None
+
+
+def get_entry(name: str) -> CatalogueEntry:
+    entry = find_entry(name)
+    if entry is None:
+        ids = ", ".join(e.id for e in load_catalogue())
+        raise UserError(f"{name!r} is not in the catalogue; known ids: {ids}")
+    return entry

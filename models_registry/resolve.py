@@ -1,0 +1,76 @@
+"""Turn what a user types as MODEL into a model folder.
+
+Accepted: an existing local folder; `demo` (the small model shipped in `resources/demo/`);
+a catalogue id (`relullama-7b`) or a Hugging Face repo id (`SparseLLM/ReluLLaMA-7B`) that
+has been downloaded into the models folder.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from engine.errors import UserError
+
+from .paths import models_dir, repo_folder_name
+
+DEMO_ID = "demo"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+
+def demo_model_dir() -> Path:
+    """The embedded demo model of the installed package (may not be built yet)."""
+    import resources
+
+    return Path(resources.__file__).parent / "demo"
+
+
+def is_repo_id(text: str) -> bool:
+    return bool(_REPO_ID.match(text)) and ".." not in text
+
+
+def downloaded_model_dir(repo_id: str) -> Path:
+    """Where a repo lives (or would live) under the models folder."""
+    return models_dir() / repo_folder_name(repo_id)
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """The folder of a model given as a path, `demo`, a catalogue id or a repo id."""
+    text = str(name_or_path).strip()
+    if not text:
+        raise UserError("no model given: pass a folder, `demo`, a catalogue id or an org/name repo id")
+    if text == DEMO_ID:
+        folder = demo_model_dir()
+        if not (folder / "config.json").is_file():
+            raise UserError(
+                f"the demo model is not available: {folder} has no config.json (it is built "
+                "with the package; reinstall Thermocline or pass another model)"
+            )
+        return folder
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return path.resolve()
+
+    from .catalogue import find_entry  # local import: catalogue loads a data file
+
+    entry = find_entry(text)
+    repo_id = entry.repo if entry is not None else (text if is_repo_id(text) else None)
+    if repo_id is None:
+        if path.suffix or "/" in text or "\\" in text or text.startswith("."):
+            raise UserError(f"model folder {text} does not exist")
+        raise UserError(
+            f"unknown model {text!r}: pass a model folder, `demo`, a catalogue id "
+            "(see `thermocline models list`) or a Hugging Face repo id like org/name"
+        )
+    folder = downloaded_model_dir(repo_id)
+    if not is_ready(folder):
+        raise UserError(f"model {text} is not downloaded: run `thermocline models download {text}`")
+    return folder
+
+
+def is_ready(folder: Path) -> bool:
+    """A download is usable once it has been verified and marked complete."""
+    from .state import read_state  # local import: avoids a cycle with the downloader
+
+    state = read_state(folder)
+    return (folder / "config.json").is_file() and (state is None or state.get("status") == "ready")
