@@ -1,0 +1,222 @@
+"""Declarative settings: one schema, typed options, change listeners, a JSON file.
+
+Every option the app remembers is declared once in `SCHEMA` with its type, default,
+bounds and a line of help (the qutebrowser way): code reads `settings["chat.temperature"]`
+and never invents keys. Values are validated on the way in, so a hand-edited or damaged
+file can never put the app into a state it cannot show; bad entries fall back to their
+defaults. The file lives in the platform's user config dir (`THERMOCLINE_CONFIG_DIR`
+overrides it, for tests) and is written atomically on every change.
+
+This module does not import Qt: the window wraps the listeners in a Qt signal.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import platformdirs
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "Thermocline"
+CONFIG_DIR_ENV = "THERMOCLINE_CONFIG_DIR"
+SETTINGS_FILE = "settings.json"
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting: its name, type, default and what values are allowed."""
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple | None = None
+    nullable: bool = False
+
+    def validate(self, value: Any) -> Any:
+        """The value converted to this option's type; ValueError says why not."""
+        if value is None:
+            if self.nullable:
+                return None
+            raise ValueError(f"{self.name} cannot be empty")
+        if self.type is bool:
+            if not isinstance(value, bool):
+                raise ValueError(f"{self.name} must be true or false, not {value!r}")
+        elif self.type is int:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+                raise ValueError(f"{self.name} must be a whole number, not {value!r}")
+            value = int(value)
+        elif self.type is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{self.name} must be a number, not {value!r}")
+            value = float(value)
+        elif self.type is str:
+            if not isinstance(value, str):
+                raise ValueError(f"{self.name} must be text, not {value!r}")
+        elif self.type is dict:
+            if not isinstance(value, dict):
+                raise ValueError(f"{self.name} must be a mapping, not {value!r}")
+        if self.minimum is not None and value < self.minimum:
+            raise ValueError(f"{self.name} must be at least {self.minimum}, not {value}")
+        if self.maximum is not None and value > self.maximum:
+            raise ValueError(f"{self.name} must be at most {self.maximum}, not {value}")
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{self.name} must be one of {', '.join(map(str, self.choices))}")
+        return value
+
+
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer clearly and concisely."
+
+SCHEMA: tuple[Option, ...] = (
+    # The model and how the engine runs it.
+    Option("model.active", str, "demo", "Model loaded at start: `demo`, a catalogue id, a repo id or a folder."),
+    Option("engine.mode", str, "hybrid", "How FFN neurons are computed.",
+           choices=("dense", "sparse", "hybrid", "oracle")),
+    Option("engine.ctx", int, 2048, "Context length in tokens (prompt plus answer).", minimum=128, maximum=131072),
+    # Budgets: None means "use the hardware probe's suggestion".
+    Option("budget.vram_bytes", int, None, "VRAM budget in bytes; empty for the suggested one.",
+           minimum=0, nullable=True),
+    Option("budget.ram_bytes", int, None, "RAM budget in bytes; empty for the suggested one.",
+           minimum=0, nullable=True),
+    # Defaults for new conversations (each conversation keeps its own copy).
+    Option("chat.system_prompt", str, DEFAULT_SYSTEM_PROMPT, "System prompt of new conversations."),
+    Option("chat.temperature", float, 0.7, "Sampling temperature; 0 is greedy.", minimum=0.0, maximum=5.0),
+    Option("chat.top_p", float, 0.95, "Nucleus sampling: keep the smallest set of tokens with this mass.",
+           minimum=0.0, maximum=1.0),
+    Option("chat.top_k", int, 40, "Keep only the k most likely tokens; 0 keeps all.", minimum=0, maximum=100000),
+    Option("chat.repetition_penalty", float, 1.1, "Penalty for repeating tokens; 1 is none.",
+           minimum=0.5, maximum=3.0),
+    Option("chat.max_new_tokens", int, 512, "Longest answer in tokens.", minimum=1, maximum=32768),
+    # Window state.
+    Option("ui.geometry", str, "", "Saved window geometry (base64)."),
+    Option("ui.splitter", str, "", "Saved splitter sizes (base64)."),
+    Option("ui.show_panel", bool, True, "Show the budgets and performance panel."),
+    Option("ui.welcome_shown", bool, False, "The first-start welcome has been shown."),
+    Option("ui.last_conversation", int, None, "Conversation open when the app was closed.", nullable=True),
+)
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens")
+
+
+def config_dir() -> Path:
+    override = os.environ.get(CONFIG_DIR_ENV)
+    if override:
+        return Path(override).expanduser()
+    return Path(platformdirs.user_config_dir(APP_NAME, appauthor=False))
+
+
+Listener = Callable[[str, Any], None]
+
+
+class Settings:
+    """The app's settings: `settings[name]`, `settings[name] = value`, `on_change(fn)`."""
+
+    def __init__(self, path: str | os.PathLike | None = None, schema: tuple[Option, ...] = SCHEMA):
+        self.path = Path(path) if path else config_dir() / SETTINGS_FILE
+        self._options = {opt.name: opt for opt in schema}
+        self._values: dict[str, Any] = {}
+        self._listeners: list[Listener] = []
+        self._load()
+
+    # -- reading -------------------------------------------------------------------------
+    def option(self, name: str) -> Option:
+        try:
+            return self._options[name]
+        except KeyError:
+            raise KeyError(f"unknown setting {name!r}") from None
+
+    def options(self) -> list[Option]:
+        return list(self._options.values())
+
+    def __getitem__(self, name: str) -> Any:
+        opt = self.option(name)
+        return self._values.get(name, opt.default)
+
+    def get(self, name: str, default: Any = _MISSING) -> Any:
+        if default is not _MISSING and name not in self._options:
+            return default
+        return self[name]
+
+    def is_default(self, name: str) -> bool:
+        return name not in self._values
+
+    def sampling_defaults(self) -> dict:
+        """The sampling settings new conversations start with."""
+        return {key: self[f"chat.{key}"] for key in SAMPLING_KEYS}
+
+    # -- writing -------------------------------------------------------------------------
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.set(name, value)
+
+    def set(self, name: str, value: Any) -> bool:
+        """Validate, store, save and notify; returns False when nothing changed."""
+        opt = self.option(name)
+        value = opt.validate(value)
+        if self[name] == value:
+            return False
+        if value == opt.default:
+            self._values.pop(name, None)
+        else:
+            self._values[name] = value
+        self._save()
+        self._notify(name, value)
+        return True
+
+    def reset(self, name: str) -> None:
+        opt = self.option(name)
+        if name in self._values:
+            del self._values[name]
+            self._save()
+            self._notify(name, opt.default)
+
+    def on_change(self, listener: Listener) -> Callable[[], None]:
+        """Call `listener(name, value)` after each change; returns an unsubscribe function."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    # -- persistence ---------------------------------------------------------------------
+    def _notify(self, name: str, value: Any) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(name, value)
+            except Exception:  # one broken listener must not stop the others
+                log.exception("settings listener failed for %s", name)
+
+    def _load(self) -> None:
+        try:
+            raw = json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring unreadable settings file %s: %s", self.path, exc)
+            return
+        if not isinstance(raw, dict):
+            log.warning("ignoring settings file %s: not a JSON object", self.path)
+            return
+        for name, value in raw.items():
+            opt = self._options.get(name)
+            if opt is None:
+                continue  # a setting from another version: keep going
+            try:
+                self._values[name] = opt.validate(value)
+            except ValueError as exc:
+                log.warning("ignoring setting: %s", exc)
+
+    def _save(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(json.dumps(self._values, indent=2, sort_keys=True), encoding="utf-8")
+            os.replace(tmp, self.path)
+        except OSError as exc:  # a read-only config dir must not break the running app
+            log.warning("could not save settings to %s: %s", self.path, exc)

@@ -1,0 +1,272 @@
+"""Conversations and messages in SQLite (stdlib sqlite3, WAL) in the user data dir.
+
+An answer being generated is saved as it is shown, with status `streaming`; a finished one
+becomes `complete`, a stopped one `stopped`. If the app dies mid-answer, the next start
+marks leftover `streaming` rows `interrupted` (`recover_interrupted`), so nothing that was
+on screen is lost. WAL with synchronous=NORMAL keeps every committed write across a
+process crash while making the per-flush commits cheap enough for the GUI thread.
+
+`THERMOCLINE_DATA_DIR` overrides the folder (tests and scripts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import platformdirs
+
+APP_NAME = "Thermocline"
+DATA_DIR_ENV = "THERMOCLINE_DATA_DIR"
+DB_FILE = "conversations.db"
+SCHEMA_VERSION = 1
+
+# Message status values.
+COMPLETE = "complete"
+STREAMING = "streaming"
+STOPPED = "stopped"
+INTERRUPTED = "interrupted"
+FAILED = "failed"
+STATUSES = (COMPLETE, STREAMING, STOPPED, INTERRUPTED, FAILED)
+ROLES = ("system", "user", "assistant")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS conversations (
+    id            INTEGER PRIMARY KEY,
+    title         TEXT NOT NULL,
+    system_prompt TEXT NOT NULL DEFAULT '',
+    sampling      TEXT NOT NULL DEFAULT '{}',
+    model         TEXT NOT NULL DEFAULT '',
+    created_at    REAL NOT NULL,
+    updated_at    REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS messages (
+    id              INTEGER PRIMARY KEY,
+    conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    role            TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
+    content         TEXT NOT NULL,
+    status          TEXT NOT NULL DEFAULT 'complete',
+    stats           TEXT,
+    created_at      REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
+"""
+
+
+def data_dir() -> Path:
+    override = os.environ.get(DATA_DIR_ENV)
+    if override:
+        return Path(override).expanduser()
+    return Path(platformdirs.user_data_dir(APP_NAME, appauthor=False))
+
+
+@dataclass
+class Conversation:
+    id: int
+    title: str
+    system_prompt: str
+    sampling: dict
+    model: str
+    created_at: float
+    updated_at: float
+
+
+@dataclass
+class Message:
+    id: int
+    conversation_id: int
+    role: str
+    content: str
+    status: str = COMPLETE
+    stats: dict | None = None
+    created_at: float = field(default_factory=time.time)
+
+    def as_chat(self) -> dict:
+        """The `{"role", "content"}` form the engine renders with the chat template."""
+        return {"role": self.role, "content": self.content}
+
+
+class Storage:
+    """All reads and writes of the conversation database (one connection, one thread)."""
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        self.path = Path(path) if path else data_dir() / DB_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, isolation_level=None)  # autocommit; explicit txns
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.execute("PRAGMA busy_timeout=2000")
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise RuntimeError(
+                f"{self.path} was written by a newer Thermocline (schema {version}); update the app"
+            )
+        self._db.executescript(_SCHEMA)
+        self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    def close(self) -> None:
+        self._db.close()
+
+    # -- conversations -------------------------------------------------------------------
+    def create_conversation(self, title: str = "New chat", system_prompt: str = "",
+                            sampling: dict | None = None, model: str = "") -> Conversation:
+        now = time.time()
+        cur = self._db.execute(
+            "INSERT INTO conversations (title, system_prompt, sampling, model, created_at, updated_at)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (title, system_prompt, json.dumps(sampling or {}), model, now, now),
+        )
+        return self.conversation(cur.lastrowid)
+
+    def conversation(self, conversation_id: int) -> Conversation | None:
+        row = self._db.execute("SELECT * FROM conversations WHERE id = ?", (conversation_id,)).fetchone()
+        return _conversation(row) if row else None
+
+    def conversations(self, search: str = "") -> list[Conversation]:
+        """Most recently used first; `search` matches titles and message text (any case)."""
+        if not search.strip():
+            rows = self._db.execute("SELECT * FROM conversations ORDER BY updated_at DESC, id DESC")
+        else:
+            pattern = "%" + _escape_like(search.strip()) + "%"
+            rows = self._db.execute(
+                "SELECT * FROM conversations c WHERE c.title LIKE ?1 ESCAPE '\\' OR EXISTS ("
+                " SELECT 1 FROM messages m WHERE m.conversation_id = c.id"
+                " AND m.content LIKE ?1 ESCAPE '\\') ORDER BY updated_at DESC, id DESC",
+                (pattern,),
+            )
+        return [_conversation(row) for row in rows]
+
+    def rename_conversation(self, conversation_id: int, title: str) -> None:
+        title = " ".join(title.split()) or "Untitled"
+        self._db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conversation_id))
+
+    def update_conversation(self, conversation_id: int, *, system_prompt: str | None = None,
+                            sampling: dict | None = None, model: str | None = None) -> None:
+        fields, values = [], []
+        if system_prompt is not None:
+            fields.append("system_prompt = ?")
+            values.append(system_prompt)
+        if sampling is not None:
+            fields.append("sampling = ?")
+            values.append(json.dumps(sampling))
+        if model is not None:
+            fields.append("model = ?")
+            values.append(model)
+        if fields:
+            values.append(conversation_id)
+            self._db.execute(f"UPDATE conversations SET {', '.join(fields)} WHERE id = ?", values)
+
+    def delete_conversation(self, conversation_id: int) -> None:
+        self._db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+
+    def touch(self, conversation_id: int) -> None:
+        self._db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (time.time(), conversation_id))
+
+    # -- messages ------------------------------------------------------------------------
+    def add_message(self, conversation_id: int, role: str, content: str, status: str = COMPLETE,
+                    stats: dict | None = None) -> Message:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}")
+        if status not in STATUSES:
+            raise ValueError(f"unknown status {status!r}")
+        now = time.time()
+        with self._transaction():
+            cur = self._db.execute(
+                "INSERT INTO messages (conversation_id, role, content, status, stats, created_at)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (conversation_id, role, content, status, _dump(stats), now),
+            )
+            self._db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
+        return Message(cur.lastrowid, conversation_id, role, content, status, stats, now)
+
+    def update_message(self, message_id: int, *, content: str | None = None, status: str | None = None,
+                       stats: dict | None = None) -> None:
+        fields, values = [], []
+        if content is not None:
+            fields.append("content = ?")
+            values.append(content)
+        if status is not None:
+            if status not in STATUSES:
+                raise ValueError(f"unknown status {status!r}")
+            fields.append("status = ?")
+            values.append(status)
+        if stats is not None:
+            fields.append("stats = ?")
+            values.append(_dump(stats))
+        if fields:
+            values.append(message_id)
+            self._db.execute(f"UPDATE messages SET {', '.join(fields)} WHERE id = ?", values)
+
+    def message(self, message_id: int) -> Message | None:
+        row = self._db.execute("SELECT * FROM messages WHERE id = ?", (message_id,)).fetchone()
+        return _message(row) if row else None
+
+    def messages(self, conversation_id: int) -> list[Message]:
+        rows = self._db.execute(
+            "SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,)
+        )
+        return [_message(row) for row in rows]
+
+    def delete_messages_from(self, conversation_id: int, message_id: int) -> None:
+        """Delete a message and everything after it (edit-and-resend, regenerate)."""
+        self._db.execute(
+            "DELETE FROM messages WHERE conversation_id = ? AND id >= ?", (conversation_id, message_id)
+        )
+
+    def recover_interrupted(self) -> int:
+        """Mark answers left `streaming` by a crash or kill as `interrupted`; returns how many."""
+        cur = self._db.execute("UPDATE messages SET status = ? WHERE status = ?", (INTERRUPTED, STREAMING))
+        return cur.rowcount
+
+    # -- helpers -------------------------------------------------------------------------
+    def _transaction(self):
+        db = self._db
+
+        class _Txn:
+            def __enter__(self):
+                db.execute("BEGIN")
+
+            def __exit__(self, exc_type, exc, tb):
+                db.execute("ROLLBACK" if exc_type else "COMMIT")
+                return False
+
+        return _Txn()
+
+
+def _escape_like(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+def _dump(stats: dict | None) -> str | None:
+    return None if stats is None else json.dumps(stats)
+
+
+def _load_json(text: str | None, fallback):
+    if not text:
+        return fallback
+    try:
+        return json.loads(text)
+    except ValueError:
+        return fallback
+
+
+def _conversation(row: sqlite3.Row) -> Conversation:
+    sampling = _load_json(row["sampling"], {})
+    return Conversation(
+        id=row["id"], title=row["title"], system_prompt=row["system_prompt"],
+        sampling=sampling if isinstance(sampling, dict) else {}, model=row["model"],
+        created_at=row["created_at"], updated_at=row["updated_at"],
+    )
+
+
+def _message(row: sqlite3.Row) -> Message:
+    return Message(
+        id=row["id"], conversation_id=row["conversation_id"], role=row["role"], content=row["content"],
+        status=row["status"], stats=_load_json(row["stats"], None), created_at=row["created_at"],
+    )
