@@ -1,0 +1,93 @@
+"""A static KV cache, preallocated for the context and written in place.
+
+Shapes never change between steps (gpt-fast): keys and values of layer l live in
+`k[l]`, `v[l]` of shape [kv_heads, slots, head_dim]. Models with a sliding window may
+run past the context: slots are then reused round-robin and `slot_pos` remembers which
+absolute position each slot holds, so the attention mask stays exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import ContextFullError
+
+
+class KVCache:
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, slots: int,
+                 dtype: torch.dtype, devices: list[torch.device], sliding_window: int | None = None):
+        self.slots = slots
+        self.rolling = sliding_window is not None and sliding_window <= slots
+        self.window = sliding_window
+        self.k = [torch.zeros(kv_heads, slots, head_dim, dtype=dtype, device=devices[i]) for i in range(num_layers)]
+        self.v = [torch.zeros(kv_heads, slots, head_dim, dtype=dtype, device=devices[i]) for i in range(num_layers)]
+        # Bookkeeping stays on the CPU; masks are moved to a layer's device when used.
+        self.slot_pos = torch.full((slots,), -1, dtype=torch.long)
+        self.length = 0  # positions 0 .. length-1 have been written
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def reset(self, length: int = 0) -> None:
+        """Forget everything from `length` on (prefix reuse keeps the first `length`)."""
+        if self.length > self.slots:
+            length = 0  # a rolling cache wrapped: early positions were overwritten
+        self.length = length
+        self.slot_pos[length:] = -1  # until a wrap, slot i holds position i
+
+    def check_room(self, start: int, count: int) -> None:
+        if self.rolling:
+            if count > self.slots:
+                raise ContextFullError(f"{count} tokens at once exceed the context of {self.slots}")
+            return
+        if start + count > self.slots:
+            raise ContextFullError(
+                f"the conversation needs {start + count} tokens but the context holds {self.slots}; "
+                "start a new conversation or raise the context length"
+            )
+
+    def prepare(self, start: int, count: int) -> None:
+        """Claim the slots of positions start .. start+count-1 before any layer writes them."""
+        self.check_room(start, count)
+        pos = torch.arange(start, start + count)
+        self.slot_pos[pos % self.slots] = pos
+        self.length = max(self.length, start + count)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """k, v: [kv_heads, T, head_dim] for positions start .. start+T-1."""
+        count = k.shape[1]
+        if self.rolling:
+            first = start % self.slots
+            if first + count <= self.slots:
+                self.k[layer][:, first : first + count] = k
+                self.v[layer][:, first : first + count] = v
+            else:
+                idx = (torch.arange(start, start + count) % self.slots).to(k.device)
+                self.k[layer][:, idx] = k
+                self.v[layer][:, idx] = v
+        else:
+            self.k[layer][:, start : start + count] = k
+            self.v[layer][:, start : start + count] = v
+
+    def keys_values(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the written part (no copy); rolling caches return every slot."""
+        if self.rolling:
+            return self.k[layer], self.v[layer]
+        return self.k[layer][:, :end], self.v[layer][:, :end]
+
+    def mask(self, start: int, count: int) -> torch.Tensor | None:
+        """Boolean [count, keys] mask (True = attend) or None when plain causal suffices."""
+        end = start + count
+        query_pos = torch.arange(start, end)[:, None]
+        if self.rolling:
+            key_pos = self.slot_pos[None, :]
+            ok = (key_pos >= 0) & (key_pos <= query_pos)
+        else:
+            key_pos = torch.arange(end)[None, :]
+            ok = key_pos <= query_pos
+        if self.window is not None:
+            ok &= key_pos > query_pos - self.window
+        elif not self.rolling and count == 1:
+            return None  # a single new token sees every written position
+        return ok

@@ -1,0 +1,60 @@
+"""From a model folder to a `Transformer` with tensors where the placement wants them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .arch import falcon, llama
+from .arch.common import Converter, Placement
+from .config import ModelConfig
+from .errors import UserError
+from .model import Transformer
+from .rope import RotaryTable
+from .weights import WeightSource
+
+Progress = Callable[[float, str], None]
+
+_FAMILIES = {"llama": llama, "falcon": falcon}
+
+
+def resolve_model_dir(model: str | Path) -> Path:
+    """A local folder, or a catalogue id / repo id resolved by the model registry."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from models_registry import resolve_model
+    except ImportError:
+        raise UserError(f"model {model!r} is not a folder") from None
+    return Path(resolve_model(str(model)))
+
+
+def compute_dtype(device: torch.device, storage: torch.dtype) -> torch.dtype:
+    """fp32 on the CPU (16-bit matmuls are far slower there, DESIGN.md); 16-bit on CUDA."""
+    if device.type == "cpu":
+        return torch.float32
+    return torch.bfloat16 if storage == torch.bfloat16 else torch.float16
+
+
+def load_transformer(model_dir: Path, config: ModelConfig, layer_devices: list[torch.device],
+                     head_device: torch.device, ctx: int, progress: Progress | None = None) -> Transformer:
+    source = WeightSource(model_dir)
+    storage = source.dtype()
+    conv = Converter(source, config)
+    family = _FAMILIES[config.family]
+    cpu = Placement(torch.device("cpu"), compute_dtype(torch.device("cpu"), storage))
+    head = Placement(head_device, compute_dtype(head_device, storage))
+    embed, final_norm, lm_head = family.load_globals(conv, cpu, head)
+    layers = []
+    for i, device in enumerate(layer_devices):
+        if progress:
+            progress(i / config.num_layers, f"loading layer {i + 1} of {config.num_layers}")
+        layers.append(family.load_layer(conv, i, Placement(device, compute_dtype(device, storage))))
+    devices = set(layer_devices) | {head_device}
+    rotary = {d: RotaryTable(config.rope, config.head_dim, ctx, compute_dtype(d, storage), d) for d in devices}
+    if progress:
+        progress(1.0, "loaded")
+    return Transformer(config, embed, layers, final_norm, lm_head, rotary)

@@ -1,0 +1,194 @@
+"""The transformer: plain tensors and functions, one decode step at a time.
+
+Every architecture is converted at load time into one layer layout (`LayerWeights`):
+fused QKV, norms, and an FFN object that owns its rows in the neuron-major layout of
+docs/ARCHITECTURE.md. The FFN object is swapped per mode (dense, sparse, hybrid,
+oracle) without touching the rest. Attention is dense on the device of its layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .rope import RotaryTable, apply_rotary
+
+# Called per layer with (layer index, predictor input [T, d], true FFN activations [T, n_ff]).
+FfnObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass
+class Norm:
+    weight: torch.Tensor
+    bias: torch.Tensor | None  # LayerNorm (Falcon) has one, RMSNorm none
+    eps: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            variance = x.pow(2).mean(-1, keepdim=True)
+            return x * torch.rsqrt(variance + self.eps) * self.weight
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.weight, self.bias)
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def activate(activation: str, threshold: float, up_pre: torch.Tensor, gate_pre: torch.Tensor | None) -> torch.Tensor:
+    """FFN activations (docs/ARCHITECTURE.md); a neuron fired iff its value is not 0."""
+    if activation == "drelu":
+        return F.relu(gate_pre) * F.relu(up_pre)
+    pre = gate_pre if gate_pre is not None else up_pre
+    if activation == "relu":
+        act = F.relu(pre)
+    elif activation == "fatrelu":
+        act = torch.where(pre >= threshold, pre, torch.zeros((), dtype=pre.dtype, device=pre.device)) if threshold > 0 else F.relu(pre)
+    elif activation == "relu2":
+        act = F.relu(pre).square()
+    else:
+        raise ValueError(f"unknown activation {activation}")
+    return act * up_pre if gate_pre is not None else act
+
+
+class DenseFfn:
+    """The whole FFN with dense matmuls: prefill, the `dense` mode, and the reference.
+
+    Rows are neuron-major: `gate_up` stacks gate rows over up rows ([2n, d], one matmul),
+    `down_t` is the down projection transposed ([n, d]).
+    """
+
+    def __init__(self, gate_up: torch.Tensor, down_t: torch.Tensor, gated: bool, activation: str,
+                 threshold: float, up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None):
+        self.gate_up, self.down_t = gate_up, down_t
+        self.gated, self.activation, self.threshold = gated, activation, threshold
+        self.up_bias, self.down_bias = up_bias, down_bias
+        self.n_ff = down_t.shape[0]
+
+    @property
+    def gate(self) -> torch.Tensor | None:
+        return self.gate_up[: self.n_ff] if self.gated else None
+
+    @property
+    def up(self) -> torch.Tensor:
+        return self.gate_up[self.n_ff :] if self.gated else self.gate_up
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.gate_up, self.down_t, self.up_bias, self.down_bias)
+
+    def activations(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            pre = F.linear(x, self.gate_up)
+            gate_pre, up_pre = pre[..., : self.n_ff], pre[..., self.n_ff :]
+        else:
+            gate_pre, up_pre = None, F.linear(x, self.gate_up, self.up_bias)
+        return activate(self.activation, self.threshold, up_pre, gate_pre)
+
+    def project(self, act: torch.Tensor) -> torch.Tensor:
+        out = act @ self.down_t
+        return out + self.down_bias if self.down_bias is not None else out
+
+    def __call__(self, x: torch.Tensor, pred_input: torch.Tensor, layer: int,
+                 observer: FfnObserver | None = None) -> torch.Tensor:
+        act = self.activations(x)
+        if observer is not None:
+            observer(layer, pred_input, act)
+        return self.project(act)
+
+
+@dataclass
+class Layer:
+    attn_norm: Norm
+    mlp_norm: Norm | None  # None: the MLP reads the attention norm's output (Falcon parallel, 1 LN)
+    qkv: torch.Tensor      # [(heads + 2 kv_heads) * head_dim, d], rows q | k | v
+    qkv_bias: torch.Tensor | None
+    out: torch.Tensor      # [d, heads * head_dim]
+    out_bias: torch.Tensor | None
+    ffn: object            # DenseFfn or a sparse FFN with the same call signature
+    parallel: bool         # Falcon: attention and MLP both read the layer input
+    device: torch.device
+
+    @property
+    def dense_nbytes(self) -> int:
+        """Bytes of everything but the FFN rows."""
+        norms = self.attn_norm.nbytes + (self.mlp_norm.nbytes if self.mlp_norm else 0)
+        return norms + _nbytes(self.qkv, self.qkv_bias, self.out, self.out_bias)
+
+
+class Transformer:
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[Layer], final_norm: Norm,
+                 lm_head: torch.Tensor, rotary: dict[torch.device, RotaryTable]):
+        self.config = config
+        self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
+        self.rotary = rotary
+        self.ffn_observer: FfnObserver | None = None
+        self.scale = config.head_dim ** -0.5
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+
+    @property
+    def head_device(self) -> torch.device:
+        return self.lm_head.device
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, start: int, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
+        """Run tokens `ids` [T] at positions start.. ; returns logits [T or 1, vocab] (fp32)."""
+        count = ids.shape[0]
+        cache.prepare(start, count)
+        x = self.embed[ids.to(self.embed.device)]
+        mask = cache.mask(start, count)
+        for index, layer in enumerate(self.layers):
+            if x.device != layer.device:
+                x = x.to(layer.device)
+            x = self._layer(index, layer, x, start, cache, mask)
+        if not all_logits:
+            x = x[-1:]
+        x = self.final_norm(x.to(self.final_norm.weight.device))
+        return F.linear(x, self.lm_head).float()
+
+    def _layer(self, index: int, layer: Layer, x: torch.Tensor, start: int, cache: KVCache,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        h_attn = layer.attn_norm(x)
+        attn = self._attention(index, layer, h_attn, start, cache, mask)
+        if layer.parallel:
+            h_mlp = layer.mlp_norm(x) if layer.mlp_norm is not None else h_attn
+            return x + attn + layer.ffn(h_mlp, x, index, self.ffn_observer)
+        h = x + attn
+        return h + layer.ffn(layer.mlp_norm(h), h, index, self.ffn_observer)
+
+    def _attention(self, index: int, layer: Layer, x: torch.Tensor, start: int, cache: KVCache,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+        cfg = self.config
+        count = x.shape[0]
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        q = qkv[:, : self.q_size].view(count, cfg.num_heads, cfg.head_dim).transpose(0, 1)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(count, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+        v = qkv[:, self.q_size + self.kv_size :].view(count, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+        cos, sin = self.rotary[layer.device].at(start, count)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        cache.write(index, k, v, start)
+        keys, values = cache.keys_values(index, start + count)
+        if count == 1 and mask is None:
+            # Decode: group query heads by their KV head, two small batched matmuls.
+            group = cfg.num_heads // cfg.num_kv_heads
+            qg = q.reshape(cfg.num_kv_heads, group, cfg.head_dim)
+            scores = torch.softmax(torch.bmm(qg, keys.transpose(1, 2)) * self.scale, dim=-1)
+            out = torch.bmm(scores, values).reshape(1, self.q_size)
+        else:
+            attn_mask = mask.to(x.device) if mask is not None else None
+            out = F.scaled_dot_product_attention(
+                q[None], keys[None], values[None], attn_mask=attn_mask, scale=self.scale,
+                enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+            )[0]
+            out = out.transpose(0, 1).reshape(count, self.q_size)
+        return F.linear(out, layer.out, layer.out_bias)

@@ -1,0 +1,166 @@
+"""Tokenizers and chat templates.
+
+`tokenizer.json` goes through the `tokenizers` library, a bare `tokenizer.model`
+through sentencepiece. Chat templates from `tokenizer_config.json` are rendered in a
+jinja2 sandbox (they are untrusted text from the internet); base models without one
+get a plain User/Assistant template.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .errors import ModelFormatError, UserError
+
+PLAIN_TEMPLATE = (
+    "{% if bos_token %}{{ bos_token }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
+    "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n"
+    "{% else %}Assistant: {{ m['content'] }}\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path):
+        model_dir = Path(model_dir)
+        config_path = model_dir / "tokenizer_config.json"
+        try:
+            self.config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        except (OSError, ValueError) as exc:
+            raise ModelFormatError(f"cannot read {config_path}: {exc}") from None
+        self._hf = self._sp = None
+        if (model_dir / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer as HFTokenizer
+
+            try:
+                self._hf = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+            except Exception as exc:  # the Rust library raises a bare Exception
+                raise ModelFormatError(f"cannot read tokenizer.json: {exc}") from None
+        elif (model_dir / "tokenizer.model").is_file():
+            import sentencepiece
+
+            self._sp = sentencepiece.SentencePieceProcessor()
+            try:
+                self._sp.Load(str(model_dir / "tokenizer.model"))
+            except (OSError, RuntimeError) as exc:
+                raise ModelFormatError(f"cannot read tokenizer.model: {exc}") from None
+        else:
+            raise ModelFormatError(f"{model_dir} has neither tokenizer.json nor tokenizer.model")
+
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token = _token_text(self.config.get("eos_token"))
+        self.add_bos = bool(self.config.get("add_bos_token", self._sp is not None))
+        self.bos_id = self.token_id(self.bos_token) if self.bos_token else None
+        self.eos_id = self.token_id(self.eos_token) if self.eos_token else None
+        self.special_ids = self._special_ids()
+        template = self.config.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        self.has_chat_template = bool(template)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(template or PLAIN_TEMPLATE)
+        except TemplateError as exc:
+            raise ModelFormatError(f"the model's chat template does not parse: {exc}") from None
+
+    def _special_ids(self) -> set[int]:
+        ids = {i for i in (self.bos_id, self.eos_id) if i is not None}
+        if self._hf is not None:
+            for token in self._hf.get_added_tokens_decoder().values():
+                if token.special:
+                    ids.add(self._hf.token_to_id(token.content))
+        elif self._sp is not None:
+            ids.update(i for i in range(self._sp.GetPieceSize()) if self._sp.IsControl(i))
+        return ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self._hf.get_vocab_size() if self._hf is not None else self._sp.GetPieceSize()
+
+    def token_id(self, token: str) -> int | None:
+        if self._hf is not None:
+            return self._hf.token_to_id(token)
+        pid = self._sp.PieceToId(token)
+        return pid if self._sp.IdToPiece(pid) == token else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._hf is not None:
+            ids = self._hf.encode(text, add_special_tokens=add_special_tokens).ids
+            has_bos = bool(ids) and ids[0] == self.bos_id
+        else:
+            ids = self._sp.EncodeAsIds(text)
+            has_bos = False
+        if add_special_tokens and self.add_bos and self.bos_id is not None and not has_bos:
+            ids = [self.bos_id] + ids
+        return list(ids)
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        if skip_special:
+            ids = [i for i in ids if i not in self.special_ids]
+        if self._hf is not None:
+            return self._hf.decode(ids, skip_special_tokens=False)
+        return self._sp.DecodeIds(list(ids))
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            )
+        except TemplateError as exc:
+            raise UserError(f"the model's chat template refused this conversation: {exc}") from None
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        # The template writes BOS itself where the model wants it.
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+
+def _raise_template_error(message: str):
+    raise TemplateError(message)
+
+
+class StreamDecoder:
+    """Turns token ids into text pieces that never split a UTF-8 character.
+
+    Decodes a short window of recent ids and emits the difference, so word-leading
+    spaces and multi-byte characters come out right (the offsets trick of vLLM/TGI).
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0
+        self.read = 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix :])
+        if after.endswith("\ufffd") or len(after) <= len(before):
+            return ""  # an incomplete character (or a token with no text yet)
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before):]
+
+    def flush(self) -> str:
+        """Whatever is still held back at the end (a dangling partial character)."""
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return after[len(before):] if len(after) > len(before) else ""

@@ -1,0 +1,30 @@
+"""Shared fixtures: tiny random models of every family, built once per session."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+sys.path.insert(0, str(Path(__file__).parent))
+
+import model_factory  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "llama": model_factory.llama_relu(root / "llama"),
+        "mistral": model_factory.mistral_drelu(root / "mistral"),
+        "falcon_mq": model_factory.falcon_relu(root / "falcon_mq"),
+        "falcon_new": model_factory.falcon_relu(root / "falcon_new", new_arch=True),
+    }
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tiny_models) -> Path:
+    return tiny_models["llama"]

@@ -1,0 +1,104 @@
+"""Our engine against `transformers` on tiny random models of every supported family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import model_factory as mf
+from engine import Engine, SamplingParams
+
+FAMILIES = ["llama", "mistral", "falcon_mq", "falcon_new"]
+PROMPT = [0, 5, 9, 17, 33, 100, 7, 8, 250, 3, 42]
+
+
+def reference_logits(path, ids):
+    ref = mf.load_reference(path)
+    with torch.no_grad():
+        return ref(torch.tensor([ids])).logits[0], ref
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(tiny_models, family):
+    path = tiny_models[family]
+    expected, _ = reference_logits(path, PROMPT)
+    ours = Engine.load(path).score(PROMPT)
+    assert expected.abs().max() > 0.05  # the comparison means something
+    assert (ours - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_32_greedy_tokens_match_transformers(tiny_models, family):
+    path = tiny_models[family]
+    _, ref = reference_logits(path, PROMPT)
+    with torch.no_grad():
+        ids = torch.tensor([PROMPT])
+        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                           eos_token_id=None, pad_token_id=299, min_new_tokens=32)
+    expected = out[0, len(PROMPT):].tolist()
+    engine = Engine.load(path)
+    engine.eos_ids = set()  # compare all 32 tokens, as transformers was told to
+    result = engine.generate(PROMPT, SamplingParams(max_new_tokens=32, temperature=0))
+    assert result.token_ids == expected
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+])
+def test_rope_scaling_variants_match_transformers(tmp_path, rope):
+    path = mf.llama_relu(tmp_path / "m", rope_parameters={"rope_theta": 10000.0, **rope})
+    ids = list(range(2, 40))
+    expected, _ = reference_logits(path, ids)
+    ours = Engine.load(path).score(ids)
+    assert (ours - expected).abs().max().item() <= 1e-4
+
+
+def test_sliding_window_matches_transformers(tmp_path):
+    path = mf.mistral_drelu(tmp_path / "m", sliding_window=4)
+    ids = [0] + list(range(10, 30))
+    expected, _ = reference_logits(path, ids)
+    ours = Engine.load(path).score(ids)
+    assert (ours - expected).abs().max().item() <= 1e-4
+
+
+def test_rolling_cache_decodes_past_the_context_with_a_sliding_window(tmp_path):
+    """ctx 8 < sequence 24: slots are reused, yet each step equals the full reference."""
+    path = mf.mistral_drelu(tmp_path / "m", sliding_window=6)
+    ids = [0] + list(range(10, 33))
+    expected, _ = reference_logits(path, ids)
+    engine = Engine.load(path, ctx=8)
+    assert engine.cache.rolling
+    steps = [engine.model.forward(torch.tensor([t]), i, engine.cache) for i, t in enumerate(ids)]
+    assert (torch.cat(steps) - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kv_cache_decode_equals_full_forward(tiny_models, family):
+    engine = Engine.load(tiny_models[family])
+    full = engine.score(PROMPT)
+    engine.cache.reset(0)
+    steps = torch.cat([engine.model.forward(torch.tensor([t]), i, engine.cache) for i, t in enumerate(PROMPT)])
+    assert (full - steps).abs().max().item() <= 1e-5
+
+
+def test_cache_is_written_in_place(llama_dir):
+    engine = Engine.load(llama_dir)
+    before = [t.data_ptr() for t in engine.cache.k + engine.cache.v]
+    engine.generate(PROMPT, SamplingParams(max_new_tokens=5, temperature=0))
+    assert [t.data_ptr() for t in engine.cache.k + engine.cache.v] == before
+
+
+def test_prefix_reuse_gives_the_same_tokens(llama_dir):
+    engine = Engine.load(llama_dir)
+    engine.eos_ids = set()
+    params = SamplingParams(max_new_tokens=6, temperature=0)
+    first = engine.generate(PROMPT, params)
+    longer = PROMPT + first.token_ids + [12, 13]
+    reused = engine.generate(longer, params)
+    assert engine.last_stats.cached_tokens > len(PROMPT)
+    fresh = Engine.load(llama_dir)
+    fresh.eos_ids = set()
+    assert fresh.generate(longer, params).token_ids == reused.token_ids

@@ -1,0 +1,126 @@
+"""Tokenizers, streaming, sampling, stop strings, cancellation, context limits."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engine import ContextFullError, Engine, SamplingParams, UserError
+from engine.sampling import Sampler
+from engine.tokenizer import StreamDecoder, Tokenizer
+
+
+def test_tokenizer_round_trips_unicode(llama_dir):
+    tok = Tokenizer(llama_dir)
+    for text in ["the quick brown fox", "héllo wörld ✓ 日本語 🙂", "  spaces\n\nand lines  "]:
+        ids = tok.encode(text)
+        assert ids[0] == tok.bos_id
+        assert tok.decode(ids) == text
+
+
+def test_stream_decoder_never_splits_a_character(llama_dir):
+    tok = Tokenizer(llama_dir)
+    text = "héllo wörld ✓ 日本語 🙂 the fox"
+    ids = tok.encode(text, add_special_tokens=False)
+    decoder = StreamDecoder(tok)
+    pieces = [decoder.push(i) for i in ids] + [decoder.flush()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_sentencepiece_tokenizer(tmp_path):
+    import sentencepiece as spm
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(["the quick brown fox jumps over the lazy dog"] * 50 + ["a b c d e f g h"] * 20))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "tokenizer"), vocab_size=40,
+                                   model_type="bpe", bos_id=1, eos_id=2, unk_id=0, pad_id=-1)
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    tok = Tokenizer(tmp_path)
+    ids = tok.encode("the lazy dog")
+    assert ids[0] == tok.bos_id == 1
+    assert tok.decode(ids) == "the lazy dog"
+    assert "User: hi" in tok.render_chat([{"role": "user", "content": "hi"}])
+
+
+def test_chat_template_runs_sandboxed(tmp_path, llama_dir):
+    import json
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(llama_dir, model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = Tokenizer(model)
+    with pytest.raises(UserError):
+        rendered = tok.render_chat([{"role": "user", "content": "x"}])
+        assert "class" not in rendered  # if jinja renders it, nothing of Python leaks
+
+
+def test_streamed_text_equals_final_text(llama_dir):
+    engine = Engine.load(llama_dir)
+    params = SamplingParams(max_new_tokens=40, temperature=0.9, seed=3)
+    pieces = [e.text for e in engine.stream("the quick brown", params)]
+    assert "".join(pieces) == engine.last_text
+    assert engine.last_stats.new_tokens == len(engine.last_token_ids) > 0
+    same = Engine.load(llama_dir).generate("the quick brown", params)
+    assert same.token_ids == engine.last_token_ids  # a seed makes sampling repeatable
+
+
+def test_stop_string_ends_generation_and_is_not_emitted(llama_dir):
+    engine = Engine.load(llama_dir)
+    engine.eos_ids = set()
+    free = engine.generate("the quick", SamplingParams(max_new_tokens=30, temperature=0))
+    assert len(free.text) > 6
+    stop = free.text[3:6]
+    stopped = engine.generate("the quick", SamplingParams(max_new_tokens=30, temperature=0, stop=[stop]))
+    assert stopped.text == free.text[: free.text.index(stop)]
+    assert engine.last_stats.finish_reason == "stop"
+
+
+def test_cancellation_stops_within_one_token(llama_dir):
+    engine = Engine.load(llama_dir)
+    engine.eos_ids = set()
+    cancel = threading.Event()
+    seen = []
+    for event in engine.stream("the quick", SamplingParams(max_new_tokens=200, temperature=0), cancel):
+        seen.append(event)
+        if len(seen) == 3:
+            threading.Thread(target=cancel.set).start()
+            while not cancel.is_set():
+                pass
+    assert engine.last_stats.finish_reason == "cancelled"
+    assert engine.last_stats.new_tokens <= 4
+
+
+def test_sampler_filters():
+    logits = torch.tensor([5.0, 4.0, 1.0, -3.0])
+    assert Sampler(SamplingParams(temperature=0))(logits, []) == 0
+    picks = {Sampler(SamplingParams(temperature=1.0, top_k=2, seed=s))(logits, []) for s in range(40)}
+    assert picks == {0, 1}
+    picks = {Sampler(SamplingParams(temperature=1.0, top_p=0.5, seed=s))(logits, []) for s in range(40)}
+    assert picks == {0}
+    picks = {Sampler(SamplingParams(temperature=1.0, min_p=0.2, seed=s))(logits, []) for s in range(40)}
+    assert picks == {0, 1}
+    # A repeated token with a positive logit is pushed down below its rival.
+    assert Sampler(SamplingParams(temperature=0, repetition_penalty=2.0))(logits, [0]) == 1
+
+
+def test_context_limits(llama_dir):
+    engine = Engine.load(llama_dir, ctx=16)
+    with pytest.raises(ContextFullError):
+        engine.generate(list(range(2, 30)), SamplingParams(max_new_tokens=4))
+    engine.eos_ids = set()
+    engine.generate(list(range(2, 12)), SamplingParams(max_new_tokens=50, temperature=0))
+    assert engine.last_stats.finish_reason == "context_full"
+    assert engine.last_stats.new_tokens == 16 - 10 + 1
+
+
+def test_chat_messages_use_the_template(llama_dir):
+    engine = Engine.load(llama_dir)
+    messages = [{"role": "user", "content": "the fox"}]
+    ids = engine.encode_prompt(messages)
+    assert engine.tokenizer.decode(ids, skip_special=False).startswith("<s><user>the fox</s><assistant>")
