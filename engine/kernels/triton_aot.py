@@ -1,0 +1,126 @@
+"""Compile every Triton kernel variant for NVIDIA GPUs on a machine without one.
+
+The interpreter (TRITON_INTERPRET=1) checks what the kernels compute but not that they
+compile: constexpr rules, types across branches and register use only show up in the real
+compiler. This lowers each variant the launcher can ask for to a cubin for the given
+architectures (triton ships ptxas) and reports registers and spills from `ptxas -v`.
+
+    python -m engine.kernels.triton_aot [--arch 90 --arch 80] [--json]   (default: 90)
+
+Exit status 1 when a variant fails to compile or spills registers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+from .triton_ffn import DEFAULT_CONFIG, LaunchConfig
+
+# Interpreted kernels cannot be compiled; this tool needs the real decorators.
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    raise SystemExit("unset TRITON_INTERPRET to compile the kernels")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from . import triton_kernels as K  # noqa: E402
+
+
+def _ptxas_stats(ptx: str, arch: int) -> dict:
+    """Registers and spill bytes of the kernel in `ptx`, from the ptxas that triton ships."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(arch).path
+    suffix = "a" if arch >= 90 else ""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}{suffix}", src,
+                              "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spill = re.search(r"(\d+) bytes spill stores", out)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill_bytes": int(spill.group(1)) if spill else 0}
+
+
+def _compile(fn, signature: dict, constexprs: dict, warps: int, arch: int) -> dict:
+    sig = dict(signature)
+    for name in constexprs:
+        sig[name] = "constexpr"
+    target = GPUTarget("cuda", arch, 32)
+    backend = triton.compiler.make_backend(target)
+    options = backend.parse_options({"num_warps": warps})
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    compiled = triton.compile(src, target=target, options=options.__dict__)
+    return _ptxas_stats(compiled.asm["ptx"], arch)
+
+
+def variants(cfg: LaunchConfig = DEFAULT_CONFIG):
+    """(name, kernel, signature, constexprs, warps) for the variants the launcher uses:
+    every activation and option in fp16, one case of each kernel in bf16 (compiling all
+    of them twice takes minutes on a small CPU)."""
+    act_cases = [(True, True, False, "relu"), (True, True, True, "fatrelu"),
+                 (True, True, False, "drelu"), (True, False, False, "relu2"),
+                 (False, True, True, "relu"), (False, True, False, "relu2"),
+                 (False, False, False, "identity")]  # the last two: predictor fc1 / fc2
+    act_cases[-1:-1] = [(False, False, False, "relu")]
+    for wdt, packed in itertools.product(("fp16", "bf16"), (True, False)):
+        chunk, tile = (cfg.act_chunk_n if packed else cfg.act_tile_n), cfg.act_tile_n
+        for gate, pred, rid, act in act_cases if wdt == "fp16" else act_cases[:1]:
+            sig = {"x_ptr": "*fp16", "gate_ptr": f"*{wdt}", "up_ptr": f"*{wdt}",
+                   "pred_ptr": "*fp32", "row_ids_ptr": "*i32", "act_ptr": "*fp32",
+                   "n": "i32", "d": "i32", "stride_gate": "i32", "stride_up": "i32",
+                   "pred_threshold": "fp32", "act_threshold": "fp32"}
+            consts = {"HAS_GATE": gate, "HAS_PRED": pred, "HAS_ROW_IDS": rid,
+                      "ACT": K.ACTIVATION_CODES[act], "PACKED": packed, "CHUNK_N": chunk,
+                      "TILE_N": tile, "BLOCK_D": cfg.act_block_d}
+            name = (f"ffn_act {wdt} packed={packed} gate={gate} pred={pred} "
+                    f"row_ids={rid} {act}")
+            yield name, K.ffn_act_kernel, sig, consts, cfg.act_warps
+        chunk, tile = (cfg.down_chunk_n if packed else cfg.down_tile_n), cfg.down_tile_n
+        sig = {"act_ptr": "*fp32", "down_ptr": f"*{wdt}", "part_ptr": "*fp32", "n": "i32",
+               "d": "i32", "stride_down": "i32", "rows_per_split": "i32"}
+        consts = {"PACKED": packed, "CHUNK_N": chunk, "TILE_N": tile,
+                  "BLOCK_D": cfg.down_block_d}
+        yield f"down_partial {wdt} packed={packed}", K.down_partial_kernel, sig, consts, \
+            cfg.down_warps
+    yield ("sum_rows", K.sum_rows_kernel,
+           {"part_ptr": "*fp32", "y_ptr": "*fp32", "n_rows": "i32", "d": "i32"},
+           {"BLOCK_D": 256}, 4)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, action="append", help="SM version, e.g. 90 (repeat)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+    results, failed = [], False
+    for arch in args.arch or [90]:
+        for name, fn, sig, consts, warps in variants():
+            row = {"arch": arch, "kernel": name, "warps": warps}
+            try:
+                row.update(_compile(fn, sig, consts, warps, arch))
+                failed |= row["spill_bytes"] > 0
+            except Exception as e:  # report every failing variant, not just the first
+                row["error"] = f"{type(e).__name__}: {e}"[:2000]
+                failed = True
+            results.append(row)
+            if not args.json:
+                print(f"sm_{arch} {name}: " + (row.get("error") or
+                      f"{row['registers']} registers, {row['spill_bytes']} spill bytes"))
+    if args.json:
+        print(json.dumps({"ok": not failed, "variants": results}, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
