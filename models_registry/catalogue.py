@@ -58,6 +58,7 @@ class CatalogueEntry:
     predictor: Predictor
     description: str
     unverified: tuple[str, ...] = field(default_factory=tuple)
+    config: dict | None = None  # the config.json fields that size the model (fit before download)
 
     def to_dict(self) -> dict:
         return {
@@ -81,6 +82,7 @@ class CatalogueEntry:
             },
             "description": self.description,
             "unverified": list(self.unverified),
+            "config": dict(self.config) if self.config else None,
         }
 
 
@@ -107,6 +109,7 @@ def _parse_entry(raw: dict) -> CatalogueEntry:
         ),
         description=raw.get("description", ""),
         unverified=tuple(raw.get("unverified", ())),
+        config=raw.get("config"),
     )
 
 

@@ -81,9 +81,16 @@ def test_models_dir_env_then_setting_then_platform_default(tmp_path, monkeypatch
 
 
 def test_registry_imports_neither_torch_nor_qt():
+    # DESIGN.md: models_registry imports neither torch nor Qt (the app lists, downloads and
+    # sizes models before any engine exists). It needs engine.errors, so engine/__init__.py
+    # must not import torch eagerly either (a PEP 562 __getattr__ keeps `Engine` importable).
     code = (
-        "import sys, models_registry, models_registry.catalogue, models_registry.resolve\n"
+        "import sys\n"
+        "import models_registry, models_registry.catalogue, models_registry.resolve, models_registry.fit\n"
+        "import models_registry.download, models_registry.hardware, models_registry.manage\n"
         "bad = [m for m in ('torch', 'PySide6') if m in sys.modules]\n"
-        "assert not bad, bad\n"
+        "via = 'engine.engine' in sys.modules\n"
+        "assert not bad, f'{bad} imported' + (' via engine/__init__.py (make it lazy)' if via else '')\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr.strip().splitlines()[-1]

@@ -1,0 +1,336 @@
+"""Download a model (and its PowerInfer predictor repo) into the models folder.
+
+Order of work: pin the revision to a commit; fetch config.json and refuse unsupported
+architectures before any weights; check free disk; fetch every file resumably into
+`thermocline/partial/`, verify it against the Hub's sha256 (LFS) or git blob id, move it
+into place; then hand the predictor folder to `on_predictors_downloaded(src, model_dir)`
+(the CLI passes `engine.predictors.import_powerinfer_predictors`). A file whose hash does
+not match is reported with a `corrupt` event, removed and fetched again; a second mismatch
+stops the download with an error. The model is marked ready only when every file checked.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from engine.errors import UserError
+from engine.units import format_size
+
+from .arch import detect_architecture
+from .catalogue import DEFAULT_MODEL_FILES, CatalogueEntry, find_entry
+from .hardware import free_disk
+from .hub import RemoteFile, RepoPlan, auth_headers, fetch_plan, file_url, hub_endpoint, hub_error, is_offline
+from .paths import models_dir, repo_folder_name
+from .progress import DownloadControl, ProgressMeter
+from .resolve import DEMO_ID, is_repo_id
+from .state import SIDECAR, read_state, write_state
+from .token import get_token
+from .transfer import Hasher, fetch_file, hash_file
+
+PREDICTOR_SUBDIR = "powerinfer-predictor"
+PARTIAL_SUBDIR = "partial"
+DISK_MARGIN_MIN = 64 * 1024**2  # room for the state file, the imported predictors, the filesystem
+DISK_MARGIN_FRACTION = 0.01
+
+
+class IntegrityError(UserError):
+    """A file did not match the Hub's hash twice in a row."""
+
+
+@dataclass
+class DownloadResult:
+    model_dir: Path
+    repo: str
+    revision: str
+    files: list[str]
+    bytes_total: int
+    bytes_fetched: int  # this run; less than the total after a resume or when cached
+    from_cache: bool = False
+    predictors: str = "none"  # none | train | downloaded | imported
+    corrupt_refetched: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"model_dir": str(self.model_dir), "repo": self.repo, "revision": self.revision,
+                "files": self.files, "bytes_total": self.bytes_total, "bytes_fetched": self.bytes_fetched,
+                "from_cache": self.from_cache, "predictors": self.predictors,
+                "corrupt_refetched": self.corrupt_refetched}
+
+
+def _entry_for(name: str) -> tuple[str, CatalogueEntry | None]:
+    if name == DEMO_ID:
+        raise UserError("the demo model ships with Thermocline; there is nothing to download")
+    entry = find_entry(name)
+    if entry is not None:
+        return entry.repo, entry
+    if not is_repo_id(name):
+        raise UserError(f"cannot download {name!r}: give a catalogue id (see `thermocline models list`) "
+                        "or a Hugging Face repo id like org/name")
+    return name, None
+
+
+def _files_intact(model_dir: Path, state: dict) -> bool:
+    """Cheap check of a ready model: every recorded file present with its size."""
+    for rel, meta in (state.get("files") or {}).items():
+        path = model_dir / rel
+        if not path.is_file() or path.stat().st_size != meta.get("size"):
+            return False
+    return True
+
+
+class _Job:
+    """One download run: the plans, the state file, the meter and the transfers."""
+
+    def __init__(self, model_dir: Path, endpoint: str, token: str | None, meter: ProgressMeter,
+                 control: DownloadControl, state: dict, transfer_opts: dict) -> None:
+        self.model_dir = model_dir
+        self.endpoint = endpoint
+        self.token = token
+        self.headers = auth_headers(token)
+        self.meter = meter
+        self.control = control
+        self.state = state
+        self.transfer_opts = transfer_opts
+        self.fetched = 0
+        self.corrupt: list[str] = []
+
+    def already_have(self, rel: str, remote: RemoteFile) -> int:
+        """Bytes of `remote` already on disk (a verified final file counts whole)."""
+        final = self.model_dir / rel
+        if self._verified(rel, remote) and final.is_file() and final.stat().st_size == remote.size:
+            return remote.size
+        part = self.partial(rel)
+        return min(part.stat().st_size, remote.size) if part.is_file() else 0
+
+    def _verified(self, rel: str, remote: RemoteFile) -> bool:
+        meta = (self.state.get("files") or {}).get(rel)
+        return bool(meta) and meta.get("hash") == list(remote.expected_hash) and meta.get("verified")
+
+    def partial(self, rel: str) -> Path:
+        return self.model_dir / SIDECAR / PARTIAL_SUBDIR / (rel + ".part")
+
+    def save_state(self) -> None:
+        write_state(self.model_dir, self.state)
+
+    def get(self, plan: RepoPlan, remote: RemoteFile, rel: str) -> None:
+        """Make `model_dir/rel` the verified content of `remote`."""
+        final = self.model_dir / rel
+        kind, expected = remote.expected_hash
+        if final.is_file() and final.stat().st_size == remote.size:
+            if self._verified(rel, remote):
+                self.meter.start_file(rel, remote.size, remote.size)
+                self.meter.end_file("already downloaded and verified")
+                return
+            if hash_file(final, kind, remote.size).hexdigest() == expected:
+                self._record(rel, remote)
+                self.meter.start_file(rel, remote.size, remote.size)
+                self.meter.end_file("already present; hash checked")
+                return
+        if final.exists():
+            # A wrong file in place (damaged copy, other revision): say so, then fetch it anew.
+            self.meter.emit("corrupt", rel, message=f"{rel} on disk does not match the Hub's {kind}; fetching it again")
+            self.corrupt.append(rel)
+            final.unlink()
+        url = file_url(self.endpoint, plan.repo, plan.commit, remote.name)
+        part = self.partial(rel)
+        for attempt in (1, 2):
+            before = self.meter.transferred
+            digest = fetch_file(url, part, remote, headers=self.headers, meter=self.meter,
+                                control=self.control, **self.transfer_opts)
+            self.fetched += self.meter.transferred - before
+            if digest == expected:
+                break
+            self.meter.discard(remote.size)  # these bytes do not count: they are fetched again
+            self.meter.emit("corrupt", rel, message=(
+                f"{rel}: {kind} {digest[:12]}… does not match the Hub's {expected[:12]}…; "
+                + ("removing it and fetching it again" if attempt == 1 else "giving up")))
+            self.corrupt.append(rel)
+            part.unlink()
+            if attempt == 2:
+                raise IntegrityError(
+                    f"{plan.repo}/{remote.name} arrived damaged twice (expected {kind} {expected}, got {digest}); "
+                    "the damaged copy was removed; try again later or check the network/proxy"
+                )
+        final.parent.mkdir(parents=True, exist_ok=True)
+        part.replace(final)
+        self._record(rel, remote)
+        self.meter.end_file("verified")
+
+    def _record(self, rel: str, remote: RemoteFile) -> None:
+        self.state.setdefault("files", {})[rel] = {
+            "size": remote.size, "hash": list(remote.expected_hash), "verified": True}
+        self.save_state()
+
+
+def download_model(
+    name: str,
+    *,
+    revision: str | None = None,
+    endpoint: str | None = None,
+    token: str | None = None,
+    progress: Callable | None = None,
+    control: DownloadControl | None = None,
+    offline: bool | None = None,
+    with_predictors: bool = True,
+    on_predictors_downloaded: Callable[[Path, Path], None] | None = None,
+    root: Path | None = None,
+    stall_timeout: float = 30.0,
+    max_retries: int = 5,
+    retry_delay: float = 1.0,
+) -> DownloadResult:
+    """Download `name` (catalogue id or org/name) and return where it is.
+
+    `progress(DownloadEvent)` receives the events of `models_registry.progress`; `control`
+    pauses or cancels from another thread. Offline, a ready model is returned from disk and
+    anything else is refused.
+    """
+    repo, entry = _entry_for(name.strip())
+    endpoint = hub_endpoint(endpoint)
+    token = token or get_token()
+    control = control or DownloadControl()
+    model_dir = Path(root or models_dir()) / repo_folder_name(repo)
+    state = read_state(model_dir) or {}
+
+    if is_offline(offline):
+        if state.get("status") == "ready" and _files_intact(model_dir, state):
+            ProgressMeter(repo, 0, progress).emit("done", message="offline: using the downloaded copy")
+            return _result_from_state(model_dir, repo, state, from_cache=True)
+        raise UserError(f"offline mode: {name} is not downloaded, or incomplete; "
+                        "turn offline mode off (HF_HUB_OFFLINE / Settings) to download it")
+    if state.get("status") == "ready" and _files_intact(model_dir, state) and (
+            revision is None or revision == state.get("revision")) and not (
+            with_predictors and state.get("predictors") == "downloaded" and on_predictors_downloaded):
+        ProgressMeter(repo, 0, progress).emit("done", message="already downloaded")
+        return _result_from_state(model_dir, repo, state, from_cache=True)
+
+    created = not model_dir.exists()
+    pinned = revision or (state.get("revision") if state.get("status") == "downloading" else None) \
+        or (entry.revision if entry else None)
+    patterns = entry.files if entry else DEFAULT_MODEL_FILES
+    plan = fetch_plan(repo, pinned, patterns, endpoint=endpoint, token=token)
+    names = plan.names()
+    if "config.json" not in names:
+        raise UserError(f"{repo} has no config.json at {plan.commit[:12]}: not a transformers model repo")
+    if not any(n.endswith(".safetensors") or n.endswith(".bin") for n in names):
+        raise UserError(f"{repo} has no weights in safetensors (or PyTorch .bin) format")
+
+    pred_plan = None
+    predictors = "none"
+    if entry is not None and entry.predictor.source == "train":
+        predictors = "train"
+    if with_predictors and entry is not None and entry.predictor.source == "powerinfer":
+        pinned_pred = (state.get("predictor") or {}).get("revision") or entry.predictor.revision
+        pred_plan = fetch_plan(entry.predictor.repo, pinned_pred, entry.predictor.files,
+                               endpoint=endpoint, token=token)
+        if not any(n.startswith("model_") and n.endswith(".pt") for n in pred_plan.names()):
+            raise UserError(f"{entry.predictor.repo} has no model_N.pt predictor files")
+
+    jobs = [(plan, f.name, f) for f in plan.files]
+    if pred_plan is not None:
+        jobs += [(pred_plan, f"{SIDECAR}/{PREDICTOR_SUBDIR}/{f.name}", f) for f in pred_plan.files]
+    # config.json first: the architecture is checked before any weights move.
+    jobs.sort(key=lambda job: (job[1] != "config.json", job[1]))
+
+    state.update(status="downloading", repo=repo, revision=plan.commit, endpoint=endpoint,
+                 catalogue_id=entry.id if entry else None, started=state.get("started") or time.time())
+    if pred_plan is not None:
+        state["predictor"] = {"repo": pred_plan.repo, "revision": pred_plan.commit}
+    total = sum(f.size for _, _, f in jobs)
+    meter = ProgressMeter(repo, total, progress)
+    job = _Job(model_dir, endpoint, token, meter, control, state,
+               dict(stall_timeout=stall_timeout, max_retries=max_retries, retry_delay=retry_delay))
+
+    remaining = sum(f.size - job.already_have(rel, f) for _, rel, f in jobs)
+    need = remaining + max(DISK_MARGIN_MIN, int(DISK_MARGIN_FRACTION * remaining))
+    disk_path, free = free_disk(model_dir)
+    if free is not None and need > free:
+        raise UserError(f"not enough free disk for {repo}: it needs {format_size(need)} more and "
+                        f"{disk_path} has {format_size(free)} free; free some space or choose another "
+                        "models folder (Settings, or THERMOCLINE_MODELS_DIR)")
+
+    meter.emit("plan", message=f"{len(jobs)} files, {format_size(total)}, {format_size(remaining)} to fetch")
+    from huggingface_hub import errors as hub_errors
+
+    try:
+        for repo_plan, rel, remote in jobs:
+            try:
+                job.get(repo_plan, remote, rel)
+            except hub_errors.HfHubHTTPError as exc:
+                raise hub_error(exc, repo_plan.repo, endpoint, token) from exc
+            if rel == "config.json":
+                _check_config(model_dir / rel, entry, created, model_dir)
+            job.save_state()
+    except UserError:
+        if model_dir.exists():  # gone when the architecture was refused
+            job.save_state()
+        raise
+
+    state["status"] = "ready"
+    state["size_bytes"] = plan.total_bytes
+    state["finished"] = time.time()
+    if pred_plan is not None:
+        state["predictors"] = "downloaded"
+    elif predictors != "none":
+        state["predictors"] = predictors
+    job.save_state()
+
+    if pred_plan is not None and on_predictors_downloaded is not None:
+        on_predictors_downloaded(model_dir / SIDECAR / PREDICTOR_SUBDIR, model_dir)
+        state["predictors"] = "imported"
+        job.save_state()
+        meter.emit("predictors", message=f"imported predictors from {pred_plan.repo}")
+    meter.emit("done", message=f"{repo} ready at {model_dir}")
+    result = _result_from_state(model_dir, repo, state, from_cache=False)
+    result.bytes_fetched = job.fetched
+    result.corrupt_refetched = job.corrupt
+    return result
+
+
+def _check_config(path: Path, entry: CatalogueEntry | None, created: bool, model_dir: Path) -> None:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+        detect_architecture(config, entry.activation if entry else None)
+    except (ValueError, UserError) as exc:
+        if created:
+            shutil.rmtree(model_dir, ignore_errors=True)  # nothing of value was fetched yet
+        raise UserError(f"refusing to download {model_dir.name.replace('--', '/', 1)}: {exc}") from exc
+
+
+def _result_from_state(model_dir: Path, repo: str, state: dict, from_cache: bool) -> DownloadResult:
+    files = sorted(state.get("files") or {})
+    total = sum(meta.get("size", 0) for meta in (state.get("files") or {}).values())
+    return DownloadResult(model_dir=model_dir, repo=repo, revision=state.get("revision", ""), files=files,
+                          bytes_total=total, bytes_fetched=0, from_cache=from_cache,
+                          predictors=state.get("predictors", "none"))
+
+
+def verify_model(model_dir: Path) -> list[str]:
+    """Re-hash every recorded file of a downloaded model; return those that do not match.
+
+    Damaged files are un-marked (the model goes back to "downloading"), never deleted here:
+    the next download reports and re-fetches them.
+    """
+    state = read_state(model_dir)
+    if not state or not state.get("files"):
+        raise UserError(f"{model_dir} has no download record to verify against")
+    bad = []
+    for rel, meta in state["files"].items():
+        if not meta.get("hash"):
+            continue  # imported from a local folder: there is no Hub hash to compare with
+        path = Path(model_dir) / rel
+        kind, expected = meta["hash"]
+        if not path.is_file() or path.stat().st_size != meta["size"] or \
+                hash_file(path, kind, meta["size"]).hexdigest() != expected:
+            bad.append(rel)
+            meta["verified"] = False
+    if bad:
+        state["status"] = "downloading"
+        write_state(model_dir, state)
+    return bad
+
+
+__all__ = ["DownloadResult", "IntegrityError", "download_model", "verify_model", "Hasher"]

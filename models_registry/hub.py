@@ -1,0 +1,127 @@
+"""Talking to the Hugging Face Hub (or a mirror at HF_ENDPOINT) through huggingface_hub.
+
+`fetch_plan` lists a repo at a revision with each file's size and hash (sha256 for LFS
+files, the git blob sha1 otherwise) and pins the revision to a commit. Hub errors become
+UserErrors that say what to do.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from dataclasses import dataclass
+from urllib.parse import quote
+
+from engine.errors import UserError
+
+DEFAULT_ENDPOINT = "https://huggingface.co"
+EXCLUDED_FILES = ("consolidated*.safetensors", "*.gguf", "original/*", ".gitattributes")
+
+
+def hub_endpoint(endpoint: str | None = None) -> str:
+    """An explicit endpoint, else HF_ENDPOINT read now (not at import), else huggingface.co."""
+    return (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+
+
+def is_offline(offline: bool | None = None) -> bool:
+    if offline is not None:
+        return offline
+    from .paths import load_settings
+
+    env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("THERMOCLINE_OFFLINE") or ""
+    return env.strip().lower() in {"1", "true", "yes", "on"} or bool(load_settings().get("offline"))
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    name: str
+    size: int
+    sha256: str | None  # LFS files
+    git_sha1: str | None  # regular files: the git blob id
+
+    @property
+    def expected_hash(self) -> tuple[str, str]:
+        return ("sha256", self.sha256) if self.sha256 else ("git-sha1", self.git_sha1 or "")
+
+
+@dataclass(frozen=True)
+class RepoPlan:
+    repo: str
+    commit: str
+    files: tuple[RemoteFile, ...]
+    gated: bool = False
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def names(self) -> list[str]:
+        return [f.name for f in self.files]
+
+
+def file_url(endpoint: str, repo: str, commit: str, filename: str) -> str:
+    return f"{endpoint}/{repo}/resolve/{commit}/{quote(filename)}"
+
+
+def auth_headers(token: str | None) -> dict:
+    from huggingface_hub.utils import build_hf_headers
+
+    headers = build_hf_headers(token=token or False, library_name="thermocline")
+    headers["Accept-Encoding"] = "identity"  # byte offsets must be those of the file for Range
+    return headers
+
+
+def select_files(names: list[str], patterns: tuple[str, ...]) -> list[str]:
+    """Files matching `patterns`, minus duplicates of the weights in other formats."""
+    chosen = [n for n in names if any(fnmatch.fnmatch(n, p) for p in patterns)
+              and not any(fnmatch.fnmatch(n, x) for x in EXCLUDED_FILES)]
+    if any(n.endswith(".safetensors") for n in chosen):
+        chosen = [n for n in chosen if not (n.startswith("pytorch_model") and
+                                           (n.endswith(".bin") or n.endswith(".bin.index.json")))]
+    return chosen
+
+
+def hub_error(exc: Exception, repo: str, endpoint: str, token: str | None) -> UserError:
+    """Turn a huggingface_hub / httpx exception into a message a user can act on."""
+    from huggingface_hub import errors
+
+    if isinstance(exc, errors.GatedRepoError):
+        how = ("your token has no access: accept the model's terms on its page with the account of the token"
+               if token else "no Hugging Face token is set: accept the terms on the model page, then set a "
+               "token (HF_TOKEN, `thermocline models download --token ... --save-token`, or the Settings page)")
+        return UserError(f"{repo} is a gated repo; {how} ({endpoint}/{repo})")
+    if isinstance(exc, errors.RevisionNotFoundError):
+        return UserError(f"{repo} has no such revision: {exc.__class__.__name__}")
+    if isinstance(exc, errors.RepositoryNotFoundError):
+        return UserError(f"repo {repo} was not found on {endpoint} (or it is private and the token cannot see it)")
+    if isinstance(exc, errors.OfflineModeIsEnabled):
+        return UserError(f"offline mode is on: cannot reach the Hub to download {repo}")
+    if isinstance(exc, errors.HfHubHTTPError):
+        code = exc.response.status_code if exc.response is not None else "?"
+        return UserError(f"the Hub answered HTTP {code} for {repo}; try again later")
+    return UserError(f"cannot reach the Hub at {endpoint} ({exc.__class__.__name__}: {exc}); "
+                     "check the connection, or use offline mode for models already downloaded")
+
+
+def fetch_plan(repo: str, revision: str | None, patterns: tuple[str, ...], *, endpoint: str,
+               token: str | None, timeout: float = 30.0) -> RepoPlan:
+    """List a repo's files at `revision` (resolved to a commit) that match `patterns`."""
+    import httpx2
+    from huggingface_hub import HfApi, errors
+
+    api = HfApi(endpoint=endpoint, token=token or False, library_name="thermocline")
+    try:
+        info = api.model_info(repo, revision=revision or "main", files_metadata=True, timeout=timeout)
+    except (errors.HfHubHTTPError, httpx2.HTTPError, OSError) as exc:
+        raise hub_error(exc, repo, endpoint, token) from exc
+    if not info.sha:
+        raise UserError(f"the Hub did not say which commit {repo}@{revision or 'main'} is; cannot pin it")
+    siblings = {s.rfilename: s for s in (info.siblings or [])}
+    files = []
+    for name in select_files(sorted(siblings), patterns):
+        s = siblings[name]
+        size = s.lfs.size if s.lfs else s.size
+        if size is None:
+            raise UserError(f"the Hub listed {repo}/{name} without its size; cannot check the download")
+        files.append(RemoteFile(name, int(size), s.lfs.sha256 if s.lfs else None, s.blob_id))
+    return RepoPlan(repo=repo, commit=info.sha, files=tuple(files), gated=bool(info.gated))

@@ -1,0 +1,223 @@
+"""What is in the models folder: list, remove, import a local folder.
+
+`list_models()` merges the catalogue with the folders on disk (models added from other
+repos or imported from a folder show up too), each with its download state and, when a
+hardware probe is given, a fit estimate for this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from engine.errors import UserError
+
+from .arch import detect_architecture
+from .catalogue import CatalogueEntry, find_entry, load_catalogue
+from .download import PREDICTOR_SUBDIR
+from .paths import models_dir, repo_folder_name
+from .resolve import DEMO_ID, demo_model_dir, is_repo_id
+from .state import SIDECAR, read_state, write_state
+
+LOCAL_ORG = "local"
+# Sidecar files worth keeping from an imported folder (the rest is another download's state).
+KEPT_SIDECAR_FILES = ("predictors.safetensors", "activation_stats.safetensors")
+
+
+@dataclass
+class ModelListing:
+    id: str  # catalogue id, or org/name for other repos and local imports (local/<name>)
+    repo: str | None
+    status: str  # builtin | ready | downloading | not downloaded | damaged | missing
+    path: str | None
+    size_bytes: int | None  # full size (from the Hub, or the catalogue before download)
+    bytes_on_disk: int = 0
+    predictors: str = "none"
+    in_catalogue: bool = False
+    description: str = ""
+    fit: dict | None = None
+    entry: dict | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += (Path(root) / name).stat().st_size
+            except OSError:
+                pass
+    return total
+
+
+def _listing_for_folder(folder: Path, listing: ModelListing) -> ModelListing:
+    state = read_state(folder)
+    if not folder.is_dir():
+        return listing
+    listing.path = str(folder)
+    listing.bytes_on_disk = _dir_bytes(folder)
+    if state is None:
+        listing.status = "ready" if (folder / "config.json").is_file() else "damaged"
+    else:
+        listing.status = {"ready": "ready", "downloading": "downloading"}.get(state.get("status"), "damaged")
+        listing.predictors = state.get("predictors", listing.predictors)
+        if state.get("size_bytes"):
+            listing.size_bytes = state["size_bytes"]
+    return listing
+
+
+def _fit(config: dict | None, entry: CatalogueEntry | None, folder: Path | None, hardware, ctx: int):
+    if hardware is None or not config:
+        return None
+    from .fit import estimate_fit
+
+    try:
+        est = estimate_fit(config, ctx=ctx, hardware=hardware, model_dir=folder,
+                           known_activation=entry.activation if entry else None)
+    except (UserError, KeyError, ValueError, TypeError):
+        return None
+    return {"verdict": est.verdict, "vram_bytes": est.vram_bytes, "ram_bytes": est.ram_bytes,
+            "suggested_vram_budget": est.suggested_vram_budget,
+            "suggested_ram_budget": est.suggested_ram_budget, "hot_fraction": est.hot_fraction}
+
+
+def _read_config(folder: Path | None) -> dict | None:
+    if folder is None:
+        return None
+    try:
+        return json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def list_models(root: Path | None = None, hardware=None, ctx: int = 2048) -> list[ModelListing]:
+    """Catalogue entries (in catalogue order), then other model folders found on disk."""
+    root = Path(root or models_dir())
+    out, seen = [], set()
+    for entry in load_catalogue():
+        if entry.id == DEMO_ID:
+            folder = demo_model_dir()
+            ok = (folder / "config.json").is_file()
+            listing = ModelListing(DEMO_ID, None, "builtin" if ok else "missing", str(folder) if ok else None,
+                                   _dir_bytes(folder) if ok else None, predictors="bundled", in_catalogue=True,
+                                   description=entry.description, entry=entry.to_dict())
+            listing.bytes_on_disk = listing.size_bytes or 0
+            listing.fit = _fit(_read_config(folder) if ok else None, entry, folder if ok else None, hardware, ctx)
+            out.append(listing)
+            continue
+        folder = root / repo_folder_name(entry.repo)
+        seen.add(folder.name)
+        listing = ModelListing(entry.id, entry.repo, "not downloaded", None, entry.size_bytes,
+                               predictors=entry.predictor.source, in_catalogue=True,
+                               description=entry.description, entry=entry.to_dict())
+        listing = _listing_for_folder(folder, listing)
+        config = _read_config(folder) or entry.config
+        listing.fit = _fit(config, entry, folder if folder.is_dir() else None, hardware, ctx)
+        out.append(listing)
+    if root.is_dir():
+        for folder in sorted(p for p in root.iterdir() if p.is_dir() and "--" in p.name):
+            if folder.name in seen:
+                continue
+            repo = folder.name.replace("--", "/", 1)
+            state = read_state(folder) or {}
+            listing = ModelListing(repo, None if repo.startswith(LOCAL_ORG + "/") else repo, "ready", None, None,
+                                   description=f"imported from {state['origin']}" if state.get("origin") else "")
+            listing = _listing_for_folder(folder, listing)
+            listing.fit = _fit(_read_config(folder), None, folder, hardware, ctx)
+            out.append(listing)
+    return out
+
+
+def model_folder(name: str, root: Path | None = None) -> Path:
+    """The folder under the models folder for a catalogue id, repo id or local/<name>."""
+    root = Path(root or models_dir())
+    entry = find_entry(name)
+    repo = entry.repo if entry and entry.repo else name
+    if not is_repo_id(repo):
+        raise UserError(f"{name!r} is not a catalogue id or an org/name repo id (see `thermocline models list`)")
+    return root / repo_folder_name(repo)
+
+
+def remove_model(name: str, root: Path | None = None) -> int:
+    """Delete a downloaded (or partly downloaded, or imported) model; returns bytes freed."""
+    if name.strip() == DEMO_ID:
+        raise UserError("the demo model is part of Thermocline and cannot be removed")
+    root = Path(root or models_dir())
+    folder = model_folder(name.strip(), root)
+    if not folder.is_dir():
+        raise UserError(f"{name} is not in the models folder {root}; nothing to remove")
+    if folder.resolve().parent != root.resolve():
+        raise UserError(f"refusing to remove {folder}: it is not directly inside {root}")
+    freed = _dir_bytes(folder)
+    shutil.rmtree(folder)
+    return freed
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)  # same filesystem: no second copy of the weights
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def import_model(src: str | os.PathLike, name: str | None = None, *, root: Path | None = None,
+                 predictors_dir: str | os.PathLike | None = None,
+                 on_predictors: Callable[[Path, Path], None] | None = None) -> Path:
+    """Add a local Hugging Face-layout folder to the models folder as `local/<name>`.
+
+    The architecture is checked first. Files are hard-linked when the folder is on the same
+    filesystem, else copied. A PowerInfer predictor folder (`model_N.pt`) can come along.
+    """
+    src = Path(src).expanduser()
+    if not (src / "config.json").is_file():
+        raise UserError(f"{src} is not a model folder: it has no config.json")
+    try:
+        config = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise UserError(f"{src}/config.json is not valid JSON: {exc}") from exc
+    detect_architecture(config)
+    weights = [p for p in src.iterdir() if p.suffix == ".safetensors" or
+               (p.name.startswith("pytorch_model") and p.suffix == ".bin")]
+    if not weights:
+        raise UserError(f"{src} has no weights (*.safetensors or pytorch_model*.bin)")
+    name = (name or src.resolve().name).strip()
+    if not is_repo_id(f"{LOCAL_ORG}/{name}"):
+        raise UserError(f"cannot use {name!r} as a model name: use letters, digits, '-', '_' and '.'")
+    if predictors_dir is not None and not any(Path(predictors_dir).glob("model_*.pt")):
+        raise UserError(f"{predictors_dir} has no PowerInfer predictor files (model_N.pt)")
+    root = Path(root or models_dir())
+    target = root / repo_folder_name(f"{LOCAL_ORG}/{name}")
+    if target.exists():
+        raise UserError(f"a model named {LOCAL_ORG}/{name} already exists; remove it first or pick another --name")
+    files = {}
+    for path in sorted(src.rglob("*")):
+        rel = path.relative_to(src)
+        if path.is_dir() or any(part.startswith(".") for part in rel.parts):
+            continue
+        if rel.parts[0] == SIDECAR and not (len(rel.parts) == 2 and rel.name in KEPT_SIDECAR_FILES):
+            continue
+        _link_or_copy(path, target / rel)
+        files[rel.as_posix()] = {"size": path.stat().st_size, "hash": None, "verified": False}
+    state = {"status": "ready", "source": "local", "origin": str(src.resolve()), "files": files,
+             "size_bytes": sum(f["size"] for f in files.values()), "finished": time.time()}
+    write_state(target, state)
+    if predictors_dir is not None:
+        dest = target / SIDECAR / PREDICTOR_SUBDIR
+        for path in sorted(Path(predictors_dir).glob("model_*.pt")):
+            _link_or_copy(path, dest / path.name)
+        state["predictors"] = "downloaded"
+        write_state(target, state)
+        if on_predictors is not None:
+            on_predictors(dest, target)
+            state["predictors"] = "imported"
+            write_state(target, state)
+    return target

@@ -1,0 +1,323 @@
+"""A local stand-in for the Hugging Face Hub's file API, for download tests without internet.
+
+Speaks what huggingface_hub uses: `GET /api/models/{repo}[/revision/{rev}]` (model_info;
+`?blobs=true` adds size, blobId and lfs {size, sha256, pointerSize}), `HEAD`/`GET
+/{repo}/resolve/{rev}/{file}` with X-Repo-Commit, ETag, X-Linked-Etag, X-Linked-Size, and
+for LFS files a 302 to a content URL that honours `Range` (206). Gated repos answer 401
+(no token) or 403 (wrong token) with `X-Error-Code: GatedRepo`.
+
+Faults, each applied once per file: `cut_after[file] = n` closes the connection after byte
+n; `corrupt_once.add(file)` flips a byte; `stall_once[file] = (n, seconds)` goes silent
+after byte n. Every request is logged in `server.log`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, unquote, urlsplit
+
+LFS_SUFFIXES = (".safetensors", ".pt", ".bin")
+
+
+def git_blob_sha1(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+@dataclass
+class HubRepo:
+    repo_id: str
+    files: dict[str, bytes]
+    gated: bool = False
+    token: str | None = None  # the token that may read a gated repo
+    claimed_sizes: dict[str, int] = field(default_factory=dict)  # LFS sizes announced, never served
+    commit: str = ""
+
+    def __post_init__(self):
+        if not self.commit:
+            digest = hashlib.sha1(self.repo_id.encode())
+            for name in sorted(self.files):
+                digest.update(name.encode() + hashlib.sha256(self.files[name]).digest())
+            self.commit = digest.hexdigest()
+
+    def is_lfs(self, name: str) -> bool:
+        return name.endswith(LFS_SUFFIXES) or name in self.claimed_sizes
+
+    def size(self, name: str) -> int:
+        return self.claimed_sizes.get(name, len(self.files.get(name, b"")))
+
+    def sha256(self, name: str) -> str:
+        return hashlib.sha256(self.files.get(name, b"")).hexdigest()
+
+    def sibling(self, name: str, blobs: bool) -> dict:
+        out = {"rfilename": name}
+        if blobs:
+            data = self.files.get(name, b"")
+            out["size"] = self.size(name)
+            out["blobId"] = git_blob_sha1(data)
+            if self.is_lfs(name):
+                out["lfs"] = {"size": self.size(name), "sha256": self.sha256(name), "pointerSize": 134}
+        return out
+
+
+class HubServer:
+    """Threaded HTTP server on 127.0.0.1 with a random port; use as a context manager."""
+
+    def __init__(self) -> None:
+        self.repos: dict[str, HubRepo] = {}
+        self.log: list[dict] = []
+        self.cut_after: dict[str, int] = {}
+        self.corrupt_once: set[str] = set()
+        self.stall_once: dict[str, tuple[int, float]] = {}
+        self._lock = threading.Lock()
+        # Two origins, as on the Hub: the API and /resolve/ on one, LFS content (the "CDN") on
+        # another, so clients stop at the 302 for metadata and drop credentials on redirect.
+        self._servers = []
+        for _ in range(2):
+            httpd = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(self))
+            httpd.daemon_threads = True
+            self._servers.append(httpd)
+        self._threads = [threading.Thread(target=h.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+                         for h in self._servers]
+
+    @staticmethod
+    def _origin(httpd) -> str:
+        host, port = httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    @property
+    def url(self) -> str:
+        return self._origin(self._servers[0])
+
+    @property
+    def cdn_url(self) -> str:
+        return self._origin(self._servers[1])
+
+    def add_repo(self, repo: HubRepo) -> HubRepo:
+        self.repos[repo.repo_id] = repo
+        return repo
+
+    def start(self) -> "HubServer":
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def stop(self) -> None:
+        for httpd, thread in zip(self._servers, self._threads):
+            httpd.shutdown()
+            httpd.server_close()
+            thread.join(timeout=5)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def record(self, **entry) -> None:
+        with self._lock:
+            self.log.append(entry)
+
+    def requests(self, method: str | None = None, path_contains: str = "") -> list[dict]:
+        with self._lock:
+            return [e for e in self.log if (method is None or e["method"] == method)
+                    and path_contains in e["path"]]
+
+    def take_fault(self, table, name):
+        with self._lock:
+            if isinstance(table, set):
+                if name in table:
+                    table.discard(name)
+                    return True
+                return None
+            return table.pop(name, None)
+
+
+def _make_handler(server: HubServer):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):  # keep test output quiet
+            pass
+
+        def do_HEAD(self):
+            self._route(head=True)
+
+        def do_GET(self):
+            self._route(head=False)
+
+        # -- routing ---------------------------------------------------------------
+        def _route(self, head: bool):
+            parts = urlsplit(self.path)
+            path = unquote(parts.path)
+            self.sent = 0
+            self.status = 0
+            try:
+                if path.startswith("/api/models/"):
+                    self._model_info(path[len("/api/models/"):], parse_qs(parts.query))
+                elif path.startswith("/cdn/"):
+                    self._cdn(path[len("/cdn/"):], head)
+                elif "/resolve/" in path:
+                    self._resolve(path.lstrip("/"), head)
+                else:
+                    self._error(404, "RepoNotFound", "no such endpoint")
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True
+            finally:
+                server.record(method=self.command, path=path, range=self.headers.get("Range"),
+                              auth=self.headers.get("Authorization"), status=self.status, sent=self.sent)
+
+        def _send_head(self, status: int, headers: dict):
+            self.status = status
+            self.send_response(status)
+            for key, value in headers.items():
+                self.send_header(key, str(value))
+            self.end_headers()
+
+        def _error(self, status: int, code: str, message: str, commit: str | None = None):
+            body = json.dumps({"error": message}).encode()
+            headers = {"Content-Type": "application/json", "Content-Length": len(body),
+                       "X-Error-Code": code, "X-Error-Message": message}
+            if commit:
+                headers["X-Repo-Commit"] = commit
+            self._send_head(status, headers)
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        def _repo_and_rest(self, path: str):
+            org, _, rest = path.partition("/")
+            name, _, rest = rest.partition("/")
+            return server.repos.get(f"{org}/{name}"), f"{org}/{name}", rest
+
+        def _auth_ok(self, repo: HubRepo) -> bool:
+            if not repo.gated:
+                return True
+            auth = self.headers.get("Authorization")
+            if not auth:
+                self._error(401, "GatedRepo", "Access to model is restricted. You must be authenticated.")
+                return False
+            if auth != f"Bearer {repo.token}":
+                self._error(403, "GatedRepo", "Access to model is restricted and you are not in the authorized list.")
+                return False
+            return True
+
+        # -- endpoints -------------------------------------------------------------
+        def _model_info(self, rest: str, query: dict):
+            repo, repo_id, tail = self._repo_and_rest(rest)
+            if repo is None:
+                return self._error(401, "RepoNotFound", "Repository not found")
+            if tail and not (tail.startswith("revision/") and tail[len("revision/"):] in ("main", repo.commit)):
+                return self._error(404, "RevisionNotFound", "Invalid rev id")
+            blobs = query.get("blobs", ["false"])[0].lower() == "true"
+            body = json.dumps({
+                "id": repo_id, "modelId": repo_id, "sha": repo.commit, "private": False,
+                "gated": "manual" if repo.gated else False, "disabled": False, "tags": [],
+                "siblings": [repo.sibling(n, blobs) for n in sorted(set(repo.files) | set(repo.claimed_sizes))],
+            }).encode()
+            self._send_head(200, {"Content-Type": "application/json", "Content-Length": len(body)})
+            if self.command != "HEAD":
+                self.wfile.write(body)
+                self.sent = len(body)
+
+        def _resolve(self, path: str, head: bool):
+            repo, repo_id, rest = self._repo_and_rest(path)
+            if repo is None:
+                return self._error(401, "RepoNotFound", "Repository not found")
+            rev, _, filename = rest[len("resolve/"):].partition("/")
+            if rev not in ("main", repo.commit):
+                return self._error(404, "RevisionNotFound", "Invalid rev id")
+            if filename not in repo.files and filename not in repo.claimed_sizes:
+                return self._error(404, "EntryNotFound", "Entry not found", commit=repo.commit)
+            if not self._auth_ok(repo):
+                return
+            common = {"X-Repo-Commit": repo.commit, "Accept-Ranges": "bytes"}
+            if repo.is_lfs(filename):
+                sha = repo.sha256(filename)
+                headers = dict(common, **{
+                    "X-Linked-Etag": f'"{sha}"', "X-Linked-Size": repo.size(filename),
+                    "ETag": f'"{git_blob_sha1(repo.files.get(filename, b""))}"',
+                    "Location": f"{server.cdn_url}/cdn/{repo_id}/{filename}", "Content-Length": 0})
+                return self._send_head(302, headers)
+            data = repo.files[filename]
+            self._serve_bytes(repo, filename, data, dict(common, ETag=f'"{git_blob_sha1(data)}"'), head)
+
+        def _cdn(self, path: str, head: bool):
+            repo, _, filename = self._repo_and_rest(path)
+            if repo is None or filename not in repo.files:
+                return self._error(404, "EntryNotFound", "Entry not found")
+            data = repo.files[filename]
+            self._serve_bytes(repo, filename, data, {"ETag": f'"{repo.sha256(filename)}"',
+                                                     "Accept-Ranges": "bytes"}, head)
+
+        def _serve_bytes(self, repo: HubRepo, filename: str, data: bytes, headers: dict, head: bool):
+            start, status = 0, 200
+            rng = self.headers.get("Range")
+            if rng and rng.startswith("bytes="):
+                first, _, last = rng[len("bytes="):].partition("-")
+                start = int(first or 0)
+                end = int(last) + 1 if last else len(data)
+                if start >= len(data):
+                    headers["Content-Range"] = f"bytes */{len(data)}"
+                    return self._error(416, "RangeNotSatisfiable", "Range not satisfiable")
+                status = 206
+                headers["Content-Range"] = f"bytes {start}-{end - 1}/{len(data)}"
+            else:
+                end = len(data)
+            body = data[start:end]
+            headers["Content-Length"] = len(body)
+            headers.setdefault("Content-Type", "application/octet-stream")
+            self._send_head(status, headers)
+            if head:
+                return
+            if server.take_fault(server.corrupt_once, filename):
+                flip = len(body) // 2
+                body = body[:flip] + bytes([body[flip] ^ 0xFF]) + body[flip + 1:]
+            cut = server.take_fault(server.cut_after, filename)
+            stall = server.take_fault(server.stall_once, filename)
+            stop_at = None
+            if cut is not None:
+                stop_at = max(cut - start, 0)
+            elif stall is not None:
+                stop_at = max(stall[0] - start, 0)
+            if stop_at is None:
+                self.wfile.write(body)
+                self.sent = len(body)
+                return
+            self.wfile.write(body[:stop_at])
+            self.wfile.flush()
+            self.sent = stop_at
+            if stall is not None:
+                import time
+
+                time.sleep(stall[1])
+            self.close_connection = True  # the client sees a body shorter than Content-Length
+
+    return Handler
+
+
+def tiny_llama_config(**overrides) -> dict:
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "relu",
+        "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 128,
+        "max_position_embeddings": 256, "tie_word_embeddings": False,
+    }
+    config.update(overrides)
+    return config
+
+
+def tiny_model_files(weight_bytes: int = 300_000, seed: int = 0, **config_overrides) -> dict[str, bytes]:
+    """Files of a small model repo: a config, tokenizer files and a safetensors-named blob."""
+    import random
+
+    rng = random.Random(seed)
+    return {
+        "config.json": json.dumps(tiny_llama_config(**config_overrides)).encode(),
+        "tokenizer.json": json.dumps({"version": "1.0", "model": {"type": "BPE"}}).encode(),
+        "tokenizer_config.json": b'{"bos_token": "<s>"}',
+        "model.safetensors": rng.randbytes(weight_bytes),
+        "README.md": b"# tiny\n",
+    }

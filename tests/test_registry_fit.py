@@ -1,0 +1,140 @@
+"""The fit estimator: parameter counts, the placement byte model, verdicts and suggestions."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from models_registry.catalogue import find_entry
+from models_registry.fit import (
+    VERDICT_FITS, VERDICT_HYBRID, VERDICT_NO, VRAM_RESERVE, estimate_fit, gpu_bytes_for_everything,
+    place_bytes, predictor_params_from_file, shape_from_config, suggest_budgets,
+)
+from models_registry.hardware import GpuInfo, HardwareInfo
+
+GiB = 1024**3
+LLAMA2_7B = find_entry("relullama-7b").config
+
+
+def tiny(**overrides):
+    config = {"model_type": "llama", "hidden_act": "relu", "hidden_size": 64, "intermediate_size": 160,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+              "tie_word_embeddings": False}
+    config.update(overrides)
+    return config
+
+
+@pytest.mark.parametrize("config, expected", [
+    (LLAMA2_7B, 6_738_415_616),  # Llama 2 7B, as published
+    (find_entry("relullama-70b").config, 68_976_648_192),  # Llama 2 70B (GQA)
+    (find_entry("bamboo-base").config, 7_241_732_096),  # Mistral 7B shape
+    ({"model_type": "falcon", "activation": "relu", "hidden_size": 4544, "num_hidden_layers": 32,
+      "num_attention_heads": 71, "multi_query": True, "parallel_attn": True, "bias": False,
+      "vocab_size": 65024}, 6_921_720_704),  # Falcon 7B
+])
+def test_parameter_counts_match_published_figures(config, expected):
+    assert shape_from_config(config).total_params == expected
+
+
+@pytest.mark.parametrize("kind, config", [
+    ("llama", tiny()),
+    ("llama", tiny(tie_word_embeddings=True, num_key_value_heads=4)),
+    ("mistral", tiny(model_type="mistral")),
+    ("falcon", {"model_type": "falcon", "activation": "relu", "hidden_size": 64, "num_hidden_layers": 2,
+                "num_attention_heads": 8, "num_kv_heads": 2, "new_decoder_architecture": True,
+                "bias": False, "vocab_size": 100}),
+    ("falcon", {"model_type": "falcon", "activation": "relu", "hidden_size": 64, "num_hidden_layers": 2,
+                "num_attention_heads": 8, "multi_query": True, "parallel_attn": True, "bias": False,
+                "vocab_size": 100}),
+])
+def test_parameter_counts_match_transformers_models(kind, config):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "falcon": transformers.FalconConfig}[kind]
+    hf_config = cls(**{k: v for k, v in config.items() if k not in ("model_type",)})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    real = sum(p.numel() for p in model.parameters())  # shared (tied) tensors counted once
+    assert shape_from_config(config).total_params == real
+
+
+def test_everything_on_cpu_follows_the_cpu_byte_rules():
+    shape = shape_from_config(tiny())
+    est = place_bytes(shape, ctx=32, vram_budget=0, ram_budget=1 << 40, predictor_rank=8)
+    d, f, L, kvh, hd = 64, 160, 3, 2, 16
+    dense = 100 * 64 * 2 + 64 + L * (64 * 64 * 2 + 2 * 64 * kvh * hd + 2 * 64)
+    assert est.dense_cpu_bytes == dense * 4
+    assert est.predictor_cpu_bytes == L * 8 * (d + f) * 4
+    assert est.kv_cpu_bytes == L * 2 * 32 * kvh * hd * 4
+    assert est.cold_ffn_bytes == L * f * 3 * (d + 4)  # int8 rows plus one fp32 scale each
+    assert est.vram_bytes == 0 and est.hot_neurons == 0 and est.verdict == VERDICT_HYBRID
+
+
+def test_everything_on_gpu_follows_the_gpu_byte_rules():
+    shape = shape_from_config(tiny())
+    est = place_bytes(shape, ctx=32, vram_budget=1 << 40, ram_budget=0, predictor_rank=8)
+    assert est.verdict == VERDICT_FITS and est.ram_bytes == 0
+    assert est.vram_bytes == (shape.total_params + 3 * 8 * (64 + 160)) * 2 + 3 * 2 * 32 * 2 * 16 * 2
+    assert est.hot_neurons == 3 * 160 and est.gpu_layers == 3
+    assert gpu_bytes_for_everything(shape, 32, [8 * (64 + 160)] * 3) == est.vram_bytes
+
+
+def test_more_vram_moves_bytes_off_the_cpu_and_never_exceeds_the_budget():
+    shape = shape_from_config(LLAMA2_7B)
+    previous = None
+    for vram in [0, 1 * GiB, 2 * GiB, 4 * GiB, 6 * GiB, 8 * GiB, 12 * GiB, 16 * GiB]:
+        est = place_bytes(shape, ctx=2048, vram_budget=vram, ram_budget=64 * GiB)
+        assert est.vram_bytes <= vram
+        if previous:
+            # dense layers go first, so hot neurons may give way to a layer's attention
+            assert est.ram_bytes <= previous.ram_bytes and est.gpu_layers >= previous.gpu_layers
+        previous = est
+    assert previous.verdict == VERDICT_FITS  # 16 GiB holds 7B in fp16 with a 2k cache
+
+
+def test_verdict_does_not_fit_names_the_ram_needed():
+    est = place_bytes(shape_from_config(LLAMA2_7B), ctx=2048, vram_budget=0, ram_budget=4 * GiB)
+    assert est.verdict == VERDICT_NO and "RAM" in est.reason
+
+
+def test_real_predictor_sizes_are_read_from_the_safetensors_header(tmp_path):
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "thermocline" / "predictors.safetensors"
+    path.parent.mkdir()
+    tensors = {}
+    for i, rank in enumerate([4, 8, 16]):
+        tensors[f"layers.{i}.fc1.weight"] = np.zeros((rank, 64), np.float32)
+        tensors[f"layers.{i}.fc2.weight"] = np.zeros((160, rank), np.float32)
+    save_file(tensors, str(path), metadata={"thresholds": json.dumps([0.0] * 3), "source": "thermocline"})
+    assert predictor_params_from_file(path) == [r * (64 + 160) for r in (4, 8, 16)]
+    est = estimate_fit(tiny(), ctx=16, vram_budget=0, ram_budget=1 << 40, model_dir=tmp_path)
+    assert est.predictor_cpu_bytes == sum(r * 224 for r in (4, 8, 16)) * 4
+
+
+def _machine(vram_free, ram_available):
+    gpus = [GpuInfo(0, "Test GPU", vram_free, vram_free, "555.0", "nvml")] if vram_free else []
+    return HardwareInfo(ram_total=ram_available, ram_available=ram_available, cpu_model="cpu",
+                        cpu_physical_cores=8, cpu_logical_cores=16, simd=["avx2"], gpus=gpus)
+
+
+def test_suggested_budgets_for_a_small_gpu_and_for_a_large_one():
+    shape = shape_from_config(LLAMA2_7B)
+    vram, ram = suggest_budgets(shape, 2048, vram_free=8 * GiB, ram_available=32 * GiB)
+    assert vram == 8 * GiB - VRAM_RESERVE
+    assert ram == place_bytes(shape, ctx=2048, vram_budget=vram, ram_budget=0).ram_bytes
+    est = estimate_fit(LLAMA2_7B, ctx=2048, hardware=_machine(8 * GiB, 32 * GiB))
+    assert est.verdict == VERDICT_HYBRID and 0 < est.hot_fraction < 1
+    assert (est.vram_budget, est.ram_budget) == (vram, ram)
+
+    big = estimate_fit(LLAMA2_7B, ctx=2048, hardware=_machine(80 * GiB, 32 * GiB))
+    assert big.verdict == VERDICT_FITS and big.suggested_ram_budget == 0
+    assert big.suggested_vram_budget == gpu_bytes_for_everything(shape, 2048)
+
+
+def test_no_gpu_and_too_little_ram_is_does_not_fit():
+    est = estimate_fit(find_entry("relullama-70b").config, ctx=2048, hardware=_machine(0, 16 * GiB))
+    assert est.verdict == VERDICT_NO and est.suggested_vram_budget == 0
