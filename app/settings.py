@@ -66,6 +66,10 @@ class Option:
         elif self.type is dict:
             if not isinstance(value, dict):
                 raise ValueError(f"{self.name} must be a mapping, not {value!r}")
+        elif self.type is list:
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"{self.name} must be a list of text, not {value!r}")
+            value = list(value)
         if self.minimum is not None and value < self.minimum:
             raise ValueError(f"{self.name} must be at least {self.minimum}, not {value}")
         if self.maximum is not None and value > self.maximum:
@@ -94,9 +98,10 @@ SCHEMA: tuple[Option, ...] = (
     Option("chat.top_p", float, 0.95, "Nucleus sampling: keep the smallest set of tokens with this mass.",
            minimum=0.0, maximum=1.0),
     Option("chat.top_k", int, 40, "Keep only the k most likely tokens; 0 keeps all.", minimum=0, maximum=100000),
-    Option("chat.repetition_penalty", float, 1.1, "Penalty for repeating tokens; 1 is none.",
+    Option("chat.repetition_penalty", float, 1.0, "Penalty for repeating tokens; 1 is none.",
            minimum=0.5, maximum=3.0),
     Option("chat.max_new_tokens", int, 512, "Longest answer in tokens.", minimum=1, maximum=32768),
+    Option("models.custom", list, [], "Models added by hand: Hugging Face repo ids and local folders."),
     # Window state.
     Option("ui.geometry", str, "", "Saved window geometry (base64)."),
     Option("ui.splitter", str, "", "Saved splitter sizes (base64)."),
@@ -140,7 +145,8 @@ class Settings:
 
     def __getitem__(self, name: str) -> Any:
         opt = self.option(name)
-        return self._values.get(name, opt.default)
+        value = self._values.get(name, opt.default)
+        return list(value) if isinstance(value, list) else value  # callers cannot mutate the store
 
     def get(self, name: str, default: Any = _MISSING) -> Any:
         if default is not _MISSING and name not in self._options:

@@ -36,7 +36,7 @@ ROLES = ("system", "user", "assistant")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
-    id            INTEGER PRIMARY KEY,
+    id            INTEGER PRIMARY KEY AUTOINCREMENT,
     title         TEXT NOT NULL,
     system_prompt TEXT NOT NULL DEFAULT '',
     sampling      TEXT NOT NULL DEFAULT '{}',
@@ -45,7 +45,7 @@ CREATE TABLE IF NOT EXISTS conversations (
     updated_at    REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS messages (
-    id              INTEGER PRIMARY KEY,
+    id              INTEGER PRIMARY KEY AUTOINCREMENT,  -- never reused: ids name widgets and requests
     conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
     role            TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
     content         TEXT NOT NULL,

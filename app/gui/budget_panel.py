@@ -1,0 +1,390 @@
+"""The budgets panel: VRAM and RAM sliders, context length, and the placement they produce.
+
+Moving a slider sends the new budgets to the engine worker at once (it re-solves the
+placement between tokens, so an answer in progress keeps streaming) and saves them a moment
+later. The result comes back as a placement report: hot share per layer, bytes per tier,
+expected hot hit fraction, a verdict. Budgets that cannot work are explained here in words,
+never raised as a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from PySide6.QtCore import Qt, QTimer, Signal, Slot
+from PySide6.QtWidgets import (QComboBox, QFrame, QGridLayout, QHBoxLayout, QLabel, QProgressBar, QPushButton,
+                               QScrollArea, QSlider, QVBoxLayout, QWidget)
+
+from app.settings import Settings
+
+from . import formatting as fmt
+from .charts import LayerChart, TierBar
+from .tasks import run_in_background
+from .worker import EngineClient
+
+log = logging.getLogger(__name__)
+
+STEP = 64 * 1024**2  # slider resolution: 64 MiB
+CONTEXT_CHOICES = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def probe_machine(model_spec: str, ctx: int) -> dict:
+    """Hardware totals and the suggested budgets for a model (runs off the GUI thread)."""
+    from models_registry.hardware import probe_hardware
+
+    hw = probe_hardware()
+    out = {"ram_total": hw.ram_total, "ram_available": hw.ram_available,
+           "vram_total": hw.gpus[0].vram_total if hw.gpus else 0,
+           "gpu_name": hw.gpus[0].name if hw.gpus else "", "gpu_note": hw.gpu_note,
+           "suggested_vram": None, "suggested_ram": None, "suggest_error": ""}
+    try:
+        import json
+
+        from models_registry import resolve_model
+        from models_registry.fit import estimate_fit
+
+        folder = resolve_model(model_spec)
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        est = estimate_fit(config, ctx=ctx, hardware=hw, model_dir=folder)
+        out["suggested_vram"], out["suggested_ram"] = est.suggested_vram_budget, est.suggested_ram_budget
+    except Exception as exc:  # noqa: BLE001 - no suggestion is fine; say why in the panel
+        out["suggest_error"] = str(exc)
+    return out
+
+
+class BudgetSlider(QWidget):
+    """A labelled slider over bytes, in steps of 64 MiB, bounded by what the machine has."""
+
+    moved = Signal(int)      # bytes, on every move
+    settled = Signal(int)    # bytes, once the user lets go
+
+    def __init__(self, title: str, tip: str, parent: QWidget | None = None):
+        super().__init__(parent)
+        grid = QGridLayout(self)
+        grid.setContentsMargins(0, 0, 0, 0)
+        grid.setHorizontalSpacing(6)
+        grid.setVerticalSpacing(2)
+        self.title = QLabel(title, self)
+        self.title.setObjectName("sliderTitle")
+        self.value_label = QLabel(self)
+        self.value_label.setObjectName("sliderValue")
+        self.value_label.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        self.slider = QSlider(Qt.Orientation.Horizontal, self)
+        self.slider.setToolTip(tip)
+        self.slider.setPageStep(max(1, 1024**3 // STEP))
+        self.note = QLabel(self)
+        self.note.setObjectName("hint")
+        self.note.setWordWrap(True)
+        self.note.hide()
+        grid.addWidget(self.title, 0, 0)
+        grid.addWidget(self.value_label, 0, 1)
+        grid.addWidget(self.slider, 1, 0, 1, 2)
+        grid.addWidget(self.note, 2, 0, 1, 2)
+        self.total = 0
+        self.slider.valueChanged.connect(self._changed)
+        self.slider.sliderReleased.connect(lambda: self.settled.emit(self.value()))
+        self._quiet = False
+
+    def set_total(self, total: int) -> None:
+        self.total = max(0, int(total))
+        self._quiet = True
+        self.slider.setRange(0, max(1, self.total // STEP))
+        self._quiet = False
+        self._label()
+
+    def set_value(self, n: int) -> None:
+        """Set without emitting (restoring saved or suggested budgets)."""
+        self._quiet = True
+        self.slider.setValue(int(round(n / STEP)))
+        self._quiet = False
+        self._label()
+
+    def value(self) -> int:
+        return self.slider.value() * STEP
+
+    def _label(self) -> None:
+        if self.total <= 0:
+            self.value_label.setText("none")
+        else:
+            self.value_label.setText(f"<b>{fmt.gib(self.value())}</b> of {fmt.gib(self.total)}")
+
+    def _changed(self, _v: int) -> None:
+        self._label()
+        if not self._quiet:
+            self.moved.emit(self.value())
+            if not self.slider.isSliderDown():
+                self.settled.emit(self.value())  # keyboard and wheel moves settle at once
+
+
+class Section(QFrame):
+    def __init__(self, title: str, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("panelSection")
+        self.body = QVBoxLayout(self)
+        self.body.setContentsMargins(12, 10, 12, 12)
+        self.body.setSpacing(8)
+        head = QLabel(title, self)
+        head.setObjectName("sectionTitle")
+        self.body.addWidget(head)
+
+
+class BudgetPanel(QScrollArea):
+    """Right-hand panel: budgets in, placement and live memory out."""
+
+    reload_requested = Signal()  # context length changed: the model must be reloaded
+
+    def __init__(self, settings: Settings, client: EngineClient, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("budgetPanel")
+        self.setWidgetResizable(True)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.settings, self.client = settings, client
+        self.machine: dict | None = None
+        self.placement: dict | None = None
+        inner = QWidget(self)
+        inner.setObjectName("panelInner")
+        col = QVBoxLayout(inner)
+        col.setContentsMargins(10, 10, 10, 10)
+        col.setSpacing(10)
+
+        # Budgets -----------------------------------------------------------------------
+        budgets = Section("Memory budgets", inner)
+        self.vram = BudgetSlider("VRAM (GPU memory)", "How much GPU memory Thermocline may use", budgets)
+        self.ram = BudgetSlider("RAM", "How much system memory Thermocline may use", budgets)
+        budgets.body.addWidget(self.vram)
+        budgets.body.addWidget(self.ram)
+        ctx_row = QHBoxLayout()
+        ctx_label = QLabel("Context length", budgets)
+        ctx_label.setObjectName("sliderTitle")
+        self.ctx = QComboBox(budgets)
+        self.ctx.setObjectName("ctxCombo")
+        self.ctx.setToolTip("Tokens the model can read at once (prompt plus answer). Changing it reloads "
+                            "the model; conversations are kept.")
+        for n in CONTEXT_CHOICES:
+            self.ctx.addItem(f"{n:,} tokens", n)
+        self.ctx_apply = QPushButton("Apply", budgets)
+        self.ctx_apply.setToolTip("Reload the model with this context length")
+        self.ctx_apply.hide()
+        ctx_row.addWidget(ctx_label)
+        ctx_row.addStretch(1)
+        ctx_row.addWidget(self.ctx)
+        ctx_row.addWidget(self.ctx_apply)
+        budgets.body.addLayout(ctx_row)
+        self.restore = QPushButton("Restore suggested", budgets)
+        self.restore.setObjectName("restoreBudgets")
+        self.restore.setToolTip("Go back to the budgets suggested for this machine and model")
+        self.restore.clicked.connect(self.restore_suggested)
+        self.suggest_label = QLabel(budgets)
+        self.suggest_label.setObjectName("hint")
+        self.suggest_label.setWordWrap(True)
+        budgets.body.addWidget(self.suggest_label)
+        budgets.body.addWidget(self.restore, 0, Qt.AlignmentFlag.AlignLeft)
+        col.addWidget(budgets)
+
+        # Placement ---------------------------------------------------------------------
+        place = Section("Neuron placement", inner)
+        self.verdict = QLabel("Waiting for the model…", place)
+        self.verdict.setObjectName("verdict")
+        self.verdict.setWordWrap(True)
+        place.body.addWidget(self.verdict)
+        cap = QLabel("Hot share of FFN neurons per layer (on the GPU)", place)
+        cap.setObjectName("hint")
+        place.body.addWidget(cap)
+        self.chart = LayerChart(place)
+        place.body.addWidget(self.chart)
+        self.tiers = TierBar(place)
+        place.body.addWidget(self.tiers)
+        self.place_facts = QLabel(place)
+        self.place_facts.setObjectName("facts")
+        self.place_facts.setWordWrap(True)
+        place.body.addWidget(self.place_facts)
+        col.addWidget(place)
+
+        # Live memory -------------------------------------------------------------------
+        live = Section("In use now", inner)
+        self.vram_use = self._usage_bar(live, "VRAM")
+        self.ram_use = self._usage_bar(live, "RAM")
+        self.device_label = QLabel(live)
+        self.device_label.setObjectName("facts")
+        self.device_label.setWordWrap(True)
+        live.body.addWidget(self.device_label)
+        col.addWidget(live)
+        col.addStretch(1)
+        self.setWidget(inner)
+        self.setMinimumWidth(300)
+
+        # Wiring ------------------------------------------------------------------------
+        self._save_timer = QTimer(self, singleShot=True, interval=400)
+        self._save_timer.timeout.connect(self._save_budgets)
+        self.vram.moved.connect(self._budgets_moved)
+        self.ram.moved.connect(self._budgets_moved)
+        self.vram.settled.connect(lambda _n: self._save_timer.start())
+        self.ram.settled.connect(lambda _n: self._save_timer.start())
+        self.ctx.currentIndexChanged.connect(self._ctx_changed)
+        self.ctx_apply.clicked.connect(self._apply_ctx)
+        w = client.worker
+        w.placement.connect(self.show_placement)
+        w.placement_failed.connect(self.show_placement_error)
+        w.placement_unavailable.connect(self.show_unavailable)
+        w.loaded.connect(self._on_loaded)
+        w.live_stats.connect(self._on_live)
+        w.finished.connect(self._on_live)
+        self._select_ctx(settings["engine.ctx"])
+        self.vram.set_total(0)
+        self.ram.set_total(0)
+        self.refresh_machine()
+
+    def _usage_bar(self, section: Section, name: str) -> tuple[QLabel, QProgressBar]:
+        label = QLabel(f"{name}: —", section)
+        label.setObjectName("facts")
+        bar = QProgressBar(section)
+        bar.setObjectName("usageBar")
+        bar.setTextVisible(False)
+        bar.setRange(0, 1000)
+        bar.setFixedHeight(8)
+        section.body.addWidget(label)
+        section.body.addWidget(bar)
+        return label, bar
+
+    # -- machine and suggestions ---------------------------------------------------------
+    def refresh_machine(self) -> None:
+        spec, ctx = self.settings["model.active"], self.settings["engine.ctx"]
+        run_in_background(lambda: probe_machine(spec, ctx), self._on_machine,
+                          lambda exc: self.suggest_label.setText(f"Could not probe this machine: {exc}"))
+
+    def _on_machine(self, machine: dict) -> None:
+        self.machine = machine
+        self.vram.set_total(machine["vram_total"])
+        self.ram.set_total(machine["ram_total"])
+        if machine["vram_total"] == 0:
+            self.vram.slider.setEnabled(False)
+            self.vram.note.setText(machine.get("gpu_note") or "No NVIDIA GPU found: every neuron runs on the CPU.")
+            self.vram.note.show()
+        else:
+            self.vram.slider.setEnabled(True)
+            self.vram.note.setText(machine.get("gpu_name", ""))
+            self.vram.note.setVisible(bool(machine.get("gpu_name")))
+        sv, sr = machine.get("suggested_vram"), machine.get("suggested_ram")
+        if sv is not None and sr is not None:
+            self.suggest_label.setText(f"Suggested for this machine: VRAM {fmt.gib(sv)}, RAM {fmt.gib(sr)}.")
+        else:
+            why = machine.get("suggest_error") or "unknown model size"
+            self.suggest_label.setText(f"No suggestion for this model ({why}).")
+        self.restore.setEnabled(sv is not None and sr is not None)
+        self.vram.set_value(self.current_vram())
+        self.ram.set_value(self.current_ram())
+
+    def current_vram(self) -> int:
+        saved = self.settings["budget.vram_bytes"]
+        if saved is not None:
+            return saved
+        return (self.machine or {}).get("suggested_vram") or 0
+
+    def current_ram(self) -> int:
+        saved = self.settings["budget.ram_bytes"]
+        if saved is not None:
+            return saved
+        m = self.machine or {}
+        return m.get("suggested_ram") or m.get("ram_available") or 0
+
+    def budgets_for_load(self) -> tuple[int | None, int | None]:
+        """What the next model load should use (None: let the engine choose)."""
+        return self.settings["budget.vram_bytes"], self.settings["budget.ram_bytes"]
+
+    def restore_suggested(self) -> None:
+        self.settings.reset("budget.vram_bytes")
+        self.settings.reset("budget.ram_bytes")
+        self.vram.set_value(self.current_vram())
+        self.ram.set_value(self.current_ram())
+        self.client.set_budgets(self.current_vram(), self.current_ram())
+
+    # -- slider moves --------------------------------------------------------------------
+    def _budgets_moved(self, _n: int) -> None:
+        self.verdict.setText("Re-placing neurons…")
+        self.client.set_budgets(self.vram.value(), self.ram.value())
+
+    def _save_budgets(self) -> None:
+        self.settings["budget.vram_bytes"] = self.vram.value()
+        self.settings["budget.ram_bytes"] = self.ram.value()
+
+    def _select_ctx(self, ctx: int) -> None:
+        i = self.ctx.findData(ctx)
+        if i < 0:
+            self.ctx.addItem(f"{ctx:,} tokens", ctx)
+            i = self.ctx.count() - 1
+        self.ctx.blockSignals(True)
+        self.ctx.setCurrentIndex(i)
+        self.ctx.blockSignals(False)
+        self.ctx_apply.hide()
+
+    def _ctx_changed(self, _i: int) -> None:
+        self.ctx_apply.setVisible(self.ctx.currentData() != self.settings["engine.ctx"])
+
+    def _apply_ctx(self) -> None:
+        self.settings["engine.ctx"] = int(self.ctx.currentData())
+        self.ctx_apply.hide()
+        self.reload_requested.emit()
+
+    # -- engine results ------------------------------------------------------------------
+    @Slot(dict)
+    def show_placement(self, report: dict) -> None:
+        self.placement = report
+        verdict = str(report.get("verdict") or "placed")
+        kind = "bad" if "not" in verdict.lower() else ("good" if verdict.lower().startswith("fits") else "ok")
+        self._set_verdict(verdict[:1].upper() + verdict[1:], kind)
+        self.chart.set_fractions(report.get("hot_fraction_per_layer") or [])
+        self.tiers.set_tiers(report.get("tier_bytes") or {})
+        facts = []
+        if report.get("hot_hit_fraction") is not None:
+            facts.append(f"Expected share of firing neurons served by the GPU: "
+                         f"<b>{fmt.percent(report['hot_hit_fraction'])}</b>")
+        if report.get("vram_bytes") is not None:
+            facts.append(f"Placed: VRAM {fmt.gib(report['vram_bytes'])}, RAM {fmt.gib(report.get('ram_bytes'))}")
+        solve = report.get("solve_s")
+        dev = report.get("device")
+        if solve is not None or dev:
+            facts.append(f"Solved in {fmt.seconds(solve)} for {fmt.device_name(dev)}")
+        self.place_facts.setText("<br>".join(facts))
+
+    @Slot(str)
+    def show_placement_error(self, message: str) -> None:
+        self._set_verdict(f"These budgets cannot work: {message}", "bad")
+
+    @Slot(str)
+    def show_unavailable(self, message: str) -> None:
+        self._set_verdict(message, "muted")
+        self.chart.set_fractions([])
+        self.tiers.set_tiers({})
+        self.place_facts.setText("")
+
+    def _set_verdict(self, text: str, kind: str) -> None:
+        self.verdict.setText(text)
+        self.verdict.setProperty("kind", kind)
+        self.verdict.style().unpolish(self.verdict)
+        self.verdict.style().polish(self.verdict)
+
+    @Slot(dict)
+    def _on_loaded(self, info: dict) -> None:
+        self._select_ctx(int(info.get("ctx") or self.settings["engine.ctx"]))
+        self._show_memory(info.get("memory") or {})
+        self.refresh_machine()
+
+    def _on_live(self, _request_id: int, stats: dict) -> None:
+        mem = {k[4:]: v for k, v in stats.items() if k.startswith("mem_")}
+        if mem:
+            self._show_memory(mem)
+
+    def _show_memory(self, mem: dict) -> None:
+        for (label, bar), name, budget in ((self.vram_use, "VRAM", self.vram.value()),
+                                           (self.ram_use, "RAM", self.ram.value())):
+            used = mem.get(f"{name.lower()}_bytes")
+            if used is None:
+                label.setText(f"{name}: —")
+                bar.setValue(0)
+                continue
+            label.setText(f"{name}: {fmt.gib(used)} of {fmt.gib(budget)} budget" if budget
+                          else f"{name}: {fmt.gib(used)}")
+            bar.setValue(int(min(1.0, used / budget) * 1000) if budget else 0)
+        if mem.get("device"):
+            self.device_label.setText(f"Device: {fmt.device_name(mem['device'])}")

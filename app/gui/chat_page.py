@@ -1,0 +1,499 @@
+"""The chat page: header (title, context used), messages, live readout, prompt box.
+
+This is the controller of a conversation: it saves to SQLite what it shows, asks the engine
+worker for answers, and turns the worker's signals into widgets. Tokens are buffered and
+flushed about 25 times a second; each flush updates the view and the database together, so
+whatever is on screen is also on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QKeySequence, QShortcut
+from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout,
+                               QWidget)
+
+from app.settings import Settings
+from app.storage import COMPLETE, FAILED, STOPPED, STREAMING, Conversation, Storage
+
+from . import formatting as fmt
+from .chat_view import ChatView
+from .dialogs import ConversationSettingsDialog, show_error
+from .input_box import InputBar
+from .worker import EngineClient
+
+log = logging.getLogger(__name__)
+
+FLUSH_MS = 40
+TITLE_CHARS = 48
+CONTEXT_WARN = 0.85
+
+
+def title_from(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"
+
+
+class Banner(QFrame):
+    """A one-line notice above the prompt, with an optional action."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("banner")
+        layout = QHBoxLayout(self)
+        layout.setContentsMargins(12, 6, 6, 6)
+        self.label = QLabel(self)
+        self.label.setWordWrap(True)
+        self.label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        layout.addWidget(self.label, 1)
+        self.action = QPushButton(self)
+        self.action.setObjectName("bannerAction")
+        layout.addWidget(self.action)
+        self._slot = None
+        self.action.clicked.connect(self._clicked)
+        self.hide()
+
+    def show_message(self, text: str, kind: str = "info", action: str = "", slot=None) -> None:
+        self.label.setText(text)
+        self.setProperty("kind", kind)
+        self.style().unpolish(self)
+        self.style().polish(self)
+        self.action.setText(action)
+        self.action.setVisible(bool(action))
+        self._slot = slot
+        self.show()
+
+    def _clicked(self) -> None:
+        if self._slot:
+            self._slot()
+
+
+class ChatPage(QWidget):
+    conversations_changed = Signal(int)  # a conversation was created, renamed or touched
+    busy_changed = Signal(bool)
+
+    def __init__(self, storage: Storage, settings: Settings, client: EngineClient,
+                 parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("chatPage")
+        self.storage, self.settings, self.client = storage, settings, client
+        self.conversation: Conversation | None = None
+        self._request: int | None = None
+        self._answer_id: int | None = None
+        self._answer_text = ""
+        self._dirty = False
+        self._editing_id: int | None = None
+        self._ctx_used: int | None = None
+        self._ctx_total: int | None = None
+        self._started_at = 0.0
+
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.setSpacing(0)
+        layout.addWidget(self._build_header())
+        self.view = ChatView(self)
+        self.view.set_empty_text("Ask anything.\nAnswers stream in here, with their speed underneath.")
+        self.view.regenerate_requested.connect(self.regenerate)
+        self.view.edit_requested.connect(self.begin_edit)
+        layout.addWidget(self.view, 1)
+        self.banner = Banner(self)
+        layout.addWidget(self.banner)
+        self.readout = QLabel(self)
+        self.readout.setObjectName("liveReadout")
+        self.readout.setWordWrap(True)
+        self.readout.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        layout.addWidget(self.readout)
+        self.input = InputBar(self)
+        self.input.send_requested.connect(self.send)
+        self.input.stop_requested.connect(self.stop)
+        layout.addWidget(self.input)
+        QShortcut(QKeySequence(Qt.Key.Key_Escape), self, activated=self.stop)
+
+        self._flush_timer = QTimer(self, singleShot=True, interval=FLUSH_MS)
+        self._flush_timer.timeout.connect(self._flush)
+        w = client.worker
+        w.token.connect(self._on_token)
+        w.live_stats.connect(self._on_live_stats)
+        w.finished.connect(self._on_finished)
+        w.failed.connect(self._on_failed)
+        w.token_count.connect(self._on_token_count)
+        w.loaded.connect(self._on_model_loaded)
+        w.load_failed.connect(self._on_model_event)
+        w.loading.connect(self._on_model_event)
+        self._sync_ready()
+        self._set_readout_idle()
+
+    def _build_header(self) -> QWidget:
+        header = QFrame(self)
+        header.setObjectName("chatHeader")
+        row = QHBoxLayout(header)
+        row.setContentsMargins(16, 8, 12, 8)
+        self.title_label = QLabel("New chat", header)
+        self.title_label.setObjectName("chatTitle")
+        row.addWidget(self.title_label, 1)
+        self.context_label = QLabel(header)
+        self.context_label.setObjectName("contextLabel")
+        self.context_label.setToolTip("Tokens this conversation uses of the model's context window")
+        row.addWidget(self.context_label)
+        self.context_bar = QProgressBar(header)
+        self.context_bar.setObjectName("contextBar")
+        self.context_bar.setTextVisible(False)
+        self.context_bar.setFixedWidth(110)
+        self.context_bar.setRange(0, 1000)
+        row.addWidget(self.context_bar)
+        self.settings_button = QPushButton("Chat settings", header)
+        self.settings_button.setObjectName("chatSettingsButton")
+        self.settings_button.setToolTip("System prompt and sampling for this conversation")
+        self.settings_button.clicked.connect(self.open_conversation_settings)
+        row.addWidget(self.settings_button)
+        return header
+
+    # -- conversations -------------------------------------------------------------------
+    def open_conversation(self, conversation_id: int | None) -> None:
+        if self.conversation is not None and conversation_id == self.conversation.id:
+            return
+        self.stop()
+        self._finish_edit()
+        self.banner.hide()
+        self.conversation = self.storage.conversation(conversation_id) if conversation_id else None
+        self._reload_view()
+        self.settings["ui.last_conversation"] = self.conversation.id if self.conversation else None
+
+    def new_conversation(self) -> None:
+        self.stop()
+        self._finish_edit()
+        self.banner.hide()
+        self.conversation = None
+        self._reload_view()
+        self.input.edit.setFocus()
+
+    def forget(self, conversation_id: int) -> None:
+        """The conversation was deleted elsewhere (the sidebar)."""
+        if self.conversation and self.conversation.id == conversation_id:
+            self.stop()
+            self._detach_answer()
+            self.conversation = None
+            self._reload_view()
+
+    def refresh_title(self) -> None:
+        if self.conversation:
+            self.conversation = self.storage.conversation(self.conversation.id)
+        self.title_label.setText(self.conversation.title if self.conversation else "New chat")
+
+    def _reload_view(self) -> None:
+        self.view.clear()
+        model = self._model_name()
+        if self.conversation is not None:
+            for m in self.storage.messages(self.conversation.id):
+                if m.role != "system":
+                    self.view.add_message(m.id, m.role, m.content, m.status, m.stats, m.created_at, model)
+        self.refresh_title()
+        self.view.update_actions(self.client.busy)
+        self.view.scroll_to_bottom()
+        self._ctx_used = 0 if self.conversation is None else None
+        self._update_context()
+        self._recount()
+
+    def _ensure_conversation(self, first_text: str) -> Conversation:
+        if self.conversation is None:
+            self.conversation = self.storage.create_conversation(
+                title_from(first_text), system_prompt=self.settings["chat.system_prompt"],
+                sampling=self.settings.sampling_defaults(), model=self.settings["model.active"])
+            self.settings["ui.last_conversation"] = self.conversation.id
+            self.refresh_title()
+        return self.conversation
+
+    # -- sending -------------------------------------------------------------------------
+    def send(self, text: str) -> None:
+        if self.client.busy:
+            return
+        conv = self._ensure_conversation(text)
+        if self._editing_id is not None:
+            self.storage.delete_messages_from(conv.id, self._editing_id)
+            self._finish_edit()
+            self._reload_view()
+        self.banner.hide()
+        if conv.title == "New chat" and not self.storage.messages(conv.id):
+            self.storage.rename_conversation(conv.id, title_from(text))
+            self.refresh_title()
+        msg = self.storage.add_message(conv.id, "user", text)
+        self.view.add_message(msg.id, "user", text, created_at=msg.created_at)
+        self.conversations_changed.emit(conv.id)
+        self._start_answer()
+
+    def regenerate(self, message_id: int) -> None:
+        """Replace the last answer with a fresh one."""
+        if self.client.busy or self.conversation is None:
+            return
+        last = self.view.last()
+        if last is None or last.message_id != message_id or last.role != "assistant":
+            return
+        self.storage.delete_messages_from(self.conversation.id, message_id)
+        self._reload_view()
+        self._start_answer()
+
+    def begin_edit(self, message_id: int) -> None:
+        if self.client.busy or self.conversation is None:
+            return
+        msg = self.storage.message(message_id)
+        if msg is None or msg.role != "user":
+            return
+        self._editing_id = message_id
+        self.input.edit.setPlainText(msg.content)
+        self.input.edit.setFocus()
+        self.banner.show_message("Editing a message: sending replaces it and every message after it.",
+                                 "info", "Cancel edit", self._cancel_edit)
+
+    def _cancel_edit(self) -> None:
+        self._finish_edit()
+        self.input.edit.clear()
+        self.banner.hide()
+
+    def _finish_edit(self) -> None:
+        self._editing_id = None
+
+    def stop(self) -> None:
+        if self.client.busy:
+            self.client.stop()
+
+    def close_out(self) -> None:
+        """The window is closing: stop, and keep the partial answer as stopped, not interrupted."""
+        self.stop()
+        if self._answer_id is not None:
+            self._dirty = True
+            self._flush()
+            self.storage.update_message(self._answer_id, status=STOPPED)
+            self._detach_answer()
+
+    def _chat_messages(self) -> list[dict]:
+        conv = self.conversation
+        msgs = []
+        if conv.system_prompt.strip():
+            msgs.append({"role": "system", "content": conv.system_prompt})
+        for m in self.storage.messages(conv.id):
+            if m.role != "system" and m.content:
+                msgs.append(m.as_chat())
+        return msgs
+
+    def _sampling(self) -> dict:
+        params = self.settings.sampling_defaults()
+        params.update({k: v for k, v in (self.conversation.sampling or {}).items() if k in params})
+        return params
+
+    def _start_answer(self) -> None:
+        conv = self.conversation
+        messages = self._chat_messages()
+        answer = self.storage.add_message(conv.id, "assistant", "", status=STREAMING)
+        self._answer_id, self._answer_text, self._dirty = answer.id, "", False
+        self.view.add_message(answer.id, "assistant", "", STREAMING, None, answer.created_at, self._model_name())
+        self._started_at = time.perf_counter()
+        self._request = self.client.generate(messages, self._sampling())
+        self._set_busy(True)
+        self.readout.setText("● Reading the prompt…")
+
+    # -- worker signals ------------------------------------------------------------------
+    def _on_token(self, request_id: int, text: str) -> None:
+        if request_id != self._request:
+            return
+        self._answer_text += text
+        self._dirty = True
+        if not self._flush_timer.isActive():
+            self._flush_timer.start()
+
+    def _flush(self) -> None:
+        if not self._dirty or self._answer_id is None:
+            return
+        self._dirty = False
+        self.storage.update_message(self._answer_id, content=self._answer_text)
+        w = self.view.last()
+        if w is not None and w.message_id == self._answer_id:
+            w.set_text(self._answer_text)
+
+    def _on_live_stats(self, request_id: int, stats: dict) -> None:
+        if request_id == self._request:
+            self.readout.setText("● " + self.live_text(stats))
+            self.readout.setProperty("live", True)
+
+    def _on_finished(self, request_id: int, stats: dict) -> None:
+        if request_id != self._request:
+            return
+        self._flush()
+        reason = stats.get("finish_reason", "stop")
+        status = STOPPED if reason == "cancelled" else COMPLETE
+        self._end_answer(status, stats)
+        self.readout.setText(self.live_text(stats, final=True))
+        if reason == "context_full":
+            self._show_context_full()
+
+    def _on_failed(self, request_id: int, what: str, todo: str) -> None:
+        if request_id != self._request:
+            return
+        self._flush()
+        if self._answer_text:
+            self._end_answer(FAILED, None)
+        else:  # nothing was said: do not keep an empty answer around
+            if self._answer_id is not None and self.conversation is not None:
+                self.storage.delete_messages_from(self.conversation.id, self._answer_id)
+            self._detach_answer()
+            self._reload_view()
+        self._set_readout_idle()
+        show_error(self.window(), "Could not answer", what, todo)
+
+    def _end_answer(self, status: str, stats: dict | None) -> None:
+        self.storage.update_message(self._answer_id, content=self._answer_text, status=status, stats=stats)
+        w = self.view.last()
+        if w is not None and w.message_id == self._answer_id:
+            w.set_text(self._answer_text)
+            w.set_status(status)
+            w.set_stats(stats)
+        if self.conversation is not None:
+            self.conversations_changed.emit(self.conversation.id)
+        self._detach_answer()
+        self._recount()
+
+    def _detach_answer(self) -> None:
+        self._flush_timer.stop()
+        self._request = None
+        self._answer_id = None
+        self._answer_text = ""
+        self._set_busy(False)
+
+    def _set_busy(self, busy: bool) -> None:
+        self.input.set_busy(busy)
+        self.view.update_actions(busy)
+        self.settings_button.setEnabled(not busy)
+        self.busy_changed.emit(busy)
+
+    # -- readouts ------------------------------------------------------------------------
+    @staticmethod
+    def live_text(stats: dict, final: bool = False) -> str:
+        parts = []
+        if stats.get("decode_tok_s") is not None:
+            parts.append(f"decode {fmt.rate(stats['decode_tok_s'])}")
+        if stats.get("prefill_tok_s") is not None:
+            parts.append(f"prompt {fmt.rate(stats['prefill_tok_s'])}")
+        if stats.get("ttft_s") is not None:
+            parts.append(f"first token {fmt.seconds(stats['ttft_s'])}")
+        dense = stats.get("mode") == "dense"
+        hit = None if dense else stats.get("hot_hit_fraction")
+        if dense:
+            parts.append("dense: all neurons computed")
+        elif hit is not None:
+            parts.append(f"GPU served {fmt.percent(hit)} of active neurons")
+        elif stats.get("expected_hot_hit_fraction") is not None:
+            parts.append(f"GPU share ≈{fmt.percent(stats['expected_hot_hit_fraction'])} (expected)")
+        vram, ram = stats.get("mem_vram_bytes", stats.get("vram_bytes")), stats.get("mem_ram_bytes",
+                                                                                     stats.get("ram_bytes"))
+        device = stats.get("mem_device") or stats.get("device")
+        if vram is not None and (vram or stats.get("vram_budget") or (device and device != "cpu")):
+            parts.append(f"VRAM {fmt.gib(vram)} / {fmt.gib(stats.get('vram_budget')) if stats.get('vram_budget') is not None else 'auto'}")
+        if ram is not None:
+            parts.append(f"RAM {fmt.gib(ram)} / {fmt.gib(stats.get('ram_budget')) if stats.get('ram_budget') is not None else 'auto'}")
+        if device:
+            parts.append(fmt.device_name(device))
+        if final and stats.get("finish_reason") == "cancelled":
+            parts.insert(0, "stopped")
+        return " · ".join(parts) if parts else "…"
+
+    def _set_readout_idle(self) -> None:
+        info = self.client.model_info
+        if info:
+            self.readout.setText(f"Ready · {fmt.model_label(info.get('model'))} · {info.get('mode')} mode · "
+                                 f"{fmt.device_name((info.get('memory') or {}).get('device'))}")
+        else:
+            self.readout.setText("")
+
+    def _model_name(self) -> str:
+        info = self.client.model_info
+        return fmt.model_label(info.get("model") if info else self.settings["model.active"])
+
+    def _recount(self) -> None:
+        if self.conversation is not None and self.client.model_info:
+            self.client.count_tokens(self.conversation.id, self._chat_messages())
+
+    def _on_token_count(self, tag: int, used: int, total: int) -> None:
+        if self.conversation is not None and tag == self.conversation.id:
+            self._ctx_used, self._ctx_total = used, total
+            self._update_context()
+
+    def _update_context(self) -> None:
+        total = self._ctx_total or (self.client.model_info or {}).get("ctx")
+        if not total:
+            self.context_label.setText("")
+            self.context_bar.hide()
+            return
+        self._ctx_total = total
+        used = self._ctx_used
+        self.context_bar.show()
+        if used is None:
+            self.context_label.setText(f"… / {total:,} tokens")
+            self.context_bar.setValue(0)
+            return
+        frac = min(1.0, used / total)
+        self.context_label.setText(f"{used:,} / {total:,} tokens")
+        self.context_bar.setValue(int(frac * 1000))
+        level = "full" if frac >= 0.98 else ("warn" if frac >= CONTEXT_WARN else "")
+        self.context_bar.setProperty("level", level)
+        self.context_bar.style().unpolish(self.context_bar)
+        self.context_bar.style().polish(self.context_bar)
+        if level == "full":
+            self._show_context_full()
+        elif level == "warn" and not self.banner.isVisible():
+            self.banner.show_message(
+                f"This conversation uses {frac:.0%} of the context window; answers will be cut short "
+                "soon. Start a new chat for a new topic.", "warn", "New chat", self.new_conversation)
+
+    def _show_context_full(self) -> None:
+        total = self._ctx_total or (self.client.model_info or {}).get("ctx") or 0
+        self.banner.show_message(
+            f"The conversation has filled the model's context window ({total:,} tokens), so the model "
+            "cannot read any more of it. Start a new chat, or raise the context length in the panel "
+            "(this reloads the model; the conversation is kept).", "error", "New chat", self.new_conversation)
+
+    def _on_model_loaded(self, info: dict) -> None:
+        self._ctx_total = info.get("ctx")
+        self._update_context()
+        self._sync_ready()
+        self._set_readout_idle()
+        self._recount()
+
+    def _on_model_event(self, *_args) -> None:
+        self._sync_ready()
+
+    def _sync_ready(self) -> None:
+        if self.client.model_info:
+            self.input.set_ready(True)
+        elif self.client.loading_model:
+            self.input.set_ready(False, f"Loading {self.client.loading_model}… you can type meanwhile")
+        else:
+            self.input.set_ready(False, "No model loaded: choose one on the Models page")
+
+    # -- per-conversation settings -------------------------------------------------------
+    def open_conversation_settings(self) -> None:
+        conv = self.conversation
+        prompt = conv.system_prompt if conv else self.settings["chat.system_prompt"]
+        sampling = conv.sampling if conv else self.settings.sampling_defaults()
+        dlg = ConversationSettingsDialog(conv.title if conv else "New chat", prompt, sampling,
+                                         self.settings, self)
+        dlg.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose, True)
+
+        def done() -> None:
+            new_prompt, new_sampling = dlg.values()
+            if self.conversation is not None:
+                self.storage.update_conversation(self.conversation.id, system_prompt=new_prompt,
+                                                 sampling=new_sampling)
+                self.conversation = self.storage.conversation(self.conversation.id)
+                self._recount()
+            elif not dlg.save_defaults.isChecked():
+                # Settings for a chat not yet started: create it now so they are kept.
+                self.conversation = self.storage.create_conversation(
+                    "New chat", system_prompt=new_prompt, sampling=new_sampling,
+                    model=self.settings["model.active"])
+                self.refresh_title()
+                self.conversations_changed.emit(self.conversation.id)
+
+        dlg.accepted.connect(done)
+        dlg.open()

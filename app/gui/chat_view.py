@@ -1,0 +1,211 @@
+"""The scrolling conversation: one `MessageWidget` per message, newest at the bottom.
+
+The view sticks to the bottom while an answer streams, unless the user has scrolled up to
+read, in which case it leaves them where they are.
+"""
+
+from __future__ import annotations
+
+import time
+
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QPushButton, QScrollArea, QSizePolicy,
+                               QVBoxLayout, QWidget)
+
+from app.storage import COMPLETE, FAILED, INTERRUPTED, STOPPED, STREAMING
+
+from . import formatting as fmt
+from .markdown_view import MarkdownView
+
+COLUMN_MAX_WIDTH = 860
+
+_STATUS_TEXT = {
+    STREAMING: ("generating…", "streaming"),
+    STOPPED: ("stopped", "stopped"),
+    INTERRUPTED: ("interrupted: the app closed before this answer finished", "interrupted"),
+    FAILED: ("failed", "failed"),
+}
+
+
+class MessageWidget(QFrame):
+    """One message: who, the Markdown body, stats and actions."""
+
+    edit_requested = Signal(int)
+    regenerate_requested = Signal(int)
+
+    def __init__(self, message_id: int, role: str, text: str, status: str = COMPLETE,
+                 stats: dict | None = None, created_at: float | None = None, model: str = "",
+                 parent: QWidget | None = None):
+        super().__init__(parent)
+        self.message_id = message_id
+        self.role = role
+        self.setObjectName("userMessage" if role == "user" else "assistantMessage")
+        self.setAttribute(Qt.WidgetAttribute.WA_StyledBackground, True)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(16, 10, 16, 10)
+        layout.setSpacing(6)
+
+        header = QHBoxLayout()
+        header.setSpacing(8)
+        who = QLabel("You" if role == "user" else (model or "Assistant"), self)
+        who.setObjectName("messageRole")
+        header.addWidget(who)
+        when = QLabel(time.strftime("%H:%M", time.localtime(created_at or time.time())), self)
+        when.setObjectName("messageTime")
+        header.addWidget(when)
+        self.status_label = QLabel(self)
+        self.status_label.setObjectName("messageStatus")
+        header.addWidget(self.status_label)
+        header.addStretch(1)
+        layout.addLayout(header)
+
+        self.body = MarkdownView(self)
+        layout.addWidget(self.body)
+
+        footer = QHBoxLayout()
+        footer.setSpacing(4)
+        self.stats_label = QLabel(self)
+        self.stats_label.setObjectName("messageStats")
+        self.stats_label.setWordWrap(True)
+        footer.addWidget(self.stats_label, 1)
+        self.copy_button = self._action("Copy", "Copy the whole message as Markdown", self._copy)
+        footer.addWidget(self.copy_button)
+        self.edit_button = self._action("Edit", "Edit this message and send it again (answers after it are replaced)",
+                                        lambda: self.edit_requested.emit(self.message_id))
+        self.regen_button = self._action("Regenerate", "Answer this again",
+                                         lambda: self.regenerate_requested.emit(self.message_id))
+        footer.addWidget(self.edit_button)
+        footer.addWidget(self.regen_button)
+        layout.addLayout(footer)
+
+        self.edit_button.setVisible(role == "user")
+        self.regen_button.setVisible(False)
+        self.set_text(text)
+        self.set_status(status)
+        self.set_stats(stats)
+
+    def _action(self, text: str, tip: str, slot) -> QPushButton:
+        b = QPushButton(text, self)
+        b.setObjectName("messageAction")
+        b.setToolTip(tip)
+        b.setCursor(Qt.CursorShape.PointingHandCursor)
+        b.clicked.connect(slot)
+        return b
+
+    def text(self) -> str:
+        return self.body.text()
+
+    def set_text(self, text: str) -> None:
+        self.body.set_markdown(text)
+
+    def set_status(self, status: str) -> None:
+        self.status = status
+        label, kind = _STATUS_TEXT.get(status, ("", ""))
+        self.status_label.setText(label)
+        self.status_label.setProperty("kind", kind)
+        self.status_label.style().unpolish(self.status_label)
+        self.status_label.style().polish(self.status_label)
+        self.status_label.setVisible(bool(label))
+        self.copy_button.setEnabled(status != STREAMING)
+
+    def set_stats(self, stats: dict | None) -> None:
+        self.stats_label.setText(fmt.message_stats(stats) if self.role == "assistant" else "")
+
+    def set_actions_enabled(self, can_regenerate: bool, can_edit: bool) -> None:
+        self.regen_button.setVisible(can_regenerate and self.role == "assistant")
+        self.edit_button.setVisible(self.role == "user")
+        self.edit_button.setEnabled(can_edit)
+
+    def _copy(self) -> None:
+        QGuiApplication.clipboard().setText(self.text())
+        self.copy_button.setText("Copied ✓")
+        QTimer.singleShot(1500, lambda: self.copy_button.setText("Copy"))
+
+
+class ChatView(QScrollArea):
+    """All messages of the open conversation."""
+
+    edit_requested = Signal(int)
+    regenerate_requested = Signal(int)
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("chatView")
+        self.setWidgetResizable(True)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        canvas = QWidget(self)
+        canvas.setObjectName("chatCanvas")
+        outer = QHBoxLayout(canvas)
+        outer.setContentsMargins(16, 16, 16, 16)
+        self.column = QWidget(canvas)
+        self.column.setMaximumWidth(COLUMN_MAX_WIDTH)
+        self.column.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
+        self._layout = QVBoxLayout(self.column)
+        self._layout.setContentsMargins(0, 0, 0, 0)
+        self._layout.setSpacing(12)
+        self.empty_label = QLabel(self.column)
+        self.empty_label.setObjectName("emptyChat")
+        self.empty_label.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.empty_label.setWordWrap(True)
+        self._layout.addWidget(self.empty_label)
+        self._layout.addStretch(1)
+        outer.addStretch(0)
+        outer.addWidget(self.column, 1)
+        outer.addStretch(0)
+        self.setWidget(canvas)
+        self._messages: list[MessageWidget] = []
+        self._stick = True
+        self.verticalScrollBar().valueChanged.connect(self._on_scrolled)
+        self.verticalScrollBar().rangeChanged.connect(self._on_range)
+        self.set_empty_text("")
+
+    # -- content -------------------------------------------------------------------------
+    def set_empty_text(self, text: str) -> None:
+        self.empty_label.setText(text)
+        self.empty_label.setVisible(not self._messages and bool(text))
+
+    def clear(self) -> None:
+        for w in self._messages:
+            w.setParent(None)
+            w.deleteLater()
+        self._messages.clear()
+        self._stick = True
+        self.empty_label.setVisible(bool(self.empty_label.text()))
+
+    def add_message(self, message_id: int, role: str, text: str, status: str = COMPLETE,
+                    stats: dict | None = None, created_at: float | None = None, model: str = "") -> MessageWidget:
+        w = MessageWidget(message_id, role, text, status, stats, created_at, model, self.column)
+        w.edit_requested.connect(self.edit_requested)
+        w.regenerate_requested.connect(self.regenerate_requested)
+        self._layout.insertWidget(self._layout.count() - 1, w)
+        self._messages.append(w)
+        self.empty_label.hide()
+        self._stick = True
+        return w
+
+    def messages(self) -> list[MessageWidget]:
+        return list(self._messages)
+
+    def last(self) -> MessageWidget | None:
+        return self._messages[-1] if self._messages else None
+
+    def update_actions(self, busy: bool) -> None:
+        """Regenerate only on the last answer, and nothing while an answer is streaming."""
+        for i, w in enumerate(self._messages):
+            w.set_actions_enabled(can_regenerate=(not busy and i == len(self._messages) - 1),
+                                  can_edit=not busy)
+
+    # -- scrolling -----------------------------------------------------------------------
+    def _on_scrolled(self, value: int) -> None:
+        bar = self.verticalScrollBar()
+        self._stick = value >= bar.maximum() - 24
+
+    def _on_range(self, _lo: int, hi: int) -> None:
+        if self._stick:
+            self.verticalScrollBar().setValue(hi)
+
+    def scroll_to_bottom(self) -> None:
+        self._stick = True
+        self.verticalScrollBar().setValue(self.verticalScrollBar().maximum())

@@ -1,0 +1,136 @@
+"""The sidebar: New chat, search, and the conversations (rename, delete from the menu)."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtWidgets import (QAbstractItemView, QFrame, QLineEdit, QListWidget, QListWidgetItem, QMenu,
+                               QMessageBox, QPushButton, QVBoxLayout, QWidget)
+
+from app.storage import Storage
+
+ID_ROLE = Qt.ItemDataRole.UserRole
+
+
+class ConversationList(QFrame):
+    selected = Signal(int)          # a conversation was chosen
+    new_requested = Signal()
+    deleted = Signal(int)
+    renamed = Signal(int, str)
+
+    def __init__(self, storage: Storage, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("sidebar")
+        self.storage = storage
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(10, 10, 10, 10)
+        layout.setSpacing(8)
+        self.new_button = QPushButton("+  New chat", self)
+        self.new_button.setObjectName("newChat")
+        self.new_button.setToolTip("Start a new conversation (Ctrl+N)")
+        self.new_button.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.new_button.clicked.connect(self.new_requested)
+        layout.addWidget(self.new_button)
+        self.search = QLineEdit(self)
+        self.search.setObjectName("search")
+        self.search.setPlaceholderText("Search conversations")
+        self.search.setClearButtonEnabled(True)
+        layout.addWidget(self.search)
+        self.list = QListWidget(self)
+        self.list.setObjectName("conversations")
+        self.list.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+        self.list.setEditTriggers(QAbstractItemView.EditTrigger.EditKeyPressed
+                                  | QAbstractItemView.EditTrigger.DoubleClicked)
+        self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.list.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.list.customContextMenuRequested.connect(self._menu)
+        self.list.currentItemChanged.connect(self._current_changed)
+        self.list.itemChanged.connect(self._item_changed)
+        layout.addWidget(self.list, 1)
+        self.empty = QPushButton("No conversations match", self)
+        self.empty.setObjectName("emptySearch")
+        self.empty.setFlat(True)
+        self.empty.setEnabled(False)
+        self.empty.hide()
+        layout.addWidget(self.empty)
+        # Search as you type, without a database query per keystroke.
+        self._debounce = QTimer(self, singleShot=True, interval=150)
+        self._debounce.timeout.connect(lambda: self.refresh(self.current_id()))
+        self.search.textChanged.connect(lambda _t: self._debounce.start())
+        self._filling = False
+
+    def current_id(self) -> int | None:
+        item = self.list.currentItem()
+        return item.data(ID_ROLE) if item else None
+
+    def refresh(self, select_id: int | None = None) -> None:
+        """Reload from the database, keeping (or setting) the selection without re-emitting it."""
+        self._filling = True
+        try:
+            self.list.clear()
+            query = self.search.text()
+            for conv in self.storage.conversations(query):
+                item = QListWidgetItem(conv.title)
+                item.setData(ID_ROLE, conv.id)
+                item.setToolTip(conv.title)
+                item.setFlags(item.flags() | Qt.ItemFlag.ItemIsEditable)
+                self.list.addItem(item)
+                if conv.id == select_id:
+                    self.list.setCurrentItem(item)
+            self.empty.setVisible(self.list.count() == 0 and bool(query.strip()))
+        finally:
+            self._filling = False
+
+    def select(self, conversation_id: int | None) -> None:
+        self.refresh(conversation_id)
+
+    def rename(self, conversation_id: int) -> None:
+        for i in range(self.list.count()):
+            item = self.list.item(i)
+            if item.data(ID_ROLE) == conversation_id:
+                self.list.editItem(item)
+
+    def confirm_delete(self, conversation_id: int) -> None:
+        conv = self.storage.conversation(conversation_id)
+        if conv is None:
+            return
+        answer = QMessageBox.question(
+            self, "Delete conversation",
+            f"Delete “{conv.title}” and all its messages? This cannot be undone.",
+            QMessageBox.StandardButton.Delete | QMessageBox.StandardButton.Cancel,
+            QMessageBox.StandardButton.Cancel)
+        if answer == QMessageBox.StandardButton.Delete:
+            self.delete(conversation_id)
+
+    def delete(self, conversation_id: int) -> None:
+        self.storage.delete_conversation(conversation_id)
+        self.refresh(None)
+        self.deleted.emit(conversation_id)
+
+    def _menu(self, pos) -> None:
+        item = self.list.itemAt(pos)
+        if item is None:
+            return
+        cid = item.data(ID_ROLE)
+        menu = QMenu(self)
+        menu.addAction("Rename", lambda: self.rename(cid))
+        menu.addAction("Delete…", lambda: self.confirm_delete(cid))
+        menu.exec(self.list.viewport().mapToGlobal(pos))
+
+    def _current_changed(self, current: QListWidgetItem | None, _previous) -> None:
+        if current is not None and not self._filling:
+            self.selected.emit(current.data(ID_ROLE))
+
+    def _item_changed(self, item: QListWidgetItem) -> None:
+        if self._filling:
+            return
+        cid = item.data(ID_ROLE)
+        title = " ".join(item.text().split())
+        if not title:
+            conv = self.storage.conversation(cid)
+            self._filling = True
+            item.setText(conv.title if conv else "Untitled")
+            self._filling = False
+            return
+        self.storage.rename_conversation(cid, title)
+        self.renamed.emit(cid, title)

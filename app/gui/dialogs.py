@@ -1,0 +1,117 @@
+"""Dialogs: errors (what happened, what to do), per-conversation settings, the welcome."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import (QCheckBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QLabel,
+                               QMessageBox, QPlainTextEdit, QSpinBox, QVBoxLayout, QWidget)
+
+from app.settings import SAMPLING_KEYS, Settings
+
+
+def show_error(parent: QWidget | None, title: str, what: str, todo: str) -> QMessageBox:
+    """A non-blocking error dialog; the rest of the window keeps working behind it."""
+    box = QMessageBox(QMessageBox.Icon.Warning, title, what, QMessageBox.StandardButton.Ok, parent)
+    box.setObjectName("errorDialog")
+    box.setInformativeText(todo)
+    box.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+    box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose, True)
+    box.open()
+    return box
+
+
+class ConversationSettingsDialog(QDialog):
+    """System prompt and sampling for one conversation."""
+
+    def __init__(self, title: str, system_prompt: str, sampling: dict, settings: Settings,
+                 parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("conversationSettings")
+        self.setWindowTitle(f"Settings for “{title}”")
+        self.settings = settings
+        layout = QVBoxLayout(self)
+        intro = QLabel("These apply to this conversation only. New chats start from the defaults.", self)
+        intro.setWordWrap(True)
+        intro.setObjectName("hint")
+        layout.addWidget(intro)
+        form = QFormLayout()
+        self.system_prompt = QPlainTextEdit(system_prompt, self)
+        self.system_prompt.setPlaceholderText("How the assistant should behave (optional)")
+        self.system_prompt.setMinimumHeight(90)
+        form.addRow("System prompt", self.system_prompt)
+        self.fields: dict[str, QSpinBox | QDoubleSpinBox] = {}
+        for key in SAMPLING_KEYS:
+            opt = settings.option(f"chat.{key}")
+            if opt.type is int:
+                box = QSpinBox(self)
+                box.setRange(int(opt.minimum or 0), int(min(opt.maximum or 10**6, 2**31 - 1)))
+            else:
+                box = QDoubleSpinBox(self)
+                box.setDecimals(2)
+                box.setSingleStep(0.05)
+                box.setRange(float(opt.minimum or 0), float(opt.maximum or 100))
+            box.setValue(sampling.get(key, settings[f"chat.{key}"]))
+            box.setToolTip(opt.help)
+            self.fields[key] = box
+            form.addRow(key.replace("_", " ").capitalize(), box)
+        layout.addLayout(form)
+        self.save_defaults = QCheckBox("Also use these for new conversations", self)
+        layout.addWidget(self.save_defaults)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
+                                   | QDialogButtonBox.StandardButton.RestoreDefaults, self)
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        buttons.button(QDialogButtonBox.StandardButton.RestoreDefaults).clicked.connect(self._restore)
+        layout.addWidget(buttons)
+        self.resize(460, 420)
+
+    def _restore(self) -> None:
+        self.system_prompt.setPlainText(self.settings["chat.system_prompt"])
+        for key, box in self.fields.items():
+            box.setValue(self.settings[f"chat.{key}"])
+
+    def values(self) -> tuple[str, dict]:
+        sampling = {key: box.value() for key, box in self.fields.items()}
+        return self.system_prompt.toPlainText().strip(), sampling
+
+    def accept(self) -> None:
+        if self.save_defaults.isChecked():
+            prompt, sampling = self.values()
+            self.settings["chat.system_prompt"] = prompt
+            for key, value in sampling.items():
+                self.settings[f"chat.{key}"] = value
+        super().accept()
+
+
+WELCOME_HTML = """
+<h2>Welcome to Thermocline</h2>
+<p>Thermocline chats with language models on your own machine, faster than their size
+suggests: in these models most feed-forward <i>neurons</i> stay silent for each word, and a
+small <b>hot</b> set fires almost always. Thermocline keeps the hot neurons in GPU memory,
+computes the rarely used <b>cold</b> ones on the CPU, and predicts which will fire so it can skip
+the rest.</p>
+<p><b>The two sliders</b> in the panel on the right set how much <b>VRAM</b> (GPU memory) and
+<b>RAM</b> Thermocline may use. Move one and the neurons are re-placed at once, even while an
+answer is being written: the chart shows the hot share of every layer, and the verdict tells
+you whether the model fits. <i>Restore suggested</i> goes back to what suits this machine.</p>
+<p>A small demo model is ready to try with no network. Bigger, useful models are on the
+<b>Models</b> page, with an estimate of how well each fits this machine.</p>
+"""
+
+
+class WelcomeDialog(QDialog):
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("welcome")
+        self.setWindowTitle("Welcome")
+        layout = QVBoxLayout(self)
+        text = QLabel(WELCOME_HTML, self)
+        text.setWordWrap(True)
+        text.setTextFormat(Qt.TextFormat.RichText)
+        layout.addWidget(text)
+        buttons = QDialogButtonBox(self)
+        buttons.addButton("Start chatting", QDialogButtonBox.ButtonRole.AcceptRole)
+        buttons.accepted.connect(self.accept)
+        layout.addWidget(buttons)
+        self.setMinimumWidth(520)
+        self.resize(560, 420)

@@ -1,0 +1,87 @@
+"""How numbers read in the window: speeds, sizes, shares, durations. Pure functions."""
+
+from __future__ import annotations
+
+GIB = 1024**3
+
+
+def gib(n: float | None) -> str:
+    if n is None:
+        return "—"
+    n = float(n)
+    if n < 1024**3 / 10 and n > 0:
+        return f"{n / 1024**2:.0f} MiB"
+    return f"{n / GIB:.1f} GiB"
+
+
+def size(n: float | None) -> str:
+    if n is None:
+        return "—"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit in ("B", "KiB") else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def rate(tok_s: float | None) -> str:
+    if tok_s is None:
+        return "—"
+    return f"{tok_s:.1f} tok/s" if tok_s < 100 else f"{tok_s:.0f} tok/s"
+
+
+def seconds(s: float | None) -> str:
+    if s is None:
+        return "—"
+    if s < 1:
+        return f"{s * 1000:.0f} ms"
+    if s < 90:
+        return f"{s:.1f} s"
+    m, sec = divmod(int(s), 60)
+    if m < 60:
+        return f"{m} min {sec:02d} s"
+    h, m = divmod(m, 60)
+    return f"{h} h {m:02d} min"
+
+
+def percent(f: float | None) -> str:
+    return "—" if f is None else f"{f * 100:.0f}%"
+
+
+def device_name(device: str | None) -> str:
+    if not device:
+        return "—"
+    if device.startswith("cuda"):
+        return f"GPU ({device})"
+    return "CPU only" if device == "cpu" else device
+
+
+def message_stats(stats: dict | None) -> str:
+    """The one-line summary kept under an answer."""
+    if not stats:
+        return ""
+    parts = []
+    if stats.get("new_tokens") is not None:
+        parts.append(f"{stats['new_tokens']} tokens")
+    if stats.get("decode_tok_s"):
+        parts.append(rate(stats["decode_tok_s"]))
+    if stats.get("prefill_tok_s"):
+        parts.append(f"prompt {rate(stats['prefill_tok_s'])}")
+    if stats.get("ttft_s") is not None:
+        parts.append(f"first token {seconds(stats['ttft_s'])}")
+    if stats.get("hot_hit_fraction") is not None and stats.get("mode") not in ("dense", None):
+        parts.append(f"GPU served {percent(stats['hot_hit_fraction'])} of active neurons")
+    if stats.get("mode"):
+        parts.append(str(stats["mode"]))
+    return " · ".join(parts)
+
+
+def model_label(spec: str | None) -> str:
+    """A model as people read it: a catalogue id as is, a folder by its name."""
+    if not spec:
+        return "—"
+    text = str(spec).rstrip("/\\")
+    if "/" in text and (text.startswith(("/", "~", ".")) or "\\" in text or ":" in text[:3]):
+        return text.replace("\\", "/").rsplit("/", 1)[-1]
+    return text

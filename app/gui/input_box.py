@@ -1,0 +1,99 @@
+"""The prompt box: Enter sends, Shift+Enter starts a new line, it grows with its text."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QKeyEvent
+from PySide6.QtWidgets import QFrame, QHBoxLayout, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
+
+MAX_LINES = 8
+
+
+class PromptEdit(QPlainTextEdit):
+    submitted = Signal()
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("promptEdit")
+        self.setTabChangesFocus(True)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.document().contentsChanged.connect(self._fit)
+        self._fit()
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:  # noqa: N802 - Qt API
+        if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
+            mods = event.modifiers()
+            if not mods & (Qt.KeyboardModifier.ShiftModifier | Qt.KeyboardModifier.AltModifier):
+                self.submitted.emit()
+                return
+            self.insertPlainText("\n")
+            return
+        super().keyPressEvent(event)
+
+    def _fit(self) -> None:
+        lines = min(MAX_LINES, max(1, int(self.document().size().height())))
+        line = self.fontMetrics().lineSpacing()
+        margins = int(self.document().documentMargin() * 2) + self.contentsMargins().top() + \
+            self.contentsMargins().bottom() + 4
+        self.setFixedHeight(lines * line + margins)
+
+
+class InputBar(QFrame):
+    """Prompt box plus one button that reads Send, or Stop while an answer streams."""
+
+    send_requested = Signal(str)
+    stop_requested = Signal()
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("inputBar")
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(12, 8, 8, 8)
+        row = QHBoxLayout()
+        row.setSpacing(8)
+        self.edit = PromptEdit(self)
+        self.edit.setPlaceholderText("Message the model  (Enter to send, Shift+Enter for a new line)")
+        self.edit.submitted.connect(self._submit)
+        self.button = QPushButton("Send", self)
+        self.button.setObjectName("sendButton")
+        self.button.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.button.clicked.connect(self._clicked)
+        row.addWidget(self.edit, 1)
+        row.addWidget(self.button, 0, Qt.AlignmentFlag.AlignBottom)
+        outer.addLayout(row)
+        self._busy = False
+        self._ready = True
+        self._sync()
+
+    def set_busy(self, busy: bool) -> None:
+        self._busy = busy
+        self._sync()
+
+    def set_ready(self, ready: bool, why: str = "") -> None:
+        """Whether a model is loaded; `why` replaces the placeholder when it is not."""
+        self._ready = ready
+        self.edit.setPlaceholderText(
+            "Message the model  (Enter to send, Shift+Enter for a new line)" if ready else why)
+        self._sync()
+
+    def _sync(self) -> None:
+        self.button.setText("Stop" if self._busy else "Send")
+        self.button.setProperty("stop", self._busy)
+        self.button.style().unpolish(self.button)
+        self.button.style().polish(self.button)
+        self.button.setToolTip("Stop the answer (Esc)" if self._busy else "Send (Enter)")
+        self.button.setEnabled(self._busy or self._ready)
+
+    def _clicked(self) -> None:
+        if self._busy:
+            self.stop_requested.emit()
+        else:
+            self._submit()
+
+    def _submit(self) -> None:
+        if self._busy or not self._ready:
+            return
+        text = self.edit.toPlainText().strip()
+        if text:
+            self.edit.clear()
+            self.send_requested.emit(text)

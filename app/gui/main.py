@@ -1,0 +1,70 @@
+"""Start the window: `run_window(argv) -> exit code` (called by `thermocline` with no subcommand)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from PySide6.QtGui import QIcon
+from PySide6.QtWidgets import QApplication
+
+import resources
+
+log = logging.getLogger(__name__)
+
+RESOURCES = Path(resources.__file__).parent
+
+
+def stylesheet() -> str:
+    try:
+        return (RESOURCES / "styles" / "thermocline.qss").read_text(encoding="utf-8")
+    except OSError:  # a missing style is ugly, not fatal
+        log.warning("stylesheet missing; using the platform style")
+        return ""
+
+
+def app_icon() -> QIcon:
+    return QIcon(str(RESOURCES / "icons" / "thermocline.svg"))
+
+
+def make_application(argv: list[str] | None = None) -> QApplication:
+    app = QApplication.instance() or QApplication(list(argv if argv is not None else sys.argv[:1]))
+    app.setApplicationName("Thermocline")
+    app.setOrganizationName("Thermocline")
+    app.setApplicationDisplayName("Thermocline")
+    app.setDesktopFileName("thermocline")
+    app.setWindowIcon(app_icon())
+    app.setStyle("Fusion")  # the stylesheet is written against Fusion on every platform
+    app.setStyleSheet(stylesheet())
+    return app
+
+
+def build_window(storage=None, settings=None, show_welcome: bool = True):
+    """The main window over the user's (or the given) database and settings, not yet shown."""
+    from app.settings import Settings
+    from app.storage import Storage
+
+    from .main_window import MainWindow
+
+    return MainWindow(storage or Storage(), settings or Settings(), show_welcome=show_welcome)
+
+
+def run_window(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = make_application(argv)
+    try:
+        window = build_window()
+    except Exception as exc:  # noqa: BLE001 - e.g. an unreadable database: say so, do not crash silently
+        from PySide6.QtWidgets import QMessageBox
+
+        log.exception("could not start")
+        QMessageBox.critical(None, "Thermocline cannot start",
+                             f"{exc}\n\nCheck that the data folder is writable, or set THERMOCLINE_DATA_DIR "
+                             "to another folder.")
+        return 1
+    window.show()
+    window.start()
+    code = app.exec()
+    window.storage.close()
+    return code

@@ -1,0 +1,184 @@
+"""Markdown for chat messages: prose through Qt's own Markdown renderer, code blocks as
+widgets with a language tag and a Copy button.
+
+A message is split into prose and fenced code segments; each segment is one widget. While an
+answer streams, only the last segment changes, so only that widget re-renders: the cost of
+a flush stays flat however long the answer gets. An unclosed fence at the end is a code block
+still being written.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtGui import QFontDatabase, QGuiApplication, QTextOption
+from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QSizePolicy,
+                               QVBoxLayout, QWidget)
+
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})\s*([^\s`]*)")
+
+
+@dataclass
+class Segment:
+    kind: str  # "prose" | "code"
+    text: str
+    lang: str = ""
+    closed: bool = True
+
+
+def split_markdown(text: str) -> list[Segment]:
+    """Prose and fenced code blocks, in order (code text without its fences)."""
+    segments: list[Segment] = []
+    prose: list[str] = []
+    code: list[str] | None = None
+    fence = ""
+    lang = ""
+    for line in text.split("\n"):
+        if code is None:
+            m = _FENCE.match(line)
+            if m:
+                if prose and "".join(prose).strip():
+                    segments.append(Segment("prose", "\n".join(prose).strip("\n")))
+                prose = []
+                fence, lang, code = m.group(1), m.group(2), []
+            else:
+                prose.append(line)
+        else:
+            stripped = line.strip()
+            if stripped.startswith(fence[0] * len(fence)) and set(stripped) == {fence[0]}:
+                segments.append(Segment("code", "\n".join(code), lang, True))
+                code = None
+            else:
+                code.append(line)
+    if code is not None:
+        segments.append(Segment("code", "\n".join(code), lang, False))
+    elif prose and "".join(prose).strip():
+        segments.append(Segment("prose", "\n".join(prose).strip("\n")))
+    return segments
+
+
+def _monospace():
+    return QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont)
+
+
+class ProseLabel(QLabel):
+    """A selectable, word-wrapped block of Markdown prose."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setObjectName("prose")
+        self.setTextFormat(Qt.TextFormat.MarkdownText)
+        self.setWordWrap(True)
+        self.setOpenExternalLinks(True)
+        self.setTextInteractionFlags(Qt.TextInteractionFlag.TextBrowserInteraction)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
+        self._source = None
+
+    def set_source(self, text: str) -> None:
+        if text != self._source:
+            self._source = text
+            self.setText(text)
+
+
+class CodeBlock(QFrame):
+    """A code block: language tag, Copy button, monospace text that scrolls sideways."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setObjectName("codeBlock")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.setSpacing(0)
+        header = QFrame(self)
+        header.setObjectName("codeHeader")
+        hl = QHBoxLayout(header)
+        hl.setContentsMargins(10, 3, 4, 3)
+        self.lang_label = QLabel(header)
+        self.lang_label.setObjectName("codeLang")
+        self.copy_button = QPushButton("Copy", header)
+        self.copy_button.setObjectName("codeCopy")
+        self.copy_button.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.copy_button.setToolTip("Copy this code to the clipboard")
+        self.copy_button.clicked.connect(self.copy)
+        hl.addWidget(self.lang_label)
+        hl.addStretch(1)
+        hl.addWidget(self.copy_button)
+        self.editor = QPlainTextEdit(self)
+        self.editor.setObjectName("codeText")
+        self.editor.setReadOnly(True)
+        self.editor.setFont(_monospace())
+        self.editor.setWordWrapMode(QTextOption.WrapMode.NoWrap)
+        self.editor.setLineWrapMode(QPlainTextEdit.LineWrapMode.NoWrap)
+        self.editor.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.editor.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
+        self.editor.setFrameShape(QFrame.Shape.NoFrame)
+        layout.addWidget(header)
+        layout.addWidget(self.editor)
+        self._code = None
+
+    def set_code(self, code: str, lang: str) -> None:
+        self.lang_label.setText(lang or "code")
+        if code == self._code:
+            return
+        self._code = code
+        self.editor.setPlainText(code)
+        self._fit_height()
+
+    def code(self) -> str:
+        return self._code or ""
+
+    def copy(self) -> None:
+        QGuiApplication.clipboard().setText(self.code())
+        self.copy_button.setText("Copied ✓")
+        QTimer.singleShot(1500, lambda: self.copy_button.setText("Copy"))
+
+    def _fit_height(self) -> None:
+        lines = max(1, self.editor.document().blockCount())
+        metrics = self.editor.fontMetrics()
+        bar = self.editor.horizontalScrollBar().sizeHint().height()
+        margins = int(self.editor.document().documentMargin() * 2) + 6
+        self.editor.setFixedHeight(lines * metrics.lineSpacing() + margins + bar)
+
+
+class MarkdownView(QWidget):
+    """A message body: updates in place, re-rendering only the segments that changed."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self._layout = QVBoxLayout(self)
+        self._layout.setContentsMargins(0, 0, 0, 0)
+        self._layout.setSpacing(8)
+        self._widgets: list[QWidget] = []
+        self._text = ""
+
+    def text(self) -> str:
+        return self._text
+
+    def set_markdown(self, text: str) -> None:
+        if text == self._text and self._widgets:
+            return
+        self._text = text
+        segments = split_markdown(text)
+        for i, seg in enumerate(segments):
+            want = ProseLabel if seg.kind == "prose" else CodeBlock
+            if i < len(self._widgets) and not isinstance(self._widgets[i], want):
+                for w in self._widgets[i:]:
+                    w.deleteLater()
+                del self._widgets[i:]
+            if i >= len(self._widgets):
+                w = want(self)
+                self._layout.addWidget(w)
+                self._widgets.append(w)
+            w = self._widgets[i]
+            if seg.kind == "prose":
+                w.set_source(seg.text)
+            else:
+                w.set_code(seg.text, seg.lang)
+        for w in self._widgets[len(segments):]:
+            w.deleteLater()
+        del self._widgets[len(segments):]
+
+    def code_blocks(self) -> list[CodeBlock]:
+        return [w for w in self._widgets if isinstance(w, CodeBlock)]

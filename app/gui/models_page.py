@@ -1,0 +1,531 @@
+"""The model manager: the catalogue with sizes, licences and fit verdicts for this machine;
+downloads with progress (per file and total, speed, ETA), pause, resume, cancel; delete, open
+folder, add a Hugging Face repo or a local folder; and "Use" to make a model the active one.
+
+The page never blocks: the catalogue scan (hardware probe, folder states, fit estimates)
+runs in the thread pool, downloads on their own threads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from PySide6.QtCore import Qt, QUrl, Signal, Slot
+from PySide6.QtGui import QDesktopServices
+from PySide6.QtWidgets import (QFileDialog, QFrame, QGridLayout, QHBoxLayout, QInputDialog, QLabel,
+                               QMessageBox, QProgressBar, QPushButton, QScrollArea, QSizePolicy, QVBoxLayout,
+                               QWidget)
+
+from app.settings import Settings
+
+from . import formatting as fmt
+from .dialogs import show_error
+from .downloads import DownloadJob
+from .tasks import run_in_background
+from .worker import EngineClient
+
+log = logging.getLogger(__name__)
+
+
+# -- the scan (runs off the GUI thread) --------------------------------------------------
+def _rough_fit(size_bytes: int | None, hw) -> tuple[str, str]:
+    """A verdict from the download size alone, for models whose config we do not have yet."""
+    from models_registry.fit import VERDICT_FITS, VERDICT_HYBRID, VERDICT_NO
+
+    if not size_bytes:
+        return "unknown", "size unknown until downloaded"
+    vram = hw.usable_vram_free
+    if size_bytes <= vram * 0.85:
+        return VERDICT_FITS, "estimate from the download size"
+    cold = max(0, size_bytes - vram) / 2  # cold neurons are stored as 8-bit rows in RAM
+    if cold <= hw.ram_available * 0.85:
+        return VERDICT_HYBRID, "estimate from the download size"
+    return VERDICT_NO, f"needs about {fmt.gib(cold)} of RAM; {fmt.gib(hw.ram_available)} is free"
+
+
+def _folder_size(folder: Path) -> int:
+    try:
+        return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    except OSError:
+        return 0
+
+
+def scan_models(custom: list[str], ctx: int) -> dict:
+    """Every model the page lists, with its state on disk and fit on this machine."""
+    from models_registry.catalogue import load_catalogue
+    from models_registry.fit import estimate_fit
+    from models_registry.hardware import probe_hardware
+    from models_registry.resolve import demo_model_dir, downloaded_model_dir, is_ready
+    from models_registry.state import read_state
+
+    hw = probe_hardware()
+    rows = []
+    seen = set()
+
+    def row(spec: str, folder: Path, *, title: str, repo: str | None, entry=None, local: bool = False) -> dict:
+        state = read_state(folder) or {}
+        has_config = (folder / "config.json").is_file()
+        if has_config and is_ready(folder):
+            status = "ready"
+        elif state.get("status") == "downloading" or (folder.exists() and not has_config and not local):
+            status = "partial"
+        else:
+            status = "absent"
+        size = (entry.size_bytes if entry else None) or state.get("size_bytes")
+        if status == "ready" and not size:
+            size = _folder_size(folder)
+        verdict, reason = _rough_fit(size, hw)
+        if has_config:
+            try:
+                config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+                est = estimate_fit(config, ctx=ctx, hardware=hw, model_dir=folder,
+                                   known_activation=entry.activation if entry else None)
+                verdict, reason = est.verdict, est.reason
+            except Exception as exc:  # noqa: BLE001 - a model we cannot size is still listed
+                verdict, reason = "unknown", str(exc)
+        return {"spec": spec, "title": title, "repo": repo, "folder": str(folder), "status": status,
+                "size": size, "license": entry.license if entry else "see the model card",
+                "params": entry.params if entry else "", "sparsity": entry.sparsity if entry else None,
+                "description": entry.description if entry else ("Local folder" if local else "Added by hand"),
+                "verdict": verdict, "reason": reason, "custom": entry is None, "local": local,
+                "downloadable": repo is not None}
+
+    for entry in load_catalogue():
+        folder = demo_model_dir() if entry.repo is None else downloaded_model_dir(entry.repo)
+        rows.append(row(entry.id, folder, title=entry.id, repo=entry.repo, entry=entry))
+        seen.update({entry.id.lower(), (entry.repo or "").lower()})
+    for spec in custom:
+        if spec.lower() in seen:
+            continue
+        seen.add(spec.lower())
+        path = Path(spec).expanduser()
+        if path.is_absolute():
+            rows.append(row(spec, path, title=path.name, repo=None, local=True))
+        else:
+            rows.append(row(spec, downloaded_model_dir(spec), title=spec, repo=spec))
+    gpu = f"{hw.gpus[0].name} ({fmt.gib(hw.gpus[0].vram_total)})" if hw.gpus else "no NVIDIA GPU"
+    machine = (f"This machine: {fmt.gib(hw.ram_total)} RAM ({fmt.gib(hw.ram_available)} free), {gpu}, "
+               f"{hw.cpu_logical_cores or '?'} CPU threads"
+               + (f", {', '.join(f for f in hw.simd if f.startswith('avx'))}" if hw.simd else ""))
+    return {"rows": rows, "machine": machine}
+
+
+# -- widgets ------------------------------------------------------------------------------
+def _verdict_kind(verdict: str) -> str:
+    v = verdict.lower()
+    if v.startswith("does not") or "not fit" in v:
+        return "bad"
+    if v == "fits":
+        return "good"
+    if v.startswith("fits"):
+        return "ok"
+    return "muted"
+
+
+class ModelCard(QFrame):
+    """One model: facts, state, progress, and the buttons that apply to that state."""
+
+    def __init__(self, page: "ModelsPage", info: dict):
+        super().__init__(page.list_widget)
+        self.page = page
+        self.setObjectName("modelCard")
+        self.info = info
+        grid = QGridLayout(self)
+        grid.setContentsMargins(14, 12, 14, 12)
+        grid.setHorizontalSpacing(10)
+        grid.setVerticalSpacing(4)
+        self.title = QLabel(self)
+        self.title.setObjectName("modelTitle")
+        self.title.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.verdict = QLabel(self)
+        self.verdict.setObjectName("verdictChip")
+        self.state = QLabel(self)
+        self.state.setObjectName("modelState")
+        head = QHBoxLayout()
+        head.addWidget(self.title)
+        head.addWidget(self.verdict)
+        head.addStretch(1)
+        head.addWidget(self.state)
+        grid.addLayout(head, 0, 0, 1, 2)
+        self.facts = QLabel(self)
+        self.facts.setObjectName("facts")
+        self.facts.setWordWrap(True)
+        grid.addWidget(self.facts, 1, 0, 1, 2)
+        self.description = QLabel(self)
+        self.description.setObjectName("hint")
+        self.description.setWordWrap(True)
+        grid.addWidget(self.description, 2, 0, 1, 2)
+        # Progress: total and current file.
+        self.total_bar = QProgressBar(self)
+        self.total_bar.setObjectName("downloadTotal")
+        self.total_bar.setRange(0, 1000)
+        self.file_bar = QProgressBar(self)
+        self.file_bar.setObjectName("downloadFile")
+        self.file_bar.setRange(0, 1000)
+        self.file_bar.setFixedHeight(6)
+        self.file_bar.setTextVisible(False)
+        self.progress_label = QLabel(self)
+        self.progress_label.setObjectName("facts")
+        grid.addWidget(self.total_bar, 3, 0, 1, 2)
+        grid.addWidget(self.file_bar, 4, 0, 1, 2)
+        grid.addWidget(self.progress_label, 5, 0, 1, 2)
+        buttons = QHBoxLayout()
+        buttons.setSpacing(6)
+        self.use_button = self._button("Use", "Load this model (the conversation stays open)", self._use, "primary")
+        self.download_button = self._button("Download", "Download the model files", self._download)
+        self.pause_button = self._button("Pause", "Pause the download", self._pause)
+        self.cancel_button = self._button("Cancel", "Stop the download (finished files are kept)", self._cancel)
+        self.folder_button = self._button("Open folder", "Show the model's files", self._open_folder)
+        self.delete_button = self._button("Delete…", "Delete the downloaded files", self._delete)
+        self.remove_button = self._button("Remove from list", "Forget this added model", self._remove)
+        for b in (self.use_button, self.download_button, self.pause_button, self.cancel_button):
+            buttons.addWidget(b)
+        buttons.addStretch(1)
+        for b in (self.folder_button, self.delete_button, self.remove_button):
+            buttons.addWidget(b)
+        grid.addLayout(buttons, 6, 0, 1, 2)
+        self.update_info(info)
+
+    def _button(self, text: str, tip: str, slot, kind: str = "") -> QPushButton:
+        b = QPushButton(text, self)
+        b.setToolTip(tip)
+        if kind:
+            b.setProperty("kind", kind)
+        b.clicked.connect(slot)
+        return b
+
+    @property
+    def spec(self) -> str:
+        return self.info["spec"]
+
+    def update_info(self, info: dict) -> None:
+        self.info = info
+        params = f" · {info['params']}" if info.get("params") else ""
+        self.title.setText(f"<b>{info['title']}</b>{params}")
+        self.verdict.setText(info["verdict"])
+        self.verdict.setToolTip(info.get("reason", ""))
+        self.verdict.setProperty("kind", _verdict_kind(info["verdict"]))
+        self.verdict.style().unpolish(self.verdict)
+        self.verdict.style().polish(self.verdict)
+        facts = []
+        if info.get("repo"):
+            facts.append(f"<a href='https://huggingface.co/{info['repo']}'>{info['repo']}</a>")
+        elif info.get("local"):
+            facts.append(info["folder"])
+        facts.append(f"size {fmt.size(info['size'])}" if info.get("size") else "size unknown")
+        facts.append(f"licence: {info['license']}")
+        if info.get("sparsity"):
+            facts.append(f"{info['sparsity']:.0%} of FFN activations are zero")
+        if info.get("reason"):
+            facts.append(info["reason"])
+        self.facts.setText(" · ".join(facts))
+        self.facts.setOpenExternalLinks(True)
+        self.description.setText(info.get("description", ""))
+        self.sync()
+
+    def sync(self) -> None:
+        """Show the state and the buttons that make sense in it."""
+        info = self.info
+        job = self.page.jobs.get(self.spec)
+        active = self.page.active_spec() == self.spec
+        loading = self.page.client.loading_model == self.spec
+        ready = info["status"] == "ready"
+        downloading = job is not None
+        if downloading:
+            state = "Paused" if job.paused else "Downloading…"
+        elif loading:
+            state = "Loading…"
+        elif active and self.page.client.model_info:
+            state = "● In use"
+        elif ready:
+            state = "Ready"
+        elif not info["downloadable"] and not info.get("local"):
+            state = "Not built in this install"
+        elif info["status"] == "partial":
+            state = "Partly downloaded"
+        else:
+            state = "Not downloaded"
+        self.state.setText(state)
+        self.use_button.setVisible(ready and not active and not downloading)
+        self.use_button.setEnabled(not loading)
+        self.download_button.setVisible(info["downloadable"] and not ready and not downloading)
+        self.download_button.setText("Resume download" if info["status"] == "partial" else "Download")
+        self.pause_button.setVisible(downloading)
+        self.pause_button.setText("Resume" if downloading and job.paused else "Pause")
+        self.cancel_button.setVisible(downloading)
+        self.folder_button.setVisible(Path(info["folder"]).exists())
+        self.delete_button.setVisible(info["downloadable"] and Path(info["folder"]).exists() and not downloading)
+        self.remove_button.setVisible(info["custom"] and not downloading and not active)
+        show_progress = downloading
+        for w in (self.total_bar, self.file_bar, self.progress_label):
+            w.setVisible(show_progress)
+
+    def show_event(self, ev: dict) -> None:
+        total, done = ev.get("total") or 0, ev.get("done") or 0
+        if total:
+            self.total_bar.setValue(int(done / total * 1000))
+            self.total_bar.setFormat(f"{fmt.size(done)} of {fmt.size(total)}  ({done / total:.0%})")
+        if ev.get("file_total"):
+            self.file_bar.setValue(int((ev.get("file_done") or 0) / ev["file_total"] * 1000))
+        parts = []
+        if ev.get("filename"):
+            parts.append(f"{ev['filename']}: {fmt.size(ev.get('file_done'))} of {fmt.size(ev.get('file_total'))}")
+        if ev.get("speed_bps"):
+            parts.append(f"{fmt.size(ev['speed_bps'])}/s")
+        if ev.get("eta_s") is not None:
+            parts.append(f"about {fmt.seconds(ev['eta_s'])} left")
+        if ev.get("kind") in ("retry", "corrupt", "paused", "plan") and ev.get("message"):
+            parts.append(ev["message"])
+        self.progress_label.setText(" · ".join(parts))
+
+    # -- actions -------------------------------------------------------------------------
+    def _use(self) -> None:
+        self.page.activate_requested.emit(self.spec)
+
+    def _download(self) -> None:
+        self.page.start_download(self.spec)
+
+    def _pause(self) -> None:
+        job = self.page.jobs.get(self.spec)
+        if job is not None:
+            job.resume() if job.paused else job.pause()
+            self.sync()
+
+    def _cancel(self) -> None:
+        job = self.page.jobs.get(self.spec)
+        if job is not None:
+            job.cancel()
+
+    def _open_folder(self) -> None:
+        QDesktopServices.openUrl(QUrl.fromLocalFile(self.info["folder"]))
+
+    def _delete(self) -> None:
+        self.page.delete_model(self.spec)
+
+    def _remove(self) -> None:
+        self.page.remove_custom(self.spec)
+
+
+class ModelsPage(QWidget):
+    activate_requested = Signal(str)
+
+    def __init__(self, settings: Settings, client: EngineClient, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("modelsPage")
+        self.settings, self.client = settings, client
+        self.jobs: dict[str, DownloadJob] = {}
+        self.cards: dict[str, ModelCard] = {}
+        self._scanning = False
+        self._rescan = False
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(0, 0, 0, 0)
+        outer.setSpacing(0)
+        header = QFrame(self)
+        header.setObjectName("chatHeader")
+        hl = QVBoxLayout(header)
+        hl.setContentsMargins(16, 10, 16, 10)
+        top = QHBoxLayout()
+        title = QLabel("Models", header)
+        title.setObjectName("chatTitle")
+        top.addWidget(title)
+        top.addStretch(1)
+        self.add_repo_button = QPushButton("Add Hugging Face repo…", header)
+        self.add_repo_button.clicked.connect(self.add_repo)
+        self.add_folder_button = QPushButton("Add local folder…", header)
+        self.add_folder_button.clicked.connect(self.add_folder)
+        self.open_dir_button = QPushButton("Models folder", header)
+        self.open_dir_button.setToolTip("Open the folder where downloads are kept")
+        self.open_dir_button.clicked.connect(self._open_models_dir)
+        for b in (self.add_repo_button, self.add_folder_button, self.open_dir_button):
+            top.addWidget(b)
+        hl.addLayout(top)
+        self.machine_label = QLabel("Looking at this machine…", header)
+        self.machine_label.setObjectName("hint")
+        self.machine_label.setWordWrap(True)
+        hl.addWidget(self.machine_label)
+        outer.addWidget(header)
+        scroll = QScrollArea(self)
+        scroll.setObjectName("modelsScroll")
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.list_widget = QWidget(scroll)
+        self.list_widget.setObjectName("chatCanvas")
+        self.list_layout = QVBoxLayout(self.list_widget)
+        self.list_layout.setContentsMargins(16, 12, 16, 16)
+        self.list_layout.setSpacing(10)
+        self.list_layout.addStretch(1)
+        scroll.setWidget(self.list_widget)
+        outer.addWidget(scroll, 1)
+        self.list_widget.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
+        client.worker.loaded.connect(self._on_model_event)
+        client.worker.load_failed.connect(self._on_model_event)
+        client.worker.loading.connect(self._on_model_event)
+
+    def active_spec(self) -> str:
+        return self.settings["model.active"]
+
+    # -- scanning ------------------------------------------------------------------------
+    def refresh(self) -> None:
+        if self._scanning:
+            self._rescan = True
+            return
+        self._scanning = True
+        custom, ctx = list(self.settings["models.custom"]), self.settings["engine.ctx"]
+        run_in_background(lambda: scan_models(custom, ctx), self._on_scan, self._on_scan_failed)
+
+    def _on_scan_failed(self, exc: BaseException) -> None:
+        self._scanning = False
+        self.machine_label.setText(f"Could not read the model catalogue: {exc}")
+
+    def _on_scan(self, result: dict) -> None:
+        self._scanning = False
+        self.machine_label.setText(result["machine"])
+        specs = [r["spec"] for r in result["rows"]]
+        for spec in list(self.cards):
+            if spec not in specs:
+                self.cards.pop(spec).deleteLater()
+        for i, info in enumerate(result["rows"]):
+            card = self.cards.get(info["spec"])
+            if card is None:
+                card = ModelCard(self, info)
+                self.cards[info["spec"]] = card
+            else:
+                card.update_info(info)
+            self.list_layout.insertWidget(i, card)
+        if self._rescan:
+            self._rescan = False
+            self.refresh()
+
+    def _on_model_event(self, *_args) -> None:
+        for card in self.cards.values():
+            card.sync()
+
+    # -- downloads -----------------------------------------------------------------------
+    def start_download(self, spec: str) -> None:
+        if spec in self.jobs:
+            return
+        job = DownloadJob(spec, self)
+        job.event.connect(self._on_event)
+        job.done.connect(self._job_done)
+        job.cancelled.connect(self._job_ended)
+        job.failed.connect(self._job_failed)
+        self.jobs[spec] = job
+        job.start()
+        if spec in self.cards:
+            self.cards[spec].sync()
+            self.cards[spec].progress_label.setText("Asking the Hub for the file list…")
+
+    @Slot(str, dict)
+    def _on_event(self, spec: str, ev: dict) -> None:
+        job = self.jobs.get(spec)
+        if job is not None:
+            job.last_event = ev
+        card = self.cards.get(spec)
+        if card is not None:
+            card.show_event(ev)
+            if ev.get("kind") in ("paused", "resumed"):
+                card.sync()
+
+    @Slot(str, dict)
+    def _job_done(self, spec: str, _result: dict) -> None:
+        self._job_ended(spec)
+
+    @Slot(str)
+    def _job_ended(self, spec: str) -> None:
+        self.jobs.pop(spec, None)
+        self.refresh()
+
+    @Slot(str, str, str)
+    def _job_failed(self, spec: str, what: str, todo: str) -> None:
+        self.jobs.pop(spec, None)
+        self.refresh()
+        show_error(self.window(), "Download failed", what, todo)
+
+    def shutdown(self) -> None:
+        for job in self.jobs.values():
+            job.cancel()
+        for job in self.jobs.values():
+            job.join(2.0)
+
+    # -- adding and removing -------------------------------------------------------------
+    def add_repo(self) -> None:
+        dlg = QInputDialog(self)
+        dlg.setWindowTitle("Add a Hugging Face model")
+        dlg.setLabelText("Repository id (org/name) of a ReLU-family model in safetensors format:")
+        dlg.setTextValue("")
+        dlg.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose, True)
+        dlg.textValueSelected.connect(self._add_repo_id)
+        dlg.open()
+
+    def _add_repo_id(self, text: str) -> None:
+        from models_registry.resolve import is_repo_id
+
+        repo = text.strip()
+        if not is_repo_id(repo):
+            show_error(self.window(), "Not a repository id", f"“{repo}” is not a Hugging Face repository id.",
+                       "Type it as org/name, for example SparseLLM/ReluLLaMA-7B.")
+            return
+        self._add_custom(repo)
+        self.start_download(repo)
+
+    def add_folder(self) -> None:
+        dlg = QFileDialog(self, "Choose a model folder (Hugging Face layout)")
+        dlg.setFileMode(QFileDialog.FileMode.Directory)
+        dlg.setOption(QFileDialog.Option.ShowDirsOnly, True)
+        dlg.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose, True)
+        dlg.fileSelected.connect(self.add_local_folder)
+        dlg.open()
+
+    def add_local_folder(self, path: str) -> None:
+        folder = Path(path).expanduser().resolve()
+        if not (folder / "config.json").is_file():
+            show_error(self.window(), "Not a model folder", f"{folder} has no config.json.",
+                       "Choose the folder that holds config.json, the .safetensors weights and tokenizer.json.")
+            return
+        self._add_custom(str(folder))
+
+    def _add_custom(self, spec: str) -> None:
+        custom = list(self.settings["models.custom"])
+        if spec not in custom:
+            custom.append(spec)
+            self.settings["models.custom"] = custom
+        self.refresh()
+
+    def remove_custom(self, spec: str) -> None:
+        self.settings["models.custom"] = [s for s in self.settings["models.custom"] if s != spec]
+        self.refresh()
+
+    def delete_model(self, spec: str) -> None:
+        card = self.cards.get(spec)
+        if card is None:
+            return
+        if spec == self.active_spec() and self.client.model_info:
+            show_error(self.window(), "Model in use", f"{spec} is the model in use.",
+                       "Use another model first, then delete this one.")
+            return
+        folder = Path(card.info["folder"])
+        box = QMessageBox(QMessageBox.Icon.Question, "Delete model",
+                          f"Delete {spec} ({fmt.size(card.info.get('size'))}) from {folder}?",
+                          QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.Cancel, self)
+        box.setInformativeText("You can download it again later.")
+        box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose, True)
+
+        def answered(button) -> None:
+            if box.standardButton(button) == QMessageBox.StandardButton.Yes:
+                run_in_background(lambda: shutil.rmtree(folder), lambda _r: self.refresh(),
+                                  lambda exc: show_error(self.window(), "Could not delete",
+                                                         f"Deleting {folder} failed: {exc}",
+                                                         "Close programs that use these files and try again."))
+
+        box.buttonClicked.connect(answered)
+        box.open()
+
+    def _open_models_dir(self) -> None:
+        from models_registry import models_dir
+
+        folder = models_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        QDesktopServices.openUrl(QUrl.fromLocalFile(str(folder)))

@@ -1,0 +1,61 @@
+"""Run a short blocking function (hardware probe, fit estimates, folder scans) off the GUI
+thread; its result or error comes back as a queued signal to a callback on the GUI thread."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from PySide6.QtCore import QObject, QRunnable, QThreadPool, Signal, Slot
+
+log = logging.getLogger(__name__)
+
+
+class _Relay(QObject):
+    """Lives on the GUI thread; its slots are the queued receivers of the task's signals."""
+
+    done = Signal(object)
+    failed = Signal(object)
+
+    def __init__(self, on_done, on_error):
+        super().__init__()
+        self.on_done, self.on_error = on_done, on_error
+        self.done.connect(self._done)
+        self.failed.connect(self._failed)
+
+    @Slot(object)
+    def _done(self, result) -> None:
+        _alive.discard(self)
+        self.on_done(result)
+
+    @Slot(object)
+    def _failed(self, exc) -> None:
+        _alive.discard(self)
+        if self.on_error is not None:
+            self.on_error(exc)
+
+
+class _Task(QRunnable):
+    def __init__(self, fn: Callable[[], Any], relay: _Relay):
+        super().__init__()
+        self.fn, self.relay = fn, relay
+
+    def run(self) -> None:
+        try:
+            result = self.fn()
+        except Exception as exc:  # noqa: BLE001 - handed to the caller's on_error
+            log.exception("background task failed")
+            self.relay.failed.emit(exc)
+            return
+        self.relay.done.emit(result)
+
+
+_alive: set[_Relay] = set()  # keep relays alive until their result has been delivered
+
+
+def run_in_background(fn: Callable[[], Any], on_done: Callable[[Any], None],
+                      on_error: Callable[[BaseException], None] | None = None) -> None:
+    """Call `fn()` on the thread pool; then `on_done(result)` or `on_error(exc)` on the GUI thread."""
+    relay = _Relay(on_done, on_error)
+    _alive.add(relay)
+    QThreadPool.globalInstance().start(_Task(fn, relay))

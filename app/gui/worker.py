@@ -1,0 +1,368 @@
+"""The engine's worker: one QObject on its own QThread, the only code that touches the engine.
+
+The pattern is napari's `thread_worker` / GPT4All's chat worker: the GUI thread talks to
+`EngineWorker` only through queued signals (load, generate, count tokens, apply budgets) and
+hears back only through queued signals (progress, tokens, live stats, results, errors). The
+stop flag is a `threading.Event` the GUI sets directly; the engine checks it before every
+token, so a stop lands within one token.
+
+Budget changes have one subtlety: while the worker is inside a generation its event loop is
+busy, so a queued call would wait for the answer to end. Instead the GUI drops the newest
+budgets into a mailbox (latest wins, so a dragged slider coalesces into one solve) and
+also queues `apply_budgets`; the generation loop drains the mailbox between tokens, which is
+exactly when the engine applies a re-placement ("applied at the next token"), and an idle
+worker drains it from the queued call. Either way the answer keeps streaming.
+
+`app/` never touches tensors: everything crossing a signal is plain Python data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any
+
+from PySide6.QtCore import QObject, QThread, Signal, Slot
+
+log = logging.getLogger(__name__)
+
+LIVE_STATS_INTERVAL_S = 0.25
+
+
+def to_plain(obj: Any) -> Any:
+    """A dataclass or attribute object (stats, placement report) as plain dicts and lists."""
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return obj
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(v) for v in obj]
+    if hasattr(obj, "tolist"):  # a numpy array or scalar that slipped into a report
+        return obj.tolist()
+    if hasattr(obj, "__dict__"):
+        return {k: to_plain(v) for k, v in vars(obj).items() if not k.startswith("_")}
+    return str(obj)
+
+
+def explain_error(exc: BaseException, doing: str) -> tuple[str, str]:
+    """(what happened, what to do) for an exception raised while `doing` something."""
+    from engine.errors import BudgetError, ContextFullError, ModelFormatError, UserError
+
+    text = str(exc) or exc.__class__.__name__
+    if isinstance(exc, ModelFormatError):
+        return (f"Could not {doing}: {text}",
+                "The model folder is incomplete or damaged. Delete it in Models and download it "
+                "again, or choose another model.")
+    if isinstance(exc, BudgetError):
+        return (f"Could not {doing}: {text}", "Raise the budgets in the panel, or choose a smaller model.")
+    if isinstance(exc, ContextFullError):
+        return (f"Could not {doing}: {text}",
+                "Start a new chat, or raise the context length in the panel.")
+    if isinstance(exc, UserError):
+        return f"Could not {doing}: {text}", "Check the model and settings, then try again."
+    if isinstance(exc, MemoryError) or "out of memory" in text.lower():
+        return (f"Ran out of memory while trying to {doing}.",
+                "Lower the VRAM or RAM budget, shorten the context length, close other programs, "
+                "or choose a smaller model.")
+    if isinstance(exc, (OSError, ValueError)):
+        return (f"Could not {doing}: {text}",
+                "The model files may be damaged or unreadable. Delete the model in Models and "
+                "download it again, or choose another model.")
+    return (f"Unexpected error while trying to {doing}: {exc.__class__.__name__}: {text}",
+            "This is a bug in Thermocline. Try again; if it repeats, restart the app and report "
+            "the message above.")
+
+
+class EngineWorker(QObject):
+    """Owns the engine. Lives on the worker thread; every slot runs there."""
+
+    # Out (queued to the GUI thread).
+    loading = Signal(float, str)            # fraction 0..1, what is happening
+    loaded = Signal(dict)                   # model info
+    load_failed = Signal(str, str)          # what happened, what to do
+    token = Signal(int, str)                # request id, new text
+    live_stats = Signal(int, dict)          # request id, stats so far
+    finished = Signal(int, dict)            # request id, final stats (with finish_reason)
+    failed = Signal(int, str, str)          # request id, what happened, what to do
+    placement = Signal(dict)                # placement report, as a dict
+    placement_failed = Signal(str)          # why the budgets cannot work (says the minimum)
+    placement_unavailable = Signal(str)     # the engine cannot re-place (yet)
+    token_count = Signal(int, int, int)     # tag, tokens, context length
+
+    def __init__(self):
+        super().__init__()
+        self.engine = None
+        self.model_spec = ""
+        self._budget_lock = threading.Lock()
+        self._pending_budgets: tuple[int | None, int | None] | None = None
+        self._last_placement: dict | None = None
+        self._budgets: tuple[int | None, int | None] = (None, None)
+
+    # -- model ---------------------------------------------------------------------------
+    @Slot(str, dict)
+    def load_model(self, spec: str, options: dict) -> None:
+        self.loading.emit(0.0, f"Loading {spec}…")
+        old, self.engine = self.engine, None
+        del old  # free the previous model's memory before the new one arrives
+        self._last_placement = None
+        mode = options.get("mode", "hybrid")
+        sparse_note = ""
+        try:
+            from engine import Engine  # heavy (torch): imported here, off the GUI thread
+
+            def progress(fraction: float, text: str = "") -> None:
+                self.loading.emit(float(fraction), str(text))
+
+            vram, ram = options.get("vram_budget"), options.get("ram_budget")
+            self._budgets = (vram, ram)
+            kwargs = dict(ctx=int(options.get("ctx", 2048)), vram_budget=vram, ram_budget=ram, progress=progress)
+            try:
+                eng = Engine.load(spec, mode=mode, **kwargs)
+            except Exception as exc:  # noqa: BLE001
+                if mode == "dense":
+                    raise
+                # No predictors, or no sparse runtime in this build: run dense and say why.
+                log.warning("loading %s in %s mode failed (%s); trying dense", spec, mode, exc)
+                eng = Engine.load(spec, mode="dense", **kwargs)
+                sparse_note = f"Running dense: {mode} mode is not available for this model ({exc})."
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a dialog
+            log.exception("loading %s failed", spec)
+            what, todo = explain_error(exc, f"load the model “{spec}”")
+            self.load_failed.emit(what, todo)
+            return
+        self.engine, self.model_spec = eng, spec
+        info = {"model": spec, "ctx": int(getattr(eng, "ctx", options.get("ctx", 2048))),
+                "mode": str(getattr(eng, "mode", options.get("mode", ""))), "memory": self._memory()}
+        for attr in ("n_layers", "path", "name"):
+            if hasattr(eng, attr):
+                info[attr] = to_plain(getattr(eng, attr))
+        info["note"] = sparse_note
+        self.loading.emit(1.0, "Ready")
+        self.loaded.emit(info)
+        self._initial_placement(sparse_note)
+
+    def _initial_placement(self, note: str) -> None:
+        eng = self.engine
+        if not hasattr(eng, "set_budgets"):
+            self.placement_unavailable.emit("This engine build cannot re-place neurons live yet.")
+        elif getattr(eng, "sparse", None) is None and str(getattr(eng, "mode", "")) == "dense":
+            self.placement_unavailable.emit(
+                note or "Dense mode: every neuron is computed on one device, so there is nothing to place. "
+                        "Choose hybrid mode to split hot and cold neurons.")
+        else:
+            with self._budget_lock:
+                if self._pending_budgets is None:
+                    self._pending_budgets = self._budgets
+            self.apply_budgets()
+
+    # -- budgets -------------------------------------------------------------------------
+    def request_budgets(self, vram: int | None, ram: int | None) -> None:
+        """Called on the GUI thread: leave the newest budgets for the worker (latest wins)."""
+        with self._budget_lock:
+            self._pending_budgets = (vram, ram)
+
+    @Slot()
+    def apply_budgets(self) -> None:
+        with self._budget_lock:
+            pending, self._pending_budgets = self._pending_budgets, None
+        if pending is None or self.engine is None:
+            if pending is not None:
+                self._budgets = pending  # remembered for the next load
+            return
+        self._budgets = pending
+        if not hasattr(self.engine, "set_budgets"):
+            self.placement_unavailable.emit("This engine build cannot re-place neurons live yet.")
+            return
+        try:
+            report = self.engine.set_budgets(vram=pending[0], ram=pending[1])
+        except Exception as exc:  # noqa: BLE001
+            from engine.errors import UserError
+
+            if isinstance(exc, UserError):
+                self.placement_failed.emit(str(exc))
+            else:
+                log.exception("re-placement failed")
+                self.placement_failed.emit(explain_error(exc, "re-place the neurons")[0])
+            return
+        self._emit_placement(report)
+
+    def _emit_placement(self, report: Any) -> None:
+        plain = to_plain(report)
+        if not isinstance(plain, dict):
+            return
+        plain["vram_budget"], plain["ram_budget"] = self._budgets
+        self._last_placement = plain
+        self.placement.emit(plain)
+
+    # -- generation ----------------------------------------------------------------------
+    @Slot(int, list)
+    def count_tokens(self, tag: int, messages: list) -> None:
+        if self.engine is None:
+            return
+        try:
+            tok = self.engine.tokenizer
+            n = len(tok.encode(tok.render_chat(messages))) if messages else 0
+        except Exception:  # noqa: BLE001 - a count is advisory; never a dialog
+            log.exception("token count failed")
+            return
+        self.token_count.emit(tag, n, int(getattr(self.engine, "ctx", 0)))
+
+    @Slot(int, list, dict, object)
+    def generate(self, request_id: int, messages: list, params: dict, cancel: threading.Event) -> None:
+        eng = self.engine
+        if eng is None:
+            self.failed.emit(request_id, "No model is loaded.",
+                             "Choose a model on the Models page, or wait for the current one to load.")
+            return
+        start = time.perf_counter()
+        stats: dict[str, Any] = {"new_tokens": 0}
+        try:
+            from engine import SamplingParams
+
+            sampling = SamplingParams(**{k: v for k, v in params.items() if v is not None})
+            last_emit = 0.0
+            first = None
+            for ev in eng.stream(messages, sampling, cancel=cancel):
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                stats["new_tokens"] += 1
+                if ev.text:
+                    self.token.emit(request_id, ev.text)
+                if self._pending_budgets is not None:
+                    self.apply_budgets()  # between tokens: the engine applies it at the next one
+                if now - last_emit >= LIVE_STATS_INTERVAL_S:
+                    last_emit = now
+                    self.live_stats.emit(request_id, self._live(stats, start, first, now))
+                if cancel.is_set():
+                    break
+        except Exception as exc:  # noqa: BLE001
+            from engine.errors import ContextFullError
+
+            if isinstance(exc, ContextFullError):
+                final = {**stats, "finish_reason": "context_full", "error": str(exc)}
+                self.finished.emit(request_id, final)
+                return
+            log.exception("generation failed")
+            what, todo = explain_error(exc, "generate an answer")
+            self.failed.emit(request_id, what, todo)
+            return
+        final = to_plain(getattr(eng, "last_stats", None)) or {}
+        if not isinstance(final, dict):
+            final = {}
+        final.setdefault("new_tokens", stats["new_tokens"])
+        if cancel.is_set():
+            final["finish_reason"] = "cancelled"
+        final.setdefault("finish_reason", "stop")
+        final.update(self._memory_fields())
+        final["elapsed_s"] = time.perf_counter() - start
+        self.finished.emit(request_id, final)
+
+    def _live(self, stats: dict, start: float, first: float | None, now: float) -> dict:
+        live = {"new_tokens": stats["new_tokens"], "elapsed_s": now - start,
+                "mode": str(getattr(self.engine, "mode", ""))}
+        if first is not None:
+            live["ttft_s"] = first - start
+            if stats["new_tokens"] > 1 and now > first:
+                live["decode_tok_s"] = (stats["new_tokens"] - 1) / (now - first)
+        engine_live = getattr(self.engine, "live_stats", None)  # richer figures, if the engine has them
+        if engine_live is not None and not callable(engine_live):
+            live.update({k: v for k, v in (to_plain(engine_live) or {}).items() if v is not None})
+        if self._last_placement and "hot_hit_fraction" not in live:
+            live["expected_hot_hit_fraction"] = self._last_placement.get("hot_hit_fraction")
+        live.update(self._memory_fields())
+        return live
+
+    def _memory(self) -> dict:
+        try:
+            return to_plain(self.engine.memory()) if self.engine is not None else {}
+        except Exception:  # noqa: BLE001 - memory readout is advisory
+            return {}
+
+    def _memory_fields(self) -> dict:
+        mem = self._memory()
+        out = {f"mem_{k}": v for k, v in mem.items()}
+        out["vram_budget"], out["ram_budget"] = self._budgets
+        return out
+
+
+class EngineClient(QObject):
+    """The GUI thread's handle on the worker: starts the thread, forwards calls as signals."""
+
+    _load = Signal(str, dict)
+    _generate = Signal(int, list, dict, object)
+    _count = Signal(int, list)
+    _apply_budgets = Signal()
+
+    def __init__(self, parent: QObject | None = None):
+        super().__init__(parent)
+        self.thread = QThread()
+        self.thread.setObjectName("thermocline-engine")
+        self.worker = EngineWorker()
+        self.worker.moveToThread(self.thread)
+        # Cross-thread connections are queued: the slots run on the worker thread.
+        self._load.connect(self.worker.load_model)
+        self._generate.connect(self.worker.generate)
+        self._count.connect(self.worker.count_tokens)
+        self._apply_budgets.connect(self.worker.apply_budgets)
+        self.worker.loaded.connect(self._on_loaded)
+        self.worker.load_failed.connect(self._on_load_failed)
+        self.worker.finished.connect(self._on_done)
+        self.worker.failed.connect(self._on_done)
+        self.thread.start()
+        self._next_request = 0
+        self._cancel: threading.Event | None = None
+        self.current_request: int | None = None
+        self.loading_model: str | None = None
+        self.model_info: dict | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.current_request is not None
+
+    def load(self, spec: str, *, mode: str, ctx: int, vram_budget: int | None, ram_budget: int | None) -> None:
+        self.stop()  # a model switch ends the answer in progress first
+        self.loading_model = spec
+        self.model_info = None
+        self._load.emit(spec, {"mode": mode, "ctx": ctx, "vram_budget": vram_budget, "ram_budget": ram_budget})
+
+    def generate(self, messages: list[dict], params: dict) -> int:
+        self._next_request += 1
+        self.current_request = self._next_request
+        self._cancel = threading.Event()
+        self._generate.emit(self.current_request, messages, params, self._cancel)
+        return self.current_request
+
+    def stop(self) -> None:
+        if self._cancel is not None:
+            self._cancel.set()  # atomic; the worker sees it before the next token
+
+    def count_tokens(self, tag: int, messages: list[dict]) -> None:
+        self._count.emit(tag, messages)
+
+    def set_budgets(self, vram: int | None, ram: int | None) -> None:
+        self.worker.request_budgets(vram, ram)
+        self._apply_budgets.emit()
+
+    def shutdown(self, timeout_ms: int = 5000) -> None:
+        self.stop()
+        self.thread.quit()
+        if not self.thread.wait(timeout_ms):
+            log.warning("engine thread did not stop within %d ms", timeout_ms)
+
+    @Slot(dict)
+    def _on_loaded(self, info: dict) -> None:
+        self.loading_model = None
+        self.model_info = info
+
+    def _on_load_failed(self, *_args) -> None:
+        self.loading_model = None
+
+    def _on_done(self, request_id: int, *_args) -> None:
+        if request_id == self.current_request:
+            self.current_request = None
+            self._cancel = None

@@ -1,0 +1,96 @@
+"""Shared set-up for the GUI tests: the real window over a temporary database and settings,
+with the real engine loading a tiny random model built by `model_factory`."""
+
+from __future__ import annotations
+
+import os
+import time
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+LOAD_TIMEOUT_MS = 120_000
+
+
+def sparse_engine_available() -> bool:
+    try:
+        import engine.sparse  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_window(qtbot, tmp_path, model_dir, *, mode="dense", max_new_tokens=32, temperature=0.0,
+                start=True, monkeypatch=None):
+    """A MainWindow over fresh storage/settings in tmp_path, loading `model_dir`."""
+    from app.gui.main import make_application
+    from app.gui.main_window import MainWindow
+    from app.settings import Settings
+    from app.storage import Storage
+
+    if monkeypatch is not None:
+        monkeypatch.setenv("THERMOCLINE_MODELS_DIR", str(tmp_path / "models"))
+        monkeypatch.setenv("THERMOCLINE_CONFIG_DIR", str(tmp_path / "cfg"))
+        monkeypatch.setenv("THERMOCLINE_DATA_DIR", str(tmp_path / "data"))
+    make_application()
+    settings = Settings(tmp_path / "cfg" / "settings.json")
+    if settings.is_default("model.active"):
+        settings["model.active"] = str(model_dir)
+        settings["engine.mode"] = mode
+        settings["ui.welcome_shown"] = True
+        settings["chat.temperature"] = temperature
+        settings["chat.max_new_tokens"] = max_new_tokens
+    storage = Storage(tmp_path / "data" / "conversations.db")
+    window = MainWindow(storage, settings, show_welcome=False)
+    qtbot.addWidget(window)
+    window.resize(1100, 720)
+    window.show()
+    if start:
+        window.start()
+        qtbot.waitUntil(lambda: window.client.model_info is not None, timeout=LOAD_TIMEOUT_MS)
+    return window
+
+
+def close_window(window) -> None:
+    window.close()
+    window.storage.close()
+
+
+def send(qtbot, window, text: str) -> None:
+    from PySide6.QtCore import Qt
+
+    edit = window.chat.input.edit
+    edit.setFocus()
+    qtbot.keyClicks(edit, text)
+    qtbot.keyClick(edit, Qt.Key.Key_Return)
+
+
+def wait_idle(qtbot, window, timeout_ms: int = 60_000) -> None:
+    qtbot.waitUntil(lambda: not window.client.busy, timeout=timeout_ms)
+
+
+class StallMeter:
+    """Measures the longest gap between ticks of a 5 ms GUI-thread timer."""
+
+    def __init__(self, interval_ms: int = 5):
+        from PySide6.QtCore import QTimer
+
+        self.timer = QTimer()
+        self.timer.setInterval(interval_ms)
+        self.timer.timeout.connect(self._tick)
+        self.max_gap = 0.0
+        self.ticks = 0
+        self._last = None
+
+    def start(self) -> None:
+        self._last = time.perf_counter()
+        self.timer.start()
+
+    def _tick(self) -> None:
+        now = time.perf_counter()
+        self.max_gap = max(self.max_gap, now - self._last)
+        self._last = now
+        self.ticks += 1
+
+    def stop(self) -> float:
+        self.timer.stop()
+        return self.max_gap

@@ -1,0 +1,163 @@
+"""The chat window end to end: the real window, the real engine on a tiny random model."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import pytest  # noqa: E402
+from PySide6.QtCore import Qt  # noqa: E402
+
+from gui_helpers import close_window, make_window, send, wait_idle  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def window(qtbot, tmp_path, llama_dir, monkeypatch):
+    w = make_window(qtbot, tmp_path, llama_dir, max_new_tokens=40, monkeypatch=monkeypatch)
+    yield w
+    close_window(w)
+
+
+def test_prompt_streams_tokens_into_the_view(qtbot, window):
+    from app.storage import COMPLETE
+
+    seen = []
+    window.client.worker.token.connect(lambda _r, t: seen.append(t))
+    shown = []
+    orig = window.chat._flush
+
+    def spy():
+        orig()
+        last = window.chat.view.last()
+        if last is not None and last.role == "assistant":
+            shown.append(last.text())
+
+    window.chat._flush_timer.timeout.disconnect()
+    window.chat._flush_timer.timeout.connect(spy)
+    send(qtbot, window, "tell me about the fox")
+    assert window.client.busy
+    assert window.chat.input.button.text() == "Stop"
+    wait_idle(qtbot, window)
+
+    msgs = window.chat.view.messages()
+    assert [m.role for m in msgs] == ["user", "assistant"]
+    assert msgs[0].text() == "tell me about the fox"
+    answer = msgs[1].text()
+    assert answer == "".join(seen) and answer
+    # Streaming: the view showed growing prefixes of the answer before it was complete.
+    partial = [s for s in shown if s != answer]
+    assert partial and all(answer.startswith(s) for s in partial)
+    assert msgs[1].status == COMPLETE
+    assert "tokens" in msgs[1].stats_label.text() and "tok/s" in msgs[1].stats_label.text()
+    assert "decode" in window.chat.readout.text()
+    # Saved with its stats; the conversation is titled from the prompt and listed.
+    conv = window.chat.conversation
+    stored = window.storage.messages(conv.id)
+    assert stored[-1].content == answer and stored[-1].stats["new_tokens"] > 0
+    assert conv.title == "tell me about the fox"
+    assert window.conversations.list.count() == 1
+    assert window.chat.input.button.text() == "Send"
+    # The context indicator counts the conversation against the context length.
+    qtbot.waitUntil(lambda: window.chat.context_label.text().endswith("/ 2,048 tokens"), timeout=10_000)
+    used = int(window.chat.context_label.text().split("/")[0].replace(",", ""))
+    assert used == window.chat._ctx_used and used > 0
+
+
+def test_stop_mid_answer_keeps_partial_text(qtbot, window):
+    from app.storage import STOPPED
+
+    window.settings["chat.max_new_tokens"] = 2000
+    window.chat.new_conversation()
+    tokens = []
+    window.client.worker.token.connect(lambda _r, t: tokens.append(t))
+    send(qtbot, window, "count the birds")
+    qtbot.waitUntil(lambda: len(tokens) >= 3, timeout=60_000)
+    window.chat.input.button.click()  # the Send button reads Stop now
+    wait_idle(qtbot, window, 30_000)
+    n_at_stop = len(tokens)
+    last = window.chat.view.last()
+    assert last.status == STOPPED
+    assert last.text() == "".join(tokens)
+    assert 3 <= n_at_stop < 200  # stopped long before max_new_tokens
+    stored = window.storage.messages(window.chat.conversation.id)[-1]
+    assert stored.status == STOPPED and stored.content == last.text()
+    assert stored.stats["finish_reason"] == "cancelled"
+
+
+def test_regenerate_replaces_last_answer(qtbot, window):
+    window.settings["chat.temperature"] = 1.0  # sampled, so a new answer differs
+    window.chat.new_conversation()
+    send(qtbot, window, "the old man reads")
+    wait_idle(qtbot, window)
+    first = window.chat.view.last()
+    first_id, first_text = first.message_id, first.text()
+    assert first.regen_button.isVisible()
+    qtbot.mouseClick(first.regen_button, Qt.MouseButton.LeftButton)
+    assert window.client.busy
+    wait_idle(qtbot, window)
+    msgs = window.chat.view.messages()
+    assert [m.role for m in msgs] == ["user", "assistant"]
+    assert msgs[1].message_id != first_id
+    stored = window.storage.messages(window.chat.conversation.id)
+    assert [m.id for m in stored][-1] == msgs[1].message_id
+    assert len(stored) == 2
+    assert msgs[1].text()  # a fresh answer (random text may rarely repeat, so compare ids)
+    del first_text
+
+
+def test_edit_and_resend_replaces_from_the_edited_message(qtbot, window):
+    window.chat.new_conversation()
+    send(qtbot, window, "first question")
+    wait_idle(qtbot, window)
+    send(qtbot, window, "second question")
+    wait_idle(qtbot, window)
+    user_msgs = [m for m in window.chat.view.messages() if m.role == "user"]
+    user_msgs[0].edit_button.click()
+    assert window.chat.input.edit.toPlainText() == "first question"
+    assert window.chat.banner.isVisible()
+    window.chat.input.edit.clear()
+    send(qtbot, window, "a better question")
+    wait_idle(qtbot, window)
+    msgs = window.storage.messages(window.chat.conversation.id)
+    assert [(m.role, m.content) for m in msgs][0] == ("user", "a better question")
+    assert len(msgs) == 2
+
+
+def test_per_conversation_settings_apply(qtbot, window):
+    from PySide6.QtWidgets import QApplication
+
+    from app.gui.dialogs import ConversationSettingsDialog
+
+    window.chat.new_conversation()
+    send(qtbot, window, "hello")
+    wait_idle(qtbot, window)
+    window.chat.open_conversation_settings()
+    dlg = next(w for w in QApplication.topLevelWidgets() if isinstance(w, ConversationSettingsDialog))
+    dlg.system_prompt.setPlainText("Answer in one word.")
+    dlg.fields["max_new_tokens"].setValue(5)
+    dlg.accept()
+    conv = window.storage.conversation(window.chat.conversation.id)
+    assert conv.system_prompt == "Answer in one word."
+    assert conv.sampling["max_new_tokens"] == 5
+    send(qtbot, window, "again")
+    wait_idle(qtbot, window)
+    assert window.chat.view.last().status == "complete"
+    assert window.storage.messages(conv.id)[-1].stats["new_tokens"] <= 5
+
+
+def test_markdown_code_block_has_copy_button(qtbot, window):
+    from PySide6.QtGui import QGuiApplication
+
+    window.chat.new_conversation()
+    send(qtbot, window, "code please")
+    wait_idle(qtbot, window)
+    last = window.chat.view.last()
+    last.set_text("Here:\n\n```python\nprint('hi')\n```\n\nDone **now**.")
+    [block] = last.body.code_blocks()
+    assert block.lang_label.text() == "python"
+    block.copy_button.click()
+    assert QGuiApplication.clipboard().text() == "print('hi')"
+    assert block.copy_button.text().startswith("Copied")
