@@ -24,7 +24,9 @@ from engine.units import format_size
 from .arch import detect_architecture
 from .catalogue import DEFAULT_MODEL_FILES, CatalogueEntry, find_entry
 from .hardware import free_disk
-from .hub import RemoteFile, RepoPlan, auth_headers, fetch_plan, file_url, hub_endpoint, hub_error, is_offline
+from .hub import (
+    RemoteFile, RepoPlan, auth_headers, check_access, fetch_plan, file_url, hub_endpoint, hub_error, is_offline,
+)
 from .paths import models_dir, repo_folder_name
 from .progress import DownloadControl, ProgressMeter
 from .resolve import DEMO_ID, is_repo_id
@@ -212,6 +214,7 @@ def download_model(
         or (entry.revision if entry else None)
     patterns = entry.files if entry else DEFAULT_MODEL_FILES
     plan = fetch_plan(repo, pinned, patterns, endpoint=endpoint, token=token)
+    check_access(plan, endpoint=endpoint, token=token)
     names = plan.names()
     if "config.json" not in names:
         raise UserError(f"{repo} has no config.json at {plan.commit[:12]}: not a transformers model repo")
@@ -226,6 +229,7 @@ def download_model(
         pinned_pred = (state.get("predictor") or {}).get("revision") or entry.predictor.revision
         pred_plan = fetch_plan(entry.predictor.repo, pinned_pred, entry.predictor.files,
                                endpoint=endpoint, token=token)
+        check_access(pred_plan, endpoint=endpoint, token=token)
         if not any(n.startswith("model_") and n.endswith(".pt") for n in pred_plan.names()):
             raise UserError(f"{entry.predictor.repo} has no model_N.pt predictor files")
 

@@ -125,3 +125,18 @@ def fetch_plan(repo: str, revision: str | None, patterns: tuple[str, ...], *, en
             raise UserError(f"the Hub listed {repo}/{name} without its size; cannot check the download")
         files.append(RemoteFile(name, int(size), s.lfs.sha256 if s.lfs else None, s.blob_id))
     return RepoPlan(repo=repo, commit=info.sha, files=tuple(files), gated=bool(info.gated))
+
+
+def check_access(plan: RepoPlan, *, endpoint: str, token: str | None, timeout: float = 30.0) -> None:
+    """For a gated repo, ask for one file's metadata (HEAD) so a missing or wrong token is
+    reported before anything is planned or written (model_info works without access)."""
+    if not plan.gated or not plan.files:
+        return
+    import httpx2
+    from huggingface_hub import errors, get_hf_file_metadata
+
+    url = file_url(endpoint, plan.repo, plan.commit, plan.files[0].name)
+    try:
+        get_hf_file_metadata(url, token=token or False, timeout=timeout, endpoint=endpoint)
+    except (errors.HfHubHTTPError, httpx2.HTTPError, OSError) as exc:
+        raise hub_error(exc, plan.repo, endpoint, token) from exc

@@ -226,6 +226,8 @@ def test_gated_repo_needs_a_token(hub, env):
     hub.add_repo(HubRepo(REPO, tiny_model_files(), gated=True, token="hf_right"))
     with pytest.raises(UserError, match="gated repo; no Hugging Face token is set"):
         download_model(REPO)
+    assert not hub.requests("GET", "/resolve/")  # refused after one HEAD, before any transfer
+    assert hub.requests("HEAD", "/resolve/")[-1]["status"] == 401
     with pytest.raises(UserError, match="gated repo; your token has no access"):
         download_model(REPO, token="hf_wrong")
     result = download_model(REPO, token="hf_right", retry_delay=0)
