@@ -1,0 +1,231 @@
+"""Sparse FFN over the cold (CPU) rows: the public entry points.
+
+    rows = CpuFfnRows.from_dense(gate, up, down_t, quant="int8")   # or "fp32"
+    y = sparse_ffn(x, rows, active, "relu")                        # fp32 [d]
+
+The fast path is the numba kernel of `cpu_numba` (multithreaded over rows, reads only the
+selected rows in place); without numba, or with THERMOCLINE_NO_NUMBA=1, the same call runs
+the pure-torch reference (`reference.sparse_ffn`), which gathers rows and is slower but
+gives the same result.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.kernels import reference
+from engine.kernels.cpu_quant import dequantize_rows_int8, quantize_rows_int8
+
+QUANTS = ("int8", "fp32")
+
+_lock = threading.Lock()  # numba's workqueue threading layer aborts on concurrent launches
+_numba = None  # the cpu_numba module once imported; False when unavailable
+
+
+def _kernels():
+    """The cpu_numba module, or None when numba is missing or disabled."""
+    global _numba
+    if _numba is None:
+        if os.environ.get("THERMOCLINE_NO_NUMBA", "").strip() not in ("", "0"):
+            _numba = False
+        else:
+            try:
+                from engine.kernels import cpu_numba
+                _numba = cpu_numba
+            except ImportError:
+                _numba = False
+    return _numba or None
+
+
+def available() -> bool:
+    """True when the numba kernels are importable and enabled."""
+    return _kernels() is not None
+
+
+def num_threads() -> int:
+    """Threads the kernels use (numba's pool; 1 on the torch fallback)."""
+    k = _kernels()
+    return k.numba.get_num_threads() if k is not None else 1
+
+
+def set_num_threads(n: int) -> None:
+    k = _kernels()
+    if k is not None:
+        k.numba.set_num_threads(n)
+
+
+@dataclass(eq=False, frozen=True)
+class CpuFfnRows:
+    """One layer's FFN rows (or a subset of its neurons) in the CPU kernels' storage.
+
+    `quant` "fp32": gate/up/down_t fp32 [n, d], scales None.
+    `quant` "int8": gate/up/down_t int8 [n, d] and *_scale fp32 [n] (row = q * scale).
+    `gate` is None for ungated FFNs. All tensors are contiguous CPU tensors; the kernel
+    reads them through numpy views that share their memory.
+    """
+
+    gate: torch.Tensor | None
+    up: torch.Tensor
+    down_t: torch.Tensor
+    gate_scale: torch.Tensor | None = None
+    up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+    quant: str = "fp32"
+
+    def __post_init__(self):
+        if self.quant not in QUANTS:
+            raise ValueError(f"unknown quant {self.quant!r}; expected one of {QUANTS}")
+        dtype = torch.int8 if self.quant == "int8" else torch.float32
+        n, d = self.up.shape
+        for name in ("gate", "up", "down_t"):
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if t.shape != (n, d) or t.dtype != dtype or not t.is_contiguous() or t.is_cuda:
+                raise ValueError(f"{name}: expected contiguous CPU {dtype} [{n}, {d}], "
+                                 f"got {t.dtype} {tuple(t.shape)}")
+        scales = ("up_scale", "down_scale") + (("gate_scale",) if self.gate is not None else ())
+        for name in scales:
+            s = getattr(self, name)
+            if self.quant == "int8" and (s is None or s.shape != (n,) or s.dtype != torch.float32):
+                raise ValueError(f"{name}: int8 rows need an fp32 [{n}] scale")
+        object.__setattr__(self, "_np", None)  # numpy views for the kernel, built on use
+
+    @classmethod
+    def from_dense(cls, gate: torch.Tensor | None, up: torch.Tensor, down_t: torch.Tensor,
+                   quant: str = "int8") -> "CpuFfnRows":
+        """Copy float rows [n, d] (any float dtype, any device) into the kernel's storage."""
+        if quant == "int8":
+            gq, gs = quantize_rows_int8(gate) if gate is not None else (None, None)
+            uq, us = quantize_rows_int8(up)
+            dq, ds = quantize_rows_int8(down_t)
+            return cls(gq, uq, dq, gs, us, ds, quant="int8")
+        if quant == "fp32":
+            def copy(t):
+                return t.to(device="cpu", dtype=torch.float32, copy=True).contiguous()
+            return cls(copy(gate) if gate is not None else None, copy(up), copy(down_t),
+                       quant="fp32")
+        raise ValueError(f"unknown quant {quant!r}; expected one of {QUANTS}")
+
+    @property
+    def n_neurons(self) -> int:
+        return self.up.shape[0]
+
+    @property
+    def dim(self) -> int:
+        return self.up.shape[1]
+
+    @property
+    def gated(self) -> bool:
+        return self.gate is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes actually held (rows and scales)."""
+        ts = (self.gate, self.up, self.down_t, self.gate_scale, self.up_scale, self.down_scale)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def select(self, neuron_ids: torch.Tensor) -> "CpuFfnRows":
+        """A new CpuFfnRows holding copies of rows `neuron_ids` (in that order): row j of
+        the result is neuron neuron_ids[j] of this one."""
+        ids = torch.as_tensor(neuron_ids, dtype=torch.long).reshape(-1)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n_neurons):
+            raise IndexError(f"neuron ids out of range [0, {self.n_neurons})")
+
+        def pick(t):
+            return t.index_select(0, ids) if t is not None else None
+
+        return CpuFfnRows(pick(self.gate), pick(self.up), pick(self.down_t),
+                          pick(self.gate_scale), pick(self.up_scale), pick(self.down_scale),
+                          quant=self.quant)
+
+    def dequantized(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """(gate, up, down_t) as fp32 tensors (copies for int8; the rows themselves for fp32)."""
+        if self.quant == "fp32":
+            return self.gate, self.up, self.down_t
+        g = dequantize_rows_int8(self.gate, self.gate_scale) if self.gate is not None else None
+        return g, dequantize_rows_int8(self.up, self.up_scale), \
+            dequantize_rows_int8(self.down_t, self.down_scale)
+
+    def _scales(self):
+        return (self.gate_scale, self.up_scale, self.down_scale) if self.quant == "int8" else None
+
+    def _numpy_views(self):
+        if self._np is None:
+            empty = np.empty(0, dtype=np.float32)
+            up = self.up.numpy()
+            gate = self.gate.numpy() if self.gate is not None else up
+            s = [t.numpy() if t is not None else empty
+                 for t in (self.gate_scale, self.up_scale, self.down_scale)]
+            object.__setattr__(self, "_np", (gate, s[0], up, s[1], self.down_t.numpy(), s[2]))
+        return self._np
+
+
+_EMPTY_IDX = np.empty(0, dtype=np.int64)
+
+
+def sparse_ffn(x: torch.Tensor, rows: CpuFfnRows, active: torch.Tensor | None, activation: str,
+               act_threshold: float = 0.0, out_acts: torch.Tensor | None = None) -> torch.Tensor:
+    """y fp32 [d] = sum over computed neurons i of act_i * row_i(down_t).
+
+    x fp32 [d] (CPU); active int32/int64 [k] ids into `rows` (sorted ascending reads memory
+    in order; any order is correct), or None for all rows; activation in relu, fatrelu,
+    drelu, relu2 (act_threshold is fatrelu's threshold). out_acts, if given, fp32 [k]
+    (or [n] when active is None) receives each computed neuron's activation (0: did not
+    fire). Down rows of neurons whose activation is exactly 0 are not read.
+    """
+    reference.check_activation(activation)
+    d, n = rows.dim, rows.n_neurons
+    if x.shape != (d,):
+        raise ValueError(f"x: expected [{d}], got {tuple(x.shape)}")
+    if active is not None and (active.dim() != 1 or active.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"active: expected int32/int64 [k], got {active.dtype} {tuple(active.shape)}")
+    k = n if active is None else active.shape[0]
+    if out_acts is not None and (out_acts.shape != (k,) or out_acts.dtype != torch.float32
+                                 or not out_acts.is_contiguous()):
+        raise ValueError(f"out_acts: expected contiguous fp32 [{k}]")
+    kern = _kernels()
+    if kern is None:
+        return reference.sparse_ffn(x, rows.gate, rows.up, rows.down_t, active, activation,
+                                    act_threshold, out_acts, scales=rows._scales())
+    xn = x.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+    if active is None:
+        idx, use_idx = _EMPTY_IDX, False
+    else:
+        idx = active.detach().to(device="cpu", dtype=torch.int64).contiguous().numpy()
+        use_idx = True
+    acts = out_acts.numpy() if out_acts is not None else np.empty(k, dtype=np.float32)
+    gate, gate_s, up, up_s, down, down_s = rows._numpy_views()
+    with _lock:
+        nchunks = max(1, min(kern.numba.get_num_threads(), k))
+        y = kern.ffn_rows(xn, gate, gate_s, up, up_s, down, down_s, idx, use_idx, rows.gated,
+                          rows.quant == "int8", kern.ACTIVATION_CODES[activation],
+                          float(act_threshold), acts, nchunks)
+    return torch.from_numpy(y)
+
+
+def warmup() -> dict:
+    """Compile (or load from numba's disk cache) every kernel specialisation on tiny inputs.
+
+    Returns {"seconds": wall time, "cache_hits": n, "compiled": n, "numba": available()}.
+    The first call of each specialisation otherwise pays this inside a decode step.
+    """
+    t0 = time.perf_counter()
+    kern = _kernels()
+    if kern is None:
+        return {"seconds": 0.0, "cache_hits": 0, "compiled": 0, "numba": False}
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 8, 8, generator=g)
+    x = torch.randn(8, generator=g)
+    for quant in QUANTS:
+        rows = CpuFfnRows.from_dense(w[0], w[1], w[2], quant=quant)
+        sparse_ffn(x, rows, torch.tensor([1, 5]), "relu")
+    stats = kern.ffn_rows.stats
+    return {"seconds": time.perf_counter() - t0, "cache_hits": sum(stats.cache_hits.values()),
+            "compiled": sum(stats.cache_misses.values()), "numba": True}

@@ -1,0 +1,200 @@
+"""numba row kernels for the cold (CPU) partition of the sparse FFN.
+
+Importing this module needs numba; `engine.kernels.cpu` imports it lazily and falls back to
+the pure-torch reference when it is missing or disabled. All jitted code lives in this one
+file on purpose: numba's on-disk cache is invalidated by the timestamp of the file that
+defines a function, so helpers kept elsewhere could go stale in the cache.
+
+One call computes, for the rows selected by `idx` (or all rows), in three passes per chunk
+of rows (one chunk per thread, thread-private partial sums, no atomics):
+  A. gate rows: the gate nonlinearity per neuron (for ungated FFNs: up rows, final act);
+  B. up rows, only of neurons whose gate is nonzero: act = nonlin(g) * u;
+  C. down rows, only of neurons whose act is nonzero: part[chunk] += act * down_t[i].
+Splitting the passes means every row read is one we know we need, so the next one can be
+software-prefetched while the current one is consumed (rows are 4-20 KB at random places,
+each a new stream for the hardware prefetcher). Rows are read in place, never copied out.
+int8 rows carry one fp32 scale per row: the dot runs on the raw int8 values (converted to
+fp32 in registers) and is scaled once per row.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+# Activation codes; the names are those of docs/ARCHITECTURE.md.
+ACTIVATION_CODES = {"relu": 0, "fatrelu": 1, "drelu": 2, "relu2": 3}
+_RELU, _FATRELU, _DRELU, _RELU2 = 0, 1, 2, 3
+
+# Elements per inner block: the dot keeps vector accumulators inside a block of constant
+# trip count (a variable one stops LLVM vectorising) and issues the next row's prefetches
+# once per block.
+_BLOCK = 256
+_CACHE_LINE = 64
+
+
+def _njit(**options):
+    """`numba.njit(cache=True)`, or without the disk cache when no cache directory is
+    writable (read-only install and no writable user cache): then it compiles in memory at
+    each start instead of failing at import."""
+
+    def decorate(fn):
+        try:
+            return numba.njit(cache=True, **options)(fn)
+        except RuntimeError:  # numba: "cannot cache function ...: no locator available"
+            return numba.njit(cache=False, **options)(fn)
+
+    return decorate
+
+
+@intrinsic
+def _prefetch_row(typingctx, rows, i, j):
+    """Prefetch (read, keep in all cache levels) the line holding rows[i, j]."""
+    sig = types.void(rows, i, j)
+
+    def codegen(context, builder, signature, args):
+        arrty = signature.args[0]
+        arr = context.make_array(arrty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, arrty, arr, [args[1], args[2]],
+                                       wraparound=False)
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@_njit(inline="always", fastmath=True)
+def _row_dot(w, i, x, nxt):
+    """w[i] . x in fp32; prefetches row `nxt` (if >= 0) at the same offsets meanwhile."""
+    d = x.shape[0]
+    step = _CACHE_LINE // w.itemsize
+    nfull = d // _BLOCK
+    s = np.float32(0.0)
+    for b in range(nfull):
+        jb = b * _BLOCK
+        if nxt >= 0:
+            for jp in range(0, _BLOCK, step):
+                _prefetch_row(w, nxt, jb + jp)
+        p = np.float32(0.0)
+        for j in range(_BLOCK):
+            p += np.float32(w[i, jb + j]) * x[jb + j]
+        s += p
+    for j in range(nfull * _BLOCK, d):
+        s += np.float32(w[i, j]) * x[j]
+    return s
+
+
+@_njit(inline="always", fastmath=True)
+def _row_axpy(part, c, a, w, i, nxt):
+    """part[c] += a * w[i]; prefetches row `nxt` (if >= 0) meanwhile."""
+    d = part.shape[1]
+    step = _CACHE_LINE // w.itemsize
+    nfull = d // _BLOCK
+    for b in range(nfull):
+        jb = b * _BLOCK
+        if nxt >= 0:
+            for jp in range(0, _BLOCK, step):
+                _prefetch_row(w, nxt, jb + jp)
+        for j in range(_BLOCK):
+            part[c, jb + j] += a * np.float32(w[i, jb + j])
+    for j in range(nfull * _BLOCK, d):
+        part[c, j] += a * np.float32(w[i, j])
+
+
+@_njit(inline="always", fastmath=True)
+def _nonlinearity(g, code, thr):
+    if code == _FATRELU:
+        return g if g >= thr else np.float32(0.0)
+    r = g if g > 0.0 else np.float32(0.0)
+    if code == _RELU2:
+        return r * r
+    return r
+
+
+@_njit(inline="always")
+def _next_live(acts, t, hi):
+    """First position >= t (below hi) whose activation is nonzero, else hi."""
+    while t < hi and acts[t] == 0.0:
+        t += 1
+    return t
+
+
+@_njit(parallel=True, fastmath=True)
+def ffn_rows(x, gate, gate_s, up, up_s, down, down_s, idx, use_idx, gated, scaled,
+             code, thr, acts, nchunks):
+    """y fp32 [d] over the selected rows (see the module docstring).
+
+    x fp32 [d]; gate/up/down int8 or fp32 [n, d] (gate ignored unless `gated`); *_s fp32 [n]
+    per-row scales (ignored unless `scaled`); idx int64 [k] row ids (used when `use_idx`,
+    else rows 0..n-1 and k = n); acts fp32 [k] receives the activations.
+    """
+    d = x.shape[0]
+    n = up.shape[0]
+    k = idx.shape[0] if use_idx else n
+    if use_idx:
+        for t in range(k):  # out-of-range ids would read arbitrary memory
+            if idx[t] < 0 or idx[t] >= n:
+                raise IndexError("active neuron id out of range")
+    thr = np.float32(thr)
+    part = np.empty((nchunks, d), dtype=np.float32)
+    per = (k + nchunks - 1) // nchunks
+    for c in prange(nchunks):
+        for j in range(d):
+            part[c, j] = 0.0
+        lo = min(k, c * per)
+        hi = min(k, lo + per)
+        # A: gate rows (up rows when ungated), prefetching the next one.
+        first = gate if gated else up
+        first_s = gate_s if gated else up_s
+        for t in range(lo, hi):
+            i = idx[t] if use_idx else t
+            nxt = -1
+            if t + 1 < hi:
+                nxt = idx[t + 1] if use_idx else t + 1
+            g = _row_dot(first, i, x, nxt)
+            if scaled:
+                g *= first_s[i]
+            acts[t] = _nonlinearity(g, code, thr)
+        # B: up rows of the neurons whose gate fired.
+        if gated:
+            t = _next_live(acts, lo, hi)
+            while t < hi:
+                t2 = _next_live(acts, t + 1, hi)
+                i = idx[t] if use_idx else t
+                nxt = -1
+                if t2 < hi:
+                    nxt = idx[t2] if use_idx else t2
+                u = _row_dot(up, i, x, nxt)
+                if scaled:
+                    u *= up_s[i]
+                if code == _DRELU and u < 0.0:
+                    u = np.float32(0.0)
+                acts[t] *= u
+                t = t2
+        # C: down rows of the neurons that fired, into this chunk's partial sum.
+        t = _next_live(acts, lo, hi)
+        while t < hi:
+            t2 = _next_live(acts, t + 1, hi)
+            i = idx[t] if use_idx else t
+            nxt = -1
+            if t2 < hi:
+                nxt = idx[t2] if use_idx else t2
+            a = acts[t]
+            if scaled:
+                a *= down_s[i]
+            _row_axpy(part, c, a, down, i, nxt)
+            t = t2
+    # Fixed-order reduction: the result does not depend on thread timing.
+    y = np.zeros(d, dtype=np.float32)
+    for c in range(nchunks):
+        for j in range(d):
+            y[j] += part[c, j]
+    return y

@@ -1,0 +1,291 @@
+"""CPU sparse FFN kernels against plain torch (llama.cpp test-backend-ops style).
+
+Every path (numba kernel over fp32 rows, over int8 rows, and the pure-torch fallback) is
+checked on random inputs of several shapes and sparsities against a dense float64 FFN
+computed independently with F.linear over the same (dequantised) rows.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import cpu, reference
+from engine.kernels.cpu_quant import dequantize_rows_int8, quantize_rows_int8
+
+ACTS = ("relu", "fatrelu", "drelu", "relu2")
+# (n_neurons, dim): dims that are and are not multiples of the kernel's 256-element block.
+SHAPES = [(64, 256), (300, 200), (777, 1000)]
+FAT_THRESHOLD = 0.1
+
+needs_numba = pytest.mark.skipif(not cpu.available(), reason="numba missing or disabled")
+
+
+def _rows(n, d, gated, seed):
+    g = torch.Generator().manual_seed(seed)
+    scale = d ** -0.5  # unit-variance pre-activations, so fatrelu's threshold bites
+    gate = torch.randn(n, d, generator=g) * scale if gated else None
+    up = torch.randn(n, d, generator=g) * scale
+    down_t = torch.randn(n, d, generator=g)
+    x = torch.randn(d, generator=g)
+    return x, gate, up, down_t, g
+
+
+def _dense_masked(x, gate, up, down_t, active, activation, thr):
+    """The plain FFN in float64 (F.linear chain), with neurons outside `active` zeroed."""
+    x64 = x.double()
+    u = F.linear(x64, up.double())
+    if gate is None:
+        a = reference.gate_nonlinearity(u, activation, thr)
+    else:
+        g = F.linear(x64, gate.double())
+        u = torch.relu(u) if activation == "drelu" else u
+        a = reference.gate_nonlinearity(g, activation, thr) * u
+    mask = torch.zeros_like(a)
+    mask[active if active is not None else slice(None)] = 1.0
+    return (a * mask) @ down_t.double(), a
+
+
+def _active_sets(n, g):
+    """None (all), empty, one neuron, 5% and 50% sorted, 20% unsorted int32."""
+    perm = torch.randperm(n, generator=g)
+    return {
+        "all": None,
+        "empty": torch.empty(0, dtype=torch.long),
+        "one": torch.tensor([n - 1]),
+        "5%": perm[: max(1, n // 20)].sort().values,
+        "50%": perm[: n // 2].sort().values,
+        "20%-unsorted-int32": perm[: n // 5].to(torch.int32),
+    }
+
+
+def _close(y, y_ref, scale):
+    err = (y.double() - y_ref).abs().max().item() if y.numel() else 0.0
+    assert err <= 1e-4 * scale + 1e-6, f"max error {err} (scale {scale})"
+
+
+def _check_against_dense(rows, x, active_sets, activation, thr):
+    gate, up, down_t = rows.dequantized()
+    for name, active in active_sets.items():
+        y_ref, a_all = _dense_masked(x, gate, up, down_t, active, activation, thr)
+        k = rows.n_neurons if active is None else active.numel()
+        acts = torch.full((k,), float("nan"))
+        y = cpu.sparse_ffn(x, rows, active, activation, thr, out_acts=acts)
+        assert y.dtype == torch.float32 and y.shape == (rows.dim,)
+        scale = ((a_all.abs() @ down_t.double().abs()).max().item())
+        _close(y, y_ref, scale)
+        a_ref = a_all if active is None else a_all[active.long()]
+        torch.testing.assert_close(acts.double(), a_ref, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@needs_numba
+@pytest.mark.parametrize("quant", cpu.QUANTS)
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
+@pytest.mark.parametrize("activation", ACTS)
+def test_numba_kernel_matches_dense(quant, gated, activation):
+    for seed, (n, d) in enumerate(SHAPES):
+        x, gate, up, down_t, g = _rows(n, d, gated, seed)
+        rows = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant=quant)
+        _check_against_dense(rows, x, _active_sets(n, g), activation, FAT_THRESHOLD)
+
+
+@pytest.mark.parametrize("quant", cpu.QUANTS)
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
+@pytest.mark.parametrize("activation", ACTS)
+def test_torch_fallback_matches_dense(monkeypatch, quant, gated, activation):
+    monkeypatch.setattr(cpu, "_numba", False)
+    assert not cpu.available()
+    n, d = SHAPES[1]
+    x, gate, up, down_t, g = _rows(n, d, gated, 7)
+    rows = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant=quant)
+    _check_against_dense(rows, x, _active_sets(n, g), activation, FAT_THRESHOLD)
+
+
+@pytest.mark.parametrize("activation", ACTS)
+def test_reference_matches_dense(activation):
+    n, d = 200, 96
+    x, gate, up, down_t, g = _rows(n, d, True, 3)
+    for active in _active_sets(n, g).values():
+        y_ref, a_all = _dense_masked(x, gate, up, down_t, active, activation, FAT_THRESHOLD)
+        y = reference.sparse_ffn(x, gate, up, down_t, active, activation, FAT_THRESHOLD)
+        _close(y, y_ref, (a_all.abs() @ down_t.double().abs()).max().item())
+    dense = reference.dense_ffn(x, gate, up, down_t, activation, FAT_THRESHOLD)
+    _close(dense, _dense_masked(x, gate, up, down_t, None, activation, FAT_THRESHOLD)[0],
+           (a_all.abs() @ down_t.double().abs()).max().item())
+
+
+@needs_numba
+@pytest.mark.parametrize("quant", cpu.QUANTS)
+def test_kernel_reads_only_rows_it_needs(quant):
+    """Poison (NaN) every row the kernel must not read: rows outside `active`, up rows of
+    neurons whose gate is 0 and down rows of neurons whose activation is 0. A read of any
+    of them turns y or the activations into NaN."""
+    n, d = 500, 320
+    x, gate, up, down_t, g = _rows(n, d, True, 11)
+    active = torch.randperm(n, generator=g)[:150].sort().values
+    rows = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant=quant)
+    gate, up, down_t = (t.clone() for t in rows.dequantized())
+    _, a_all = _dense_masked(x, gate, up, down_t, None, "relu", 0.0)
+    g_all = gate.double() @ x.double()
+    inside = torch.zeros(n, dtype=torch.bool)
+    inside[active] = True
+    y_clean = cpu.sparse_ffn(x, rows, active, "relu")
+    poison = {"gate": ~inside, "up": ~inside | (g_all <= 0), "down_t": ~inside | (a_all == 0)}
+    assert poison["down_t"][active].any(), "test needs predicted neurons that do not fire"
+    for name, bad in poison.items():
+        if quant == "fp32":
+            getattr(rows, name)[bad] = float("nan")
+        else:
+            getattr(rows, {"down_t": "down"}.get(name, name) + "_scale")[bad] = float("nan")
+    acts = torch.empty(active.numel())
+    y = cpu.sparse_ffn(x, rows, active, "relu", out_acts=acts)
+    assert torch.isfinite(y).all() and torch.isfinite(acts).all()
+    torch.testing.assert_close(y, y_clean, rtol=0, atol=0)
+
+
+def test_quantizer_error_bound_and_zero_rows():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(37, 129, generator=g) * torch.logspace(-3, 2, 37)[:, None]
+    w[4] = 0.0
+    for src in (w, w.to(torch.bfloat16), w.to(torch.float16)):
+        q, s = quantize_rows_int8(src)
+        assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (37,)
+        assert q.abs().max() <= 127 and s[4] == 0 and (q[4] == 0).all()
+        ref = src.float()
+        torch.testing.assert_close(s, ref.abs().amax(1) / 127)
+        err = (dequantize_rows_int8(q, s) - ref).abs()
+        assert (err <= s[:, None] * 0.5 * (1 + 1e-5) + 1e-30).all()
+        # the row maximum maps to +-127 exactly
+        assert (q.abs().amax(1)[s > 0] == 127).all()
+
+
+def test_rows_storage_select_and_nbytes():
+    n, d = 90, 48
+    x, gate, up, down_t, g = _rows(n, d, True, 2)
+    i8 = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant="int8")
+    f32 = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant="fp32")
+    assert (i8.n_neurons, i8.dim, f32.n_neurons, f32.dim) == (n, d, n, d)
+    assert i8.nbytes == 3 * n * d + 3 * n * 4 and f32.nbytes == 3 * n * d * 4
+    ungated = cpu.CpuFfnRows.from_dense(None, up, down_t, quant="int8")
+    assert not ungated.gated and ungated.nbytes == 2 * n * d + 2 * n * 4
+    up[0, 0] = 1e6  # from_dense copies
+    assert f32.up[0, 0] != 1e6
+    ids = torch.tensor([7, 3, 88, 40])
+    for rows in (i8, f32):
+        sub = rows.select(ids)
+        assert sub.n_neurons == 4 and sub.quant == rows.quant
+        for a, b in zip(sub.dequantized(), rows.dequantized()):
+            torch.testing.assert_close(a, b[ids])
+        # local ids into the subset compute the same neurons as global ids into the whole
+        acts_sub, acts_all = torch.empty(2), torch.empty(2)
+        y_sub = cpu.sparse_ffn(x, sub, torch.tensor([1, 3]), "relu", out_acts=acts_sub)
+        y_all = cpu.sparse_ffn(x, rows, torch.tensor([3, 40]), "relu", out_acts=acts_all)
+        torch.testing.assert_close(y_sub, y_all, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(acts_sub, acts_all)
+        with pytest.raises(IndexError):
+            rows.select(torch.tensor([n]))
+
+
+def test_bad_inputs_are_refused():
+    n, d = 40, 16
+    x, gate, up, down_t, _ = _rows(n, d, True, 1)
+    rows = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant="int8")
+    with pytest.raises(ValueError):
+        cpu.sparse_ffn(x, rows, torch.tensor([1, 2]), "gelu")
+    with pytest.raises(ValueError):
+        cpu.sparse_ffn(x[:-1], rows, None, "relu")
+    with pytest.raises(ValueError):
+        cpu.sparse_ffn(x, rows, torch.tensor([1.0]), "relu")
+    with pytest.raises(ValueError):
+        cpu.sparse_ffn(x, rows, torch.tensor([1, 2]), "relu", out_acts=torch.empty(3))
+    with pytest.raises(IndexError):
+        cpu.sparse_ffn(x, rows, torch.tensor([0, n]), "relu")
+    with pytest.raises(ValueError):
+        cpu.CpuFfnRows.from_dense(gate, up, down_t, quant="fp16")
+    with pytest.raises(ValueError):  # int8 rows without scales
+        cpu.CpuFfnRows(None, rows.up, rows.down_t, quant="int8")
+
+
+@needs_numba
+def test_concurrent_calls_from_threads():
+    n, d = 400, 256
+    x, gate, up, down_t, g = _rows(n, d, True, 4)
+    rows = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant="int8")
+    active = torch.randperm(n, generator=g)[:100].sort().values
+    expected = cpu.sparse_ffn(x, rows, active, "relu")
+    results, errors = [], []
+
+    def work():
+        try:
+            for _ in range(30):
+                results.append(cpu.sparse_ffn(x, rows, active, "relu"))
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 90
+    assert all(torch.equal(r, expected) for r in results)  # fixed-order reduction
+
+
+def test_env_disables_numba():
+    code = ("from engine.kernels import cpu; import torch;"
+            "r = cpu.CpuFfnRows.from_dense(None, torch.ones(4, 8), torch.ones(4, 8));"
+            "y = cpu.sparse_ffn(torch.ones(8), r, torch.tensor([0, 2]), 'relu');"
+            "print(cpu.available(), float(y[0]))")
+    env = dict(os.environ, THERMOCLINE_NO_NUMBA="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "16.0"]
+
+
+_CACHE_PROBE = textwrap.dedent("""
+    import numpy as np, cpu_numba
+    x = np.ones(8, np.float32); w = np.ones((4, 8), np.float32); e = np.empty(0, np.float32)
+    acts = np.empty(2, np.float32)
+    y = cpu_numba.ffn_rows(x, w, e, w, e, w, e, np.array([0, 3]), True, False, False,
+                           0, 0.0, acts, 2)
+    assert y.tolist() == [16.0] * 8, y
+    s = cpu_numba.ffn_rows.stats
+    print(type(cpu_numba.ffn_rows._cache).__name__, sum(s.cache_hits.values()))
+""")
+
+
+@needs_numba
+def test_numba_disk_cache_unwritable_and_reused(tmp_path):
+    """The kernel module imports and runs when no cache directory is writable (numba would
+    raise at import), and reuses its disk cache when one is."""
+    src = Path(cpu.__file__).with_name("cpu_numba.py")
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    shutil.copy(src, pkg / "cpu_numba.py")
+    (pkg / "__pycache__").write_text("a file where the cache directory would go")
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    env = dict(os.environ, PYTHONPATH=str(pkg), PYTHONDONTWRITEBYTECODE="1",
+               NUMBA_CACHE_DIR=str(blocker / "numba"), XDG_CACHE_HOME=str(blocker / "xdg"),
+               HOME=str(blocker / "home"))
+
+    def probe(env):
+        out = subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    assert probe(env) == ["NullCache", "0"]
+    env["NUMBA_CACHE_DIR"] = str(tmp_path / "cache")
+    assert probe(env)[1] == "0"  # compiled and saved
+    assert probe(env) == ["FunctionCache", "1"]  # loaded from disk
