@@ -23,6 +23,10 @@ DEFAULT_MODEL_FILES = (
     "generation_config.json",
     "*.safetensors",
     "model.safetensors.index.json",
+    # Older repos ship only PyTorch pickles; fetched only when no safetensors exist (hub.select_files).
+    # Such weights must be read with torch.load(weights_only=True), never a plain unpickle.
+    "pytorch_model*.bin",
+    "pytorch_model.bin.index.json",
     "tokenizer.json",
     "tokenizer.model",
     "tokenizer_config.json",

@@ -275,6 +275,7 @@ def download_model(
 
     state["status"] = "ready"
     state["size_bytes"] = plan.total_bytes
+    state["weights_format"] = "safetensors" if any(n.endswith(".safetensors") for n in names) else "pytorch-bin"
     state["finished"] = time.time()
     if pred_plan is not None:
         state["predictors"] = "downloaded"

@@ -271,6 +271,22 @@ def test_catalogue_model_downloads_its_predictors_and_hands_them_over(hub, env):
     assert resolve_model("relullama-7b") == result.model_dir
 
 
+def test_pickled_weights_only_when_there_are_no_safetensors(hub, env):
+    both = tiny_model_files()
+    both["pytorch_model.bin"] = b"pickle" * 100
+    hub.add_repo(HubRepo(REPO, both))
+    result = download_model(REPO, retry_delay=0)
+    assert WEIGHTS in result.files and "pytorch_model.bin" not in result.files
+    assert read_state(result.model_dir)["weights_format"] == "safetensors"
+
+    only_bin = tiny_model_files()
+    only_bin["pytorch_model.bin"] = only_bin.pop(WEIGHTS)
+    hub.add_repo(HubRepo("tiny/old-format", only_bin))
+    result = download_model("tiny/old-format", retry_delay=0)
+    assert "pytorch_model.bin" in result.files
+    assert read_state(result.model_dir)["weights_format"] == "pytorch-bin"
+
+
 def test_local_server_speaks_what_huggingface_hub_expects(hub, env):
     from huggingface_hub import hf_hub_download
 
