@@ -174,8 +174,6 @@ def ffn_activations_triton(x, gate, up, pred_logits, pred_threshold, activation,
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if activation == "drelu" and gate is None:
-        raise ValueError("drelu needs a gate (relu(gate.x) * relu(up.x))")
     _check_device(up)
     _check_rows("up", up, None, up.device)
     if gate is not None:
