@@ -61,9 +61,10 @@ def test_prompt_streams_tokens_into_the_view(qtbot, window):
     assert window.conversations.list.count() == 1
     assert window.chat.input.button.text() == "Send"
     # The context indicator counts the conversation against the context length.
-    qtbot.waitUntil(lambda: window.chat.context_label.text().endswith("/ 2,048 tokens"), timeout=10_000)
-    used = int(window.chat.context_label.text().split("/")[0].replace(",", ""))
-    assert used == window.chat._ctx_used and used > 0
+    qtbot.waitUntil(lambda: (window.chat._ctx_used or 0) > 0, timeout=10_000)
+    used, total = window.chat.context_label.text().removesuffix(" tokens").split(" / ")
+    assert int(used.replace(",", "")) == window.chat._ctx_used and total == "2,048"
+    assert window.chat.context_bar.value() > 0
 
 
 def test_stop_mid_answer_keeps_partial_text(qtbot, window):

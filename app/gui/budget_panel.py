@@ -55,8 +55,8 @@ def probe_machine(model_spec: str, ctx: int) -> dict:
 class BudgetSlider(QWidget):
     """A labelled slider over bytes, in steps of 64 MiB, bounded by what the machine has."""
 
-    moved = Signal(int)      # bytes, on every move
-    settled = Signal(int)    # bytes, once the user lets go
+    moved = Signal(object)      # bytes, on every move (object: byte counts overflow a C int)
+    settled = Signal(object)    # bytes, once the user lets go
 
     def __init__(self, title: str, tip: str, parent: QWidget | None = None):
         super().__init__(parent)
@@ -254,6 +254,9 @@ class BudgetPanel(QScrollArea):
                           lambda exc: self.suggest_label.setText(f"Could not probe this machine: {exc}"))
 
     def _on_machine(self, machine: dict) -> None:
+        if self._save_timer.isActive():  # keep a move the user just made
+            self._save_timer.stop()
+            self._save_budgets()
         self.machine = machine
         self.vram.set_total(machine["vram_total"])
         self.ram.set_total(machine["ram_total"])

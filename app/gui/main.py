@@ -50,20 +50,65 @@ def build_window(storage=None, settings=None, show_welcome: bool = True):
     return MainWindow(storage or Storage(), settings or Settings(), show_welcome=show_welcome)
 
 
+def _splash():
+    """A small splash while the engine's libraries load (once, before the window exists)."""
+    from PySide6.QtCore import Qt
+    from PySide6.QtGui import QColor, QPainter, QPixmap
+    from PySide6.QtWidgets import QSplashScreen
+
+    pix = QPixmap(360, 140)
+    pix.fill(QColor("#f6f7f9"))
+    p = QPainter(pix)
+    app_icon().paint(p, 24, 38, 64, 64)
+    font = p.font()
+    font.setPointSizeF(16)
+    font.setBold(True)
+    p.setFont(font)
+    p.setPen(QColor("#1d4e6b"))
+    p.drawText(104, 66, "Thermocline")
+    font.setPointSizeF(9.5)
+    font.setBold(False)
+    p.setFont(font)
+    p.setPen(QColor("#5c6676"))
+    p.drawText(104, 90, "Loading the inference engine…")
+    p.end()
+    splash = QSplashScreen(pix, Qt.WindowType.WindowStaysOnTopHint)
+    splash.show()
+    return splash
+
+
+def preload_engine() -> None:
+    """Import the engine (torch) on the GUI thread before the window shows.
+
+    Importing torch runs for a second or two and loads large native libraries while holding
+    the GIL; done later in the worker thread, it would freeze the visible window for
+    100-200 ms at a time. Before the window exists, nobody is waiting on the event loop.
+    """
+    try:
+        import engine  # noqa: F401
+    except Exception:  # noqa: BLE001 - the worker reports a broken engine as a dialog later
+        log.exception("could not import the engine")
+
+
 def run_window(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = make_application(argv)
+    splash = _splash()
+    app.processEvents()
+    preload_engine()
     try:
         window = build_window()
     except Exception as exc:  # noqa: BLE001 - e.g. an unreadable database: say so, do not crash silently
         from PySide6.QtWidgets import QMessageBox
 
         log.exception("could not start")
+        splash.close()
         QMessageBox.critical(None, "Thermocline cannot start",
                              f"{exc}\n\nCheck that the data folder is writable, or set THERMOCLINE_DATA_DIR "
                              "to another folder.")
         return 1
     window.show()
+    splash.finish(window)
     window.start()
     code = app.exec()
     window.storage.close()

@@ -213,6 +213,10 @@ class MainWindow(QMainWindow):
         self.load_active_model()
         self.show_page("chat")
 
+    def _refresh_models_if_shown(self) -> None:
+        if self.pages.currentWidget() is self.models:
+            self.models.refresh()
+
     @Slot(float, str)
     def _on_loading(self, fraction: float, text: str) -> None:
         self.load_bar.show()
@@ -228,14 +232,14 @@ class MainWindow(QMainWindow):
 
         self.model_status.setText(f"Model: {fmt.model_label(info.get('model'))} · {info.get('mode')} mode · context "
                                   f"{info.get('ctx'):,} tokens · {fmt.device_name(mem.get('device'))}")
-        self.models.refresh()
+        self._refresh_models_if_shown()
 
     @Slot(str, str)
     def _on_load_failed(self, what: str, todo: str) -> None:
         self.load_bar.hide()
         self.model_status.setText("No model loaded")
         self.chat._sync_ready()
-        self.models.refresh()
+        self._refresh_models_if_shown()
         self.last_error = show_error(self, "Could not load the model", what, todo)
 
     # -- shutdown ------------------------------------------------------------------------

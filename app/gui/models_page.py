@@ -13,7 +13,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from PySide6.QtCore import Qt, QUrl, Signal, Slot
+from PySide6.QtCore import Qt, QTimer, QUrl, Signal, Slot
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (QFileDialog, QFrame, QGridLayout, QHBoxLayout, QInputDialog, QLabel,
                                QMessageBox, QProgressBar, QPushButton, QScrollArea, QSizePolicy, QVBoxLayout,
@@ -320,6 +320,7 @@ class ModelsPage(QWidget):
         self.cards: dict[str, ModelCard] = {}
         self._scanning = False
         self._rescan = False
+        self._pending_rows: list = []
         outer = QVBoxLayout(self)
         outer.setContentsMargins(0, 0, 0, 0)
         outer.setSpacing(0)
@@ -369,7 +370,7 @@ class ModelsPage(QWidget):
 
     # -- scanning ------------------------------------------------------------------------
     def refresh(self) -> None:
-        if self._scanning:
+        if self._scanning or self._pending_rows:
             self._rescan = True
             return
         self._scanning = True
@@ -387,17 +388,25 @@ class ModelsPage(QWidget):
         for spec in list(self.cards):
             if spec not in specs:
                 self.cards.pop(spec).deleteLater()
-        for i, info in enumerate(result["rows"]):
-            card = self.cards.get(info["spec"])
-            if card is None:
-                card = ModelCard(self, info)
-                self.cards[info["spec"]] = card
-            else:
-                card.update_info(info)
-            self.list_layout.insertWidget(i, card)
-        if self._rescan:
-            self._rescan = False
-            self.refresh()
+        self._pending_rows = list(enumerate(result["rows"]))
+        self._build_next()
+
+    def _build_next(self) -> None:
+        """Create or update one card per event-loop turn, so a long list never stalls the window."""
+        if not self._pending_rows:
+            if self._rescan:
+                self._rescan = False
+                self.refresh()
+            return
+        i, info = self._pending_rows.pop(0)
+        card = self.cards.get(info["spec"])
+        if card is None:
+            card = ModelCard(self, info)
+            self.cards[info["spec"]] = card
+        else:
+            card.update_info(info)
+        self.list_layout.insertWidget(i, card)
+        QTimer.singleShot(0, self._build_next)
 
     def _on_model_event(self, *_args) -> None:
         for card in self.cards.values():
