@@ -215,6 +215,10 @@ def download_model(
     patterns = entry.files if entry else DEFAULT_MODEL_FILES
     plan = fetch_plan(repo, pinned, patterns, endpoint=endpoint, token=token)
     check_access(plan, endpoint=endpoint, token=token)
+    if state.get("revision") and state["revision"] != plan.commit:
+        # Another commit: partial files may be prefixes of other contents. Verified files stay
+        # recorded by hash, so those that did not change are not fetched again.
+        shutil.rmtree(model_dir / SIDECAR / PARTIAL_SUBDIR, ignore_errors=True)
     names = plan.names()
     if "config.json" not in names:
         raise UserError(f"{repo} has no config.json at {plan.commit[:12]}: not a transformers model repo")
@@ -249,7 +253,9 @@ def download_model(
                dict(stall_timeout=stall_timeout, max_retries=max_retries, retry_delay=retry_delay))
 
     remaining = sum(f.size - job.already_have(rel, f) for _, rel, f in jobs)
-    need = remaining + max(DISK_MARGIN_MIN, int(DISK_MARGIN_FRACTION * remaining))
+    # The predictor import writes predictors.safetensors next to the downloaded model_N.pt.
+    imported_copy = pred_plan.total_bytes if pred_plan is not None and on_predictors_downloaded else 0
+    need = remaining + imported_copy + max(DISK_MARGIN_MIN, int(DISK_MARGIN_FRACTION * remaining))
     disk_path, free = free_disk(model_dir)
     if free is not None and need > free:
         raise UserError(f"not enough free disk for {repo}: it needs {format_size(need)} more and "

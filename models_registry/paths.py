@@ -71,3 +71,8 @@ def set_models_dir(path: str | os.PathLike | None) -> None:
 def repo_folder_name(repo_id: str) -> str:
     """`org/name` -> `org--name`, the folder name of a repo under the models folder."""
     return repo_id.replace("/", "--")
+
+
+def set_offline(offline: bool) -> None:
+    """Remember offline mode (no network; only downloaded models). HF_HUB_OFFLINE=1 also turns it on."""
+    save_setting("offline", True if offline else None)

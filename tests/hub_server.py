@@ -117,7 +117,7 @@ class HubServer:
     def __exit__(self, *exc):
         self.stop()
 
-    def record(self, **entry) -> None:
+    def record(self, entry: dict) -> None:
         with self._lock:
             self.log.append(entry)
 
@@ -153,8 +153,10 @@ def _make_handler(server: HubServer):
         def _route(self, head: bool):
             parts = urlsplit(self.path)
             path = unquote(parts.path)
-            self.sent = 0
-            self.status = 0
+            # Logged before any reply byte leaves, so a client never sees an answer the log lacks.
+            self.entry = {"method": self.command, "path": path, "range": self.headers.get("Range"),
+                          "auth": self.headers.get("Authorization"), "status": 0, "sent": 0}
+            server.record(self.entry)
             try:
                 if path.startswith("/api/models/"):
                     self._model_info(path[len("/api/models/"):], parse_qs(parts.query))
@@ -166,12 +168,9 @@ def _make_handler(server: HubServer):
                     self._error(404, "RepoNotFound", "no such endpoint")
             except (BrokenPipeError, ConnectionResetError):
                 self.close_connection = True
-            finally:
-                server.record(method=self.command, path=path, range=self.headers.get("Range"),
-                              auth=self.headers.get("Authorization"), status=self.status, sent=self.sent)
 
         def _send_head(self, status: int, headers: dict):
-            self.status = status
+            self.entry["status"] = status
             self.send_response(status)
             for key, value in headers.items():
                 self.send_header(key, str(value))
@@ -219,8 +218,8 @@ def _make_handler(server: HubServer):
             }).encode()
             self._send_head(200, {"Content-Type": "application/json", "Content-Length": len(body)})
             if self.command != "HEAD":
+                self.entry["sent"] = len(body)
                 self.wfile.write(body)
-                self.sent = len(body)
 
         def _resolve(self, path: str, head: bool):
             repo, repo_id, rest = self._repo_and_rest(path)
@@ -283,12 +282,12 @@ def _make_handler(server: HubServer):
             elif stall is not None:
                 stop_at = max(stall[0] - start, 0)
             if stop_at is None:
+                self.entry["sent"] = len(body)  # before writing: the client may finish first
                 self.wfile.write(body)
-                self.sent = len(body)
                 return
+            self.entry["sent"] = stop_at
             self.wfile.write(body[:stop_at])
             self.wfile.flush()
-            self.sent = stop_at
             if stall is not None:
                 import time
 

@@ -149,9 +149,9 @@ def test_a_server_that_keeps_failing_gives_up_and_keeps_the_partial_file(hub, en
 
 def test_stalled_transfer_is_retried_from_where_it_stalled(hub, env):
     files = hub.add_repo(HubRepo(REPO, tiny_model_files(weight_bytes=300_000))).files
-    hub.stall_once[WEIGHTS] = (120_000, 1.5)
+    hub.stall_once[WEIGHTS] = (120_000, 2.0)
     events, on_event = _collect()
-    result = download_model(REPO, progress=on_event, stall_timeout=0.3, retry_delay=0)
+    result = download_model(REPO, progress=on_event, stall_timeout=0.5, retry_delay=0)
     assert any(e.kind == "retry" and e.filename == WEIGHTS for e in events)
     assert _get(hub, WEIGHTS)[-1]["range"] == "bytes=120000-"
     assert (result.model_dir / WEIGHTS).read_bytes() == files[WEIGHTS]
@@ -296,3 +296,32 @@ def test_local_server_speaks_what_huggingface_hub_expects(hub, env):
         with open(path, "rb") as f:
             assert f.read() == files[name]
     assert json.loads(files["config.json"])["hidden_act"] == "relu"
+
+
+def test_offline_setting_is_remembered(hub, env):
+    from models_registry import set_offline
+
+    set_offline(True)
+    with pytest.raises(UserError, match="offline mode"):
+        download_model(REPO)
+    set_offline(False)
+    hub.add_repo(HubRepo(REPO, tiny_model_files()))
+    assert download_model(REPO, retry_delay=0).files
+
+
+def test_a_new_commit_discards_partial_files_of_the_old_one(hub, env):
+    hub.add_repo(HubRepo(REPO, tiny_model_files(weight_bytes=300_000, seed=1)))
+    hub.cut_after[WEIGHTS] = 100_000
+
+    def crash_when_cut(event):
+        if event.kind == "retry":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        download_model(REPO, progress=crash_when_cut, retry_delay=0)
+    new = hub.add_repo(HubRepo(REPO, tiny_model_files(weight_bytes=300_000, seed=2)))  # the repo moved on
+    events, on_event = _collect()
+    result = download_model(REPO, revision=new.commit, progress=on_event, retry_delay=0)
+    assert not [e for e in events if e.kind == "corrupt"]  # no stale prefix was taken for damage
+    assert (result.model_dir / WEIGHTS).read_bytes() == new.files[WEIGHTS]
+    assert read_state(result.model_dir)["revision"] == new.commit
