@@ -31,6 +31,10 @@ def test_catalogue_lists_the_supported_models_with_their_predictor_repos():
         assert entry.predictor.repo == predictor_repo
         assert entry.license and entry.description and entry.context_length > 0
         assert entry.activation in {"relu", "fatrelu", "drelu", "relu2"}
+        if entry.repo:
+            assert {"config.json", "*.safetensors", "tokenizer.json"} <= set(entry.files)
+        if predictor_repo:
+            assert "model_*.pt" in entry.predictor.files
     assert entries["turbosparse-mistral"].predictor.source == "train"
     assert get_entry("SparseLLM/ReluLLaMA-7B").id == "relullama-7b"  # repo ids work too
 
