@@ -186,9 +186,10 @@ def download_model(
 ) -> DownloadResult:
     """Download `name` (catalogue id or org/name) and return where it is.
 
-    `progress(DownloadEvent)` receives the events of `models_registry.progress`; `control`
-    pauses or cancels from another thread. Offline, a ready model is returned from disk and
-    anything else is refused.
+    Blocking: the app runs it on a worker thread. `progress(DownloadEvent)` is called on that
+    thread with the events of `models_registry.progress` (an exception raised there stops the
+    download like a crash: partial files stay); `control` pauses or cancels from any thread.
+    Offline, a ready model is returned from disk and anything else is refused.
     """
     repo, entry = _entry_for(name.strip())
     endpoint = hub_endpoint(endpoint)
@@ -279,6 +280,8 @@ def download_model(
             job.save_state()
         raise
 
+    wanted = {rel for _, rel, _ in jobs}  # forget files of an earlier revision that are gone
+    state["files"] = {rel: meta for rel, meta in state.get("files", {}).items() if rel in wanted}
     state["status"] = "ready"
     state["size_bytes"] = plan.total_bytes
     state["weights_format"] = "safetensors" if any(n.endswith(".safetensors") for n in names) else "pytorch-bin"

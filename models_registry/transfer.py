@@ -74,7 +74,8 @@ def fetch_file(url: str, part: Path, remote: RemoteFile, *, headers: dict, meter
 
     kind, _ = remote.expected_hash
     part.parent.mkdir(parents=True, exist_ok=True)
-    pos = part.stat().st_size if part.exists() else 0
+    part.touch(exist_ok=True)  # an empty file has no bytes to write but must still appear
+    pos = part.stat().st_size
     if pos > remote.size:  # longer than the file: cannot be a prefix of it
         part.unlink()
         pos = 0

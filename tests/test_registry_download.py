@@ -47,13 +47,15 @@ def _collect():
 
 
 def test_progress_events_sum_to_each_file_and_the_total(hub, env):
-    files = hub.add_repo(HubRepo(REPO, tiny_model_files(weight_bytes=2_500_000))).files
+    files = tiny_model_files(weight_bytes=2_500_000)
+    files["special_tokens_map.json"] = b""  # an empty file is a file too
+    hub.add_repo(HubRepo(REPO, files))
     events, on_event = _collect()
     result = download_model(REPO, progress=on_event, retry_delay=0)
 
     model_dir = env / "models" / "tiny--relu-llama"
     assert result.model_dir == model_dir and resolve_model(REPO) == model_dir
-    wanted = {"config.json", "tokenizer.json", "tokenizer_config.json", WEIGHTS}  # README is not needed
+    wanted = {"config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", WEIGHTS}
     assert set(result.files) == wanted
     for name in wanted:
         assert (model_dir / name).read_bytes() == files[name]
