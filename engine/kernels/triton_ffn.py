@@ -1,26 +1,34 @@
 """Sparse FFN and predictor for the hot (GPU) partition, with Triton kernels.
 
 One decode step of a layer's hot rows is three launches with static grids:
-  1. `ffn_act_kernel`: per block of neurons, threshold the predictor's logits, gather the
-     gate/up rows of the predicted neurons (masked loads: skipped rows are never read),
-     fp32 dot products, fused activation -> act [n] (0 where skipped);
-  2. `down_partial_kernel`: grid (d tiles x row splits); each program sums act[i] * down_t[i]
-     over its rows, reading only rows with act != 0 -> partials [splits, d];
+  1. `ffn_act_kernel`: each program owns a chunk of neurons, thresholds the predictor's
+     logits for them, packs the predicted ones into full tiles (prefix count inside the
+     program), gathers their gate rows, then the up rows only of neurons whose gate
+     fires, fp32 dot products, fused activation -> act [n] (0 where skipped);
+  2. `down_partial_kernel`: grid (d tiles x row splits); each program packs the rows with
+     act != 0 of its split into tiles and sums act[i] * down_t[i] -> partials [splits, d];
   3. `sum_rows_kernel`: y = partials summed over splits, in a fixed order.
-No nonzero(), no .item(), no shape that depends on data: no host sync, CUDA graphs can
-capture it. The down projection uses a split reduction rather than atomics: the result is
-deterministic (oracle-mode exactness checks compare runs bit for bit), y needs no zeroing
-launch, and the partials are small (splits x d x 4 bytes, ~0.3 MB for d = 4096, against
-~27 MB of weights read at 10% active on a 7B layer).
+Rows that are not computed are never read. No nonzero(), no .item(), no shape that
+depends on data (only in-kernel loop trip counts do): no host sync, CUDA graphs can
+capture it.
+
+Why pack: at 10% active, a tile of consecutive rows with the dead ones masked keeps nine
+lanes in ten idle, so each SM has too few bytes in flight to approach the memory bandwidth;
+packed tiles keep every lane loading useful bytes (`LaunchConfig(packed=False)` keeps the
+masked variant for comparison). Why a split reduction rather than atomics for the down
+projection: the result is deterministic (oracle-mode checks compare runs bit for bit), y
+needs no zeroing launch, and the partials are small (splits x d x 4 bytes, ~0.3 MB at
+d = 4096, against ~27 MB of weights read at 10% active on a 7B layer).
 
 Weights are fp16 or bf16 (fp32 accepted for tests); accumulation is fp32; y is fp32 [d].
-Activations are those of docs/ARCHITECTURE.md.
+Activations are those of docs/ARCHITECTURE.md (ungated drelu is relu(up), as in
+`reference`).
 
-The predictor (fc1 -> relu -> fc2) reuses the same row kernel: fc1 with relu fused,
-then fc2 with no activation, fp32 logits straight out of the kernel. A single fused
-predictor kernel does not pay: fc2 needs all of relu(fc1 x), i.e. a grid-wide barrier, or
-every program recomputing fc1. The threshold step is fused where it pays, inside
-`ffn_act_kernel`, which reads the logits directly.
+The predictor (fc1 -> relu -> fc2) reuses the row kernel: fc1 with relu fused, then fc2
+with no activation, fp32 logits straight out of the kernel. A single fused predictor
+kernel does not pay: fc2 needs all of relu(fc1 x), i.e. a grid-wide barrier, or every
+program recomputing fc1. The threshold is fused where it pays, inside `ffn_act_kernel`,
+which reads the logits directly.
 """
 
 from __future__ import annotations
@@ -69,13 +77,16 @@ class LaunchConfig:
     """
 
     packed: bool = True
+    # Row kernel: few live rows per program but wide d tiles. At 10% active a 7B layer
+    # has ~1100 live rows, ~8 per SM: the bytes in flight per SM come from the width.
     act_chunk_n: int = 64
-    act_tile_n: int = 16
-    act_block_d: int = 256
-    act_warps: int = 4
+    act_tile_n: int = 8
+    act_block_d: int = 1024
+    act_warps: int = 8
+    # Down projection: the row splits x d tiles grid gives the parallelism.
     down_chunk_n: int = 128
-    down_tile_n: int = 32
-    down_block_d: int = 128
+    down_tile_n: int = 16
+    down_block_d: int = 256
     down_warps: int = 4
     # The down projection's grid aims at this many programs per SM (latency hiding).
     programs_per_sm: int = 4
@@ -84,6 +95,9 @@ class LaunchConfig:
 
 
 DEFAULT_CONFIG = LaunchConfig()
+# The predictor's mat-vecs are dense (no rows to skip) and fc1 has few rows (its rank):
+# small masked tiles of rows give enough programs.
+PREDICTOR_CONFIG = LaunchConfig(packed=False, act_tile_n=4, act_block_d=1024, act_warps=4)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -269,7 +283,7 @@ def predictor_triton(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, *,
     if fc2.shape[1] != rank:
         raise ValueError(f"fc2 has shape {tuple(fc2.shape)}, expected [n, {rank}]")
     x = _vector("x", x, d, fc1.device)
-    cfg = config or DEFAULT_CONFIG
+    cfg = config or PREDICTOR_CONFIG
     codes = _kernels().ACTIVATION_CODES
     h = _launch_rows(x, None, fc1, None, None, 0.0, codes["relu"], 0.0, cfg)
     return _launch_rows(h, None, fc2, None, None, 0.0, codes["identity"], 0.0, cfg)
