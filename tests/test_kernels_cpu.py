@@ -110,6 +110,45 @@ def test_torch_fallback_matches_dense(monkeypatch, quant, gated, activation):
     _check_against_dense(rows, x, _active_sets(n, g), activation, FAT_THRESHOLD)
 
 
+@pytest.mark.parametrize("use_numba", [True, False], ids=["numba", "torch"])
+@pytest.mark.parametrize("quant", cpu.QUANTS)
+@pytest.mark.parametrize("activation", ["relu", "fatrelu", "drelu"])
+def test_predicted_selection_in_kernel(monkeypatch, use_numba, quant, activation):
+    """sparse_ffn_predicted == sparse_ffn over the ids whose logit >= threshold, for a whole
+    layer and for a subset of its rows addressed through row_ids (the cold partition)."""
+    if use_numba and not cpu.available():
+        pytest.skip("numba missing or disabled")
+    if not use_numba:
+        monkeypatch.setattr(cpu, "_numba", False)
+    n, d = 600, 384
+    x, gate, up, down_t, g = _rows(n, d, True, 21)
+    layer = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant=quant)
+    logits = torch.randn(n, generator=g)
+    for pthr in (0.5, -10.0, 10.0):  # ~30%, all, none
+        acts = torch.full((n,), float("nan"))
+        y = cpu.sparse_ffn_predicted(x, layer, logits, pthr, activation, FAT_THRESHOLD,
+                                     out_acts=acts)
+        active = torch.nonzero(logits >= pthr).squeeze(1)
+        acts_ref = torch.empty(active.numel())
+        y_ref = cpu.sparse_ffn(x, layer, active, activation, FAT_THRESHOLD, out_acts=acts_ref)
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+        expect = torch.zeros(n).index_copy_(0, active, acts_ref)
+        torch.testing.assert_close(acts, expect, rtol=1e-5, atol=1e-6)
+    cold_ids = torch.randperm(n, generator=g)[:250].sort().values
+    cold = layer.select(cold_ids)
+    acts = torch.empty(250)
+    y = cpu.sparse_ffn_predicted(x, cold, logits, 0.5, activation, FAT_THRESHOLD,
+                                 out_acts=acts, row_ids=cold_ids.to(torch.int32))
+    active = cold_ids[logits[cold_ids] >= 0.5]
+    acts_ref = torch.empty(active.numel())
+    y_ref = cpu.sparse_ffn(x, layer, active, activation, FAT_THRESHOLD, out_acts=acts_ref)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(acts[logits[cold_ids] >= 0.5], acts_ref)
+    assert (acts[logits[cold_ids] < 0.5] == 0).all()
+    with pytest.raises(ValueError):
+        cpu.sparse_ffn_predicted(x, cold, logits, 0.5, activation)  # [n] logits, 250 rows
+
+
 @pytest.mark.parametrize("activation", ACTS)
 def test_reference_matches_dense(activation):
     n, d = 200, 96
@@ -256,8 +295,9 @@ _CACHE_PROBE = textwrap.dedent("""
     import numpy as np, cpu_numba
     x = np.ones(8, np.float32); w = np.ones((4, 8), np.float32); e = np.empty(0, np.float32)
     acts = np.empty(2, np.float32)
-    y = cpu_numba.ffn_rows(x, w, e, w, e, w, e, np.array([0, 3]), True, False, False,
-                           0, 0.0, acts, 2)
+    ids = np.array([0, 3])
+    y = cpu_numba.ffn_rows(x, w, e, w, e, w, e, ids, True, e, ids, False, False, 0.0,
+                           False, False, 0, 0.0, acts, 2)
     assert y.tolist() == [16.0] * 8, y
     s = cpu_numba.ffn_rows.stats
     print(type(cpu_numba.ffn_rows._cache).__name__, sum(s.cache_hits.values()))

@@ -167,7 +167,39 @@ class CpuFfnRows:
         return self._np
 
 
-_EMPTY_IDX = np.empty(0, dtype=np.int64)
+_EMPTY_IDS = np.empty(0, dtype=np.int64)
+_EMPTY_F32 = np.empty(0, dtype=np.float32)
+
+
+def _check_call(x, rows, activation, out_acts, k):
+    reference.check_activation(activation)
+    if x.shape != (rows.dim,):
+        raise ValueError(f"x: expected [{rows.dim}], got {tuple(x.shape)}")
+    if out_acts is not None and (out_acts.shape != (k,) or out_acts.dtype != torch.float32
+                                 or not out_acts.is_contiguous() or out_acts.is_cuda):
+        raise ValueError(f"out_acts: expected contiguous CPU fp32 [{k}]")
+
+
+def _ids(name, t):
+    if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: expected int32/int64 [k], got {t.dtype} {tuple(t.shape)}")
+    return t.detach().to(device="cpu", dtype=torch.int64).contiguous().numpy()
+
+
+def _launch(kern, x, rows, idx, pred, pred_ids, pthr, activation, act_threshold, acts):
+    xn = x.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+    gate, gate_s, up, up_s, down, down_s = rows._numpy_views()
+    use_idx, use_pred = idx is not None, pred is not None
+    k = idx.shape[0] if use_idx else rows.n_neurons
+    with _lock:
+        nchunks = max(1, min(kern.numba.get_num_threads(), k))
+        y = kern.ffn_rows(xn, gate, gate_s, up, up_s, down, down_s,
+                          idx if use_idx else _EMPTY_IDS, use_idx,
+                          pred if use_pred else _EMPTY_F32,
+                          pred_ids if pred_ids is not None else _EMPTY_IDS, use_pred,
+                          pred_ids is not None, float(pthr), rows.gated, rows.quant == "int8",
+                          kern.ACTIVATION_CODES[activation], float(act_threshold), acts, nchunks)
+    return torch.from_numpy(y)
 
 
 def sparse_ffn(x: torch.Tensor, rows: CpuFfnRows, active: torch.Tensor | None, activation: str,
@@ -178,36 +210,55 @@ def sparse_ffn(x: torch.Tensor, rows: CpuFfnRows, active: torch.Tensor | None, a
     in order; any order is correct), or None for all rows; activation in relu, fatrelu,
     drelu, relu2 (act_threshold is fatrelu's threshold). out_acts, if given, fp32 [k]
     (or [n] when active is None) receives each computed neuron's activation (0: did not
-    fire). Down rows of neurons whose activation is exactly 0 are not read.
+    fire). Down rows of neurons whose activation is exactly 0 are not read, nor up rows of
+    neurons whose gate nonlinearity is 0.
     """
-    reference.check_activation(activation)
-    d, n = rows.dim, rows.n_neurons
-    if x.shape != (d,):
-        raise ValueError(f"x: expected [{d}], got {tuple(x.shape)}")
-    if active is not None and (active.dim() != 1 or active.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"active: expected int32/int64 [k], got {active.dtype} {tuple(active.shape)}")
-    k = n if active is None else active.shape[0]
-    if out_acts is not None and (out_acts.shape != (k,) or out_acts.dtype != torch.float32
-                                 or not out_acts.is_contiguous()):
-        raise ValueError(f"out_acts: expected contiguous fp32 [{k}]")
+    idx = _ids("active", active) if active is not None else None
+    k = rows.n_neurons if active is None else idx.shape[0]
+    _check_call(x, rows, activation, out_acts, k)
     kern = _kernels()
     if kern is None:
         return reference.sparse_ffn(x, rows.gate, rows.up, rows.down_t, active, activation,
                                     act_threshold, out_acts, scales=rows._scales())
-    xn = x.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
-    if active is None:
-        idx, use_idx = _EMPTY_IDX, False
-    else:
-        idx = active.detach().to(device="cpu", dtype=torch.int64).contiguous().numpy()
-        use_idx = True
     acts = out_acts.numpy() if out_acts is not None else np.empty(k, dtype=np.float32)
-    gate, gate_s, up, up_s, down, down_s = rows._numpy_views()
-    with _lock:
-        nchunks = max(1, min(kern.numba.get_num_threads(), k))
-        y = kern.ffn_rows(xn, gate, gate_s, up, up_s, down, down_s, idx, use_idx, rows.gated,
-                          rows.quant == "int8", kern.ACTIVATION_CODES[activation],
-                          float(act_threshold), acts, nchunks)
-    return torch.from_numpy(y)
+    return _launch(kern, x, rows, idx, None, None, 0.0, activation, act_threshold, acts)
+
+
+def sparse_ffn_predicted(x: torch.Tensor, rows: CpuFfnRows, pred_logits: torch.Tensor,
+                         pred_threshold: float, activation: str, act_threshold: float = 0.0,
+                         out_acts: torch.Tensor | None = None,
+                         row_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """As `sparse_ffn` over the rows whose predictor logit >= pred_threshold, selected inside
+    the kernel (no separate nonzero pass, no index vector).
+
+    pred_logits fp32: [n_neurons] logits of these rows, or, with row_ids int [n_neurons]
+    (row j of `rows` is neuron row_ids[j] of the layer, e.g. the cold subset), the whole
+    layer's logits, row j's being pred_logits[row_ids[j]]. out_acts, if given, fp32
+    [n_neurons]: the activation of each row, 0 for rows not selected or not firing.
+    """
+    n = rows.n_neurons
+    _check_call(x, rows, activation, out_acts, n)
+    ids = _ids("row_ids", row_ids) if row_ids is not None else None
+    if ids is not None and ids.shape[0] != n:
+        raise ValueError(f"row_ids: expected [{n}], got [{ids.shape[0]}]")
+    if pred_logits.dim() != 1 or (ids is None and pred_logits.shape[0] != n):
+        raise ValueError(f"pred_logits: expected [{n}] (or the layer's with row_ids), "
+                         f"got {tuple(pred_logits.shape)}")
+    kern = _kernels()
+    if kern is None:
+        logits = pred_logits.detach().to(device="cpu", dtype=torch.float32)
+        if ids is not None:
+            logits = logits[torch.from_numpy(ids)]
+        active = torch.nonzero(logits >= pred_threshold).squeeze(1)
+        acts = torch.empty(active.numel())
+        y = reference.sparse_ffn(x, rows.gate, rows.up, rows.down_t, active, activation,
+                                 act_threshold, acts, scales=rows._scales())
+        if out_acts is not None:
+            out_acts.zero_().index_copy_(0, active, acts)
+        return y
+    pred = pred_logits.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+    acts = out_acts.numpy() if out_acts is not None else np.empty(n, dtype=np.float32)
+    return _launch(kern, x, rows, None, pred, ids, pred_threshold, activation, act_threshold, acts)
 
 
 def warmup() -> dict:

@@ -5,7 +5,8 @@ the pure-torch reference when it is missing or disabled. All jitted code lives i
 file on purpose: numba's on-disk cache is invalidated by the timestamp of the file that
 defines a function, so helpers kept elsewhere could go stale in the cache.
 
-One call computes, for the rows selected by `idx` (or all rows), in three passes per chunk
+One call computes, for the rows selected by `idx`, by predictor logits >= a threshold (the
+selection fused into the kernel: no separate nonzero pass), or all rows, in three passes per chunk
 of rows (one chunk per thread, thread-private partial sums, no atomics):
   A. gate rows: the gate nonlinearity per neuron (for ungated FFNs: up rows, final act);
   B. up rows, only of neurons whose gate is nonzero: act = nonlin(g) * u;
@@ -127,14 +128,34 @@ def _next_live(acts, t, hi):
     return t
 
 
+@_njit(inline="always")
+def _selected(pred, pred_ids, use_pred_ids, pthr, i):
+    """Whether row i's predictor logit reaches the threshold."""
+    lg = pred[pred_ids[i]] if use_pred_ids else pred[i]
+    return lg >= pthr
+
+
+@_njit(inline="always")
+def _next_selected(pred, pred_ids, use_pred, use_pred_ids, pthr, t, hi):
+    """First row position >= t (below hi) to compute, else hi."""
+    if use_pred:
+        while t < hi and not _selected(pred, pred_ids, use_pred_ids, pthr, t):
+            t += 1
+    return t
+
+
 @_njit(parallel=True, fastmath=True)
-def ffn_rows(x, gate, gate_s, up, up_s, down, down_s, idx, use_idx, gated, scaled,
-             code, thr, acts, nchunks):
+def ffn_rows(x, gate, gate_s, up, up_s, down, down_s, idx, use_idx, pred, pred_ids, use_pred,
+             use_pred_ids, pthr, gated, scaled, code, thr, acts, nchunks):
     """y fp32 [d] over the selected rows (see the module docstring).
 
     x fp32 [d]; gate/up/down int8 or fp32 [n, d] (gate ignored unless `gated`); *_s fp32 [n]
-    per-row scales (ignored unless `scaled`); idx int64 [k] row ids (used when `use_idx`,
-    else rows 0..n-1 and k = n); acts fp32 [k] receives the activations.
+    per-row scales (ignored unless `scaled`). Rows computed, by mode:
+      use_idx:  rows idx[0..k) (int64), acts fp32 [k];
+      use_pred: rows i with pred[i] >= pthr, or pred[pred_ids[i]] >= pthr when
+                use_pred_ids (the rows are a subset of a layer's neurons), acts fp32 [n];
+      neither:  all rows, acts fp32 [n].
+    acts receives the activations (0 for rows not computed).
     """
     d = x.shape[0]
     n = up.shape[0]
@@ -143,7 +164,12 @@ def ffn_rows(x, gate, gate_s, up, up_s, down, down_s, idx, use_idx, gated, scale
         for t in range(k):  # out-of-range ids would read arbitrary memory
             if idx[t] < 0 or idx[t] >= n:
                 raise IndexError("active neuron id out of range")
+    if use_pred and use_pred_ids:
+        for t in range(n):
+            if pred_ids[t] < 0 or pred_ids[t] >= pred.shape[0]:
+                raise IndexError("row id out of range of the predictor logits")
     thr = np.float32(thr)
+    pthr = np.float32(pthr)
     part = np.empty((nchunks, d), dtype=np.float32)
     per = (k + nchunks - 1) // nchunks
     for c in prange(nchunks):
@@ -154,15 +180,21 @@ def ffn_rows(x, gate, gate_s, up, up_s, down, down_s, idx, use_idx, gated, scale
         # A: gate rows (up rows when ungated), prefetching the next one.
         first = gate if gated else up
         first_s = gate_s if gated else up_s
-        for t in range(lo, hi):
+        if use_pred:
+            for t in range(lo, hi):
+                acts[t] = 0.0
+        t = _next_selected(pred, pred_ids, use_pred, use_pred_ids, pthr, lo, hi)
+        while t < hi:
+            t2 = _next_selected(pred, pred_ids, use_pred, use_pred_ids, pthr, t + 1, hi)
             i = idx[t] if use_idx else t
             nxt = -1
-            if t + 1 < hi:
-                nxt = idx[t + 1] if use_idx else t + 1
+            if t2 < hi:
+                nxt = idx[t2] if use_idx else t2
             g = _row_dot(first, i, x, nxt)
             if scaled:
                 g *= first_s[i]
             acts[t] = _nonlinearity(g, code, thr)
+            t = t2
         # B: up rows of the neurons whose gate fired.
         if gated:
             t = _next_live(acts, lo, hi)
