@@ -32,7 +32,7 @@ from .progress import DownloadControl, ProgressMeter
 from .resolve import DEMO_ID, is_repo_id
 from .state import SIDECAR, read_state, write_state
 from .token import get_token
-from .transfer import Hasher, fetch_file, hash_file
+from .transfer import fetch_file, hash_file
 
 PREDICTOR_SUBDIR = "powerinfer-predictor"
 PARTIAL_SUBDIR = "partial"
@@ -347,4 +347,4 @@ def verify_model(model_dir: Path) -> list[str]:
     return bad
 
 
-__all__ = ["DownloadResult", "IntegrityError", "download_model", "verify_model", "Hasher"]
+__all__ = ["DownloadResult", "IntegrityError", "download_model", "verify_model"]

@@ -34,7 +34,9 @@ def test_torch_fallback_only_uses_an_already_imported_torch(monkeypatch):
     cuda = types.SimpleNamespace(
         is_available=lambda: True, device_count=lambda: 1,
         mem_get_info=lambda i: (6 * 2**30, 8 * 2**30), get_device_name=lambda i: "Some GPU")
-    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda, version=types.SimpleNamespace(cuda="12.4")))
+    fake_torch = types.SimpleNamespace(cuda=cuda, version=types.SimpleNamespace(cuda="12.4"))
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
     gpus, note = hardware.probe_gpus()
-    assert [(g.name, g.vram_total, g.vram_free, g.source) for g in gpus] == [("Some GPU", 8 * 2**30, 6 * 2**30, "torch")]
+    found = [(g.name, g.vram_total, g.vram_free, g.source) for g in gpus]
+    assert found == [("Some GPU", 8 * 2**30, 6 * 2**30, "torch")]
     assert "torch.cuda" in note

@@ -28,7 +28,8 @@ def test_speed_and_eta_come_from_the_recent_window(monkeypatch):
     assert meter.speed() == pytest.approx(1_000)
     assert meter.eta() == pytest.approx(5.0)
     last = [e for e in events if e.kind == "progress"][-1]
-    assert (last.done, last.file_done, last.speed_bps, last.eta_s) == (5_000, 5_000, pytest.approx(1_000), pytest.approx(5.0))
+    assert (last.done, last.file_done) == (5_000, 5_000)
+    assert (last.speed_bps, last.eta_s) == (pytest.approx(1_000), pytest.approx(5.0))
     clock.now += 60.0  # a long pause: the old samples leave the window
     meter.reset_speed()
     meter.add(500)
