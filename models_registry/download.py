@@ -12,7 +12,9 @@ stops the download with an error. The model is marked ready only when every file
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -264,6 +266,13 @@ def download_model(
                         "models folder (Settings, or THERMOCLINE_MODELS_DIR)")
 
     meter.emit("plan", message=f"{len(jobs)} files, {format_size(total)}, {format_size(remaining)} to fetch")
+    with _DownloadLock(model_dir):
+        _fetch_all(job, jobs, entry, created, model_dir, endpoint, token)
+    return _finish(job, plan, pred_plan, predictors, on_predictors_downloaded, meter, names, jobs)
+
+
+def _fetch_all(job: _Job, jobs: list, entry: CatalogueEntry | None, created: bool, model_dir: Path,
+               endpoint: str, token: str | None) -> None:
     from huggingface_hub import errors as hub_errors
 
     try:
@@ -280,6 +289,11 @@ def download_model(
             job.save_state()
         raise
 
+
+def _finish(job: _Job, plan: RepoPlan, pred_plan: RepoPlan | None, predictors: str, on_predictors_downloaded,
+            meter: ProgressMeter, names: list[str], jobs: list) -> DownloadResult:
+    """Mark the model ready, then hand the predictor folder over for import."""
+    state, model_dir = job.state, job.model_dir
     wanted = {rel for _, rel, _ in jobs}  # forget files of an earlier revision that are gone
     state["files"] = {rel: meta for rel, meta in state.get("files", {}).items() if rel in wanted}
     state["status"] = "ready"
@@ -297,11 +311,65 @@ def download_model(
         state["predictors"] = "imported"
         job.save_state()
         meter.emit("predictors", message=f"imported predictors from {pred_plan.repo}")
-    meter.emit("done", message=f"{repo} ready at {model_dir}")
-    result = _result_from_state(model_dir, repo, state, from_cache=False)
+    meter.emit("done", message=f"{plan.repo} ready at {model_dir}")
+    result = _result_from_state(model_dir, plan.repo, state, from_cache=False)
     result.bytes_fetched = job.fetched
     result.corrupt_refetched = job.corrupt
     return result
+
+
+class _DownloadLock:
+    """One download per model folder at a time (the window and a terminal could both try).
+
+    `<model>/thermocline/download.lock` holds the owner's pid; a lock whose process is gone
+    (a crash) is taken over.
+    """
+
+    _in_process: set[str] = set()  # the pid file cannot tell two threads of this process apart
+    _guard = threading.Lock()
+
+    def __init__(self, model_dir: Path) -> None:
+        self.path = model_dir / SIDECAR / "download.lock"
+        self.name = model_dir.name.replace("--", "/", 1)
+
+    def __enter__(self):
+        with self._guard:
+            if str(self.path) in self._in_process:
+                raise UserError(f"{self.name} is already being downloaded in this window; wait for it or cancel it")
+            self._in_process.add(str(self.path))
+        try:
+            return self._take_file_lock()
+        except BaseException:
+            with self._guard:
+                self._in_process.discard(str(self.path))
+            raise
+
+    def _take_file_lock(self):
+        import psutil
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    owner = int(self.path.read_text().strip() or 0)
+                except (OSError, ValueError):
+                    owner = 0
+                if owner and owner != os.getpid() and psutil.pid_exists(owner):
+                    raise UserError(f"{self.name} is already being downloaded by process {owner}; "
+                                    "wait for it or cancel it") from None
+                self.path.unlink(missing_ok=True)  # left by a crashed download
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            return self
+        raise UserError(f"cannot lock {self.path} for the download")
+
+    def __exit__(self, *exc):
+        self.path.unlink(missing_ok=True)
+        with self._guard:
+            self._in_process.discard(str(self.path))
 
 
 def _check_config(path: Path, entry: CatalogueEntry | None, created: bool, model_dir: Path) -> None:

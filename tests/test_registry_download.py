@@ -327,3 +327,38 @@ def test_a_new_commit_discards_partial_files_of_the_old_one(hub, env):
     assert not [e for e in events if e.kind == "corrupt"]  # no stale prefix was taken for damage
     assert (result.model_dir / WEIGHTS).read_bytes() == new.files[WEIGHTS]
     assert read_state(result.model_dir)["revision"] == new.commit
+
+
+def test_one_download_per_model_at_a_time(hub, env):
+    import subprocess
+    import sys
+
+    files = hub.add_repo(HubRepo(REPO, tiny_model_files(weight_bytes=2_000_000))).files
+    control = DownloadControl()
+    errors = []
+
+    def start_second_while_first_runs(event):
+        if event.kind == "progress" and event.filename == WEIGHTS and not errors:
+            try:
+                download_model(REPO)
+            except UserError as exc:
+                errors.append(str(exc))
+
+    download_model(REPO, progress=start_second_while_first_runs, control=control, retry_delay=0)
+    assert errors and "already being downloaded in this window" in errors[0]
+    assert (env / "models" / "tiny--relu-llama" / WEIGHTS).read_bytes() == files[WEIGHTS]
+    assert not (env / "models" / "tiny--relu-llama" / "thermocline" / "download.lock").exists()
+
+    # A lock left by another live process is respected; one left by a dead process is taken over.
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        hub.add_repo(HubRepo("tiny/second", tiny_model_files()))
+        lock = env / "models" / "tiny--second" / "thermocline" / "download.lock"
+        lock.parent.mkdir(parents=True)
+        lock.write_text(str(other.pid))
+        with pytest.raises(UserError, match=f"already being downloaded by process {other.pid}"):
+            download_model("tiny/second")
+    finally:
+        other.kill()
+        other.wait()
+    assert download_model("tiny/second", retry_delay=0).files  # the owner is gone now
