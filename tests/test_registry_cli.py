@@ -88,6 +88,13 @@ def test_download_list_remove_a_catalogue_model(hub, env, capsys):
     assert listing["relullama-13b"]["status"] == "not downloaded"
     assert listing["relullama-13b"]["fit"]["verdict"] in {"fits", "fits with cold neurons on CPU", "does not fit"}
 
+    code, out, _ = _run(capsys, "models", "verify", "relullama-7b", "--json")
+    assert code == 0 and json.loads(out)["damaged"] == []
+    with open(model_dir / "model.safetensors", "r+b") as f:
+        f.write(b"\0\0\0\0")
+    code, out, _ = _run(capsys, "models", "verify", "relullama-7b")
+    assert code == 1 and "model.safetensors" in out and "models download relullama-7b" in out
+
     code, out, _ = _run(capsys, "models", "remove", "relullama-7b", "--json")
     assert code == 0 and json.loads(out)["bytes_freed"] > 0 and not model_dir.exists()
     code, _, err = _run(capsys, "models", "remove", "relullama-7b")

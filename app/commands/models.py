@@ -1,4 +1,4 @@
-"""`thermocline models list|download|remove|import|fit [--json]`: the models folder.
+"""`thermocline models list|download|remove|import|verify|fit [--json]`: the models folder.
 
 Downloads report progress on stderr (one redrawn line on a terminal, a line every few
 seconds otherwise); Ctrl-C keeps the partial files and the next download resumes them.
@@ -47,6 +47,11 @@ def register(subparsers) -> None:
     p.add_argument("--predictors", default=None, metavar="DIR", help="PowerInfer predictor folder (model_N.pt)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_import)
+
+    p = sub.add_parser("verify", help="re-check a downloaded model's files against the Hub's hashes")
+    p.add_argument("model", help="catalogue id or org/name")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_verify)
 
     p = sub.add_parser("fit", help="will a model fit this machine: bytes per part and a verdict")
     p.add_argument("model", help="catalogue id, repo id or model folder (need not be downloaded if catalogued)")
@@ -177,6 +182,24 @@ def cmd_import(args) -> int:
     else:
         print(f"imported as {model_id} at {target}")
     return 0
+
+
+def cmd_verify(args) -> int:
+    from models_registry.download import verify_model
+    from models_registry.manage import model_folder
+
+    folder = model_folder(args.model)
+    if not folder.is_dir():
+        raise UserError(f"{args.model} is not downloaded; nothing to verify")
+    bad = verify_model(folder)
+    if args.json:
+        print(json.dumps({"path": str(folder), "damaged": bad}))
+    elif bad:
+        print(f"{len(bad)} damaged file(s): {', '.join(bad)}; run `thermocline models download {args.model}` "
+              "to fetch them again")
+    else:
+        print(f"all files of {args.model} match the Hub's hashes")
+    return 1 if bad else 0
 
 
 # -- fit -------------------------------------------------------------------------------------
