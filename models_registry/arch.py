@@ -43,7 +43,7 @@ def detect_architecture(config: dict, known_activation: str | None = None) -> Ar
         raise ModelFormatError("config.json is not a JSON object")
     model_type = str(config.get("model_type", ""))
     archs = set(config.get("architectures") or ())
-    act_field = config.get("hidden_act", config.get("activation"))
+    act_field = config.get("hidden_act") or config.get("activation")
     act = _RELU_NAMES.get(str(act_field).lower()) if act_field is not None else None
 
     if archs & _BAMBOO_ARCHS or model_type.lower() in {"bamboo", "turbosparse"}:
