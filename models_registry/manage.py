@@ -33,7 +33,7 @@ KEPT_SIDECAR_FILES = ("predictors.safetensors", "activation_stats.safetensors")
 class ModelListing:
     id: str  # catalogue id, or org/name for other repos and local imports (local/<name>)
     repo: str | None
-    status: str  # builtin | ready | downloading | not downloaded | damaged | missing
+    status: str  # builtin | ready | downloading | not downloaded | damaged | missing | local
     path: str | None
     size_bytes: int | None  # full size (from the Hub, or the catalogue before download)
     bytes_on_disk: int = 0
@@ -98,8 +98,10 @@ def _read_config(folder: Path | None) -> dict | None:
         return None
 
 
-def list_models(root: Path | None = None, hardware=None, ctx: int = 2048) -> list[ModelListing]:
-    """Catalogue entries (in catalogue order), then other model folders found on disk."""
+def list_models(root: Path | None = None, hardware=None, ctx: int = 2048,
+                extra: tuple[str, ...] | list[str] = ()) -> list[ModelListing]:
+    """Catalogue entries (in catalogue order), then other model folders found on disk, then
+    `extra`: models the user added by hand (repo ids not downloaded yet, or local folders)."""
     root = Path(root or models_dir())
     out, seen = [], set()
     for entry in load_catalogue():
@@ -133,6 +135,16 @@ def list_models(root: Path | None = None, hardware=None, ctx: int = 2048) -> lis
             listing = _listing_for_folder(folder, listing)
             listing.fit = _fit(_read_config(folder), None, folder, hardware, ctx)
             out.append(listing)
+            seen.add(folder.name)
+    for item in extra:
+        path = Path(item).expanduser()
+        if path.is_dir():
+            listing = ModelListing(str(path), None, "local", str(path), _dir_bytes(path), _dir_bytes(path),
+                                   description="a folder used in place")
+            listing.fit = _fit(_read_config(path), None, path, hardware, ctx)
+            out.append(listing)
+        elif is_repo_id(item) and repo_folder_name(item) not in seen and find_entry(item) is None:
+            out.append(ModelListing(item, item, "not downloaded", None, None, description="added by hand"))
     return out
 
 

@@ -146,3 +146,15 @@ def test_fit_command_before_download(env, capsys):
     assert code == 0 and "does not fit" in out
     code, _, err = _run(capsys, "models", "fit", "relullama-7b", "--ctx", "0")
     assert code == 2 and "--ctx" in err
+
+
+def test_list_includes_models_added_by_hand(env, tmp_path):
+    from models_registry.manage import list_models
+
+    folder = tmp_path / "in-place"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(tiny_llama_config()))
+    listing = {m.id: m for m in list_models(extra=[str(folder), "someone/later", "relullama-7b"])}
+    assert listing[str(folder)].status == "local"
+    assert listing["someone/later"].status == "not downloaded"
+    assert sum(1 for key in listing if key in ("relullama-7b", "SparseLLM/ReluLLaMA-7B")) == 1  # no duplicate
