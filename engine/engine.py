@@ -29,6 +29,7 @@ MODES = ("dense", "sparse", "hybrid", "oracle")
 
 @dataclass
 class TokenEvent:
+    """One step of a stream; a last event with token_id -1 carries text held back until the end."""
     text: str
     token_id: int
     index: int
@@ -96,7 +97,7 @@ class Engine:
     @classmethod
     def load(cls, model: str | Path = "demo", *, mode: str = "dense", ctx: int = 2048,
              vram_budget: int | None = None, ram_budget: int | None = None,
-             device: str | None = None, threads: int | None = None,
+             device: str | None = None, threads: int | None = None, cold_quant: str = "int8",
              progress: Progress | None = None) -> "Engine":
         if mode not in MODES:
             raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -111,7 +112,7 @@ class Engine:
             from .sparse import build_sparse_engine
 
             return build_sparse_engine(cls, model_dir, config, tokenizer, mode, ctx, vram_budget, ram_budget,
-                                       device, progress)
+                                       device, progress, cold_quant)
         dev = torch.device(device or "cpu")
         model_obj = load_transformer(model_dir, config, [dev] * config.num_layers, dev, ctx, progress)
         cache = cls.make_cache(config, ctx, [dev] * config.num_layers, model_obj.layers[0].qkv.dtype)
@@ -240,9 +241,9 @@ class Engine:
                 self._cached_ids.append(token)
             if stats.finish_reason in ("length", "cancelled", "context_full"):
                 tail = pending + decoder.flush()
-                if tail:
+                if tail:  # text held back at the end; it belongs to no new token
                     emitted += tail
-                    yield TokenEvent(tail, generated[-1] if generated else -1, len(generated) - 1)
+                    yield TokenEvent(tail, -1, len(generated) - 1)
         finally:
             end = time.perf_counter()
             stats.new_tokens = len(generated)

@@ -40,7 +40,11 @@ def compute_dtype(device: torch.device, storage: torch.dtype) -> torch.dtype:
 
 
 def load_transformer(model_dir: Path, config: ModelConfig, layer_devices: list[torch.device],
-                     head_device: torch.device, ctx: int, progress: Progress | None = None) -> Transformer:
+                     head_device: torch.device, ctx: int, progress: Progress | None = None,
+                     ffn_builder: Callable[[int, object], object] | None = None) -> Transformer:
+    """Load every layer onto its device. With `ffn_builder`, FFN rows are staged on the CPU
+    in fp32 and handed over layer by layer (the sparse engine splits them into tiers), so
+    the whole dense FFN never sits in memory at once."""
     source = WeightSource(model_dir)
     storage = source.dtype()
     conv = Converter(source, config)
@@ -52,7 +56,11 @@ def load_transformer(model_dir: Path, config: ModelConfig, layer_devices: list[t
     for i, device in enumerate(layer_devices):
         if progress:
             progress(i / config.num_layers, f"loading layer {i + 1} of {config.num_layers}")
-        layers.append(family.load_layer(conv, i, Placement(device, compute_dtype(device, storage))))
+        where = Placement(device, compute_dtype(device, storage))
+        layer = family.load_layer(conv, i, where, cpu if ffn_builder else None)
+        if ffn_builder is not None:
+            layer.ffn = ffn_builder(i, layer.ffn)
+        layers.append(layer)
     devices = set(layer_devices) | {head_device}
     rotary = {d: RotaryTable(config.rope, config.head_dim, ctx, compute_dtype(d, storage), d) for d in devices}
     if progress:

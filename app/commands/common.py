@@ -26,6 +26,8 @@ def add_model_options(parser: argparse.ArgumentParser, *, sampling: bool = True)
     parser.add_argument("--ctx", type=int, default=2048, help="context length in tokens")
     parser.add_argument("--device", default=None, help="fast device (cuda, cuda:1, cpu); default: best found")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    parser.add_argument("--cpu-weights", default="int8", choices=("int8", "fp32"),
+                        help="format of cold FFN rows on the CPU (int8: 4x fewer bytes; fp32: exact)")
     if sampling:
         parser.add_argument("--max-new-tokens", type=int, default=256)
         parser.add_argument("--temperature", type=float, default=None, help="0 = greedy")
@@ -41,7 +43,8 @@ def load_engine(args: argparse.Namespace):
     from engine import Engine
 
     return Engine.load(args.model, mode=args.mode, ctx=args.ctx, vram_budget=args.vram_budget,
-                       ram_budget=args.ram_budget, device=args.device, threads=args.threads)
+                       ram_budget=args.ram_budget, device=args.device, threads=args.threads,
+                       cold_quant=args.cpu_weights)
 
 
 def sampling_params(args: argparse.Namespace, engine):

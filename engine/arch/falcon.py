@@ -39,7 +39,7 @@ def load_globals(conv: Converter, cpu: Placement, head: Placement):
     return embed, norm, lm_head
 
 
-def load_layer(conv: Converter, i: int, where: Placement) -> Layer:
+def load_layer(conv: Converter, i: int, where: Placement, ffn_where: Placement | None = None) -> Layer:
     cfg = conv.config
     d, hd, heads, kv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     p = f"transformer.h.{i}."
@@ -65,7 +65,7 @@ def load_layer(conv: Converter, i: int, where: Placement) -> Layer:
         qkv_bias=qkv_bias,
         out=conv.get(p + "self_attention.dense.weight", (d, heads * hd), where),
         out_bias=conv.maybe(p + "self_attention.dense.bias", (d,), where),
-        ffn=conv.ffn(None, p + "mlp.dense_h_to_4h.weight", p + "mlp.dense_4h_to_h.weight", where,
+        ffn=conv.ffn(None, p + "mlp.dense_h_to_4h.weight", p + "mlp.dense_4h_to_h.weight", ffn_where or where,
                      p + "mlp.dense_h_to_4h.bias", p + "mlp.dense_4h_to_h.bias"),
         parallel=cfg.parallel_attn,
         device=where.device,

@@ -20,7 +20,7 @@ def load_globals(conv: Converter, cpu: Placement, head: Placement) -> tuple[torc
     return embed, norm, lm_head
 
 
-def load_layer(conv: Converter, i: int, where: Placement) -> Layer:
+def load_layer(conv: Converter, i: int, where: Placement, ffn_where: Placement | None = None) -> Layer:
     cfg = conv.config
     d, hd = cfg.hidden_size, cfg.head_dim
     p = f"model.layers.{i}."
@@ -45,7 +45,8 @@ def load_layer(conv: Converter, i: int, where: Placement) -> Layer:
         qkv_bias=qkv_bias,
         out=conv.get(p + "self_attn.o_proj.weight", (d, q_rows), where),
         out_bias=conv.maybe(p + "self_attn.o_proj.bias", (d,), where),
-        ffn=conv.ffn(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight", where),
+        ffn=conv.ffn(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight",
+                     ffn_where or where),
         parallel=False,
         device=where.device,
     )

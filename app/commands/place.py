@@ -1,0 +1,55 @@
+"""`thermocline place`: the neuron placement for given budgets, without loading weights."""
+
+from __future__ import annotations
+
+import json
+
+from engine.units import format_size
+
+from .common import size_arg
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("place", help="show where neurons go for given VRAM and RAM budgets")
+    parser.add_argument("--model", default="demo")
+    parser.add_argument("--vram-budget", type=size_arg, required=True, metavar="SIZE")
+    parser.add_argument("--ram-budget", type=size_arg, required=True, metavar="SIZE")
+    parser.add_argument("--ctx", type=int, default=2048)
+    parser.add_argument("--device", default=None, help="fast device (default: cuda:0 if present, else the CPU)")
+    parser.add_argument("--cpu-weights", default="int8", choices=("int8", "fp32"))
+    parser.add_argument("--json", action="store_true")
+    parser.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    from engine.config import ModelConfig
+    from engine.loader import resolve_model_dir
+    from engine.placement import solve
+    from engine.sparse import pick_fast_device, problem_for_model
+
+    model_dir = resolve_model_dir(args.model)
+    config = ModelConfig.from_dir(model_dir)
+    fast = pick_fast_device(args.device)
+    problem = problem_for_model(model_dir, config, args.ctx, fast, args.cpu_weights)
+    plan = solve(problem, args.vram_budget, args.ram_budget)
+    summary = plan.summary()
+    summary["min_ram_bytes_at_full_vram"] = solve(problem, 1 << 62, 1 << 62).ram_bytes
+    if args.json:
+        print(json.dumps(summary))
+        return 0 if plan.fits else 2
+    print(f"model {model_dir.name} · fast device {plan.device} · {plan.verdict}")
+    print(f"VRAM {format_size(plan.vram_bytes)} of {format_size(args.vram_budget)} · "
+          f"RAM {format_size(plan.ram_bytes)} of {format_size(args.ram_budget)} · "
+          f"expected hot hit fraction {plan.hot_hit_fraction:.1%} · solved in {plan.solve_s * 1000:.1f} ms")
+    for tier, size in plan.tier_bytes.items():
+        print(f"  {tier:10s} {format_size(size)}")
+    for layer in summary["layers"]:
+        where = "fast" if layer["dense_on_fast"] else "cpu "
+        print(f"  layer {layer['layer']:3d}  dense on {where}  hot {layer['hot_neurons']:6d} ({layer['hot_fraction']:.0%})")
+    if not plan.fits:
+        import sys
+
+        sys.stderr.write(f"error: does not fit: the CPU side needs {format_size(plan.ram_bytes)} of RAM at this "
+                         f"VRAM budget; raise --ram-budget\n")
+        return 2
+    return 0

@@ -1,0 +1,179 @@
+"""One layer's FFN split into a hot tier (fast device) and a cold tier (CPU rows).
+
+Decode (one token): the predictor's logits pick the neurons to compute; the hot part
+runs on the fast device while the cold part runs in the CPU kernels, and one add merges
+them. Prefill (many tokens) uses dense matmuls over both tiers. `oracle` computes every
+neuron's activation and projects the ones that fired: the exactness reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .kernels import cpu as cpu_kernels
+from .model import activate
+
+_PREFILL_CHUNK = 4096  # rows dequantized at a time when a prefill reads int8 cold rows
+
+
+@dataclass
+class FfnCounters:
+    """Per generation: neurons considered, computed (predicted active), computed on the fast tier."""
+    considered: int = 0
+    computed: torch.Tensor | int = 0
+    computed_hot: torch.Tensor | int = 0
+
+    def fractions(self) -> tuple[float, float]:
+        computed = float(self.computed)
+        return (computed / self.considered if self.considered else 0.0,
+                float(self.computed_hot) / computed if computed else 0.0)
+
+
+class HotRows:
+    """Hot neurons packed contiguously on the fast device, with their neuron ids."""
+
+    def __init__(self, gate: torch.Tensor | None, up: torch.Tensor, down_t: torch.Tensor, ids: torch.Tensor):
+        self.gate, self.up, self.down_t, self.ids = gate, up, down_t, ids
+        self.device = up.device
+        # With the CPU standing in for the fast device, the CPU kernels compute the hot rows too.
+        self.cpu_rows = (cpu_kernels.CpuFfnRows(gate, up, down_t, quant="fp32")
+                         if self.device.type == "cpu" and up.dtype == torch.float32 else None)
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.gate, self.up, self.down_t, self.ids) if t is not None)
+
+    def fp32_rows(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        def cpu32(t):
+            return None if t is None else t.to("cpu", torch.float32)
+        return cpu32(self.gate), cpu32(self.up), cpu32(self.down_t)
+
+
+class ColdRows:
+    """Cold neurons in the CPU kernels' storage (fp32 or int8 rows), with their neuron ids."""
+
+    def __init__(self, rows: cpu_kernels.CpuFfnRows, ids: torch.Tensor):
+        self.rows, self.ids = rows, ids
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes + self.ids.numel() * self.ids.element_size()
+
+
+class HybridFfn:
+    def __init__(self, layer: int, gated: bool, activation: str, threshold: float, n_ff: int,
+                 hot: HotRows, cold: ColdRows, runtime):
+        self.layer, self.gated, self.activation, self.threshold = layer, gated, activation, threshold
+        self.n_ff = n_ff
+        self.hot, self.cold = hot, cold
+        self.runtime = runtime  # predictors, mode, counters, the scoring switch
+
+    @property
+    def nbytes(self) -> int:
+        return self.hot.nbytes + self.cold.nbytes
+
+    # ------------------------------------------------------------------ decode
+    def __call__(self, x: torch.Tensor, pred_input: torch.Tensor, layer: int, observer=None) -> torch.Tensor:
+        runtime = self.runtime
+        if x.shape[0] > 1 or observer is not None:
+            return self._batched(x, pred_input, observer)
+        if runtime.mode == "oracle":
+            logits = mask = None  # compute every neuron, project those that fired
+        else:
+            logits = runtime.predictor_logits(self.layer, pred_input[0])
+            mask = logits >= runtime.thresholds[self.layer]
+        y_hot = self._hot_decode(x[0], logits, mask)
+        y_cold = self._cold_decode(x[0], mask)
+        counters = runtime.counters
+        counters.considered += self.n_ff
+        if mask is None:
+            counters.computed += self.n_ff
+            counters.computed_hot += len(self.hot)
+        else:
+            counters.computed = counters.computed + mask.sum()
+            if len(self.hot):
+                counters.computed_hot = counters.computed_hot + mask[self.hot.ids].sum()
+        if y_hot is None:
+            return y_cold.to(x.device, x.dtype)[None]
+        return (y_hot + y_cold.to(y_hot.device)).to(x.dtype)[None]
+
+    def _hot_decode(self, x: torch.Tensor, logits: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor | None:
+        hot = self.hot
+        if not len(hot):
+            return None
+        if hot.cpu_rows is not None:
+            active = None if mask is None else torch.nonzero(mask[hot.ids]).flatten()
+            return cpu_kernels.sparse_ffn(x.float(), hot.cpu_rows, active, self.activation, self.threshold)
+        from .kernels.triton_ffn import sparse_ffn_triton
+
+        # The kernel thresholds the logits itself: no host sync, a static launch grid.
+        return sparse_ffn_triton(x, hot.gate, hot.up, hot.down_t, logits,
+                                 self.runtime.thresholds[self.layer] if logits is not None else 0.0,
+                                 self.activation, self.threshold, row_ids=hot.ids if logits is not None else None)
+
+    def _cold_decode(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        cold = self.cold
+        if not len(cold):
+            return torch.zeros(x.shape[-1], dtype=torch.float32)
+        x_cpu = x.to("cpu", torch.float32)
+        if mask is None:
+            active = None
+        else:
+            active = torch.nonzero(mask.to("cpu")[cold.ids]).flatten()
+        return cpu_kernels.sparse_ffn(x_cpu, cold.rows, active, self.activation, self.threshold)
+
+    # ------------------------------------------------------------ many tokens
+    def _cold_chunks(self):
+        """(ids, gate, up, down_t) fp32 blocks of the cold rows; int8 rows are dequantized
+        a block at a time so a prefill never holds the whole layer in fp32."""
+        rows = self.cold.rows
+        for lo in range(0, len(self.cold), _PREFILL_CHUNK):
+            hi = min(lo + _PREFILL_CHUNK, len(self.cold))
+            if rows.quant == "fp32":
+                gate, up, down_t = rows.gate[lo:hi] if self.gated else None, rows.up[lo:hi], rows.down_t[lo:hi]
+            else:
+                gate, up, down_t = rows.select(torch.arange(lo, hi)).dequantized()
+            yield self.cold.ids[lo:hi], gate, up, down_t
+
+    def _tier_activations(self, x: torch.Tensor) -> torch.Tensor:
+        """True activations [T, n_ff] (fp32, on the CPU) from dense matmuls over both tiers."""
+        acts = torch.zeros(x.shape[0], self.n_ff, dtype=torch.float32)
+        if len(self.hot):
+            xh = x.to(self.hot.device, self.hot.up.dtype)
+            gate = F.linear(xh, self.hot.gate) if self.gated else None
+            hot_acts = activate(self.activation, self.threshold, F.linear(xh, self.hot.up), gate)
+            acts[:, self.hot.ids.cpu()] = hot_acts.to("cpu", torch.float32)
+        xc = x.to("cpu", torch.float32)
+        for ids, gate, up, _ in self._cold_chunks():
+            acts[:, ids] = activate(self.activation, self.threshold, F.linear(xc, up),
+                                    F.linear(xc, gate) if gate is not None else None)
+        return acts
+
+    def _project(self, acts: torch.Tensor) -> torch.Tensor:
+        """acts [T, n_ff] (CPU) -> [T, d] fp32 on the CPU through both tiers' down rows."""
+        out = torch.zeros(acts.shape[0], self.hot.up.shape[1] if len(self.hot) else self.cold.rows.dim)
+        if len(self.hot):
+            hot_acts = acts[:, self.hot.ids.cpu()].to(self.hot.device, self.hot.down_t.dtype)
+            out += (hot_acts @ self.hot.down_t).to("cpu", torch.float32)
+        for ids, _, _, down_t in self._cold_chunks():
+            out += acts[:, ids] @ down_t
+        return out
+
+    def _batched(self, x: torch.Tensor, pred_input: torch.Tensor, observer) -> torch.Tensor:
+        acts = self._tier_activations(x)
+        if observer is not None:
+            observer(self.layer, pred_input, acts)
+        if self.runtime.scoring_mode in ("sparse", "hybrid"):
+            # Per-token predicted sets: what decoding each token alone would compute.
+            logits = self.runtime.predictor_logits(self.layer, pred_input)
+            acts = acts * (logits >= self.runtime.thresholds[self.layer]).to("cpu")
+        return self._project(acts).to(x.device, x.dtype)

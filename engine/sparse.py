@@ -1,0 +1,404 @@
+"""The sparse engine: placement applied to a loaded model, and live re-placement.
+
+`build_sparse_engine` loads a model for the `sparse`, `hybrid` and `oracle` modes:
+dense parts go where the placement puts them, each layer's FFN is split into hot rows
+(fast device) and cold rows (CPU). `SparseRuntime.set_budgets` re-solves and moves only
+the rows and tensors that change tier; during a generation the move happens at the next
+token boundary, and the KV cache (the conversation) is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .activation_stats import ActivationStats
+from .config import ModelConfig
+from .errors import BudgetError, UserError
+from .hybrid_ffn import ColdRows, FfnCounters, HotRows, HybridFfn
+from .kernels import cpu as cpu_kernels
+from .loader import compute_dtype, load_transformer
+from .model import DenseFfn, Transformer
+from .placement import LayerCost, Placement, PlacementProblem, solve
+from .predictors import PredictorSet
+from .units import format_size
+from .weights import WeightSource
+
+COLD_QUANTS = ("int8", "fp32")
+
+
+def pick_fast_device(device: str | None) -> torch.device:
+    if device:
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise UserError(f"device {device} was asked for but this torch build sees no CUDA GPU")
+        return dev
+    return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def default_budgets(fast: torch.device, mode: str) -> tuple[int, int]:
+    """VRAM: 90% of the GPU's free memory (0 without one: the CPU stand-in starts empty).
+    RAM: 90% of what is available now."""
+    import psutil
+
+    vram = 0
+    if mode != "sparse" and fast.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(fast)
+        vram = int(free * 0.9)
+    return vram, int(psutil.virtual_memory().available * 0.9)
+
+
+@dataclass
+class PlacementReport:
+    """What the app's budget panel shows (see docs/ARCHITECTURE.md)."""
+    hot_fraction_per_layer: list[float]
+    tier_bytes: dict[str, int]
+    vram_bytes: int
+    ram_bytes: int
+    hot_hit_fraction: float
+    verdict: str
+    solve_s: float
+    device: str
+    applied: bool  # False: queued for the next token boundary of a running generation
+    allocated: dict[str, int] | None = None  # bytes really held after applying
+
+    @classmethod
+    def from_placement(cls, plan: Placement, applied: bool, allocated: dict | None) -> "PlacementReport":
+        return cls(plan.hot_fraction_per_layer, dict(plan.tier_bytes), plan.vram_bytes, plan.ram_bytes,
+                   plan.hot_hit_fraction, plan.verdict, plan.solve_s, plan.device, applied, allocated)
+
+
+def placement_problem(config: ModelConfig, predictor_ranks: list[int], frequencies: list[np.ndarray],
+                      ctx: int, fast: torch.device, storage: torch.dtype, cold_quant: str) -> PlacementProblem:
+    """Bytes of every placeable part, computed the way the engine allocates them."""
+    fast_elem = torch.finfo(compute_dtype(fast, storage)).bits // 8
+    cpu_elem = 4
+    d, n, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * hd * d
+    out = d * config.num_heads * hd
+    norms = (2 if config.norm_kind == "layer" else 1) * d * (1 if config.parallel_attn and config.num_ln_in_parallel_attn == 1 else 2)
+    biases = ((config.num_heads + 2 * config.num_kv_heads) * hd + d) if config.attention_bias else 0
+    kv = 2 * config.num_kv_heads * ctx * hd
+    matrices = 3 if config.gated else 2
+    layers = []
+    for rank in predictor_ranks:
+        dense = qkv + out + norms + biases + rank * (d + n)
+        layers.append(LayerCost(dense * fast_elem, dense * cpu_elem, kv * fast_elem, kv * cpu_elem))
+    neuron_cpu = matrices * (d + 4) if cold_quant == "int8" else matrices * d * 4
+    final_norm = d * (2 if config.norm_kind == "layer" else 1)
+    head = config.vocab_size * d
+    return PlacementProblem(
+        layers=layers,
+        frequencies=frequencies,
+        neuron_fast=matrices * d * fast_elem + 8,  # rows + an int64 id
+        neuron_cpu=neuron_cpu + 8,
+        head_fast=(head + final_norm) * fast_elem,
+        head_cpu=final_norm * cpu_elem + (0 if config.tie_word_embeddings else head * cpu_elem),
+        embed_cpu=head * cpu_elem,
+        fast_device=str(fast),
+    )
+
+
+class SparseRuntime:
+    def __init__(self, engine_lock: threading.RLock, config: ModelConfig, mode: str, fast: torch.device,
+                 storage: torch.dtype, predictors: PredictorSet | None, problem: PlacementProblem,
+                 cold_quant: str):
+        self.lock = engine_lock
+        self.config, self.mode, self.fast, self.storage = config, mode, fast, storage
+        self.predictors = predictors
+        self.thresholds = list(predictors.thresholds) if predictors else [0.0] * config.num_layers
+        self.problem, self.cold_quant = problem, cold_quant
+        self.counters = FfnCounters()
+        self.scoring_mode: str | None = None
+        self.plan: Placement | None = None
+        self.model: Transformer | None = None
+        self.cache = None
+        self._pending: Placement | None = None
+        self._pending_lock = threading.Lock()
+        self.override_masks = None  # benchmarks: callable(layer) -> bool mask [n_ff] replacing the threshold
+
+    # --------------------------------------------------------------- per token
+    def predictor_logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        if self.predictors is None:
+            raise UserError("this mode needs activation predictors")
+        logits = self.predictors.logits(layer, x)
+        if self.override_masks is not None:
+            threshold = self.thresholds[layer]
+            return torch.where(self.override_masks(layer).to(logits.device), threshold + 1.0, threshold - 1.0)
+        return logits
+
+    def begin_generation(self) -> None:
+        self.counters = FfnCounters()
+        self.at_token_boundary()
+
+    def at_token_boundary(self) -> None:
+        with self._pending_lock:
+            plan, self._pending = self._pending, None
+        if plan is not None:
+            self.apply(plan)
+
+    def generation_fractions(self) -> tuple[float, float]:
+        return self.counters.fractions()
+
+    @contextlib.contextmanager
+    def scoring(self, mode: str):
+        if mode not in ("sparse", "hybrid", "oracle"):
+            raise UserError(f"unknown scoring mode {mode}")
+        if mode != "oracle" and self.predictors is None:
+            raise UserError(f"mode {mode} needs activation predictors")
+        self.scoring_mode = mode
+        try:
+            yield
+        finally:
+            self.scoring_mode = None
+
+    # ------------------------------------------------------------- placement
+    def solve(self, vram: int, ram: int) -> Placement:
+        if self.mode == "sparse":
+            vram = 0
+        if self.fast.type == "cuda" and vram > 0:
+            total = torch.cuda.get_device_properties(self.fast).total_memory
+            if vram > total:
+                raise BudgetError(f"VRAM budget {format_size(vram)} exceeds the GPU's {format_size(total)}")
+        plan = solve(self.problem, vram, ram)
+        if not plan.fits:
+            best = solve(self.problem, 1 << 62, 1 << 62)
+            raise BudgetError(
+                f"RAM budget {format_size(ram)} is too small: at a VRAM budget of {format_size(vram)} the CPU "
+                f"side needs {format_size(plan.ram_bytes)}; raise the RAM budget to at least that"
+                + (f" (or give {format_size(best.vram_bytes)} of VRAM, which lowers it to "
+                   f"{format_size(best.ram_bytes)})" if self.mode != "sparse" else "")
+            )
+        return plan
+
+    def set_budgets(self, vram: int | None, ram: int | None) -> PlacementReport:
+        vram = self.budgets[0] if vram is None else int(vram)
+        ram = self.budgets[1] if ram is None else int(ram)
+        plan = self.solve(vram, ram)
+        self.budgets = (vram, ram)
+        if self.lock.acquire(blocking=False):
+            try:
+                self.apply(plan)
+                return PlacementReport.from_placement(plan, True, self.memory()["tiers"])
+            finally:
+                self.lock.release()
+        with self._pending_lock:  # a generation holds the engine: move at its next token
+            self._pending = plan
+        return PlacementReport.from_placement(plan, False, None)
+
+    def report(self) -> PlacementReport:
+        return PlacementReport.from_placement(self.plan, True, self.memory()["tiers"])
+
+    # -------------------------------------------------------------- applying
+    def fast_dtype(self) -> torch.dtype:
+        return compute_dtype(self.fast, self.storage)
+
+    def _where(self, on_fast: bool) -> tuple[torch.device, torch.dtype]:
+        cpu = torch.device("cpu")
+        return (self.fast, self.fast_dtype()) if on_fast else (cpu, torch.float32)
+
+    def split_ffn(self, layer: int, dense: DenseFfn, hot_ids: np.ndarray, on_fast: bool) -> HybridFfn:
+        """Split a freshly loaded fp32 CPU FFN into hot and cold rows."""
+        hot_idx = torch.as_tensor(hot_ids, dtype=torch.long)
+        cold_mask = torch.ones(dense.n_ff, dtype=torch.bool)
+        cold_mask[hot_idx] = False
+        cold_idx = torch.nonzero(cold_mask).flatten()
+        device, dtype = self._where(True)
+        gate, up, down_t = dense.gate, dense.up, dense.down_t
+        hot = HotRows(
+            None if gate is None else gate[hot_idx].to(device, dtype).contiguous(),
+            up[hot_idx].to(device, dtype).contiguous(), down_t[hot_idx].to(device, dtype).contiguous(),
+            hot_idx.to(device),
+        )
+        cold = ColdRows(cpu_kernels.CpuFfnRows.from_dense(None if gate is None else gate[cold_idx], up[cold_idx],
+                                                          down_t[cold_idx], quant=self.cold_quant), cold_idx)
+        return HybridFfn(layer, gate is not None, self.config.activation, self.config.activation_threshold,
+                         dense.n_ff, hot, cold, self)
+
+    def apply(self, plan: Placement) -> None:
+        """Move what changed tier; called with the engine lock held (or between tokens)."""
+        model, cache = self.model, self.cache
+        if plan.head_on_fast != self.plan.head_on_fast:
+            device, dtype = self._where(plan.head_on_fast)
+            tied = self.config.tie_word_embeddings and not plan.head_on_fast
+            model.lm_head = model.embed if tied else model.lm_head.to(device, dtype)
+            norm = model.final_norm
+            norm.weight = norm.weight.to(device, dtype)
+            norm.bias = None if norm.bias is None else norm.bias.to(device, dtype)
+            self._ensure_rotary(device, dtype)
+        for i, layer in enumerate(model.layers):
+            if plan.layer_on_fast[i] != self.plan.layer_on_fast[i]:
+                self._move_layer_dense(i, plan.layer_on_fast[i])
+            new_ids = plan.hot_ids[i]
+            if not np.array_equal(new_ids, self.plan.hot_ids[i]):
+                self._move_neurons(layer.ffn, new_ids)
+        self.plan = plan
+
+    def _ensure_rotary(self, device: torch.device, dtype: torch.dtype) -> None:
+        if device not in self.model.rotary:
+            from .rope import RotaryTable
+
+            self.model.rotary[device] = RotaryTable(self.config.rope, self.config.head_dim, self.cache.slots,
+                                                    dtype, device)
+
+    def _move_layer_dense(self, i: int, to_fast: bool) -> None:
+        device, dtype = self._where(to_fast)
+        layer = self.model.layers[i]
+        for name in ("qkv", "qkv_bias", "out", "out_bias"):
+            t = getattr(layer, name)
+            if t is not None:
+                setattr(layer, name, t.to(device, dtype))
+        for norm in (layer.attn_norm, layer.mlp_norm):
+            if norm is not None:
+                norm.weight = norm.weight.to(device, dtype)
+                norm.bias = None if norm.bias is None else norm.bias.to(device, dtype)
+        layer.device = device
+        if self.predictors is not None:
+            self.predictors.to(i, device, dtype)
+        self.cache.k[i] = self.cache.k[i].to(device, dtype)  # the conversation moves with its layer
+        self.cache.v[i] = self.cache.v[i].to(device, dtype)
+        self._ensure_rotary(device, dtype)
+
+    def _move_neurons(self, ffn: HybridFfn, new_hot: np.ndarray) -> None:
+        """Promote and demote only the neurons whose tier changes."""
+        old_hot_ids = ffn.hot.ids.cpu().numpy()
+        new_hot = np.asarray(new_hot, dtype=np.int64)
+        keep_hot = np.isin(old_hot_ids, new_hot)
+        promote = np.setdiff1d(new_hot, old_hot_ids)
+        cold_ids = ffn.cold.ids.numpy()
+        keep_cold = ~np.isin(cold_ids, promote)
+        device, dtype = self._where(True)
+
+        # Hot rows: those that stay plus the promoted ones read from the cold tier.
+        promote_pos = torch.as_tensor(np.flatnonzero(~keep_cold))
+        pg, pu, pd = ffn.cold.rows.select(promote_pos).dequantized() if len(promote_pos) else (None, None, None)
+        stay = torch.as_tensor(np.flatnonzero(keep_hot), device=ffn.hot.up.device)
+
+        def hot_rows(old: torch.Tensor | None, promoted: torch.Tensor | None):
+            if old is None:
+                return None
+            parts = [old.index_select(0, stay)]
+            if promoted is not None:
+                parts.append(promoted.to(device, dtype))
+            return torch.cat(parts)
+
+        ids = np.concatenate([old_hot_ids[keep_hot], cold_ids[~keep_cold]])
+        order = torch.as_tensor(np.argsort(ids, kind="stable"))
+        gate, up, down_t = (hot_rows(ffn.hot.gate, pg), hot_rows(ffn.hot.up, pu), hot_rows(ffn.hot.down_t, pd))
+        dev_order = order.to(device)
+        new_hot_rows = HotRows(None if gate is None else gate[dev_order].contiguous(), up[dev_order].contiguous(),
+                               down_t[dev_order].contiguous(), torch.as_tensor(ids[order.numpy()], device=device))
+
+        # Cold rows: those that stay plus the demoted ones copied back from the fast device.
+        demote_pos = np.flatnonzero(~keep_hot)
+        kept = ffn.cold.rows.select(torch.as_tensor(np.flatnonzero(keep_cold)))
+        parts = [kept]
+        if len(demote_pos):
+            g, u, d = ffn.hot.fp32_rows()
+            pos = torch.as_tensor(demote_pos)
+            parts.append(cpu_kernels.CpuFfnRows.from_dense(None if g is None else g[pos], u[pos], d[pos],
+                                                           quant=self.cold_quant))
+        cold_all = np.concatenate([cold_ids[keep_cold], old_hot_ids[demote_pos]])
+        cold_order = torch.as_tensor(np.argsort(cold_all, kind="stable"))
+        rows = _concat_rows(parts).select(cold_order) if len(parts) > 1 else kept
+        ffn.hot = new_hot_rows
+        ffn.cold = ColdRows(rows, torch.as_tensor(cold_all[cold_order.numpy()]))
+
+    # ------------------------------------------------------------ accounting
+    def memory(self) -> dict:
+        """Bytes really allocated per tier (weights, predictors, KV cache, index maps)."""
+        model, plan = self.model, self.plan
+
+        def nb(*tensors):
+            return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+        head = nb(model.final_norm.weight, model.final_norm.bias)
+        if model.lm_head.data_ptr() != model.embed.data_ptr():
+            head += nb(model.lm_head)
+        tiers = {"fast_dense": 0, "fast_kv": 0, "fast_ffn": 0, "cpu_dense": nb(model.embed), "cpu_kv": 0,
+                 "cpu_ffn": 0}
+        tiers["fast_dense" if plan.head_on_fast else "cpu_dense"] += head
+        for i, layer in enumerate(model.layers):
+            tier = "fast" if plan.layer_on_fast[i] else "cpu"
+            predictor = self.predictors.nbytes(i) if self.predictors is not None else 0
+            tiers[f"{tier}_dense"] += layer.dense_nbytes + predictor
+            tiers[f"{tier}_kv"] += nb(self.cache.k[i], self.cache.v[i])
+            tiers["fast_ffn"] += layer.ffn.hot.nbytes
+            tiers["cpu_ffn"] += layer.ffn.cold.nbytes
+        vram = tiers["fast_dense"] + tiers["fast_kv"] + tiers["fast_ffn"]
+        ram = tiers["cpu_dense"] + tiers["cpu_kv"] + tiers["cpu_ffn"]
+        return {"vram_bytes": vram, "ram_bytes": ram, "device": str(self.fast), "tiers": tiers}
+
+
+def _concat_rows(parts: list) -> cpu_kernels.CpuFfnRows:
+    def cat(name):
+        tensors = [getattr(p, name) for p in parts]
+        return None if tensors[0] is None else torch.cat(tensors)
+
+    return cpu_kernels.CpuFfnRows(cat("gate"), cat("up"), cat("down_t"), cat("gate_scale"), cat("up_scale"),
+                                  cat("down_scale"), quant=parts[0].quant)
+
+
+def problem_for_model(model_dir: Path, config: ModelConfig, ctx: int, fast: torch.device, cold_quant: str,
+                      predictors: PredictorSet | None = None, storage: torch.dtype | None = None) -> PlacementProblem:
+    """The placement problem of a model folder, from its config, predictors and statistics."""
+    if predictors is None and PredictorSet.exists(model_dir):
+        predictors = PredictorSet.load(model_dir, config.num_layers, config.hidden_size, config.intermediate_size)
+    if ActivationStats.exists(model_dir):
+        frequencies = [f.numpy() for f in ActivationStats.load(model_dir).frequencies()]
+        if len(frequencies) != config.num_layers or any(len(f) != config.intermediate_size for f in frequencies):
+            raise UserError(f"activation statistics of {model_dir} do not match the model; profile it again")
+    else:  # no profile yet: every neuron alike, placement by neuron order
+        frequencies = [np.ones(config.intermediate_size) for _ in range(config.num_layers)]
+    ranks = predictors.ranks if predictors else [0] * config.num_layers
+    storage = storage or WeightSource(model_dir).dtype()
+    return placement_problem(config, ranks, frequencies, ctx, fast, storage, cold_quant)
+
+
+def build_sparse_engine(engine_cls, model_dir: Path, config: ModelConfig, tokenizer, mode: str, ctx: int,
+                        vram_budget: int | None, ram_budget: int | None, device: str | None, progress,
+                        cold_quant: str = "int8"):
+    if cold_quant not in COLD_QUANTS:
+        raise UserError(f"unknown CPU weight format {cold_quant!r}: choose int8 or fp32")
+    if config.mlp_bias:
+        raise UserError("sparse modes do not support FFN biases yet; use --mode dense for this model")
+    fast = pick_fast_device(device)
+    default_vram, default_ram = default_budgets(fast, mode)
+    vram = default_vram if vram_budget is None else vram_budget
+    ram = default_ram if ram_budget is None else ram_budget
+    predictors = None
+    if mode != "oracle" or PredictorSet.exists(model_dir):
+        predictors = PredictorSet.load(model_dir, config.num_layers, config.hidden_size, config.intermediate_size)
+    storage = WeightSource(model_dir).dtype()
+    problem = problem_for_model(model_dir, config, ctx, fast, cold_quant, predictors, storage)
+    engine_lock = threading.RLock()
+    runtime = SparseRuntime(engine_lock, config, mode, fast, storage, predictors, problem, cold_quant)
+    plan = runtime.solve(vram, ram)
+    runtime.budgets = (vram, ram)
+    runtime.plan = plan
+    cpu = torch.device("cpu")
+    layer_devices = [fast if on else cpu for on in plan.layer_on_fast]
+    head_device = fast if plan.head_on_fast else cpu
+    model = load_transformer(
+        model_dir, config, layer_devices, head_device, ctx, progress,
+        ffn_builder=lambda i, dense: runtime.split_ffn(i, dense, plan.hot_ids[i], plan.layer_on_fast[i]),
+    )
+    if predictors is not None:
+        for i, on_fast in enumerate(plan.layer_on_fast):
+            predictors.to(i, *runtime._where(on_fast))
+    cache_dtype = {d: compute_dtype(d, storage) for d in set(layer_devices)}
+    cache = engine_cls.make_cache(config, ctx, layer_devices, torch.float32)
+    for i, d in enumerate(layer_devices):
+        cache.k[i] = cache.k[i].to(cache_dtype[d])
+        cache.v[i] = cache.v[i].to(cache_dtype[d])
+    runtime.model, runtime.cache = model, cache
+    engine = engine_cls(model_dir, config, tokenizer, model, cache, mode, ctx,
+                        engine_cls.eos_from(model_dir, config, tokenizer), engine_cls.defaults_from(model_dir))
+    engine._lock = engine_lock
+    engine.sparse = runtime
+    return engine

@@ -1,0 +1,88 @@
+"""The placement solver: budgets respected, monotone, deterministic, numeric layer order."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.activation_stats import ActivationStats
+from engine.config import ModelConfig
+from engine.placement import solve
+from engine.sparse import placement_problem
+
+CONFIG = ModelConfig.from_dict({
+    "model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 6,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "hidden_act": "relu",
+})
+
+
+def problem(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    freqs = [rng.pareto(1.2, CONFIG.intermediate_size) for _ in range(CONFIG.num_layers)]
+    return placement_problem(CONFIG, [64] * CONFIG.num_layers, freqs, 512, torch.device("cuda:0"),
+                             torch.float16, "int8")
+
+
+def test_budgets_are_respected_and_accounted():
+    p = problem()
+    everything = solve(p, 1 << 40, 1 << 40)
+    for vram in np.linspace(0, everything.vram_bytes * 1.1, 40).astype(int):
+        plan = solve(p, int(vram), 1 << 40)
+        assert plan.vram_bytes <= vram
+        assert plan.vram_bytes == sum(v for k, v in plan.tier_bytes.items() if k.startswith("fast"))
+        assert plan.ram_bytes == sum(v for k, v in plan.tier_bytes.items() if k.startswith("cpu"))
+        hot = sum(len(ids) for ids in plan.hot_ids)
+        assert plan.tier_bytes["fast_ffn"] == hot * p.neuron_fast
+
+
+def test_monotone_in_the_vram_budget():
+    p = problem()
+    top = solve(p, 1 << 40, 1 << 40).vram_bytes
+    previous = None
+    for vram in np.linspace(0, top, 60).astype(int):
+        plan = solve(p, int(vram), 1 << 40)
+        if previous is not None:
+            assert plan.vram_bytes >= previous.vram_bytes
+            assert plan.ram_bytes <= previous.ram_bytes
+            assert plan.hot_hit_fraction >= previous.hot_hit_fraction
+            for old, new in zip(previous.hot_ids, plan.hot_ids):
+                assert set(old) <= set(new)  # growing never demotes a neuron
+        previous = plan
+    assert previous.hot_hit_fraction == 1.0 and previous.verdict == "fits"
+
+
+def test_hot_set_is_the_most_frequent_neurons():
+    p = problem()
+    dense = p.head_fast + sum(c.dense_fast + c.kv_fast for c in p.layers)
+    plan = solve(p, dense + 500 * p.neuron_fast, 1 << 40)
+    flat = np.concatenate(p.frequencies)
+    chosen = np.concatenate([ids + i * CONFIG.intermediate_size for i, ids in enumerate(plan.hot_ids)])
+    assert len(chosen) == 500
+    assert flat[chosen].min() >= np.sort(flat)[-500]
+    assert plan.hot_hit_fraction == flat[chosen].sum() / flat.sum()
+
+
+def test_deterministic_with_ties():
+    p = problem()
+    tied = [np.ones_like(f) for f in p.frequencies]
+    p = type(p)(**{**p.__dict__, "frequencies": tied})
+    dense = p.head_fast + sum(c.dense_fast + c.kv_fast for c in p.layers)
+    plans = [solve(p, dense + 777 * p.neuron_fast, 1 << 40) for _ in range(3)]
+    for a, b in zip(plans, plans[1:]):
+        assert all(np.array_equal(x, y) for x, y in zip(a.hot_ids, b.hot_ids))
+    assert plans[0].hot_ids[0].tolist() == list(range(688)) and plans[0].hot_ids[1].tolist() == list(range(89))
+
+
+def test_ram_budget_below_the_cpu_part_does_not_fit():
+    p = problem()
+    need = solve(p, 0, 1 << 40).ram_bytes
+    assert not solve(p, 0, need - 1).fits
+    assert solve(p, 0, need).fits
+    assert solve(p, 0, need - 1).min_ram_bytes == need
+
+
+def test_statistics_load_in_numeric_layer_order(tmp_path):
+    counts = [torch.full((4,), float(i)) for i in range(12)]
+    ActivationStats(counts, tokens=10).save(tmp_path)
+    loaded = ActivationStats.load(tmp_path)
+    assert [int(c[0]) for c in loaded.counts] == list(range(12))  # layer 10 is not second
