@@ -1,13 +1,13 @@
 """Sparse FFN and predictor for the hot (GPU) partition, with Triton kernels.
 
-One decode step of a layer's hot rows is three launches with static grids:
+One decode step of a layer's hot rows is two launches with static grids:
   1. `ffn_act_kernel`: each program owns a chunk of neurons, thresholds the predictor's
      logits for them, packs the predicted ones into full tiles (prefix count inside the
      program), gathers their gate rows, then the up rows only of neurons whose gate
      fires, fp32 dot products, fused activation -> act [n] (0 where skipped);
-  2. `down_partial_kernel`: grid (d tiles x row splits); each program packs the rows with
-     act != 0 of its split into tiles and sums act[i] * down_t[i] -> partials [splits, d];
-  3. `sum_rows_kernel`: y = partials summed over splits, in a fixed order.
+  2. `down_kernel`: grid (d tiles x row splits); each program packs the rows with
+     act != 0 of its split into tiles and sums act[i] * down_t[i] into partials [splits, d];
+     the last program to finish a d tile adds that tile's partials in split order -> y.
 Rows that are not computed are never read. No nonzero(), no .item(), no shape that
 depends on data (only in-kernel loop trip counts do): no host sync, CUDA graphs can
 capture it.
@@ -15,10 +15,12 @@ capture it.
 Why pack: at 10% active, a tile of consecutive rows with the dead ones masked keeps nine
 lanes in ten idle, so each SM has too few bytes in flight to approach the memory bandwidth;
 packed tiles keep every lane loading useful bytes (`LaunchConfig(packed=False)` keeps the
-masked variant for comparison). Why a split reduction rather than atomics for the down
-projection: the result is deterministic (oracle-mode checks compare runs bit for bit), y
-needs no zeroing launch, and the partials are small (splits x d x 4 bytes, ~0.3 MB at
-d = 4096, against ~27 MB of weights read at 10% active on a 7B layer).
+masked variant for comparison). Why a split reduction rather than float atomics on y for
+the down projection: the sum has a fixed order, so results are deterministic (oracle-mode
+checks compare runs bit for bit); y needs no zeroing launch; and the partials are small
+(splits x d x 4 bytes, ~0.3 MB at d = 4096, against ~27 MB of weights read at 10% active
+on a 7B layer). Only a per-tile counter is atomic; the kernel resets it, so the buffer is
+allocated once per (device, stream) and CUDA graphs can replay the step.
 
 Weights are fp16 or bf16 (fp32 accepted for tests); accumulation is fp32; y is fp32 [d].
 Activations are those of docs/ARCHITECTURE.md (ungated drelu is relu(up), as in
@@ -224,6 +226,22 @@ def _down_grid(n: int, d: int, cfg: LaunchConfig, device) -> dict:
                 splits=_cdiv(n, rows_per_split), rows_per_split=rows_per_split)
 
 
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, d_tiles: int) -> torch.Tensor:
+    """Zeroed int32 [d_tiles] for down_kernel's last-program reduction. The kernel leaves
+    them at 0, so one buffer per (device, stream) serves every call in stream order.
+    Allocate before CUDA graph capture (any warm-up call does)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < d_tiles:
+        buf = torch.zeros(max(d_tiles, 64), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
 def down_proj_triton(act: torch.Tensor, down_t: torch.Tensor, *,
                      config: LaunchConfig | None = None) -> torch.Tensor:
     """y fp32 [d] = sum over rows i with act[i] != 0 of act[i] * down_t[i]."""
@@ -236,21 +254,15 @@ def down_proj_triton(act: torch.Tensor, down_t: torch.Tensor, *,
     if n == 0:
         return torch.zeros(d, dtype=torch.float32, device=down_t.device)
     cfg = config or DEFAULT_CONFIG
-    k = _kernels()
     g = _down_grid(n, d, cfg, down_t.device)
-    splits = g["splits"]
-    partials = torch.empty((splits, d), dtype=torch.float32, device=down_t.device)
-    k.down_partial_kernel[(g["d_tiles"], splits)](
-        act, down_t, partials, n, d, down_t.stride(0), g["rows_per_split"],
+    partials = torch.empty((g["splits"], d), dtype=torch.float32, device=down_t.device)
+    y = torch.empty(d, dtype=torch.float32, device=down_t.device)
+    _kernels().down_kernel[(g["d_tiles"], g["splits"])](
+        act, down_t, partials, _tile_counters(down_t.device, g["d_tiles"]), y, n, d,
+        down_t.stride(0), g["rows_per_split"], g["splits"],
         PACKED=cfg.packed, CHUNK_N=g["chunk_n"], TILE_N=g["tile_n"], BLOCK_D=g["block_d"],
         num_warps=cfg.down_warps,
     )
-    if splits == 1:
-        return partials.view(d)
-    y = torch.empty(d, dtype=torch.float32, device=down_t.device)
-    sum_block = _block(d, 256)
-    k.sum_rows_kernel[(_cdiv(d, sum_block),)](partials, y, splits, d, BLOCK_D=sum_block,
-                                              num_warps=4)
     return y
 
 

@@ -36,8 +36,9 @@ def _rows_dot(w_ptr, stride_w, x_ptr, offs_n, live, d, BLOCK_N: tl.constexpr,
         offs_d = d0 + tl.arange(0, BLOCK_D)
         in_d = offs_d < d
         xv = tl.load(x_ptr + offs_d, mask=in_d, other=0.0).to(tl.float32)
+        # Weights are streamed once per token: do not let them evict reused data from L2.
         w = tl.load(w_ptr + rows + offs_d[None, :], mask=live[:, None] & in_d[None, :],
-                    other=0.0).to(tl.float32)
+                    other=0.0, eviction_policy="evict_first").to(tl.float32)
         acc += w * xv[None, :]
     # One reduction after the loop rather than one per tile.
     return tl.sum(acc, axis=1)
@@ -142,15 +143,19 @@ def ffn_act_kernel(x_ptr, gate_ptr, up_ptr, pred_ptr, row_ids_ptr, act_ptr,
 
 
 @triton.jit
-def down_partial_kernel(act_ptr, down_ptr, part_ptr, n, d, stride_down, rows_per_split,
-                        PACKED: tl.constexpr, CHUNK_N: tl.constexpr, TILE_N: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
-    """partials[s, tile] = sum over rows i of split s of act[i] * down_t[i, tile].
+def down_kernel(act_ptr, down_ptr, part_ptr, count_ptr, y_ptr, n, d, stride_down,
+                rows_per_split, n_splits, PACKED: tl.constexpr, CHUNK_N: tl.constexpr,
+                TILE_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """y = sum over rows i with act[i] != 0 of act[i] * down_t[i], split over rows.
 
-    Grid (d tiles, splits). Rows with act == 0 are never read: PACKED gathers the live rows
-    of each chunk of CHUNK_N into full tiles of TILE_N; otherwise tiles of CHUNK_N rows
-    with the dead ones masked. rows_per_split is a multiple of CHUNK_N. The order of the
-    sum is fixed, so the result is deterministic.
+    Grid (d tiles, splits). Program (t, s) sums the rows of split s for d tile t into
+    partials[s, tile]. Rows with act == 0 are never read: PACKED gathers the live rows of
+    each chunk of CHUNK_N into full tiles of TILE_N; otherwise tiles of CHUNK_N rows with
+    the dead ones masked. rows_per_split is a multiple of CHUNK_N.
+
+    The last program to finish a d tile (a counter per tile) adds the partials in split
+    order and writes y: one launch instead of two, a deterministic sum (fixed order), and
+    the counter is put back to 0 for the next call, so no zeroing launch is needed.
     """
     pid_d = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -169,8 +174,8 @@ def down_partial_kernel(act_ptr, down_ptr, part_ptr, n, d, stride_down, rows_per
                 rows = c0 + pos
                 a = tl.load(act_ptr + rows, mask=ok, other=0.0)
                 w = tl.load(down_ptr + rows.to(tl.int64)[:, None] * stride_down
-                            + offs_d[None, :], mask=ok[:, None] & in_d[None, :],
-                            other=0.0).to(tl.float32)
+                            + offs_d[None, :], mask=ok[:, None] & in_d[None, :], other=0.0,
+                            eviction_policy="evict_first").to(tl.float32)
                 acc += w * a[:, None]
     else:
         acc = tl.zeros([CHUNK_N, BLOCK_D], dtype=tl.float32)
@@ -179,18 +184,19 @@ def down_partial_kernel(act_ptr, down_ptr, part_ptr, n, d, stride_down, rows_per
             a = tl.load(act_ptr + offs_n, mask=offs_n < n, other=0.0)
             live = a != 0.0
             w = tl.load(down_ptr + offs_n.to(tl.int64)[:, None] * stride_down
-                        + offs_d[None, :], mask=live[:, None] & in_d[None, :],
-                        other=0.0).to(tl.float32)
+                        + offs_d[None, :], mask=live[:, None] & in_d[None, :], other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
             acc += w * a[:, None]
     tl.store(part_ptr + pid_s.to(tl.int64) * d + offs_d, tl.sum(acc, axis=0), mask=in_d)
 
-
-@triton.jit
-def sum_rows_kernel(part_ptr, y_ptr, n_rows, d, BLOCK_D: tl.constexpr):
-    """y[tile] = sum over rows of partials[:, tile], in a fixed order (deterministic)."""
-    offs_d = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
-    in_d = offs_d < d
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for r in range(0, n_rows):
-        acc += tl.load(part_ptr + r * d + offs_d, mask=in_d, other=0.0)
-    tl.store(y_ptr + offs_d, acc, mask=in_d)
+    # Publish the partial: every thread's stores, then one release (the CUTLASS semaphore
+    # pattern: barrier, then a gpu-scope release by one thread).
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr + pid_d, 1, sem="acq_rel", scope="gpu")
+    if done == n_splits - 1:
+        y = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for s in range(0, n_splits):
+            # .cg: read from L2, where the other programs' partials are, not a stale L1.
+            y += tl.load(part_ptr + s * d + offs_d, mask=in_d, other=0.0, cache_modifier=".cg")
+        tl.store(y_ptr + offs_d, y, mask=in_d)
+        tl.atomic_xchg(count_ptr + pid_d, 0)
