@@ -1,22 +1,29 @@
 """Will a model fit? A byte model of how the engine places tensors, over config.json alone.
 
-The byte model (each rule a parameter of `BytesModel`, defaults = the engine's placement):
+It mirrors `engine/sparse.py::placement_problem` and `engine/placement.py::solve` (the
+engine imports torch, this package must not), with every rule a parameter of `BytesModel`:
 
-GPU (CUDA) tier, fp16 (2 bytes/param), filled in this order while the VRAM budget lasts:
-  1. global dense parts: token embeddings, final norm, lm_head (absent when tied);
-  2. per layer, in layer order, the layer's dense unit: attention weights, norms, the
-     layer's predictor, and its KV cache = 2 (k,v) * ctx * n_kv_heads * head_dim * 2 bytes;
-  3. hot FFN neurons, as many as fit, spread evenly over layers. One neuron = one row of
-     gate (gated FFNs only), up and down^T: n_mat * d params.
-CPU tier, for what did not fit:
-  - dense parts (global and per layer, predictors included) in fp32 (4 bytes/param);
-  - KV cache of CPU layers in fp32: 2 * ctx * n_kv_heads * head_dim * 4 bytes per layer;
-  - cold FFN neurons as int8 rows with one fp32 scale per row: n_mat * (d + 4) bytes.
-Predictor of a layer: fc1 [rank, d] + fc2 [n_ff, rank]; the real parameter count from the
-model's `thermocline/predictors.safetensors` when there is one, else rank 1024.
+Fast device (CUDA, 16-bit: 2 bytes/element), filled in this order:
+  1. the output head (lm_head, a copy even when tied, plus the final norm), if it fits;
+  2. each layer's dense unit, in layer order, if it fits: attention (q, k, v, o and their
+     biases), norms, the layer's predictor, and its KV cache = 2 (k,v) * ctx * n_kv_heads *
+     head_dim elements;
+  3. only when every layer's dense unit is there: hot FFN neurons, as many as the rest of
+     the budget holds. One neuron = one row of gate (gated FFNs only), up and down^T, plus
+     an 8-byte int64 index entry: n_mat * d * 2 + 8 bytes.
+CPU, for the rest (4 bytes/element unless said otherwise):
+  - the token embeddings, always (a lookup needs no GPU);
+  - the head when it is not on the fast device (only its final norm when tied);
+  - dense units of CPU layers, their KV cache in fp32;
+  - cold FFN neurons as int8 rows with one fp32 scale per row, plus the index entry:
+    n_mat * (d + 4) + 8 bytes (fp32 rows: n_mat * d * 4 + 8).
+Predictor of a layer: fc1 [rank, d] + fc2 [n_ff, rank]; the real ranks from the model's
+`thermocline/predictors.safetensors` when there is one, else rank 1024.
+Verdict: "does not fit" when the CPU part exceeds the RAM budget; "fits" when no neuron is
+cold and every dense part is on the GPU; else "fits with cold neurons on CPU".
 
 Not counted: the CUDA context, activations and temporary buffers (small at batch 1), and
-the mmap'ed file pages the OS may keep cached. Suggested budgets leave room for them.
+file pages the OS keeps cached. Suggested budgets leave room for them.
 """
 
 from __future__ import annotations
@@ -64,7 +71,7 @@ class ModelShape:
         q = self.d * self.n_heads * self.head_dim
         kv = 2 * self.d * self.n_kv_heads * self.head_dim
         o = self.n_heads * self.head_dim * self.d
-        bias = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim if self.attn_bias else 0
+        bias = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim + self.d if self.attn_bias else 0
         return q + kv + o + bias
 
     @property
@@ -103,12 +110,14 @@ def shape_from_config(config: dict, arch: ArchInfo | None = None) -> ModelShape:
     vocab = int(config["vocab_size"])
     head_dim = int(_first(config, "head_dim", default=d // n_heads))
     if arch.family == "falcon":
-        if config.get("new_decoder_architecture"):
+        new_arch = bool(config.get("new_decoder_architecture"))
+        if new_arch:
             n_kv = int(_first(config, "num_kv_heads", "n_head_kv", default=n_heads))
-            norms = 2 * 2 * d  # ln_attn and ln_mlp, LayerNorm weight + bias
         else:
             n_kv = 1 if config.get("multi_query", True) else n_heads
-            norms = 2 * d if config.get("parallel_attn", True) else 2 * 2 * d
+        parallel = bool(config.get("parallel_attn", True)) or new_arch
+        n_ln = int(_first(config, "num_ln_in_parallel_attn", default=2 if new_arch else 1)) if parallel else 2
+        norms = 2 * d * (1 if n_ln == 1 else 2)  # LayerNorm: weight + bias
         n_ff = int(_first(config, "ffn_hidden_size", default=4 * d))
         return ModelShape(
             family="falcon", d=d, n_ff=n_ff, n_layers=n_layers, n_heads=n_heads,
@@ -148,20 +157,23 @@ def predictor_params_from_file(path: Path) -> list[int] | None:
 
 @dataclass(frozen=True)
 class BytesModel:
-    """Bytes per parameter / element on each tier (see the module docstring)."""
+    """Bytes per element on each tier and the engine's layout choices (module docstring)."""
 
-    gpu_weight_bytes: int = 2  # fp16
+    gpu_weight_bytes: int = 2  # fp16 / bf16 on CUDA (a CPU stand-in device would be 4)
+    gpu_kv_bytes: int = 2
     cpu_dense_bytes: int = 4  # fp32
-    cpu_cold_row_scale_bytes: int = 4  # one fp32 scale per int8 row
-    cpu_cold_weight_bytes: int = 1  # int8
-    gpu_kv_bytes: int = 2  # fp16
-    cpu_kv_bytes: int = 4  # fp32
+    cpu_kv_bytes: int = 4
+    cold_quant: str = "int8"  # "int8": int8 rows + one fp32 scale per row; "fp32": plain rows
+    neuron_index_bytes: int = 8  # the int64 id kept with every hot and cold neuron
+    embeddings_on_gpu: bool = False  # the engine keeps the token embeddings in RAM
 
     def cold_neuron_bytes(self, shape: ModelShape) -> int:
-        return shape.ffn_matrices * (shape.d * self.cpu_cold_weight_bytes + self.cpu_cold_row_scale_bytes)
+        if self.cold_quant == "int8":
+            return shape.ffn_matrices * (shape.d + 4) + self.neuron_index_bytes
+        return shape.ffn_matrices * shape.d * self.cpu_dense_bytes + self.neuron_index_bytes
 
     def hot_neuron_bytes(self, shape: ModelShape) -> int:
-        return shape.ffn_params_per_neuron * self.gpu_weight_bytes
+        return shape.ffn_params_per_neuron * self.gpu_weight_bytes + self.neuron_index_bytes
 
     def kv_elements_per_layer(self, shape: ModelShape, ctx: int) -> int:
         return 2 * ctx * shape.n_kv_heads * shape.head_dim
@@ -187,7 +199,7 @@ class FitEstimate:
     hot_neurons: int = 0
     cold_neurons: int = 0
     gpu_layers: int = 0  # layers whose attention, predictor and KV cache are on the GPU
-    globals_on_gpu: bool = False
+    globals_on_gpu: bool = False  # the output head (embeddings stay in RAM)
     verdict: str = VERDICT_NO
     reason: str = ""
     suggested_vram_budget: int | None = None
@@ -207,8 +219,15 @@ class FitEstimate:
         total = self.hot_neurons + self.cold_neurons
         return self.hot_neurons / total if total else 0.0
 
+    def tier_bytes(self) -> dict[str, int]:
+        """The same bytes under the engine's PlacementReport.tier_bytes names."""
+        return {"fast_dense": self.dense_gpu_bytes + self.predictor_gpu_bytes, "fast_kv": self.kv_gpu_bytes,
+                "fast_ffn": self.hot_ffn_bytes, "cpu_dense": self.dense_cpu_bytes + self.predictor_cpu_bytes,
+                "cpu_kv": self.kv_cpu_bytes, "cpu_ffn": self.cold_ffn_bytes}
+
     def to_dict(self) -> dict:
         out = asdict(self)
+        out["tier_bytes"] = self.tier_bytes()
         out.update(vram_bytes=self.vram_bytes, ram_bytes=self.ram_bytes, hot_fraction=self.hot_fraction)
         return out
 
@@ -224,50 +243,59 @@ def place_bytes(shape: ModelShape, *, ctx: int, vram_budget: int, ram_budget: in
         predictor_params = [predictor_rank * (shape.d + shape.n_ff)] * shape.n_layers
     est = FitEstimate(ctx=ctx, vram_budget=vram_budget, ram_budget=ram_budget,
                       total_params=shape.total_params, shape=asdict(shape))
-    free = max(int(vram_budget), 0)
+    budget = max(int(vram_budget), 0)
+    used = 0
 
-    global_params = shape.embedding_params + shape.lm_head_params + shape.final_norm_params
-    if global_params * bm.gpu_weight_bytes <= free:
-        free -= global_params * bm.gpu_weight_bytes
-        est.dense_gpu_bytes += global_params * bm.gpu_weight_bytes
+    embed = shape.embedding_params
+    if bm.embeddings_on_gpu and embed * bm.gpu_weight_bytes <= budget:
+        used += embed * bm.gpu_weight_bytes
+        est.dense_gpu_bytes += embed * bm.gpu_weight_bytes
+    else:
+        est.dense_cpu_bytes += embed * bm.cpu_dense_bytes
+
+    head = shape.vocab * shape.d + shape.final_norm_params  # a GPU copy even when tied
+    if used + head * bm.gpu_weight_bytes <= budget:
+        used += head * bm.gpu_weight_bytes
+        est.dense_gpu_bytes += head * bm.gpu_weight_bytes
         est.globals_on_gpu = True
     else:
-        est.dense_cpu_bytes += global_params * bm.cpu_dense_bytes
+        est.dense_cpu_bytes += (shape.lm_head_params + shape.final_norm_params) * bm.cpu_dense_bytes
 
     layer_dense = shape.attention_params_per_layer + shape.norm_params_per_layer
     kv_elems = bm.kv_elements_per_layer(shape, ctx)
-    gpu_layers_open = est.globals_on_gpu  # layers go to the GPU in order; stop at the first miss
     for layer in range(shape.n_layers):
         need = (layer_dense + predictor_params[layer]) * bm.gpu_weight_bytes + kv_elems * bm.gpu_kv_bytes
-        if gpu_layers_open and need <= free:
-            free -= need
+        if used + need <= budget:
+            used += need
             est.gpu_layers += 1
             est.dense_gpu_bytes += layer_dense * bm.gpu_weight_bytes
             est.predictor_gpu_bytes += predictor_params[layer] * bm.gpu_weight_bytes
             est.kv_gpu_bytes += kv_elems * bm.gpu_kv_bytes
         else:
-            gpu_layers_open = False
             est.dense_cpu_bytes += layer_dense * bm.cpu_dense_bytes
             est.predictor_cpu_bytes += predictor_params[layer] * bm.cpu_dense_bytes
             est.kv_cpu_bytes += kv_elems * bm.cpu_kv_bytes
 
     total_neurons = shape.n_layers * shape.n_ff
-    hot = min(total_neurons, free // bm.hot_neuron_bytes(shape))
+    # Hot neurons only once every layer's dense unit is on the GPU (as the engine's solver).
+    hot = 0
+    if est.gpu_layers == shape.n_layers:
+        hot = min(total_neurons, (budget - used) // bm.hot_neuron_bytes(shape))
     est.hot_neurons = int(hot)
     est.cold_neurons = total_neurons - est.hot_neurons
     est.hot_ffn_bytes = est.hot_neurons * bm.hot_neuron_bytes(shape)
     est.cold_ffn_bytes = est.cold_neurons * bm.cold_neuron_bytes(shape)
 
-    if est.ram_bytes == 0:
-        est.verdict, est.reason = VERDICT_FITS, "everything is on the GPU"
-    elif est.ram_bytes <= ram_budget:
-        est.verdict = VERDICT_HYBRID
-        est.reason = (f"{est.hot_fraction:.0%} of FFN neurons and {est.gpu_layers}/{shape.n_layers} layers' "
-                      "attention on the GPU, the rest in RAM")
-    else:
+    if est.ram_bytes > ram_budget:
         est.verdict = VERDICT_NO
         est.reason = (f"needs {format_size(est.ram_bytes)} of RAM beside the GPU; the RAM budget is "
                       f"{format_size(ram_budget)}")
+    elif est.cold_neurons == 0 and est.globals_on_gpu and est.gpu_layers == shape.n_layers:
+        est.verdict, est.reason = VERDICT_FITS, "all layers and FFN neurons on the GPU (embeddings in RAM)"
+    else:
+        est.verdict = VERDICT_HYBRID
+        est.reason = (f"{est.hot_fraction:.0%} of FFN neurons and {est.gpu_layers}/{shape.n_layers} layers' "
+                      "attention on the GPU, the rest in RAM")
     return est
 
 

@@ -65,21 +65,40 @@ def test_everything_on_cpu_follows_the_cpu_byte_rules():
     shape = shape_from_config(tiny())
     est = place_bytes(shape, ctx=32, vram_budget=0, ram_budget=1 << 40, predictor_rank=8)
     d, f, L, kvh, hd = 64, 160, 3, 2, 16
-    dense = 100 * 64 * 2 + 64 + L * (64 * 64 * 2 + 2 * 64 * kvh * hd + 2 * 64)
+    embed_head_norm = 100 * 64 * 2 + 64
+    dense = embed_head_norm + L * (64 * 64 * 2 + 2 * 64 * kvh * hd + 2 * 64)
     assert est.dense_cpu_bytes == dense * 4
     assert est.predictor_cpu_bytes == L * 8 * (d + f) * 4
     assert est.kv_cpu_bytes == L * 2 * 32 * kvh * hd * 4
-    assert est.cold_ffn_bytes == L * f * 3 * (d + 4)  # int8 rows plus one fp32 scale each
+    assert est.cold_ffn_bytes == L * f * (3 * (d + 4) + 8)  # int8 rows, fp32 scales, int64 ids
     assert est.vram_bytes == 0 and est.hot_neurons == 0 and est.verdict == VERDICT_HYBRID
 
 
 def test_everything_on_gpu_follows_the_gpu_byte_rules():
+    shape = shape_from_config(tiny(tie_word_embeddings=True))
+    pred = [8 * (64 + 160)] * 3
+    est = place_bytes(shape, ctx=32, vram_budget=1 << 40, ram_budget=1 << 40, predictor_params=pred)
+    assert est.verdict == VERDICT_FITS and est.hot_neurons == 3 * 160 and est.gpu_layers == 3
+    assert est.ram_bytes == 100 * 64 * 4  # the embeddings stay in RAM, in fp32
+    head = 100 * 64 + 64  # a GPU copy of the tied head, and the final norm
+    layers = 3 * (64 * 64 * 2 + 2 * 64 * 2 * 16 + 2 * 64 + pred[0])
+    kv = 3 * 2 * 32 * 2 * 16
+    assert est.vram_bytes == (head + layers + kv) * 2 + 3 * 160 * (3 * 64 * 2 + 8)
+    assert gpu_bytes_for_everything(shape, 32, pred) == est.vram_bytes
+    tiers = est.tier_bytes()
+    assert sum(tiers[k] for k in ("fast_dense", "fast_kv", "fast_ffn")) == est.vram_bytes
+    assert place_bytes(shape, ctx=32, vram_budget=1 << 40, ram_budget=0).verdict == VERDICT_NO
+
+
+def test_hot_neurons_wait_for_every_layer_on_the_gpu():
     shape = shape_from_config(tiny())
-    est = place_bytes(shape, ctx=32, vram_budget=1 << 40, ram_budget=0, predictor_rank=8)
-    assert est.verdict == VERDICT_FITS and est.ram_bytes == 0
-    assert est.vram_bytes == (shape.total_params + 3 * 8 * (64 + 160)) * 2 + 3 * 2 * 32 * 2 * 16 * 2
-    assert est.hot_neurons == 3 * 160 and est.gpu_layers == 3
-    assert gpu_bytes_for_everything(shape, 32, [8 * (64 + 160)] * 3) == est.vram_bytes
+    full = gpu_bytes_for_everything(shape, 32)
+    all_dense = place_bytes(shape, ctx=32, vram_budget=full, ram_budget=1 << 40)
+    dense_only = all_dense.vram_bytes - all_dense.hot_ffn_bytes
+    short = place_bytes(shape, ctx=32, vram_budget=dense_only - 1, ram_budget=1 << 40)
+    assert short.gpu_layers == 2 and short.hot_neurons == 0
+    exact = place_bytes(shape, ctx=32, vram_budget=dense_only + 1000, ram_budget=1 << 40)
+    assert exact.gpu_layers == 3 and exact.hot_neurons == 1000 // (3 * 64 * 2 + 8)
 
 
 def test_more_vram_moves_bytes_off_the_cpu_and_never_exceeds_the_budget():
@@ -131,10 +150,42 @@ def test_suggested_budgets_for_a_small_gpu_and_for_a_large_one():
     assert (est.vram_budget, est.ram_budget) == (vram, ram)
 
     big = estimate_fit(LLAMA2_7B, ctx=2048, hardware=_machine(80 * GiB, 32 * GiB))
-    assert big.verdict == VERDICT_FITS and big.suggested_ram_budget == 0
+    assert big.verdict == VERDICT_FITS and big.suggested_ram_budget == 32000 * 4096 * 4  # embeddings
     assert big.suggested_vram_budget == gpu_bytes_for_everything(shape, 2048)
 
 
 def test_no_gpu_and_too_little_ram_is_does_not_fit():
     est = estimate_fit(find_entry("relullama-70b").config, ctx=2048, hardware=_machine(0, 16 * GiB))
     assert est.verdict == VERDICT_NO and est.suggested_vram_budget == 0
+
+
+@pytest.mark.parametrize("config", [
+    LLAMA2_7B,
+    find_entry("relullama-70b").config,
+    find_entry("bamboo-base").config,
+    find_entry("relufalcon-40b").config,
+    tiny(tie_word_embeddings=True),
+    {"model_type": "falcon", "activation": "relu", "hidden_size": 64, "num_hidden_layers": 2,
+     "num_attention_heads": 8, "multi_query": True, "parallel_attn": True, "bias": True, "vocab_size": 100},
+])
+def test_estimate_matches_the_engine_placement_solver(config):
+    """Same bytes per tier as engine.placement.solve over engine.sparse.placement_problem."""
+    torch = pytest.importorskip("torch")
+    sparse = pytest.importorskip("engine.sparse")
+    placement = pytest.importorskip("engine.placement")
+    from engine.config import ModelConfig
+
+    engine_config = ModelConfig.from_dict(config)
+    shape = shape_from_config(config)
+    ranks = [16 + 8 * (i % 3) for i in range(shape.n_layers)]  # uneven ranks, as trained predictors have
+    freqs = [np.ones(shape.n_ff) for _ in range(shape.n_layers)]
+    problem = sparse.placement_problem(engine_config, ranks, freqs, 512, torch.device("cuda:0"),
+                                       torch.float16, "int8")
+    full = gpu_bytes_for_everything(shape, 512, [r * (shape.d + shape.n_ff) for r in ranks])
+    for vram in (0, full // 7, full // 2, full - 12345, full):
+        ours = place_bytes(shape, ctx=512, vram_budget=vram, ram_budget=64 * GiB,
+                           predictor_params=[r * (shape.d + shape.n_ff) for r in ranks])
+        theirs = placement.solve(problem, vram, 64 * GiB)
+        assert ours.tier_bytes() == theirs.tier_bytes, vram
+        assert (ours.vram_bytes, ours.ram_bytes) == (theirs.vram_bytes, theirs.ram_bytes)
+        assert ours.verdict == theirs.verdict
