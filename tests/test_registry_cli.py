@@ -139,7 +139,7 @@ def test_fit_command_before_download(env, capsys):
                         "--json")
     est = json.loads(out)
     assert code == 0 and est["verdict"] == "fits with cold neurons on CPU" and est["vram_bytes"] == 0
-    code, out, _ = _run(capsys, "models", "fit", "relullama-7b", "--vram-budget", "16GiB", "--ram-budget", "0",
+    code, out, _ = _run(capsys, "models", "fit", "relullama-7b", "--vram-budget", "16GiB", "--ram-budget", "1GiB",
                         "--json")
     assert json.loads(out)["verdict"] == "fits"
     code, out, _ = _run(capsys, "models", "fit", "relullama-70b", "--vram-budget", "0", "--ram-budget", "8GiB")
