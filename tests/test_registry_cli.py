@@ -81,6 +81,11 @@ def test_download_list_remove_a_catalogue_model(hub, env, capsys):
     else:
         assert result["predictors"] == "imported"
         assert (model_dir / "thermocline" / "predictors.safetensors").is_file()
+        code, out, _ = _run(capsys, "models", "fit", "relullama-7b", "--vram-budget", "0", "--ram-budget", "1GiB",
+                            "--json")
+        config = tiny_llama_config()  # the fit now reads the downloaded config and the real predictor ranks
+        rank8 = 8 * (config["hidden_size"] + config["intermediate_size"])
+        assert json.loads(out)["predictor_cpu_bytes"] == config["num_hidden_layers"] * rank8 * 4
 
     code, out, _ = _run(capsys, "models", "list", "--json")
     listing = {m["id"]: m for m in json.loads(out)["models"]}
