@@ -9,6 +9,9 @@ for LFS files a 302 to a content URL that honours `Range` (206). Gated repos ans
 Faults, each applied once per file: `cut_after[file] = n` closes the connection after byte
 n; `corrupt_once.add(file)` flips a byte; `stall_once[file] = (n, seconds)` goes silent
 after byte n. Every request is logged in `server.log`.
+
+Other tests (the window's download page) can use the fixtures at the end:
+`from hub_server import local_hub, registry_env  # noqa: F401` makes them available.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
+
+import pytest
 
 LFS_SUFFIXES = (".safetensors", ".pt", ".bin")
 
@@ -320,3 +325,22 @@ def tiny_model_files(weight_bytes: int = 300_000, seed: int = 0, **config_overri
         "model.safetensors": rng.randbytes(weight_bytes),
         "README.md": b"# tiny\n",
     }
+
+
+@pytest.fixture
+def registry_env(tmp_path, monkeypatch):
+    """An empty models folder and config folder, no Hugging Face token, online."""
+    monkeypatch.setenv("THERMOCLINE_MODELS_DIR", str(tmp_path / "models"))
+    monkeypatch.setenv("THERMOCLINE_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # no token from a real `hf auth login`
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "THERMOCLINE_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    return tmp_path
+
+
+@pytest.fixture
+def local_hub(registry_env, monkeypatch):
+    """A running HubServer with HF_ENDPOINT pointing at it; add repos with `add_repo`."""
+    with HubServer() as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        yield server

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from app.cli import main
-from hub_server import HubRepo, HubServer, tiny_llama_config, tiny_model_files
+from hub_server import HubRepo, local_hub, registry_env, tiny_llama_config, tiny_model_files  # noqa: F401
 from models_registry import resolve_model
 from models_registry.state import read_state
 
@@ -15,20 +15,13 @@ MODEL_REPO, PRED_REPO = "SparseLLM/ReluLLaMA-7B", "PowerInfer/ReluLLaMA-7B-Predi
 
 
 @pytest.fixture
-def env(tmp_path, monkeypatch):
-    monkeypatch.setenv("THERMOCLINE_MODELS_DIR", str(tmp_path / "models"))
-    monkeypatch.setenv("THERMOCLINE_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
-    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "THERMOCLINE_OFFLINE"):
-        monkeypatch.delenv(var, raising=False)
-    return tmp_path
+def env(registry_env):
+    return registry_env
 
 
 @pytest.fixture
-def hub(env, monkeypatch):
-    with HubServer() as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.url)
-        yield server
+def hub(local_hub):
+    return local_hub
 
 
 def _predictor_files(config: dict, rank: int = 8) -> dict[str, bytes]:

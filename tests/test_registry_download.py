@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from engine.errors import UserError
-from hub_server import HubRepo, HubServer, tiny_model_files
+from hub_server import HubRepo, local_hub, registry_env, tiny_model_files  # noqa: F401
 from models_registry import resolve_model
 from models_registry.download import IntegrityError, download_model, verify_model
 from models_registry.progress import DownloadCancelled, DownloadControl
@@ -21,20 +21,13 @@ WEIGHTS = "model.safetensors"
 
 
 @pytest.fixture
-def env(tmp_path, monkeypatch):
-    monkeypatch.setenv("THERMOCLINE_MODELS_DIR", str(tmp_path / "models"))
-    monkeypatch.setenv("THERMOCLINE_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # no token saved by a real login
-    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "THERMOCLINE_OFFLINE"):
-        monkeypatch.delenv(var, raising=False)
-    return tmp_path
+def env(registry_env):
+    return registry_env
 
 
 @pytest.fixture
-def hub(env, monkeypatch):
-    with HubServer() as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.url)
-        yield server
+def hub(local_hub):
+    return local_hub
 
 
 def _get(server, filename):

@@ -7,20 +7,14 @@ import json
 import pytest
 
 from engine.errors import UserError
-from hub_server import HubRepo, HubServer, tiny_llama_config, tiny_model_files
+from hub_server import HubRepo, local_hub, registry_env, tiny_llama_config, tiny_model_files  # noqa: F401
 from models_registry.hardware import HardwareInfo
 from models_registry.repo_check import check_folder, check_repo
 
 
 @pytest.fixture
-def hub(tmp_path, monkeypatch):
-    monkeypatch.setenv("THERMOCLINE_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
-    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "THERMOCLINE_OFFLINE"):
-        monkeypatch.delenv(var, raising=False)
-    with HubServer() as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.url)
-        yield server
+def hub(local_hub):
+    return local_hub
 
 
 def test_a_supported_repo_is_described_from_its_config_alone(hub):
