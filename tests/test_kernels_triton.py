@@ -40,6 +40,9 @@ pytestmark = pytest.mark.skipif(not available(), reason="needs CUDA or TRITON_IN
 SMALL = LaunchConfig(act_chunk_n=32, act_tile_n=16, act_block_d=64, down_chunk_n=32,
                      down_tile_n=16, down_block_d=64, down_splits=None)
 CONFIGS = {"packed": SMALL, "masked": LaunchConfig(**{**SMALL.__dict__, "packed": False}),
+           # Many tiles per chunk and narrow d tiles: the loops' bookkeeping.
+           "tiny": LaunchConfig(act_chunk_n=16, act_tile_n=2, act_block_d=32, down_chunk_n=16,
+                                down_tile_n=4, down_block_d=32),
            "default": LaunchConfig()}
 SHAPES = [(64, 128), (96, 200), (130, 256)]  # (d, n)
 DTYPES = [torch.float16, torch.bfloat16]
@@ -121,6 +124,16 @@ def test_sparse_ffn_matches_torch(activation, gated, shape, dtype, fraction, con
     ref, acts = ref_ffn(x, gate, up, down_t, logits >= thr, activation, act_thr)
     assert 0 < int((acts != 0).sum()) < n or fraction == 1.0  # a real sparse case
     close(y, ref)
+
+
+@pytest.mark.parametrize("activation,gated,fraction", [("drelu", True, 0.35),
+                                                        ("relu2", False, 0.1)])
+def test_tiny_tiles(activation, gated, fraction):
+    """Many packed tiles per chunk and narrow d tiles: the loops' bookkeeping."""
+    x, gate, up, down_t, logits = make_layer(96, 200, torch.float16, gated, seed=31)
+    thr = threshold_for(logits, fraction)
+    y = sparse_ffn_triton(x, gate, up, down_t, logits, thr, activation, config=CONFIGS["tiny"])
+    close(y, ref_ffn(x, gate, up, down_t, logits >= thr, activation)[0])
 
 
 @pytest.mark.parametrize("d,n", list(itertools.product((64, 96, 130), (128, 200, 256))))
@@ -233,8 +246,8 @@ def test_agrees_with_engine_reference():
 
 
 # ---------------------------------------------------------------- down projection
-@pytest.mark.parametrize("splits", [1, 2, 3, None, 100])
-@pytest.mark.parametrize("config", ["packed", "masked"])
+@pytest.mark.parametrize("splits,config", [
+    *itertools.product([1, 2, 3, None, 100], ["packed", "masked"]), (None, "tiny")])
 def test_down_projection_split_reduction(splits, config):
     d, n = 130, 200
     g = torch.Generator().manual_seed(splits or 0)
@@ -306,6 +319,8 @@ def test_bad_arguments_are_rejected():
     with pytest.raises(ValueError, match="row_ids"):
         sparse_ffn_triton(x, gate, up, down_t, None, 0.0, "relu",
                           row_ids=torch.arange(128, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="pred_logits"):
+        sparse_ffn_triton(x, gate, up, down_t, (logits > 0).int(), 0.0, "relu")
     with pytest.raises(ValueError, match="contiguous"):
         sparse_ffn_triton(x, gate, up.t().contiguous().t(), down_t, logits, 0.0, "relu")
 

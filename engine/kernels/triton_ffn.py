@@ -49,13 +49,18 @@ def _interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("", "0", "false")
 
 
-def available() -> bool:
-    """Triton is importable and can run: a CUDA device, or the interpreter (CPU tensors)."""
+@functools.cache
+def _triton_importable() -> bool:
     try:
         import triton  # noqa: F401
     except Exception:  # ImportError, or a broken install on an unsupported platform
         return False
-    return torch.cuda.is_available() or _interpret_mode()
+    return True
+
+
+def available() -> bool:
+    """Triton is importable and can run: a CUDA device, or the interpreter (CPU tensors)."""
+    return _triton_importable() and (torch.cuda.is_available() or _interpret_mode())
 
 
 @functools.cache
@@ -106,9 +111,10 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _block(size: int, limit: int) -> int:
-    """Block size: `limit`, shrunk for small dimensions (power of two, at least 16)."""
-    return max(16, min(limit, 1 << max(0, size - 1).bit_length()))
+def _block(size: int, limit: int, least: int = 1) -> int:
+    """Block size: `limit` (a power of two), shrunk to the next power of two >= size for
+    small dimensions, and at least `least`."""
+    return max(least, min(limit, 1 << max(0, size - 1).bit_length()))
 
 
 def _chunk_tile(n: int, chunk: int, tile: int, packed: bool) -> tuple[int, int]:
@@ -116,6 +122,10 @@ def _chunk_tile(n: int, chunk: int, tile: int, packed: bool) -> tuple[int, int]:
     large as a packed chunk would not fit in registers."""
     tile = _block(n, tile)
     return (max(tile, _block(n, chunk)), tile) if packed else (tile, tile)
+
+
+def _block_d(d: int, limit: int) -> int:
+    return _block(d, limit, least=16)  # at least one 128-bit load's worth per row segment
 
 
 @functools.cache
@@ -165,7 +175,7 @@ def _launch_rows(x, gate, up, pred_logits, row_ids, pred_threshold, act_code, ac
     if n == 0:
         return act
     chunk_n, tile_n = _chunk_tile(n, cfg.act_chunk_n, cfg.act_tile_n, cfg.packed)
-    block_d = _block(d, cfg.act_block_d)
+    block_d = _block_d(d, cfg.act_block_d)
     k.ffn_act_kernel[(_cdiv(n, chunk_n),)](
         x, gate if gate is not None else up, up,
         pred_logits if pred_logits is not None else act,
@@ -197,8 +207,9 @@ def ffn_activations_triton(x, gate, up, pred_logits, pred_threshold, activation,
     n, d = up.shape
     x = _vector("x", x, d, up.device)
     if pred_logits is not None:
-        if pred_logits.dim() != 1 or pred_logits.device != up.device:
-            raise ValueError("pred_logits must be 1-D on the weights' device")
+        if (pred_logits.dim() != 1 or pred_logits.device != up.device
+                or not pred_logits.is_floating_point()):
+            raise ValueError("pred_logits must be a 1-D float tensor on the weights' device")
         pred_logits = pred_logits.contiguous()
         if row_ids is None and pred_logits.numel() != n:
             raise ValueError(f"pred_logits has {pred_logits.numel()} entries for {n} rows")
@@ -216,7 +227,7 @@ def ffn_activations_triton(x, gate, up, pred_logits, pred_threshold, activation,
 def _down_grid(n: int, d: int, cfg: LaunchConfig, device) -> dict:
     """Block sizes, number of row splits and rows per split of the down projection."""
     chunk_n, tile_n = _chunk_tile(n, cfg.down_chunk_n, cfg.down_tile_n, cfg.packed)
-    block_d = _block(d, cfg.down_block_d)
+    block_d = _block_d(d, cfg.down_block_d)
     d_tiles = _cdiv(d, block_d)
     n_chunks = _cdiv(n, chunk_n)
     splits = cfg.down_splits or _cdiv(cfg.programs_per_sm * _sm_count(device), d_tiles)
