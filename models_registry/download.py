@@ -307,9 +307,15 @@ def _finish(job: _Job, plan: RepoPlan, pred_plan: RepoPlan | None, predictors: s
     job.save_state()
 
     if pred_plan is not None and on_predictors_downloaded is not None:
-        on_predictors_downloaded(model_dir / SIDECAR / PREDICTOR_SUBDIR, model_dir)
+        src = model_dir / SIDECAR / PREDICTOR_SUBDIR
+        on_predictors_downloaded(src, model_dir)
+        # The import wrote thermocline/predictors.safetensors; the .pt files would only double
+        # the disk use (gigabytes for 70B), so they go, and the state stops listing them.
+        prefix = f"{SIDECAR}/{PREDICTOR_SUBDIR}/"
+        state["files"] = {rel: meta for rel, meta in state["files"].items() if not rel.startswith(prefix)}
         state["predictors"] = "imported"
         job.save_state()
+        shutil.rmtree(src, ignore_errors=True)
         meter.emit("predictors", message=f"imported predictors from {pred_plan.repo}")
     meter.emit("done", message=f"{plan.repo} ready at {model_dir}")
     result = _result_from_state(model_dir, plan.repo, state, from_cache=False)

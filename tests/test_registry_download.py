@@ -256,14 +256,38 @@ def test_catalogue_model_downloads_its_predictors_and_hands_them_over(hub, env):
     pred_files["README.md"] = b"predictors"
     hub.add_repo(HubRepo(pred_repo, pred_files))
     calls = []
-    result = download_model("relullama-7b", on_predictors_downloaded=lambda src, dst: calls.append((src, dst)),
-                            retry_delay=0)
+
+    def importer(src, dst):  # stands in for engine.predictors.import_powerinfer_predictors
+        calls.append((src, dst, sorted(p.name for p in src.iterdir())))
+        (dst / "thermocline" / "predictors.safetensors").write_bytes(b"imported")
+
+    result = download_model("relullama-7b", on_predictors_downloaded=importer, retry_delay=0)
     src = result.model_dir / "thermocline" / "powerinfer-predictor"
-    assert calls == [(src, result.model_dir)]
-    assert sorted(p.name for p in src.iterdir()) == ["model_0.pt", "model_1.pt", "model_10.pt"]
+    assert calls == [(src, result.model_dir, ["model_0.pt", "model_1.pt", "model_10.pt"])]
+    assert not src.exists()  # imported, so the .pt copies are gone
     state = read_state(result.model_dir)
     assert state["predictors"] == "imported" and state["predictor"]["revision"] == hub.repos[pred_repo].commit
+    assert not [rel for rel in state["files"] if "powerinfer-predictor" in rel]
     assert resolve_model("relullama-7b") == result.model_dir
+    again = download_model("relullama-7b", on_predictors_downloaded=importer)
+    assert again.from_cache and len(calls) == 1  # nothing fetched or imported twice
+
+
+def test_failed_import_is_retried_by_the_next_download(hub, env):
+    hub.add_repo(HubRepo("SparseLLM/ReluLLaMA-7B", tiny_model_files()))
+    hub.add_repo(HubRepo("PowerInfer/ReluLLaMA-7B-Predictor", {"model_0.pt": b"x" * 1000}))
+
+    def broken(src, dst):
+        raise UserError("cannot load model_0.pt safely")
+
+    with pytest.raises(UserError, match="safely"):
+        download_model("relullama-7b", on_predictors_downloaded=broken, retry_delay=0)
+    state = read_state(env / "models" / "SparseLLM--ReluLLaMA-7B")
+    assert state["status"] == "ready" and state["predictors"] == "downloaded"  # dense modes work meanwhile
+    gets = len(hub.requests("GET", "/cdn/"))
+    imported = []
+    download_model("relullama-7b", on_predictors_downloaded=lambda src, dst: imported.append(src), retry_delay=0)
+    assert imported and len(hub.requests("GET", "/cdn/")) == gets  # verified files were not fetched again
 
 
 def test_pickled_weights_only_when_there_are_no_safetensors(hub, env):
