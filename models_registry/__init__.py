@@ -1,13 +1,24 @@
 """Catalogue of supported sparse models, downloads, hardware probe and fit estimates.
 
 Imports neither torch nor Qt (DESIGN.md): the window and the CLI use it before any
-engine is loaded.
+engine is loaded. The public API, by module (import from the module; only the light
+path helpers are re-exported here):
+
+- `resolve_model(name_or_path) -> Path`, `models_dir()`, `set_models_dir(path|None)`,
+  `set_offline(bool)`                                     (paths, resolve)
+- `catalogue.load_catalogue()`, `find_entry(id_or_repo)`   (catalogue.json, data)
+- `download.download_model(name, progress=, control=, on_predictors_downloaded=, ...)`,
+  `download.verify_model(dir)`; `progress.DownloadControl` (pause/resume/cancel),
+  `progress.DownloadEvent`                                  (Hub downloads)
+- `repo_check.check_repo(repo_id)`, `check_folder(path)`  (refuse unsupported models early)
+- `manage.list_models(hardware=, ctx=, extra=)`, `remove_model`, `import_model`
+- `hardware.probe_hardware() -> HardwareInfo`
+- `fit.estimate_fit(config_dict, ctx=, vram_budget=, ram_budget=, hardware=, model_dir=)`
+- `token.save_token / clear_token / get_token`
 """
 
 from .paths import models_dir, set_models_dir, set_offline
 from .resolve import demo_model_dir, downloaded_model_dir, resolve_model
 
-# The rest is imported from its module (models_registry.download, .fit, .hardware, .manage,
-# .catalogue, .token): huggingface_hub and psutil load only when they are needed.
 __all__ = ["demo_model_dir", "downloaded_model_dir", "models_dir", "resolve_model", "set_models_dir",
            "set_offline"]
