@@ -91,8 +91,8 @@ class HybridFfn:
         else:
             logits = runtime.predictor_logits(self.layer, pred_input[0])
             mask = logits >= runtime.thresholds[self.layer]
-        y_hot = self._hot_decode(x[0], logits, mask)
-        y_cold = self._cold_decode(x[0], mask)
+        y_hot = self._hot_decode(x[0], logits)
+        y_cold = self._cold_decode(x[0], logits)
         counters = runtime.counters
         counters.considered += self.n_ff
         if mask is None:
@@ -106,30 +106,33 @@ class HybridFfn:
             return y_cold.to(x.device, x.dtype)[None]
         return (y_hot + y_cold.to(y_hot.device)).to(x.dtype)[None]
 
-    def _hot_decode(self, x: torch.Tensor, logits: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor | None:
+    def _hot_decode(self, x: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor | None:
         hot = self.hot
         if not len(hot):
             return None
+        threshold = self.runtime.thresholds[self.layer]
         if hot.cpu_rows is not None:
-            active = None if mask is None else torch.nonzero(mask[hot.ids]).flatten()
-            return cpu_kernels.sparse_ffn(x.float(), hot.cpu_rows, active, self.activation, self.threshold)
+            return self._cpu_rows(x.float(), hot.cpu_rows, logits, threshold, hot.ids)
         from .kernels.triton_ffn import sparse_ffn_triton
 
         # The kernel thresholds the logits itself: no host sync, a static launch grid.
-        return sparse_ffn_triton(x, hot.gate, hot.up, hot.down_t, logits,
-                                 self.runtime.thresholds[self.layer] if logits is not None else 0.0,
+        return sparse_ffn_triton(x, hot.gate, hot.up, hot.down_t, logits, threshold if logits is not None else 0.0,
                                  self.activation, self.threshold, row_ids=hot.ids if logits is not None else None)
 
-    def _cold_decode(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        cold = self.cold
-        if not len(cold):
+    def _cold_decode(self, x: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
+        if not len(self.cold):
             return torch.zeros(x.shape[-1], dtype=torch.float32)
-        x_cpu = x.to("cpu", torch.float32)
-        if mask is None:
-            active = None
-        else:
-            active = torch.nonzero(mask.to("cpu")[cold.ids]).flatten()
-        return cpu_kernels.sparse_ffn(x_cpu, cold.rows, active, self.activation, self.threshold)
+        cpu_logits = None if logits is None else logits.to("cpu")  # the one sync the split needs
+        return self._cpu_rows(x.to("cpu", torch.float32), self.cold.rows, cpu_logits,
+                              self.runtime.thresholds[self.layer], self.cold.ids)
+
+    def _cpu_rows(self, x, rows, logits, threshold, ids) -> torch.Tensor:
+        """The CPU kernel over a tier's rows: all of them (oracle) or those predicted active,
+        selected inside the kernel from the layer's logits."""
+        if logits is None:
+            return cpu_kernels.sparse_ffn(x, rows, None, self.activation, self.threshold)
+        return cpu_kernels.sparse_ffn_predicted(x, rows, logits, threshold, self.activation, self.threshold,
+                                                row_ids=ids)
 
     # ------------------------------------------------------------ many tokens
     def _cold_chunks(self):
