@@ -5,7 +5,8 @@ compile: constexpr rules, types across branches and register use only show up in
 compiler. This lowers each variant the launcher can ask for to a cubin for the given
 architectures (triton ships ptxas) and reports registers and spills from `ptxas -v`.
 
-    python -m engine.kernels.triton_aot [--arch 90 --arch 80] [--json]   (default: 90)
+    python -m engine.kernels.triton_aot [--arch 90 --arch 80] [--quick] [--json]
+                                        (default: sm_90, every variant)
 
 Exit status 1 when a variant fails to compile or spills registers.
 """
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 
-from .triton_ffn import DEFAULT_CONFIG, LaunchConfig
+from .triton_ffn import DEFAULT_CONFIG, PREDICTOR_CONFIG, LaunchConfig
 
 # Interpreted kernels cannot be compiled; this tool needs the real decorators.
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -84,8 +85,7 @@ def variants(cfg: LaunchConfig = DEFAULT_CONFIG):
     act_cases = [(True, True, False, "relu"), (True, True, True, "fatrelu"),
                  (True, True, False, "drelu"), (True, False, False, "relu2"),
                  (False, True, True, "relu"), (False, True, False, "relu2"),
-                 (False, False, False, "identity")]  # the last two: predictor fc1 / fc2
-    act_cases[-1:-1] = [(False, False, False, "relu")]
+                 (False, False, False, "relu")]
     for wdt, packed in itertools.product(("fp16", "bf16"), (True, False)):
         chunk, tile = (cfg.act_chunk_n if packed else cfg.act_tile_n), cfg.act_tile_n
         for gate, pred, rid, act in act_cases if wdt == "fp16" else act_cases[:1]:
@@ -106,16 +106,37 @@ def variants(cfg: LaunchConfig = DEFAULT_CONFIG):
         consts = {"PACKED": packed, "CHUNK_N": chunk, "TILE_N": tile,
                   "BLOCK_D": cfg.down_block_d}
         yield f"down {wdt} packed={packed}", K.down_kernel, sig, consts, cfg.down_warps
+    # The predictor: fc1 (relu) and fc2 (identity) with its own configuration.
+    p = PREDICTOR_CONFIG
+    for act, xdt in (("relu", "fp16"), ("identity", "fp32")):
+        sig = {"x_ptr": f"*{xdt}", "gate_ptr": "*fp16", "up_ptr": "*fp16", "pred_ptr": "*fp32",
+               "row_ids_ptr": "*fp32", "act_ptr": "*fp32", "n": "i32", "d": "i32",
+               "stride_gate": "i32", "stride_up": "i32", "pred_threshold": "fp32",
+               "act_threshold": "fp32"}
+        consts = {"HAS_GATE": False, "HAS_PRED": False, "HAS_ROW_IDS": False,
+                  "ACT": K.ACTIVATION_CODES[act], "PACKED": p.packed, "CHUNK_N": p.act_tile_n,
+                  "TILE_N": p.act_tile_n, "BLOCK_D": p.act_block_d}
+        yield f"predictor {act}", K.ffn_act_kernel, sig, consts, p.act_warps
+
+
+QUICK = ("ffn_act fp16 packed=True gate=True pred=True row_ids=True fatrelu",
+         "ffn_act fp16 packed=False gate=False pred=True row_ids=False relu2",
+         "down fp16 packed=True", "down bf16 packed=False")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, action="append", help="SM version, e.g. 90 (repeat)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--quick", action="store_true",
+                    help="one variant of each kernel and mode (the test suite's check)")
     args = ap.parse_args(argv)
+    chosen = list(variants())
+    if args.quick:
+        chosen = [v for v in chosen if v[0] in QUICK]
     results, failed = [], False
     for arch in args.arch or [90]:
-        for name, fn, sig, consts, warps in variants():
+        for name, fn, sig, consts, warps in chosen:
             row = {"arch": arch, "kernel": name, "warps": warps}
             try:
                 row.update(_compile(fn, sig, consts, warps, arch))
