@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from engine.errors import UserError
@@ -40,11 +41,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def has_display() -> bool:
+    """A window can open: always on Windows/macOS, with X11 or Wayland (or a Qt platform) on Linux."""
+    if not sys.platform.startswith("linux"):
+        return True
+    return any(os.environ.get(v) for v in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if args.command is None:
+            if not has_display():
+                sys.stderr.write("no display found: starting the terminal chat (`thermocline chat`)\n")
+                return main(["chat"])
             from app.gui.main import run_window
 
             return run_window()
