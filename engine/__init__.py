@@ -1,10 +1,23 @@
-"""Thermocline's inference engine (no Qt here; see docs/ARCHITECTURE.md)."""
+"""Thermocline's inference engine (no Qt here; see docs/ARCHITECTURE.md).
 
-from .engine import MODES, Engine, GenerationResult, GenerationStats, TokenEvent
-from .errors import BudgetError, ContextFullError, ModelFormatError, UserError
-from .sampling import SamplingParams
+Names are imported lazily, so light modules (`engine.units`, `engine.errors`) can be used
+without loading torch: the model registry and the window's start-up rely on that.
+"""
 
-__all__ = [
-    "MODES", "Engine", "GenerationResult", "GenerationStats", "TokenEvent", "SamplingParams",
-    "UserError", "ModelFormatError", "BudgetError", "ContextFullError",
-]
+from importlib import import_module
+
+_EXPORTS = {
+    "MODES": "engine.engine", "Engine": "engine.engine", "GenerationResult": "engine.engine",
+    "GenerationStats": "engine.engine", "TokenEvent": "engine.engine",
+    "SamplingParams": "engine.sampling",
+    "UserError": "engine.errors", "ModelFormatError": "engine.errors", "BudgetError": "engine.errors",
+    "ContextFullError": "engine.errors",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")
