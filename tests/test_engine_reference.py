@@ -102,3 +102,36 @@ def test_prefix_reuse_gives_the_same_tokens(llama_dir):
     fresh = Engine.load(llama_dir)
     fresh.eos_ids = set()
     assert fresh.generate(longer, params).token_ids == reused.token_ids
+
+
+@pytest.mark.parametrize("variant", [
+    dict(dtype=torch.bfloat16),
+    dict(dtype=torch.float16),
+    dict(tie=True),
+    dict(act="relu2"),
+])
+def test_checkpoint_variants_match_transformers(tmp_path, variant):
+    path = mf.llama_relu(tmp_path / "m", **variant)
+    expected, _ = reference_logits(path, PROMPT)
+    assert (Engine.load(path).score(PROMPT) - expected).abs().max().item() <= 1e-4
+
+
+def test_sharded_checkpoint_loads(tmp_path, llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(llama_dir).save_pretrained(sharded, max_shard_size="50KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (sharded / name).write_bytes((llama_dir / name).read_bytes())
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 2
+    assert torch.equal(Engine.load(sharded).score(PROMPT), Engine.load(llama_dir).score(PROMPT))
+
+
+def test_fatrelu_threshold_zeroes_small_activations():
+    from engine.model import activate
+
+    gate = torch.tensor([[-1.0, 0.005, 0.02, 3.0]])
+    up = torch.tensor([[2.0, 2.0, 2.0, 2.0]])
+    assert torch.allclose(activate("fatrelu", 0.01, up, gate), torch.tensor([[0.0, 0.0, 0.04, 6.0]]))
+    assert activate("drelu", 0.0, -up, gate).tolist() == [[0.0, 0.0, 0.0, 0.0]]
