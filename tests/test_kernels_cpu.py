@@ -207,6 +207,18 @@ def test_quantizer_error_bound_and_zero_rows():
         assert (q.abs().amax(1)[s > 0] == 127).all()
 
 
+@needs_numba
+def test_quantizer_numba_equals_torch(monkeypatch):
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(1100, 200, generator=g) * torch.logspace(-4, 3, 1100)[:, None]
+    w[7] = 0.0
+    w[9, :5] = torch.tensor([0.5, -0.5, 1.5, 2.5, -127.5]) * (w[9].abs().max() / 127)
+    fast = quantize_rows_int8(w)
+    monkeypatch.setattr(cpu, "_numba", False)
+    slow = quantize_rows_int8(w)
+    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
+
+
 def test_rows_storage_select_and_nbytes():
     n, d = 90, 48
     x, gate, up, down_t, g = _rows(n, d, True, 2)

@@ -230,3 +230,29 @@ def ffn_rows(x, gate, gate_s, up, up_s, down, down_s, idx, use_idx, pred, pred_i
         for j in range(d):
             y[j] += part[c, j]
     return y
+
+
+@_njit(parallel=True)
+def quantize_rows_int8(w, q, scale):
+    """Per-row symmetric int8: scale[i] = max|w[i]| / 127, q[i] = rint(w[i] / scale[i]).
+
+    Same fp32 operations as the torch path of cpu_quant (no fastmath), so the two agree
+    bit for bit; one pass over each row while it sits in L1.
+    """
+    n, d = w.shape
+    for i in prange(n):
+        m = np.float32(0.0)
+        for j in range(d):
+            a = abs(w[i, j])
+            if a > m:
+                m = a
+        s = m / np.float32(127.0)
+        scale[i] = s
+        inv = np.float32(1.0) / s if s > 0 else np.float32(0.0)
+        for j in range(d):
+            v = np.rint(w[i, j] * inv)
+            if v > 127.0:
+                v = 127.0
+            elif v < -127.0:
+                v = -127.0
+            q[i, j] = np.int8(v)
