@@ -167,11 +167,11 @@ def _vector(name: str, v: torch.Tensor, size: int, device) -> torch.Tensor:
 
 
 def _launch_rows(x, gate, up, pred_logits, row_ids, pred_threshold, act_code, act_threshold,
-                 cfg: LaunchConfig, out=None) -> torch.Tensor:
+                 cfg: LaunchConfig) -> torch.Tensor:
     """act [n] fp32 from the row kernel; inputs already validated."""
     k = _kernels()
     n, d = up.shape
-    act = torch.empty(n, dtype=torch.float32, device=up.device) if out is None else out
+    act = torch.empty(n, dtype=torch.float32, device=up.device)
     if n == 0:
         return act
     chunk_n, tile_n = _chunk_tile(n, cfg.act_chunk_n, cfg.act_tile_n, cfg.packed)
@@ -242,8 +242,9 @@ _COUNTERS: dict[tuple, torch.Tensor] = {}
 
 def _tile_counters(device: torch.device, d_tiles: int) -> torch.Tensor:
     """Zeroed int32 [d_tiles] for down_kernel's last-program reduction. The kernel leaves
-    them at 0, so one buffer per (device, stream) serves every call in stream order.
-    Allocate before CUDA graph capture (any warm-up call does)."""
+    them at 0, so one buffer per (device, stream) serves every call in stream order (two
+    streams must not share one). Under CUDA graph capture (a side stream) the buffer is
+    allocated and zeroed inside the graph: each replay starts from zeros as well."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream)
     buf = _COUNTERS.get(key)
@@ -284,7 +285,8 @@ def sparse_ffn_triton(x, gate, up, down_t, pred_logits, pred_threshold, activati
 
     x [d] fp16/bf16/fp32; gate [n, d] or None (ungated, Falcon); up, down_t [n, d]
     fp16/bf16 (fp32 for tests), rows contiguous; pred_logits fp32 [n], or None to compute
-    every row; activation in ACTIVATIONS (act_threshold is FATReLU's threshold).
+    every row; pred_threshold a Python float (a CUDA scalar tensor would cost a host
+    sync); activation in ACTIVATIONS (act_threshold is FATReLU's threshold).
     row_ids [n] int32/int64: for packed hot rows, row i is neuron row_ids[i] and its logit
     is pred_logits[row_ids[i]] (pred_logits then covers the whole layer).
     """
