@@ -225,8 +225,7 @@ class SparseRuntime:
         model, cache = self.model, self.cache
         if plan.head_on_fast != self.plan.head_on_fast:
             device, dtype = self._where(plan.head_on_fast)
-            tied = self.config.tie_word_embeddings and not plan.head_on_fast
-            model.lm_head = model.embed if tied else model.lm_head.to(device, dtype)
+            model.lm_head = self._head_weights(plan.head_on_fast)
             norm = model.final_norm
             norm.weight = norm.weight.to(device, dtype)
             norm.bias = None if norm.bias is None else norm.bias.to(device, dtype)
@@ -238,6 +237,16 @@ class SparseRuntime:
             if not np.array_equal(new_ids, self.plan.hot_ids[i]):
                 self._move_neurons(layer.ffn, new_ids)
         self.plan = plan
+
+    def _head_weights(self, on_fast: bool) -> torch.Tensor:
+        """The output head for its tier. A tied head shares the embeddings on the CPU tier;
+        on the fast tier it is its own copy, even when the CPU stands in for the GPU, so
+        the bytes are those a GPU would hold."""
+        model = self.model
+        device, dtype = self._where(on_fast)
+        if not self.config.tie_word_embeddings:
+            return model.lm_head.to(device, dtype)
+        return model.embed.to(device, dtype, copy=True) if on_fast else model.embed
 
     def _ensure_rotary(self, device: torch.device, dtype: torch.dtype) -> None:
         if device not in self.model.rotary:
@@ -397,6 +406,7 @@ def build_sparse_engine(engine_cls, model_dir: Path, config: ModelConfig, tokeni
         cache.k[i] = cache.k[i].to(cache_dtype[d])
         cache.v[i] = cache.v[i].to(cache_dtype[d])
     runtime.model, runtime.cache = model, cache
+    model.lm_head = runtime._head_weights(plan.head_on_fast)
     engine = engine_cls(model_dir, config, tokenizer, model, cache, mode, ctx,
                         engine_cls.eos_from(model_dir, config, tokenizer), engine_cls.defaults_from(model_dir))
     engine._lock = engine_lock
