@@ -291,6 +291,30 @@ def test_concurrent_calls_from_threads():
     assert all(torch.equal(r, expected) for r in results)  # fixed-order reduction
 
 
+@needs_numba
+def test_set_num_threads_applies_to_every_calling_thread():
+    import numba
+
+    default = numba.config.NUMBA_NUM_THREADS
+    x, gate, up, down_t, _ = _rows(64, 32, True, 8)
+    rows = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant="fp32")
+    seen = []
+
+    def work():
+        y = cpu.sparse_ffn(x, rows, None, "relu")
+        seen.append((numba.get_num_threads(), cpu.num_threads(), y))
+
+    try:
+        cpu.set_num_threads(1)
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+        assert seen[0][:2] == (1, 1)
+        torch.testing.assert_close(seen[0][2], cpu.sparse_ffn(x, rows, None, "relu"))
+    finally:
+        cpu.set_num_threads(default)
+
+
 def test_env_disables_numba():
     code = ("from engine.kernels import cpu; import torch;"
             "r = cpu.CpuFfnRows.from_dense(None, torch.ones(4, 8), torch.ones(4, 8));"

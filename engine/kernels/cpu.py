@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,7 @@ QUANTS = ("int8", "fp32")
 
 _lock = threading.Lock()  # numba's workqueue threading layer aborts on concurrent launches
 _numba = None  # the cpu_numba module once imported; False when unavailable
+_threads = None  # set_num_threads's value; numba's own setting is per calling thread
 
 
 def _kernels():
@@ -38,9 +40,18 @@ def _kernels():
             try:
                 from engine.kernels import cpu_numba
                 _numba = cpu_numba
-            except ImportError:
+            except Exception as e:  # ImportError, or a broken numba/llvmlite install
+                warnings.warn(f"numba CPU kernels unavailable ({e}); using the torch fallback",
+                              RuntimeWarning, stacklevel=2)
                 _numba = False
     return _numba or None
+
+
+def _use_threads(kern) -> int:
+    """Applies set_num_threads's value on the calling thread; returns the thread count."""
+    if _threads is not None and kern.numba.get_num_threads() != _threads:
+        kern.numba.set_num_threads(_threads)
+    return kern.numba.get_num_threads()
 
 
 def available() -> bool:
@@ -51,13 +62,16 @@ def available() -> bool:
 def num_threads() -> int:
     """Threads the kernels use (numba's pool; 1 on the torch fallback)."""
     k = _kernels()
-    return k.numba.get_num_threads() if k is not None else 1
+    return _use_threads(k) if k is not None else 1
 
 
 def set_num_threads(n: int) -> None:
+    """Threads for every later kernel call, from any calling thread (1..cores)."""
+    global _threads
     k = _kernels()
     if k is not None:
-        k.numba.set_num_threads(n)
+        n = max(1, min(int(n), k.numba.config.NUMBA_NUM_THREADS))
+        _threads = n
 
 
 @dataclass(eq=False, frozen=True)
@@ -192,7 +206,7 @@ def _launch(kern, x, rows, idx, pred, pred_ids, pthr, activation, act_threshold,
     use_idx, use_pred = idx is not None, pred is not None
     k = idx.shape[0] if use_idx else rows.n_neurons
     with _lock:
-        nchunks = max(1, min(kern.numba.get_num_threads(), k))
+        nchunks = max(1, min(_use_threads(kern), k))
         y = kern.ffn_rows(xn, gate, gate_s, up, up_s, down, down_s,
                           idx if use_idx else _EMPTY_IDS, use_idx,
                           pred if use_pred else _EMPTY_F32,
