@@ -22,7 +22,7 @@ def sparse_engine_available() -> bool:
 def make_window(qtbot, tmp_path, model_dir, *, mode="dense", max_new_tokens=32, temperature=0.0,
                 start=True, monkeypatch=None):
     """A MainWindow over fresh storage/settings in tmp_path, loading `model_dir`."""
-    from app.gui.main import make_application
+    from app.gui.main import make_application, preload_engine
     from app.gui.main_window import MainWindow
     from app.settings import Settings
     from app.storage import Storage
@@ -32,6 +32,7 @@ def make_window(qtbot, tmp_path, model_dir, *, mode="dense", max_new_tokens=32, 
         monkeypatch.setenv("THERMOCLINE_CONFIG_DIR", str(tmp_path / "cfg"))
         monkeypatch.setenv("THERMOCLINE_DATA_DIR", str(tmp_path / "data"))
     make_application()
+    preload_engine()  # as run_window does before the window shows
     settings = Settings(tmp_path / "cfg" / "settings.json")
     if settings.is_default("model.active"):
         settings["model.active"] = str(model_dir)
@@ -65,7 +66,7 @@ def send(qtbot, window, text: str) -> None:
 
 
 def wait_idle(qtbot, window, timeout_ms: int = 60_000) -> None:
-    qtbot.waitUntil(lambda: not window.client.busy, timeout=timeout_ms)
+    qtbot.waitUntil(lambda: not window.chat.busy and not window.client.busy, timeout=timeout_ms)
 
 
 class StallMeter:

@@ -37,6 +37,7 @@ def test_prompt_streams_tokens_into_the_view(qtbot, window):
 
     window.chat._flush_timer.timeout.disconnect()
     window.chat._flush_timer.timeout.connect(spy)
+    window.settings["chat.max_new_tokens"] = 300  # long enough to be seen in pieces
     send(qtbot, window, "tell me about the fox")
     assert window.client.busy
     assert window.chat.input.button.text() == "Stop"

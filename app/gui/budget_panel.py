@@ -24,7 +24,7 @@ from .worker import EngineClient
 
 log = logging.getLogger(__name__)
 
-STEP = 64 * 1024**2  # slider resolution: 64 MiB
+STEP = 1024**2  # slider resolution: 1 MiB (small models need it); arrow keys move 64 MiB
 CONTEXT_CHOICES = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
@@ -53,7 +53,7 @@ def probe_machine(model_spec: str, ctx: int) -> dict:
 
 
 class BudgetSlider(QWidget):
-    """A labelled slider over bytes, in steps of 64 MiB, bounded by what the machine has."""
+    """A labelled slider over bytes, in steps of 1 MiB, bounded by what the machine has."""
 
     moved = Signal(object)      # bytes, on every move (object: byte counts overflow a C int)
     settled = Signal(object)    # bytes, once the user lets go
@@ -71,7 +71,8 @@ class BudgetSlider(QWidget):
         self.value_label.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
         self.slider = QSlider(Qt.Orientation.Horizontal, self)
         self.slider.setToolTip(tip)
-        self.slider.setPageStep(max(1, 1024**3 // STEP))
+        self.slider.setSingleStep(64 * 1024**2 // STEP)
+        self.slider.setPageStep(1024**3 // STEP)
         self.note = QLabel(self)
         self.note.setObjectName("hint")
         self.note.setWordWrap(True)
@@ -188,8 +189,9 @@ class BudgetPanel(QScrollArea):
         self.verdict.setObjectName("verdict")
         self.verdict.setWordWrap(True)
         place.body.addWidget(self.verdict)
-        cap = QLabel("Hot share of FFN neurons per layer (on the GPU)", place)
+        self.chart_caption = cap = QLabel("Hot share of FFN neurons per layer (on the GPU)", place)
         cap.setObjectName("hint")
+        cap.setWordWrap(True)
         place.body.addWidget(cap)
         self.chart = LayerChart(place)
         place.body.addWidget(self.chart)
@@ -212,7 +214,7 @@ class BudgetPanel(QScrollArea):
         col.addWidget(live)
         col.addStretch(1)
         self.setWidget(inner)
-        self.setMinimumWidth(300)
+        self.setMinimumWidth(250)
 
         # Wiring ------------------------------------------------------------------------
         self._save_timer = QTimer(self, singleShot=True, interval=400)
@@ -262,7 +264,8 @@ class BudgetPanel(QScrollArea):
         self.ram.set_total(machine["ram_total"])
         if machine["vram_total"] == 0:
             self.vram.slider.setEnabled(False)
-            self.vram.note.setText(machine.get("gpu_note") or "No NVIDIA GPU found: every neuron runs on the CPU.")
+            why = f" ({machine['gpu_note']})" if machine.get("gpu_note") else ""
+            self.vram.note.setText(f"No NVIDIA GPU found{why}: every neuron runs on the CPU.")
             self.vram.note.show()
         else:
             self.vram.slider.setEnabled(True)
@@ -333,10 +336,14 @@ class BudgetPanel(QScrollArea):
     @Slot(dict)
     def show_placement(self, report: dict) -> None:
         self.placement = report
+        self._show_charts(True)
         verdict = str(report.get("verdict") or "placed")
         kind = "bad" if "not" in verdict.lower() else ("good" if verdict.lower().startswith("fits") else "ok")
         self._set_verdict(verdict[:1].upper() + verdict[1:], kind)
         self.chart.set_fractions(report.get("hot_fraction_per_layer") or [])
+        dev = str(report.get("device") or "")
+        self.chart_caption.setText("Hot share of FFN neurons per layer, on " +
+                                   ("the GPU" if dev.startswith("cuda") else f"the fast tier ({dev or 'cpu'})"))
         self.tiers.set_tiers(report.get("tier_bytes") or {})
         facts = []
         if report.get("hot_hit_fraction") is not None:
@@ -356,10 +363,16 @@ class BudgetPanel(QScrollArea):
 
     @Slot(str)
     def show_unavailable(self, message: str) -> None:
+        self.placement = None
         self._set_verdict(message, "muted")
         self.chart.set_fractions([])
         self.tiers.set_tiers({})
         self.place_facts.setText("")
+        self._show_charts(False)
+
+    def _show_charts(self, shown: bool) -> None:
+        for w in (self.chart_caption, self.chart, self.tiers, self.place_facts):
+            w.setVisible(shown)
 
     def _set_verdict(self, text: str, kind: str) -> None:
         self.verdict.setText(text)

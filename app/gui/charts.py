@@ -16,14 +16,19 @@ HOT = QColor("#e8743b")
 COLD = QColor("#3b7dd8")
 GRID = QColor(0, 0, 0, 28)
 
-# Tier name -> (label, colour); GPU tiers warm, CPU tiers cool.
+# Tier name -> (label, colour); fast-device (GPU) tiers warm, CPU tiers cool. The engine names
+# the GPU side "fast_*" (it is the CPU itself on a machine with no GPU); older names kept too.
 TIERS = {
-    "gpu_ffn": ("GPU hot neurons", QColor("#e8743b")),
-    "gpu_dense": ("GPU attention & dense", QColor("#f2a65a")),
+    "fast_ffn": ("Hot neurons", QColor("#e8743b")),
+    "gpu_ffn": ("Hot neurons", QColor("#e8743b")),
+    "fast_dense": ("Fast: attention & dense", QColor("#f2a65a")),
+    "gpu_dense": ("Fast: attention & dense", QColor("#f2a65a")),
+    "fast_kv": ("Fast: KV cache", QColor("#c9a227")),
     "kv_cache": ("KV cache", QColor("#c9a227")),
     "predictors": ("Predictors", QColor("#8e6bbf")),
-    "cpu_dense": ("CPU attention & dense", QColor("#7fb3e6")),
-    "cpu_ffn": ("CPU cold neurons", QColor("#3b7dd8")),
+    "cpu_kv": ("CPU: KV cache", QColor("#a9c7ea")),
+    "cpu_dense": ("CPU: attention & dense", QColor("#7fb3e6")),
+    "cpu_ffn": ("Cold neurons (CPU)", QColor("#3b7dd8")),
 }
 
 
@@ -75,6 +80,7 @@ class LayerChart(QWidget):
         if n == 0:
             p.setPen(text)
             p.drawText(r, Qt.AlignmentFlag.AlignCenter, "no placement yet")
+            p.end()
             return
         step = r.width() / n
         gap = min(3.0, step * 0.25)
@@ -89,6 +95,7 @@ class LayerChart(QWidget):
         for i in sorted(labels):
             x = r.left() + (i + 0.5) * step
             p.drawText(QRectF(x - 20, r.bottom() + 2, 40, 14), Qt.AlignmentFlag.AlignCenter, str(i))
+        p.end()
 
     def mouseMoveEvent(self, event) -> None:  # noqa: N802 - Qt API
         r = self._plot_rect()
@@ -131,6 +138,7 @@ class TierBar(QWidget):
         bar = QRectF(0, 2, self.width() - 1, 14)
         if total <= 0:
             p.fillRect(bar, GRID)
+            p.end()
             return
         x = bar.left()
         for name, n in self.tiers.items():
@@ -149,3 +157,4 @@ class TierBar(QWidget):
             p.setPen(text)
             p.drawText(QRectF(cx + 13, cy, col_w - 15, 16), Qt.AlignmentFlag.AlignVCenter,
                        f"{label}  {fmt.size(n)}")
+        p.end()

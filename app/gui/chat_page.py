@@ -13,8 +13,8 @@ import time
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QKeySequence, QShortcut
-from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout,
-                               QWidget)
+from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QProgressBar, QPushButton, QSizePolicy,
+                               QVBoxLayout, QWidget)
 
 from app.settings import Settings
 from app.storage import COMPLETE, FAILED, STOPPED, STREAMING, Conversation, Storage
@@ -35,6 +35,32 @@ CONTEXT_WARN = 0.85
 def title_from(text: str) -> str:
     line = " ".join(text.split())
     return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"
+
+
+class ElidedLabel(QLabel):
+    """A one-line label that shortens its text with … instead of widening the window."""
+
+    def __init__(self, text: str = "", parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self._full = ""
+        self.setText(text)
+
+    def setText(self, text: str) -> None:  # noqa: N802 - Qt API
+        self._full = text
+        self.setToolTip(text)
+        self._elide()
+
+    def text(self) -> str:
+        return self._full
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt API
+        super().resizeEvent(event)
+        self._elide()
+
+    def _elide(self) -> None:
+        width = max(10, self.width())
+        super().setText(self.fontMetrics().elidedText(self._full, Qt.TextElideMode.ElideRight, width))
 
 
 class Banner(QFrame):
@@ -131,7 +157,7 @@ class ChatPage(QWidget):
         header.setObjectName("chatHeader")
         row = QHBoxLayout(header)
         row.setContentsMargins(16, 8, 12, 8)
-        self.title_label = QLabel("New chat", header)
+        self.title_label = ElidedLabel("New chat", header)
         self.title_label.setObjectName("chatTitle")
         row.addWidget(self.title_label, 1)
         self.context_label = QLabel(header)
@@ -150,6 +176,11 @@ class ChatPage(QWidget):
         self.settings_button.clicked.connect(self.open_conversation_settings)
         row.addWidget(self.settings_button)
         return header
+
+    @property
+    def busy(self) -> bool:
+        """An answer of this page is in progress (until its last signal has been handled)."""
+        return self._request is not None
 
     # -- conversations -------------------------------------------------------------------
     def open_conversation(self, conversation_id: int | None) -> None:
@@ -388,10 +419,10 @@ class ChatPage(QWidget):
         vram, ram = stats.get("mem_vram_bytes", stats.get("vram_bytes")), stats.get("mem_ram_bytes",
                                                                                      stats.get("ram_bytes"))
         device = stats.get("mem_device") or stats.get("device")
-        if vram is not None and (vram or stats.get("vram_budget") or (device and device != "cpu")):
-            parts.append(f"VRAM {fmt.gib(vram)} / {fmt.gib(stats.get('vram_budget')) if stats.get('vram_budget') is not None else 'auto'}")
-        if ram is not None:
-            parts.append(f"RAM {fmt.gib(ram)} / {fmt.gib(stats.get('ram_budget')) if stats.get('ram_budget') is not None else 'auto'}")
+        for name, used, budget in (("VRAM", vram, stats.get("vram_budget")), ("RAM", ram, stats.get("ram_budget"))):
+            if used is None or (name == "VRAM" and not used and not budget and device in (None, "cpu")):
+                continue
+            parts.append(f"{name} {fmt.gib(used)}" + (f" of {fmt.gib(budget)}" if budget else ""))
         if device:
             parts.append(fmt.device_name(device))
         if final and stats.get("finish_reason") == "cancelled":
@@ -467,7 +498,8 @@ class ChatPage(QWidget):
         if self.client.model_info:
             self.input.set_ready(True)
         elif self.client.loading_model:
-            self.input.set_ready(False, f"Loading {self.client.loading_model}… you can type meanwhile")
+            self.input.set_ready(False, f"Loading {fmt.model_label(self.client.loading_model)}… "
+                                        "you can type meanwhile")
         else:
             self.input.set_ready(False, "No model loaded: choose one on the Models page")
 

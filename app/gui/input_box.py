@@ -74,6 +74,7 @@ class InputBar(QFrame):
         self._ready = ready
         self.edit.setPlaceholderText(
             "Message the model  (Enter to send, Shift+Enter for a new line)" if ready else why)
+        self.edit.viewport().update()
         self._sync()
 
     def _sync(self) -> None:

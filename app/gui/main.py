@@ -80,12 +80,16 @@ def _splash():
 def preload_engine() -> None:
     """Import the engine (torch) on the GUI thread before the window shows.
 
-    Importing torch runs for a second or two and loads large native libraries while holding
-    the GIL; done later in the worker thread, it would freeze the visible window for
-    100-200 ms at a time. Before the window exists, nobody is waiting on the event loop.
+    Importing torch and numba runs for a second or two and loads large native libraries while
+    holding the GIL; done later in the worker thread, it would freeze the visible window for
+    100-700 ms at a time. Before the window exists, nobody is waiting on the event loop.
     """
     try:
         import engine  # noqa: F401
+        from engine.kernels import cpu
+
+        info = cpu.warmup()  # imports numba and loads (or compiles) the CPU kernels once, here
+        log.info("CPU kernels ready in %.2f s (%s)", info["seconds"], info)
     except Exception:  # noqa: BLE001 - the worker reports a broken engine as a dialog later
         log.exception("could not import the engine")
 

@@ -11,7 +11,7 @@ import logging
 from PySide6.QtCore import QByteArray, Qt, QTimer, Slot
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (QButtonGroup, QFrame, QHBoxLayout, QLabel, QMainWindow, QProgressBar,
-                               QPushButton, QSplitter, QStackedWidget, QVBoxLayout, QWidget)
+                               QPushButton, QSizePolicy, QSplitter, QStackedWidget, QVBoxLayout, QWidget)
 
 from app.settings import Settings
 from app.storage import Storage
@@ -23,6 +23,8 @@ from .dialogs import WelcomeDialog, show_error
 from .worker import EngineClient
 
 log = logging.getLogger(__name__)
+
+NARROW_WIDTH = 1000  # below this the budgets panel folds away so the chat keeps its room
 
 
 class MainWindow(QMainWindow):
@@ -84,6 +86,7 @@ class MainWindow(QMainWindow):
         # Status bar: the model, and loading progress.
         self.model_status = QLabel(self)
         self.model_status.setObjectName("modelStatus")
+        self.model_status.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.load_bar = QProgressBar(self)
         self.load_bar.setObjectName("loadBar")
         self.load_bar.setRange(0, 1000)
@@ -179,10 +182,23 @@ class MainWindow(QMainWindow):
             self.models.refresh()
 
     def set_panel_visible(self, visible: bool) -> None:
-        self.panel.setVisible(visible)
+        """The user's choice; a narrow window still folds the panel away (see resizeEvent)."""
         if self.panel_button.isChecked() != visible:
             self.panel_button.setChecked(visible)
         self.settings["ui.show_panel"] = visible
+        self._fit_panel()
+
+    def _fit_panel(self) -> None:
+        wanted = self.settings["ui.show_panel"]
+        narrow = self.width() < NARROW_WIDTH
+        self.panel.setVisible(wanted and not narrow)
+        self.panel_button.setToolTip(
+            "The window is too narrow for the panel; widen it to show the budgets" if wanted and narrow
+            else "Show or hide the budgets and placement panel (Ctrl+B)")
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt API
+        super().resizeEvent(event)
+        self._fit_panel()
 
     def new_chat(self) -> None:
         self.show_page("chat")

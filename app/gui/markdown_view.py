@@ -134,10 +134,17 @@ class CodeBlock(QFrame):
         self.copy_button.setText("Copied ✓")
         QTimer.singleShot(1500, lambda: self.copy_button.setText("Copy"))
 
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt API
+        super().resizeEvent(event)
+        self._fit_height()
+
     def _fit_height(self) -> None:
+        """Tall enough for every line; room for a scroll bar only when a line is too wide."""
         lines = max(1, self.editor.document().blockCount())
         metrics = self.editor.fontMetrics()
-        bar = self.editor.horizontalScrollBar().sizeHint().height()
+        widest = max((metrics.horizontalAdvance(line) for line in (self._code or "").split("\n")), default=0)
+        too_wide = widest + 16 > self.editor.viewport().width()
+        bar = self.editor.horizontalScrollBar().sizeHint().height() if too_wide else 0
         margins = int(self.editor.document().documentMargin() * 2) + 6
         self.editor.setFixedHeight(lines * metrics.lineSpacing() + margins + bar)
 

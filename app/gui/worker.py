@@ -29,6 +29,8 @@ from PySide6.QtCore import QObject, QThread, Signal, Slot
 log = logging.getLogger(__name__)
 
 LIVE_STATS_INTERVAL_S = 0.25
+DENSE_NOTE = ("Dense mode: every neuron is computed on one device, so there is nothing to place. "
+              "Hybrid mode splits hot and cold neurons.")
 
 
 def to_plain(obj: Any) -> Any:
@@ -149,10 +151,8 @@ class EngineWorker(QObject):
         eng = self.engine
         if not hasattr(eng, "set_budgets"):
             self.placement_unavailable.emit("This engine build cannot re-place neurons live yet.")
-        elif getattr(eng, "sparse", None) is None and str(getattr(eng, "mode", "")) == "dense":
-            self.placement_unavailable.emit(
-                note or "Dense mode: every neuron is computed on one device, so there is nothing to place. "
-                        "Choose hybrid mode to split hot and cold neurons.")
+        elif self._dense():
+            self.placement_unavailable.emit(note or DENSE_NOTE)
         else:
             with self._budget_lock:
                 if self._pending_budgets is None:
@@ -177,6 +177,9 @@ class EngineWorker(QObject):
         if not hasattr(self.engine, "set_budgets"):
             self.placement_unavailable.emit("This engine build cannot re-place neurons live yet.")
             return
+        if self._dense():
+            self.placement_unavailable.emit(DENSE_NOTE + " The budgets are kept for the next load.")
+            return
         try:
             report = self.engine.set_budgets(vram=pending[0], ram=pending[1])
         except Exception as exc:  # noqa: BLE001
@@ -189,6 +192,10 @@ class EngineWorker(QObject):
                 self.placement_failed.emit(explain_error(exc, "re-place the neurons")[0])
             return
         self._emit_placement(report)
+
+    def _dense(self) -> bool:
+        eng = self.engine
+        return getattr(eng, "sparse", None) is None and str(getattr(eng, "mode", "")) == "dense"
 
     def _emit_placement(self, report: Any) -> None:
         plain = to_plain(report)

@@ -1,0 +1,129 @@
+"""Drive the real Thermocline window and save screenshots (run by tools/screenshots.sh).
+
+Uses fresh data and config folders so the user's own conversations never appear, starts
+the app the way `thermocline` does, then: welcome dialog, a prompt streaming, the finished
+answer, the budgets panel after a slider move, the models page, and the chat at a small
+window size. Each shot is the whole X screen (dialogs included).
+
+    python tools/screenshot_driver.py OUT_DIR [--model demo|PATH] [--size 1280x800]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def pick_model(requested: str, scratch: Path) -> str:
+    """`demo` when it is built, else a tiny random model made the way the tests make one."""
+    if requested != "demo":
+        return requested
+    from models_registry.resolve import demo_model_dir
+
+    if (demo_model_dir() / "config.json").is_file():
+        return "demo"
+    print("demo model not built yet: using a tiny random model (its text is gibberish)", file=sys.stderr)
+    sys.path.insert(0, str(ROOT / "tests"))
+    import model_factory
+
+    return str(model_factory.llama_relu(scratch / "tiny-relu-llama", hidden=128, layers=6, ff=512))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--size", default="1280x800")
+    ap.add_argument("--small", default="820x600")
+    ap.add_argument("--mode", default="hybrid")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="thermocline-shots-"))
+    os.environ["THERMOCLINE_DATA_DIR"] = str(scratch / "data")
+    os.environ["THERMOCLINE_CONFIG_DIR"] = str(scratch / "config")
+    model = pick_model(args.model, scratch)
+
+    from PySide6.QtCore import QCoreApplication, Qt
+    from PySide6.QtGui import QGuiApplication
+    from PySide6.QtTest import QTest
+
+    from app.gui.main import build_window, make_application, preload_engine
+    from app.settings import Settings
+
+    app = make_application(["thermocline"])
+    preload_engine()
+    settings = Settings()
+    settings["model.active"] = model
+    settings["engine.mode"] = args.mode
+    settings["chat.max_new_tokens"] = 120
+    settings["chat.temperature"] = 0.7
+    window = build_window(settings=settings)
+    w, h = map(int, args.size.split("x"))
+    window.resize(w, h)
+    window.move(0, 0)
+    window.show()
+    window.start()
+
+    def pump(seconds: float, until=None) -> bool:
+        end = time.time() + seconds
+        while time.time() < end:
+            QCoreApplication.processEvents()
+            if until is not None and until():
+                return True
+            time.sleep(0.01)
+        return until is None
+
+    def shot(name: str) -> None:
+        pump(0.4)
+        path = args.out / f"{name}.png"
+        screen = QGuiApplication.primaryScreen()
+        screen.grabWindow(0).copy(0, 0, window.width(), window.height()).save(str(path))
+        print(f"saved {path}")
+
+    pump(60, lambda: window.client.model_info is not None or window.client.loading_model is None)
+    pump(2, lambda: getattr(window, "welcome", None) is not None)
+    shot("welcome")
+    if getattr(window, "welcome", None) is not None:
+        window.welcome.accept()
+    pump(60, lambda: window.client.model_info is not None)
+    pump(20, lambda: window.panel.machine is not None)
+
+    edit = window.chat.input.edit
+    edit.setFocus()
+    edit.setPlainText("Write one paragraph about a walk by the river, then a Python one-liner that "
+                      "counts words:\n```python\ntext = open('walk.txt').read()\n```")
+    QTest.keyClick(edit, Qt.Key.Key_Return)
+    pump(60, lambda: len(window.chat._answer_text) > 60 or not window.client.busy)
+    shot("chat-streaming")
+    pump(180, lambda: not window.client.busy)
+    shot("chat")
+
+    panel = window.panel
+    if panel.vram.slider.isEnabled():
+        panel.vram.slider.setValue(panel.vram.slider.maximum() // 3)
+    panel.ram.slider.setValue(max(1, panel.ram.slider.maximum() // 4))
+    pump(3)
+    shot("budgets")
+
+    window.show_page("models")
+    pump(30, lambda: len(window.models.cards) > 3 and not window.models._pending_rows)
+    shot("models")
+
+    window.show_page("chat")
+    sw, sh = map(int, args.small.split("x"))
+    window.resize(sw, sh)
+    pump(1)
+    shot("chat-small")
+    window.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
