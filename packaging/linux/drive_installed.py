@@ -1,0 +1,227 @@
+"""Drive the *installed* Thermocline under Xvfb from outside, like a user (run by
+packaging/test_linux.sh; needs only the standard library, xdotool and ImageMagick's `import`).
+
+Starts the app with the Exec line of its menu entry, as the given user, then measures:
+- `window_s`: launch -> the main window is mapped;
+- `ready_s`: launch -> the model is loaded (the first Enter that the app accepts: while the
+  model loads, the input box keeps the text and ignores Enter);
+- then checks that an answer streams (the assistant message grows in the app's database over
+  several polls and ends `complete`), saves screenshots, and quits the app.
+Prints one JSON object on stdout.
+
+    python3 drive_installed.py --user U --home H --display :N --out DIR [--prompt TEXT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DESKTOP = Path("/usr/share/applications/thermocline.desktop")
+
+
+def sh(*args: str, check: bool = False, env: dict | None = None) -> str:
+    r = subprocess.run(args, capture_output=True, text=True, env=env)
+    if check and r.returncode:
+        raise RuntimeError(f"{args}: {r.stderr.strip()}")
+    return r.stdout.strip()
+
+
+class X:
+    def __init__(self, display: str):
+        self.env = dict(os.environ, DISPLAY=display)
+        self.display = display
+
+    def run(self, *args: str) -> str:
+        return sh(*args, env=self.env)
+
+    def windows(self) -> list[tuple[int, str, int, int]]:
+        """Visible top-level windows of the app: (id, title, width, height)."""
+        out = []
+        for wid in self.run("xdotool", "search", "--onlyvisible", "--classname", "thermocline").split():
+            geo = self.run("xdotool", "getwindowgeometry", wid)
+            m = re.search(r"Geometry: (\d+)x(\d+)", geo)
+            title = self.run("xdotool", "getwindowname", wid)
+            if m:
+                out.append((int(wid), title, int(m.group(1)), int(m.group(2))))
+        return out
+
+    def main_window(self) -> int | None:
+        for wid, title, w, h in self.windows():
+            if title == "Thermocline" and w >= 500 and h >= 300:
+                return wid
+        return None
+
+    def dialog(self, title: str) -> int | None:
+        for wid, t, _w, _h in self.windows():
+            if t == title:
+                return wid
+        return None
+
+    def key(self, wid: int, *keys: str) -> None:
+        self.run("xdotool", "windowfocus", "--sync", str(wid))
+        self.run("xdotool", "key", "--clearmodifiers", *keys)
+
+    def type(self, wid: int, text: str) -> None:
+        self.run("xdotool", "windowfocus", "--sync", str(wid))
+        self.run("xdotool", "type", "--delay", "20", text)
+
+    def screenshot(self, path: Path) -> None:
+        self.run("import", "-display", self.display, "-window", "root", str(path))
+
+
+def messages(db: Path) -> list[tuple[str, str, str]]:
+    if not db.exists():
+        return []
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2)
+        try:
+            return con.execute("SELECT role, content, status FROM messages ORDER BY id").fetchall()
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return []
+
+
+def launch(user: str, home: Path, display: str, log: Path) -> subprocess.Popen:
+    exec_line = next(line.split("=", 1)[1] for line in DESKTOP.read_text().splitlines()
+                     if line.startswith("Exec="))
+    argv = [a for a in shlex.split(exec_line) if not a.startswith("%")]
+    env = {"HOME": str(home), "USER": user, "LOGNAME": user, "DISPLAY": display, "PATH": "/usr/bin:/bin",
+           "LANG": "C.UTF-8", "XDG_RUNTIME_DIR": str(home / ".runtime")}
+    (home / ".runtime").mkdir(mode=0o700, exist_ok=True)
+    sh("chown", f"{user}:{user}", str(home / ".runtime"))
+    cmd = ["runuser", "-u", user, "--", "env", "-i", *[f"{k}={v}" for k, v in env.items()], *argv]
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen, x: X, wid: int | None) -> str:
+    """Close the window like a user would (WM_DELETE via the window's close), else SIGTERM."""
+    if wid is not None:
+        x.key(wid, "alt+F4")  # no window manager here: Qt ignores it; kept for a WM session
+    try:
+        proc.wait(timeout=3)
+        return "closed"
+    except subprocess.TimeoutExpired:
+        pass
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+        return "terminated"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return "killed"
+
+
+def run_once(args, tag: str, x: X, db: Path, first: bool) -> dict:
+    res: dict = {"run": tag}
+    log = args.out / f"app-{tag}.log"
+    before = len(messages(db))
+    t0 = time.monotonic()
+    proc = launch(args.user, args.home, args.display, log)
+    wid = None
+    deadline = t0 + args.timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        wid = x.main_window()
+        if wid:
+            break
+        time.sleep(0.1)
+    if not wid:
+        res["error"] = f"no main window within {args.timeout} s (exit code {proc.poll()}); see {log}"
+        stop(proc, x, None)
+        return res
+    res["window_s"] = round(time.monotonic() - t0, 2)
+    x.screenshot(args.out / f"{tag}-1-window.png")
+
+    if first:  # the first-start welcome dialog
+        end = time.monotonic() + 15
+        dlg = None
+        while time.monotonic() < end and not dlg:
+            dlg = x.dialog("Welcome")
+            time.sleep(0.2)
+        res["welcome_dialog"] = bool(dlg)
+        if dlg:
+            x.screenshot(args.out / f"{tag}-2-welcome.png")
+            x.key(dlg, "Return")
+            time.sleep(0.5)
+
+    x.type(wid, args.prompt)
+    accepted = False
+    while time.monotonic() < deadline and proc.poll() is None:
+        x.key(wid, "Return")
+        time.sleep(0.3)
+        if any(r == "user" and c.strip() == args.prompt for r, c, _s in messages(db)[before:]):
+            accepted = True
+            break
+    if not accepted:
+        res["error"] = f"the prompt was never accepted within {args.timeout} s; see {log}"
+        x.screenshot(args.out / f"{tag}-error.png")
+        stop(proc, x, wid)
+        return res
+    res["ready_s"] = round(time.monotonic() - t0, 2)
+
+    lengths, status, text = [], "", ""
+    end = time.monotonic() + args.timeout
+    shot_mid = False
+    while time.monotonic() < end:
+        rows = [m for m in messages(db)[before:] if m[0] == "assistant"]
+        if rows:
+            _r, text, status = rows[-1]
+            if not lengths or len(text) != lengths[-1]:
+                lengths.append(len(text))
+            if status == "streaming" and text and not shot_mid:
+                x.screenshot(args.out / f"{tag}-3-streaming.png")
+                shot_mid = True
+            if status != "streaming":
+                break
+        time.sleep(0.05)
+    res["answer_status"] = status
+    res["answer_chars"] = len(text)
+    res["answer_head"] = text[:200]
+    res["distinct_lengths_seen"] = len(lengths)
+    res["streamed"] = status == "complete" and len(text) > 0 and len([n for n in lengths if n > 0]) >= 2
+    res["answer_s"] = round(time.monotonic() - t0, 2)
+    time.sleep(0.5)
+    x.screenshot(args.out / f"{tag}-4-answer.png")
+    res["exit"] = stop(proc, x, wid)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--user", required=True)
+    ap.add_argument("--home", type=Path, required=True)
+    ap.add_argument("--display", required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--prompt", default="Tell me a short story about a fox.")
+    ap.add_argument("--timeout", type=float, default=240)
+    ap.add_argument("--runs", type=int, default=2)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    x = X(args.display)
+    db = args.home / ".local" / "share" / "Thermocline" / "conversations.db"
+    results = []
+    for i in range(args.runs):
+        tag = "first" if i == 0 else f"again{i}"
+        r = run_once(args, tag, x, db, first=i == 0)
+        results.append(r)
+        print(json.dumps(r), file=sys.stderr)
+        if "error" in r:
+            break
+    ok = all("error" not in r and r.get("streamed") for r in results) and len(results) == args.runs
+    print(json.dumps({"ok": ok, "runs": results}))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
