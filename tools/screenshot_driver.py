@@ -33,7 +33,20 @@ def pick_model(requested: str, scratch: Path) -> str:
     sys.path.insert(0, str(ROOT / "tests"))
     import model_factory
 
-    return str(model_factory.llama_relu(scratch / "tiny-relu-llama", hidden=128, layers=6, ff=512))
+    import json
+
+    import torch
+
+    from engine.predictors import PredictorSet
+
+    folder = model_factory.llama_relu(scratch / "tiny-relu-llama", hidden=128, layers=8, ff=512)
+    cfg = json.loads((folder / "config.json").read_text())
+    g = torch.Generator().manual_seed(0)
+    n, d, n_ff = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]
+    # Random predictors, so hybrid mode (and the placement panel) works on this stand-in.
+    PredictorSet([torch.randn(16, d, generator=g) for _ in range(n)],
+                 [torch.randn(n_ff, 16, generator=g) for _ in range(n)], [0.0] * n).save(folder)
+    return str(folder)
 
 
 def main() -> int:

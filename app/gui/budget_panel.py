@@ -143,6 +143,7 @@ class BudgetPanel(QScrollArea):
         self.settings, self.client = settings, client
         self.machine: dict | None = None
         self.placement: dict | None = None
+        self._last_mem: dict = {}
         inner = QWidget(self)
         inner.setObjectName("panelInner")
         col = QVBoxLayout(inner)
@@ -214,7 +215,7 @@ class BudgetPanel(QScrollArea):
         col.addWidget(live)
         col.addStretch(1)
         self.setWidget(inner)
-        self.setMinimumWidth(250)
+        # No minimum width: a narrow window folds the panel away instead of refusing to shrink.
 
         # Wiring ------------------------------------------------------------------------
         self._save_timer = QTimer(self, singleShot=True, interval=400)
@@ -253,7 +254,7 @@ class BudgetPanel(QScrollArea):
     def refresh_machine(self) -> None:
         spec, ctx = self.settings["model.active"], self.settings["engine.ctx"]
         run_in_background(lambda: probe_machine(spec, ctx), self._on_machine,
-                          lambda exc: self.suggest_label.setText(f"Could not probe this machine: {exc}"))
+                          lambda exc: self.suggest_label.setText(f"Could not probe this machine: {exc}"), self)
 
     def _on_machine(self, machine: dict) -> None:
         if self._save_timer.isActive():  # keep a move the user just made
@@ -308,6 +309,7 @@ class BudgetPanel(QScrollArea):
     # -- slider moves --------------------------------------------------------------------
     def _budgets_moved(self, _n: int) -> None:
         self.verdict.setText("Re-placing neurons…")
+        self._show_memory(self._last_mem)
         self.client.set_budgets(self.vram.value(), self.ram.value())
 
     def _save_budgets(self) -> None:
@@ -392,6 +394,7 @@ class BudgetPanel(QScrollArea):
             self._show_memory(mem)
 
     def _show_memory(self, mem: dict) -> None:
+        self._last_mem = mem
         for (label, bar), name, budget in ((self.vram_use, "VRAM", self.vram.value()),
                                            (self.ram_use, "RAM", self.ram.value())):
             used = mem.get(f"{name.lower()}_bytes")

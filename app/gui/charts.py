@@ -122,7 +122,7 @@ class TierBar(QWidget):
         self.update()
 
     def _legend_rows(self) -> int:
-        return (len(self.tiers) + 1) // 2
+        return len(self.tiers)
 
     def sizeHint(self) -> QSize:  # noqa: N802 - Qt API
         return QSize(260, 22 + 18 * max(1, self._legend_rows()))
@@ -148,11 +148,11 @@ class TierBar(QWidget):
         small = QFont(self.font())
         small.setPointSizeF(max(6.5, small.pointSizeF() * 0.85))
         p.setFont(small)
-        col_w = self.width() / 2
+        col_w = self.width()
         for i, (name, n) in enumerate(self.tiers.items()):
             label, colour = tier_style(name)
-            cx = (i % 2) * col_w
-            cy = 22 + (i // 2) * 18
+            cx = 0
+            cy = 22 + i * 18
             p.fillRect(QRectF(cx, cy + 3, 9, 9), colour)
             p.setPen(text)
             p.drawText(QRectF(cx + 13, cy, col_w - 15, 16), Qt.AlignmentFlag.AlignVCenter,

@@ -120,7 +120,7 @@ class MessageWidget(QFrame):
     def _copy(self) -> None:
         QGuiApplication.clipboard().setText(self.text())
         self.copy_button.setText("Copied ✓")
-        QTimer.singleShot(1500, lambda: self.copy_button.setText("Copy"))
+        QTimer.singleShot(1500, self.copy_button, lambda: self.copy_button.setText("Copy"))  # dies with it
 
 
 class ChatView(QScrollArea):

@@ -80,6 +80,9 @@ class MainWindow(QMainWindow):
         self.splitter.setStretchFactor(1, 1)
         self.splitter.setStretchFactor(2, 0)
         self.splitter.setSizes([240, 720, 320])
+        # The panel may be squeezed to nothing, so the window can shrink below sidebar + chat +
+        # panel; resizeEvent then folds it away (NARROW_WIDTH).
+        self.splitter.setCollapsible(2, True)
         sidebar.setMinimumWidth(180)
         self.setCentralWidget(self.splitter)
 
@@ -162,7 +165,7 @@ class MainWindow(QMainWindow):
         """Load the active model and, on first start, explain the sliders."""
         self.load_active_model()
         if self._show_welcome and not self.settings["ui.welcome_shown"]:
-            QTimer.singleShot(300, self.show_welcome)
+            QTimer.singleShot(300, self, self.show_welcome)
 
     def show_welcome(self) -> None:
         dlg = WelcomeDialog(self)

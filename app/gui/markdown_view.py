@@ -73,7 +73,9 @@ class ProseLabel(QLabel):
         self.setWordWrap(True)
         self.setOpenExternalLinks(True)
         self.setTextInteractionFlags(Qt.TextInteractionFlag.TextBrowserInteraction)
-        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
+        # Ignored: the column decides the width; a long unbreakable word must not widen the chat.
+        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.setMinimumWidth(40)
         self._source = None
 
     def set_source(self, text: str) -> None:
@@ -132,7 +134,7 @@ class CodeBlock(QFrame):
     def copy(self) -> None:
         QGuiApplication.clipboard().setText(self.code())
         self.copy_button.setText("Copied ✓")
-        QTimer.singleShot(1500, lambda: self.copy_button.setText("Copy"))
+        QTimer.singleShot(1500, self.copy_button, lambda: self.copy_button.setText("Copy"))  # dies with it
 
     def resizeEvent(self, event) -> None:  # noqa: N802 - Qt API
         super().resizeEvent(event)

@@ -53,7 +53,7 @@ def _folder_size(folder: Path) -> int:
         return 0
 
 
-def scan_models(custom: list[str], ctx: int) -> dict:
+def scan_models(custom: list[str], ctx: int, active: str = "") -> dict:
     """Every model the page lists, with its state on disk and fit on this machine."""
     from models_registry.catalogue import load_catalogue
     from models_registry.fit import estimate_fit
@@ -97,7 +97,9 @@ def scan_models(custom: list[str], ctx: int) -> dict:
         folder = demo_model_dir() if entry.repo is None else downloaded_model_dir(entry.repo)
         rows.append(row(entry.id, folder, title=entry.id, repo=entry.repo, entry=entry))
         seen.update({entry.id.lower(), (entry.repo or "").lower()})
-    for spec in custom:
+    # The active model is listed even when it was chosen by path rather than added here.
+    extra = custom + ([active] if active and Path(active).expanduser().is_absolute() else [])
+    for spec in extra:
         if spec.lower() in seen:
             continue
         seen.add(spec.lower())
@@ -321,6 +323,9 @@ class ModelsPage(QWidget):
         self._scanning = False
         self._rescan = False
         self._pending_rows: list = []
+        # A child timer (not QTimer.singleShot) so a pending step dies with the page.
+        self._build_timer = QTimer(self, singleShot=True, interval=0)
+        self._build_timer.timeout.connect(self._build_next)
         outer = QVBoxLayout(self)
         outer.setContentsMargins(0, 0, 0, 0)
         outer.setSpacing(0)
@@ -333,9 +338,11 @@ class ModelsPage(QWidget):
         title.setObjectName("chatTitle")
         top.addWidget(title)
         top.addStretch(1)
-        self.add_repo_button = QPushButton("Add Hugging Face repo…", header)
+        self.add_repo_button = QPushButton("Add repo…", header)
+        self.add_repo_button.setToolTip("Download a model from Hugging Face by its org/name id")
         self.add_repo_button.clicked.connect(self.add_repo)
-        self.add_folder_button = QPushButton("Add local folder…", header)
+        self.add_folder_button = QPushButton("Add folder…", header)
+        self.add_folder_button.setToolTip("Use a model folder already on this computer")
         self.add_folder_button.clicked.connect(self.add_folder)
         self.open_dir_button = QPushButton("Models folder", header)
         self.open_dir_button.setToolTip("Open the folder where downloads are kept")
@@ -374,8 +381,8 @@ class ModelsPage(QWidget):
             self._rescan = True
             return
         self._scanning = True
-        custom, ctx = list(self.settings["models.custom"]), self.settings["engine.ctx"]
-        run_in_background(lambda: scan_models(custom, ctx), self._on_scan, self._on_scan_failed)
+        custom, ctx, active = list(self.settings["models.custom"]), self.settings["engine.ctx"], self.active_spec()
+        run_in_background(lambda: scan_models(custom, ctx, active), self._on_scan, self._on_scan_failed, self)
 
     def _on_scan_failed(self, exc: BaseException) -> None:
         self._scanning = False
@@ -406,7 +413,7 @@ class ModelsPage(QWidget):
         else:
             card.update_info(info)
         self.list_layout.insertWidget(i, card)
-        QTimer.singleShot(0, self._build_next)
+        self._build_timer.start()
 
     def _on_model_event(self, *_args) -> None:
         for card in self.cards.values():
@@ -527,7 +534,8 @@ class ModelsPage(QWidget):
                 run_in_background(lambda: shutil.rmtree(folder), lambda _r: self.refresh(),
                                   lambda exc: show_error(self.window(), "Could not delete",
                                                          f"Deleting {folder} failed: {exc}",
-                                                         "Close programs that use these files and try again."))
+                                                         "Close programs that use these files and try again."),
+                                  self)
 
         box.buttonClicked.connect(answered)
         box.open()

@@ -7,6 +7,7 @@ import logging
 from typing import Any, Callable
 
 from PySide6.QtCore import QObject, QRunnable, QThreadPool, Signal, Slot
+from shiboken6 import isValid
 
 log = logging.getLogger(__name__)
 
@@ -17,21 +18,25 @@ class _Relay(QObject):
     done = Signal(object)
     failed = Signal(object)
 
-    def __init__(self, on_done, on_error):
+    def __init__(self, on_done, on_error, owner):
         super().__init__()
-        self.on_done, self.on_error = on_done, on_error
+        self.on_done, self.on_error, self.owner = on_done, on_error, owner
         self.done.connect(self._done)
         self.failed.connect(self._failed)
+
+    def _owner_gone(self) -> bool:
+        return self.owner is not None and not isValid(self.owner)
 
     @Slot(object)
     def _done(self, result) -> None:
         _alive.discard(self)
-        self.on_done(result)
+        if not self._owner_gone():  # the window may have closed while the task ran
+            self.on_done(result)
 
     @Slot(object)
     def _failed(self, exc) -> None:
         _alive.discard(self)
-        if self.on_error is not None:
+        if self.on_error is not None and not self._owner_gone():
             self.on_error(exc)
 
 
@@ -54,8 +59,10 @@ _alive: set[_Relay] = set()  # keep relays alive until their result has been del
 
 
 def run_in_background(fn: Callable[[], Any], on_done: Callable[[Any], None],
-                      on_error: Callable[[BaseException], None] | None = None) -> None:
-    """Call `fn()` on the thread pool; then `on_done(result)` or `on_error(exc)` on the GUI thread."""
-    relay = _Relay(on_done, on_error)
+                      on_error: Callable[[BaseException], None] | None = None,
+                      owner: QObject | None = None) -> None:
+    """Call `fn()` on the thread pool; then `on_done(result)` or `on_error(exc)` on the GUI thread,
+    unless `owner` (the widget the callbacks update) has been destroyed by then."""
+    relay = _Relay(on_done, on_error, owner)
     _alive.add(relay)
     QThreadPool.globalInstance().start(_Task(fn, relay))
