@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .config import ModelConfig
+
 
 @dataclass(frozen=True)
 class LayerCost:
@@ -36,6 +38,73 @@ class PlacementProblem:
     head_cpu: int     # ... on the CPU (0 extra for the head when tied to the embeddings)
     embed_cpu: int    # token embeddings always stay on the CPU (a lookup)
     fast_device: str = "cuda:0"
+
+
+@dataclass(frozen=True)
+class ModelBytes:
+    """The element counts that decide placement. Torch-free: the model registry builds
+    one from config.json before a download, the engine from its loaded config."""
+    d: int
+    n_ff: int
+    n_layers: int
+    vocab: int
+    attention_params: int  # per layer: q, k, v, o and their biases
+    norm_params: int       # per layer
+    final_norm_params: int
+    kv_per_position: int   # per layer: 2 (k, v) * kv_heads * head_dim
+    ffn_matrices: int      # rows per neuron: gate, up, down (3) or up, down (2)
+    tied_embeddings: bool
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> "ModelBytes":
+        d, hd = config.hidden_size, config.head_dim
+        layer_norm = config.norm_kind == "layer"  # LayerNorm has a bias
+        one_norm = config.parallel_attn and config.num_ln_in_parallel_attn == 1
+        q_kv_rows = (config.num_heads + 2 * config.num_kv_heads) * hd
+        return cls(
+            d=d, n_ff=config.intermediate_size, n_layers=config.num_layers, vocab=config.vocab_size,
+            attention_params=q_kv_rows * d + d * config.num_heads * hd + ((q_kv_rows + d) if config.attention_bias else 0),
+            norm_params=(2 if layer_norm else 1) * d * (1 if one_norm else 2),
+            final_norm_params=(2 if layer_norm else 1) * d,
+            kv_per_position=2 * config.num_kv_heads * hd,
+            ffn_matrices=3 if config.gated else 2,
+            tied_embeddings=config.tie_word_embeddings,
+        )
+
+
+COLD_INT8 = "int8"  # int8 rows with one fp32 scale per row
+CPU_BYTES = 4       # fp32: dense parts, KV cache and fp32 rows on the CPU
+INDEX_BYTES = 8     # the int64 id kept with every hot and cold neuron
+
+
+def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: list[np.ndarray], ctx: int,
+                  fast_weight_bytes: int, fast_kv_bytes: int, cold_quant: str,
+                  fast_device: str = "cuda:0") -> PlacementProblem:
+    """Bytes of every placeable part, exactly as the engine allocates them.
+
+    Fast tier: the output head (its own copy even when tied to the embeddings), each
+    layer's attention, norms, predictor and KV cache, hot neurons (rows + id). CPU tier:
+    the embeddings (always), whatever of those did not fit in fp32, cold neurons (int8
+    rows + fp32 scale + id, or fp32 rows + id).
+    """
+    layers = []
+    for params in predictor_params:
+        dense = model.attention_params + model.norm_params + params
+        kv = model.kv_per_position * ctx
+        layers.append(LayerCost(dense * fast_weight_bytes, dense * CPU_BYTES, kv * fast_kv_bytes, kv * CPU_BYTES))
+    rows = model.ffn_matrices
+    neuron_cpu = rows * (model.d + 4) if cold_quant == COLD_INT8 else rows * model.d * CPU_BYTES
+    head = model.vocab * model.d
+    return PlacementProblem(
+        layers=layers,
+        frequencies=frequencies,
+        neuron_fast=rows * model.d * fast_weight_bytes + INDEX_BYTES,
+        neuron_cpu=neuron_cpu + INDEX_BYTES,
+        head_fast=(head + model.final_norm_params) * fast_weight_bytes,
+        head_cpu=(model.final_norm_params + (0 if model.tied_embeddings else head)) * CPU_BYTES,
+        embed_cpu=head * CPU_BYTES,
+        fast_device=fast_device,
+    )
 
 
 @dataclass

@@ -24,7 +24,7 @@ from .hybrid_ffn import ColdRows, FfnCounters, HotRows, HybridFfn
 from .kernels import cpu as cpu_kernels
 from .loader import compute_dtype, load_transformer
 from .model import DenseFfn, Transformer
-from .placement import LayerCost, Placement, PlacementProblem, solve
+from .placement import ModelBytes, Placement, PlacementProblem, build_problem, solve
 from .predictors import PredictorSet
 from .units import format_size
 from .weights import WeightSource
@@ -75,33 +75,11 @@ class PlacementReport:
 
 def placement_problem(config: ModelConfig, predictor_ranks: list[int], frequencies: list[np.ndarray],
                       ctx: int, fast: torch.device, storage: torch.dtype, cold_quant: str) -> PlacementProblem:
-    """Bytes of every placeable part, computed the way the engine allocates them."""
-    fast_elem = torch.finfo(compute_dtype(fast, storage)).bits // 8
-    cpu_elem = 4
-    d, n, hd = config.hidden_size, config.intermediate_size, config.head_dim
-    qkv = (config.num_heads + 2 * config.num_kv_heads) * hd * d
-    out = d * config.num_heads * hd
-    norms = (2 if config.norm_kind == "layer" else 1) * d * (1 if config.parallel_attn and config.num_ln_in_parallel_attn == 1 else 2)
-    biases = ((config.num_heads + 2 * config.num_kv_heads) * hd + d) if config.attention_bias else 0
-    kv = 2 * config.num_kv_heads * ctx * hd
-    matrices = 3 if config.gated else 2
-    layers = []
-    for rank in predictor_ranks:
-        dense = qkv + out + norms + biases + rank * (d + n)
-        layers.append(LayerCost(dense * fast_elem, dense * cpu_elem, kv * fast_elem, kv * cpu_elem))
-    neuron_cpu = matrices * (d + 4) if cold_quant == "int8" else matrices * d * 4
-    final_norm = d * (2 if config.norm_kind == "layer" else 1)
-    head = config.vocab_size * d
-    return PlacementProblem(
-        layers=layers,
-        frequencies=frequencies,
-        neuron_fast=matrices * d * fast_elem + 8,  # rows + an int64 id
-        neuron_cpu=neuron_cpu + 8,
-        head_fast=(head + final_norm) * fast_elem,
-        head_cpu=final_norm * cpu_elem + (0 if config.tie_word_embeddings else head * cpu_elem),
-        embed_cpu=head * cpu_elem,
-        fast_device=str(fast),
-    )
+    """The engine's placement problem: the fast tier holds its compute dtype."""
+    fast_bytes = torch.finfo(compute_dtype(fast, storage)).bits // 8
+    params = [rank * (config.hidden_size + config.intermediate_size) for rank in predictor_ranks]
+    return build_problem(ModelBytes.from_config(config), params, frequencies, ctx, fast_bytes, fast_bytes,
+                         cold_quant, str(fast))
 
 
 class SparseRuntime:

@@ -1,26 +1,12 @@
-"""Will a model fit? A byte model of how the engine places tensors, over config.json alone.
+"""Will a model fit? The engine's placement rules applied to config.json alone.
 
-It mirrors `engine/sparse.py::placement_problem` and `engine/placement.py::solve` (the
-engine imports torch, this package must not), with every rule a parameter of `BytesModel`:
-
-Fast device (CUDA, 16-bit: 2 bytes/element), filled in this order:
-  1. the output head (lm_head, a copy even when tied, plus the final norm), if it fits;
-  2. each layer's dense unit, in layer order, if it fits: attention (q, k, v, o and their
-     biases), norms, the layer's predictor, and its KV cache = 2 (k,v) * ctx * n_kv_heads *
-     head_dim elements;
-  3. only when every layer's dense unit is there: hot FFN neurons, as many as the rest of
-     the budget holds. One neuron = one row of gate (gated FFNs only), up and down^T, plus
-     an 8-byte int64 index entry: n_mat * d * 2 + 8 bytes.
-CPU, for the rest (4 bytes/element unless said otherwise):
-  - the token embeddings, always (a lookup needs no GPU);
-  - the head when it is not on the fast device (only its final norm when tied);
-  - dense units of CPU layers, their KV cache in fp32;
-  - cold FFN neurons as int8 rows with one fp32 scale per row, plus the index entry:
-    n_mat * (d + 4) + 8 bytes (fp32 rows: n_mat * d * 4 + 8).
-Predictor of a layer: fc1 [rank, d] + fc2 [n_ff, rank]; the real ranks from the model's
-`thermocline/predictors.safetensors` when there is one, else rank 1024.
-Verdict: "does not fit" when the CPU part exceeds the RAM budget; "fits" when no neuron is
-cold and every dense part is on the GPU; else "fits with cold neurons on CPU".
+The rules themselves live in `engine.placement` (torch-free, so this package may use
+them): fast device first for the output head, then each layer's attention, norms,
+predictor and KV cache in layer order, then, once every layer's dense part is there, hot
+FFN neurons; the CPU keeps the embeddings and everything else, cold neurons as int8 rows
+with one fp32 scale per row. `BytesModel` says how many bytes an element takes on each
+tier. Predictor sizes come from the model's `thermocline/predictors.safetensors` header
+when there is one, else rank 1024.
 
 Not counted: the CUDA context, activations and temporary buffers (small at batch 1), and
 file pages the OS keeps cached. Suggested budgets leave room for them.
@@ -33,6 +19,9 @@ import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
+from engine.placement import CPU_BYTES, ModelBytes, build_problem, solve
 from engine.units import format_size
 
 from .arch import ArchInfo, detect_architecture
@@ -157,26 +146,11 @@ def predictor_params_from_file(path: Path) -> list[int] | None:
 
 @dataclass(frozen=True)
 class BytesModel:
-    """Bytes per element on each tier and the engine's layout choices (module docstring)."""
+    """Bytes per element on the fast tier, and the CPU format of cold rows."""
 
-    gpu_weight_bytes: int = 2  # fp16 / bf16 on CUDA (a CPU stand-in device would be 4)
+    gpu_weight_bytes: int = 2  # fp16 / bf16 on CUDA (a CPU stand-in device holds fp32: 4)
     gpu_kv_bytes: int = 2
-    cpu_dense_bytes: int = 4  # fp32
-    cpu_kv_bytes: int = 4
     cold_quant: str = "int8"  # "int8": int8 rows + one fp32 scale per row; "fp32": plain rows
-    neuron_index_bytes: int = 8  # the int64 id kept with every hot and cold neuron
-    embeddings_on_gpu: bool = False  # the engine keeps the token embeddings in RAM
-
-    def cold_neuron_bytes(self, shape: ModelShape) -> int:
-        if self.cold_quant == "int8":
-            return shape.ffn_matrices * (shape.d + 4) + self.neuron_index_bytes
-        return shape.ffn_matrices * shape.d * self.cpu_dense_bytes + self.neuron_index_bytes
-
-    def hot_neuron_bytes(self, shape: ModelShape) -> int:
-        return shape.ffn_params_per_neuron * self.gpu_weight_bytes + self.neuron_index_bytes
-
-    def kv_elements_per_layer(self, shape: ModelShape, ctx: int) -> int:
-        return 2 * ctx * shape.n_kv_heads * shape.head_dim
 
 
 @dataclass
@@ -232,68 +206,51 @@ class FitEstimate:
         return out
 
 
+def placement_bytes(shape: ModelShape) -> ModelBytes:
+    """The element counts the engine's placement rules take."""
+    return ModelBytes(
+        d=shape.d, n_ff=shape.n_ff, n_layers=shape.n_layers, vocab=shape.vocab,
+        attention_params=shape.attention_params_per_layer, norm_params=shape.norm_params_per_layer,
+        final_norm_params=shape.final_norm_params, kv_per_position=2 * shape.n_kv_heads * shape.head_dim,
+        ffn_matrices=shape.ffn_matrices, tied_embeddings=shape.tied_embeddings,
+    )
+
+
 def place_bytes(shape: ModelShape, *, ctx: int, vram_budget: int, ram_budget: int,
                 predictor_params: list[int] | None = None, predictor_rank: int = DEFAULT_PREDICTOR_RANK,
                 bytes_model: BytesModel = BytesModel()) -> FitEstimate:
-    """Apply the placement rules of the module docstring to one shape and budget pair."""
+    """Where the engine's own placement rules (engine.placement) put one shape's bytes."""
     if ctx <= 0:
         raise ValueError("ctx must be positive")
     bm = bytes_model
     if predictor_params is None or len(predictor_params) != shape.n_layers:
         predictor_params = [predictor_rank * (shape.d + shape.n_ff)] * shape.n_layers
+    # Which neurons are hot does not change any byte count: uniform frequencies will do.
+    frequencies = [np.ones(shape.n_ff, dtype=np.float32) for _ in range(shape.n_layers)]
+    problem = build_problem(placement_bytes(shape), predictor_params, frequencies, ctx, bm.gpu_weight_bytes,
+                            bm.gpu_kv_bytes, bm.cold_quant)
+    plan = solve(problem, max(int(vram_budget), 0), ram_budget)
+    tiers = plan.tier_bytes
+    on_gpu = plan.layer_on_fast
     est = FitEstimate(ctx=ctx, vram_budget=vram_budget, ram_budget=ram_budget,
                       total_params=shape.total_params, shape=asdict(shape))
-    budget = max(int(vram_budget), 0)
-    used = 0
-
-    embed = shape.embedding_params
-    if bm.embeddings_on_gpu and embed * bm.gpu_weight_bytes <= budget:
-        used += embed * bm.gpu_weight_bytes
-        est.dense_gpu_bytes += embed * bm.gpu_weight_bytes
-    else:
-        est.dense_cpu_bytes += embed * bm.cpu_dense_bytes
-
-    head = shape.vocab * shape.d + shape.final_norm_params  # a GPU copy even when tied
-    if used + head * bm.gpu_weight_bytes <= budget:
-        used += head * bm.gpu_weight_bytes
-        est.dense_gpu_bytes += head * bm.gpu_weight_bytes
-        est.globals_on_gpu = True
-    else:
-        est.dense_cpu_bytes += (shape.lm_head_params + shape.final_norm_params) * bm.cpu_dense_bytes
-
-    layer_dense = shape.attention_params_per_layer + shape.norm_params_per_layer
-    kv_elems = bm.kv_elements_per_layer(shape, ctx)
-    for layer in range(shape.n_layers):
-        need = (layer_dense + predictor_params[layer]) * bm.gpu_weight_bytes + kv_elems * bm.gpu_kv_bytes
-        if used + need <= budget:
-            used += need
-            est.gpu_layers += 1
-            est.dense_gpu_bytes += layer_dense * bm.gpu_weight_bytes
-            est.predictor_gpu_bytes += predictor_params[layer] * bm.gpu_weight_bytes
-            est.kv_gpu_bytes += kv_elems * bm.gpu_kv_bytes
-        else:
-            est.dense_cpu_bytes += layer_dense * bm.cpu_dense_bytes
-            est.predictor_cpu_bytes += predictor_params[layer] * bm.cpu_dense_bytes
-            est.kv_cpu_bytes += kv_elems * bm.cpu_kv_bytes
-
-    total_neurons = shape.n_layers * shape.n_ff
-    # Hot neurons only once every layer's dense unit is on the GPU (as the engine's solver).
-    hot = 0
-    if est.gpu_layers == shape.n_layers:
-        hot = min(total_neurons, (budget - used) // bm.hot_neuron_bytes(shape))
-    est.hot_neurons = int(hot)
-    est.cold_neurons = total_neurons - est.hot_neurons
-    est.hot_ffn_bytes = est.hot_neurons * bm.hot_neuron_bytes(shape)
-    est.cold_ffn_bytes = est.cold_neurons * bm.cold_neuron_bytes(shape)
-
-    if est.ram_bytes > ram_budget:
-        est.verdict = VERDICT_NO
+    est.predictor_gpu_bytes = sum(p for p, fast in zip(predictor_params, on_gpu) if fast) * bm.gpu_weight_bytes
+    est.predictor_cpu_bytes = sum(p for p, fast in zip(predictor_params, on_gpu) if not fast) * CPU_BYTES
+    est.dense_gpu_bytes = tiers["fast_dense"] - est.predictor_gpu_bytes
+    est.dense_cpu_bytes = tiers["cpu_dense"] - est.predictor_cpu_bytes
+    est.kv_gpu_bytes, est.kv_cpu_bytes = tiers["fast_kv"], tiers["cpu_kv"]
+    est.hot_ffn_bytes, est.cold_ffn_bytes = tiers["fast_ffn"], tiers["cpu_ffn"]
+    est.hot_neurons = sum(len(ids) for ids in plan.hot_ids)
+    est.cold_neurons = shape.n_layers * shape.n_ff - est.hot_neurons
+    est.gpu_layers = sum(on_gpu)
+    est.globals_on_gpu = plan.head_on_fast
+    est.verdict = plan.verdict
+    if est.verdict == VERDICT_NO:
         est.reason = (f"needs {format_size(est.ram_bytes)} of RAM beside the GPU; the RAM budget is "
                       f"{format_size(ram_budget)}")
-    elif est.cold_neurons == 0 and est.globals_on_gpu and est.gpu_layers == shape.n_layers:
-        est.verdict, est.reason = VERDICT_FITS, "all layers and FFN neurons on the GPU (embeddings in RAM)"
+    elif est.verdict == VERDICT_FITS:
+        est.reason = "all layers and FFN neurons on the GPU (embeddings in RAM)"
     else:
-        est.verdict = VERDICT_HYBRID
         est.reason = (f"{est.hot_fraction:.0%} of FFN neurons and {est.gpu_layers}/{shape.n_layers} layers' "
                       "attention on the GPU, the rest in RAM")
     return est
