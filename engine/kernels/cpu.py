@@ -275,12 +275,53 @@ def sparse_ffn_predicted(x: torch.Tensor, rows: CpuFfnRows, pred_logits: torch.T
     return _launch(kern, x, rows, None, pred, ids, pred_threshold, activation, act_threshold, acts)
 
 
-def warmup(quants: tuple[str, ...] = QUANTS) -> dict:
+def sparse_ffn_batch(xs: torch.Tensor, rows: CpuFfnRows, active: torch.Tensor | None,
+                     activation: str, act_threshold: float = 0.0,
+                     out_acts: torch.Tensor | None = None) -> torch.Tensor:
+    """`sparse_ffn` for a few tokens at once (e.g. 2-8): xs fp32 [T, d] -> ys fp32 [T, d].
+
+    `active` is the union of the tokens' active sets (or None for all rows); each selected
+    row is read from memory once for all tokens. out_acts, if given, fp32 [T, k] (k = n when
+    active is None). Batch 1 decode should call `sparse_ffn`.
+    """
+    if xs.dim() != 2:
+        raise ValueError(f"xs: expected [T, {rows.dim}], got {tuple(xs.shape)}")
+    T = xs.shape[0]
+    idx = _ids("active", active) if active is not None else None
+    k = rows.n_neurons if active is None else idx.shape[0]
+    _check_call(xs[0] if T else xs.new_empty(rows.dim), rows, activation, None, k)
+    if out_acts is not None and (out_acts.shape != (T, k) or out_acts.dtype != torch.float32
+                                 or not out_acts.is_contiguous() or out_acts.is_cuda):
+        raise ValueError(f"out_acts: expected contiguous CPU fp32 [{T}, {k}]")
+    kern = _kernels()
+    if kern is None or T == 0:
+        ys = torch.zeros(T, rows.dim)
+        for s in range(T):
+            ys[s] = reference.sparse_ffn(xs[s], rows.gate, rows.up, rows.down_t, active,
+                                         activation, act_threshold,
+                                         out_acts[s] if out_acts is not None else None,
+                                         scales=rows._scales())
+        return ys
+    xn = xs.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+    acts = out_acts.numpy() if out_acts is not None else np.empty((T, k), dtype=np.float32)
+    gate, gate_s, up, up_s, down, down_s = rows._numpy_views()
+    with _lock:
+        nchunks = max(1, min(_use_threads(kern), k))
+        ys = kern.ffn_rows_batch(xn, gate, gate_s, up, up_s, down, down_s,
+                                 idx if idx is not None else _EMPTY_IDS, idx is not None,
+                                 rows.gated, rows.quant == "int8",
+                                 kern.ACTIVATION_CODES[activation], float(act_threshold),
+                                 acts, nchunks)
+    return torch.from_numpy(ys)
+
+
+def warmup(quants: tuple[str, ...] = QUANTS, batch: bool = False) -> dict:
     """Compile (or load from numba's disk cache) the kernels for the given row storages on
     tiny inputs. A cold compile of both storages took ~25 s on a busy 2-core machine; the
     disk cache (next to the module, else the user cache dir) makes later starts ~1 s, so an
     installer should run this once.
 
+    `batch`: also the small-batch kernel (sparse_ffn_batch).
     Returns {"seconds": wall time, "cache_hits": n, "compiled": n, "numba": available()}.
     The first call of each specialisation otherwise pays this inside a decode step.
     """
@@ -294,6 +335,9 @@ def warmup(quants: tuple[str, ...] = QUANTS) -> dict:
     for quant in quants:
         rows = CpuFfnRows.from_dense(w[0], w[1], w[2], quant=quant)
         sparse_ffn(x, rows, torch.tensor([1, 5]), "relu")
-    stats = kern.ffn_rows.stats
-    return {"seconds": time.perf_counter() - t0, "cache_hits": sum(stats.cache_hits.values()),
-            "compiled": sum(stats.cache_misses.values()), "numba": True}
+        if batch:
+            sparse_ffn_batch(w[:2, 0], rows, torch.tensor([1, 5]), "relu")
+    fns = (kern.ffn_rows, kern.quantize_rows_int8) + ((kern.ffn_rows_batch,) if batch else ())
+    return {"seconds": time.perf_counter() - t0,
+            "cache_hits": sum(sum(f.stats.cache_hits.values()) for f in fns),
+            "compiled": sum(sum(f.stats.cache_misses.values()) for f in fns), "numba": True}

@@ -256,3 +256,93 @@ def quantize_rows_int8(w, q, scale):
             elif v < -127.0:
                 v = -127.0
             q[i, j] = np.int8(v)
+
+
+@_njit(inline="always")
+def _next_live_any(acts, t, hi):
+    """First position >= t (below hi) where some token's activation is nonzero, else hi."""
+    T = acts.shape[0]
+    while t < hi:
+        for s in range(T):
+            if acts[s, t] != 0.0:
+                return t
+        t += 1
+    return t
+
+
+@_njit(parallel=True, fastmath=True)
+def ffn_rows_batch(xs, gate, gate_s, up, up_s, down, down_s, idx, use_idx, gated, scaled,
+                   code, thr, acts, nchunks):
+    """Small-batch variant of `ffn_rows` (no predictor mode): xs fp32 [T, d], acts fp32 [T, k];
+    returns ys fp32 [T, d]. Each selected row is read from memory once for all T tokens
+    (the T dots re-read it from L1); a token's up/down work is skipped where its gate/act
+    is 0, and a row is skipped where it is 0 for every token."""
+    T, d = xs.shape
+    n = up.shape[0]
+    k = idx.shape[0] if use_idx else n
+    if use_idx:
+        for t in range(k):
+            if idx[t] < 0 or idx[t] >= n:
+                raise IndexError("active neuron id out of range")
+    thr = np.float32(thr)
+    part = np.empty((nchunks, T, d), dtype=np.float32)
+    per = (k + nchunks - 1) // nchunks
+    for c in prange(nchunks):
+        for s in range(T):
+            for j in range(d):
+                part[c, s, j] = 0.0
+        lo = min(k, c * per)
+        hi = min(k, lo + per)
+        first = gate if gated else up
+        first_s = gate_s if gated else up_s
+        for t in range(lo, hi):
+            i = idx[t] if use_idx else t
+            nxt = -1
+            if t + 1 < hi:
+                nxt = idx[t + 1] if use_idx else t + 1
+            for s in range(T):
+                g = _row_dot(first, i, xs[s], nxt if s == 0 else -1)
+                if scaled:
+                    g *= first_s[i]
+                acts[s, t] = _nonlinearity(g, code, thr)
+        if gated:
+            t = _next_live_any(acts, lo, hi)
+            while t < hi:
+                t2 = _next_live_any(acts, t + 1, hi)
+                i = idx[t] if use_idx else t
+                nxt = -1
+                if t2 < hi:
+                    nxt = idx[t2] if use_idx else t2
+                pf = nxt
+                for s in range(T):
+                    if acts[s, t] != 0.0:
+                        u = _row_dot(up, i, xs[s], pf)
+                        pf = -1
+                        if scaled:
+                            u *= up_s[i]
+                        if code == _DRELU and u < 0.0:
+                            u = np.float32(0.0)
+                        acts[s, t] *= u
+                t = t2
+        t = _next_live_any(acts, lo, hi)
+        while t < hi:
+            t2 = _next_live_any(acts, t + 1, hi)
+            i = idx[t] if use_idx else t
+            nxt = -1
+            if t2 < hi:
+                nxt = idx[t2] if use_idx else t2
+            pf = nxt
+            for s in range(T):
+                a = acts[s, t]
+                if a != 0.0:
+                    if scaled:
+                        a *= down_s[i]
+                    _row_axpy(part[c], s, a, down, i, pf)
+                    pf = -1
+            t = t2
+    ys = np.zeros((T, d), dtype=np.float32)
+    for c in range(nchunks):
+        for s in range(T):
+            for j in range(d):
+                ys[s, j] += part[c, s, j]
+    return ys
