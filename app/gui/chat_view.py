@@ -149,6 +149,7 @@ class ChatView(QScrollArea):
         self.empty_label.setObjectName("emptyChat")
         self.empty_label.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self.empty_label.setWordWrap(True)
+        self.empty_label.setContentsMargins(0, 60, 0, 0)  # counted in its size hint, unlike a QSS margin
         self._layout.addWidget(self.empty_label)
         self._layout.addStretch(1)
         outer.addStretch(0)

@@ -114,4 +114,4 @@ class WelcomeDialog(QDialog):
         buttons.accepted.connect(self.accept)
         layout.addWidget(buttons)
         self.setMinimumWidth(520)
-        self.resize(560, 420)
+        self.resize(560, self.sizeHint().height())

@@ -1,0 +1,95 @@
+"""The model manager against a local Hub stand-in: download with progress, pause, resume,
+cancel, failure dialog, then use the downloaded model. Real HTTP, real files, no internet."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+import pytest  # noqa: E402
+from PySide6.QtWidgets import QApplication, QMessageBox  # noqa: E402
+
+from gui_helpers import close_window, make_window  # noqa: E402
+from hub_server import HubRepo, local_hub, registry_env  # noqa: E402,F401
+
+pytestmark = pytest.mark.timeout(300)
+REPO = "tiny/relu-llama"
+WEIGHTS = "model.safetensors"
+
+
+def error_dialogs() -> list[QMessageBox]:
+    return [w for w in QApplication.topLevelWidgets()
+            if isinstance(w, QMessageBox) and w.objectName() == "errorDialog" and w.isVisible()]
+
+
+@pytest.fixture
+def window(qtbot, tmp_path, llama_dir, local_hub, monkeypatch):
+    files = {p.name: p.read_bytes() for p in llama_dir.iterdir() if p.is_file()}
+    local_hub.add_repo(HubRepo(REPO, files))
+    w = make_window(qtbot, tmp_path, llama_dir, monkeypatch=monkeypatch)
+    w.show_page("models")
+    qtbot.waitUntil(lambda: len(w.models.cards) > 3, timeout=30_000)
+    yield w
+    close_window(w)
+
+
+def test_download_pause_resume_then_use(qtbot, window, local_hub):
+    local_hub.stall_once[WEIGHTS] = (20_000, 2.0)  # silent for 2 s mid-file: time to press Pause
+    events = []
+    window.models._add_repo_id(REPO)
+    assert REPO in window.models.jobs
+    window.models.jobs[REPO].event.connect(lambda _s, ev: events.append(ev))
+    qtbot.waitUntil(lambda: REPO in window.models.cards, timeout=30_000)
+    card = window.models.cards[REPO]
+    qtbot.waitUntil(lambda: card.state.text() == "Downloading…", timeout=10_000)
+    qtbot.waitUntil(lambda: card.pause_button.isVisible() and card.cancel_button.isVisible(), timeout=5_000)
+    assert card.total_bar.isVisible() and not card.download_button.isVisible()
+    qtbot.waitUntil(lambda: any(e["kind"] == "file_start" and e["filename"] == WEIGHTS for e in events),
+                    timeout=30_000)
+    qtbot.wait(300)  # inside the server's 2 s silence
+    card.pause_button.click()
+    assert card.state.text() == "Paused" and card.pause_button.text() == "Resume"
+    qtbot.wait(3000)  # past the server's silence: a paused download must not move
+    weights = [e for e in events if e["filename"] == WEIGHTS]
+    assert weights[-1]["file_done"] < weights[-1]["file_total"] and REPO in window.models.jobs
+    assert "of" in card.total_bar.format()  # bytes of total, shown as the download went
+    card.pause_button.click()
+    qtbot.waitUntil(lambda: REPO not in window.models.jobs, timeout=60_000)
+    qtbot.waitUntil(lambda: card.state.text() == "Ready", timeout=30_000)
+    assert events[-1]["kind"] == "done"
+    assert not error_dialogs()
+    qtbot.waitUntil(lambda: card.use_button.isVisible(), timeout=5_000)
+    card.use_button.click()
+    qtbot.waitUntil(lambda: (window.client.model_info or {}).get("model") == REPO, timeout=60_000)
+    assert window.settings["model.active"] == REPO
+    assert window.pages.currentWidget() is window.chat  # back to the chat, conversation kept
+    window.show_page("models")
+    qtbot.waitUntil(lambda: card.state.text() == "● In use", timeout=30_000)
+
+
+def test_cancel_keeps_partial_and_failure_shows_dialog(qtbot, window, local_hub):
+    local_hub.stall_once[WEIGHTS] = (20_000, 3.0)
+    window.models._add_repo_id(REPO)
+    qtbot.waitUntil(lambda: REPO in window.models.cards, timeout=30_000)
+    card = window.models.cards[REPO]
+    qtbot.waitUntil(lambda: card.cancel_button.isVisible(), timeout=10_000)
+    qtbot.wait(300)
+    card.cancel_button.click()
+    qtbot.waitUntil(lambda: REPO not in window.models.jobs, timeout=60_000)
+    qtbot.waitUntil(lambda: card.state.text() == "Partly downloaded", timeout=30_000)
+    assert card.download_button.text() == "Resume download"
+    assert not error_dialogs()  # cancelling is not an error
+
+    window.models._add_repo_id("nobody/no-such-model")
+    qtbot.waitUntil(lambda: bool(error_dialogs()), timeout=60_000)
+    [box] = error_dialogs()
+    assert box.windowTitle() == "Download failed"
+    assert "nobody/no-such-model" in box.text() and box.informativeText()
+    box.accept()
+    # Not a repo id at all: explained, nothing starts.
+    window.models._add_repo_id("not a repo")
+    assert "not a repo" not in window.models.jobs
+    qtbot.waitUntil(lambda: bool(error_dialogs()), timeout=5_000)
+    assert error_dialogs()[0].windowTitle() == "Not a repository id"
+    error_dialogs()[0].accept()
