@@ -146,7 +146,8 @@ def dense_ffn_fn(x, gate, up, down_w) -> Callable[[], torch.Tensor]:
 
 
 def _rel_err(y: torch.Tensor, y_ref: torch.Tensor) -> float:
-    return float((y.float() - y_ref.float()).abs().max() / y_ref.float().abs().max().clamp_min(1e-30))
+    err = (y.float() - y_ref.float()).abs().max()
+    return float(err / y_ref.float().abs().max().clamp_min(1e-30))
 
 
 # ---- CPU -----------------------------------------------------------------------------------
@@ -173,7 +174,8 @@ def bench_cpu_shape(label, d, n, args, gen, flush, machine_gbps) -> list[dict]:
             acts = {q: torch.empty(k) for q in rows}
             calls = {"dense": dense}
             for q, rw in rows.items():
-                calls[q] = (lambda rw=rw, a=acts[q]: cpu.sparse_ffn(x, rw, active, "relu", out_acts=a))
+                calls[q] = (lambda rw=rw, a=acts[q]:
+                            cpu.sparse_ffn(x, rw, active, "relu", out_acts=a))
             names = list(calls)
             names = names[r % len(names):] + names[:r % len(names)]
             results = {}
@@ -203,9 +205,9 @@ def bench_cpu_shape(label, d, n, args, gen, flush, machine_gbps) -> list[dict]:
             sparse_ms = _median_ms(times[q])
             gbps = touched / (sparse_ms / 1e3) / 1e9
             out.append({
-                "shape": label, "d": d, "n": n, "quant": q, "active": fraction,
+                "shape": f"{d}x{n}", "model": label, "d": d, "n": n, "quant": q, "active": fraction,
                 "active_measured": round(statistics.mean(ks) / n, 4),
-                "fired": round(statistics.mean(rows_read[q]) / n / 2 - statistics.mean(ks) / n / 2, 4),
+                "fired": round((statistics.mean(rows_read[q]) - statistics.mean(ks)) / (2 * n), 4),
                 "dense_ms": round(dense_ms, 3), "sparse_ms": round(sparse_ms, 3),
                 "dense_ms_min": round(min(times["dense"]) * 1e3, 3),
                 "sparse_ms_min": round(min(times[q]) * 1e3, 3),
@@ -283,7 +285,7 @@ def bench_cuda_shape(label, d, n, args, gen, flush, machine_gbps, sparse_fn) -> 
         touched = 3 * k_med * d * 2 + n * 4 + 2 * d * 4  # all fire; logits [n] read once
         gbps = touched / (sparse_ms / 1e3) / 1e9
         out.append({
-            "shape": label, "d": d, "n": n, "quant": "fp16", "active": fraction,
+            "shape": f"{d}x{n}", "model": label, "d": d, "n": n, "quant": "fp16", "active": fraction,
             "active_measured": round(statistics.mean(ks) / n, 4),
             "dense_ms": round(dense_ms, 4), "sparse_ms": round(sparse_ms, 4),
             "dense_ms_min": round(min(times["dense"]) * 1e3, 4),
@@ -361,10 +363,10 @@ def targets(results: list[dict], quant: str) -> dict:
 
 def table(report: dict) -> str:
     lines = [f"{report['device']}: machine {report['machine_gbps']} GB/s (copy, read+write)"]
-    lines.append(f"{'shape':>5} {'quant':>5} {'active':>6} {'dense ms':>9} {'sparse ms':>9} "
+    lines.append(f"{'model':>5} {'quant':>5} {'active':>6} {'dense ms':>9} {'sparse ms':>9} "
                  f"{'speedup':>7} {'touched GB/s':>12} {'of machine':>10}")
     for r in report["results"]:
-        lines.append(f"{r['shape']:>5} {r['quant']:>5} {r['active']:>6.2f} {r['dense_ms']:>9.3f} "
+        lines.append(f"{r['model']:>5} {r['quant']:>5} {r['active']:>6.2f} {r['dense_ms']:>9.3f} "
                      f"{r['sparse_ms']:>9.3f} {r['speedup']:>7.2f} {r['touched_gbps']:>12.2f} "
                      f"{r['bw_fraction']:>10.2f}")
     return "\n".join(lines)
