@@ -45,7 +45,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-SHAPES = {"7B": (4096, 11008), "13B": (5120, 13824)}
+SHAPES = {"7B": (4096, 11008), "13B": (5120, 13824), "tiny": (256, 1024)}  # tiny: smoke tests
 FRACTIONS = (0.05, 0.10, 0.20, 0.30, 0.50)
 POWER_LAW_ALPHA = 1.0
 TARGET = {"active": 0.10, "speedup": 5.0, "bw_fraction": 0.60}
@@ -82,9 +82,9 @@ def _median_ms(ts: list[float]) -> float:
     return statistics.median(ts) * 1e3
 
 
-def machine_bandwidth(device: str) -> dict:
+def machine_bandwidth(device: str, nbytes: int = GIB) -> dict:
     """Copy a 1 GiB tensor (read + write bytes counted) and sum it (read bytes): median GB/s."""
-    src = torch.ones(GIB // 4, dtype=torch.float32, device=device)
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     copy_s, read_s = [], []
     for r in range(6):
@@ -94,8 +94,8 @@ def machine_bandwidth(device: str) -> dict:
             copy_s.append(t)
             read_s.append(s)
     del src, dst
-    return {"copy_gbps": 2 * GIB / statistics.median(copy_s) / 1e9,
-            "read_gbps": GIB / statistics.median(read_s) / 1e9}
+    return {"copy_gbps": 2 * nbytes / statistics.median(copy_s) / 1e9,
+            "read_gbps": nbytes / statistics.median(read_s) / 1e9}
 
 
 def _timed(fn: Callable[[], object], device: str) -> float:
@@ -232,7 +232,7 @@ def bench_cpu(args) -> dict:
     if cpu.available():
         import numba
         layer = numba.threading_layer()
-    bw = machine_bandwidth("cpu")
+    bw = machine_bandwidth("cpu", args.bandwidth_mib << 20)
     flush = CacheFlusher("cpu")
     gen = torch.Generator().manual_seed(args.seed)
     results = []
@@ -240,7 +240,8 @@ def bench_cpu(args) -> dict:
         d, n = SHAPES[label]
         results += bench_cpu_shape(label, d, n, args, gen, flush, bw["copy_gbps"])
     return {"device": "cpu", "cpu": _cpu_name(), "machine_gbps": round(bw["copy_gbps"], 2),
-            "machine_gbps_counts": "read+write bytes of a 1 GiB torch copy_, median of 5",
+            "machine_gbps_counts": f"read+write bytes of a {args.bandwidth_mib} MiB torch copy_, "
+                                   "median of 5",
             "machine_read_gbps": round(bw["read_gbps"], 2),
             "threads": {"torch": torch.get_num_threads(), "numba": cpu.num_threads(),
                         "numba_layer": layer},
@@ -311,7 +312,7 @@ def bench_cuda(args) -> dict:
     sparse_ffn_triton(x, g, u, dt, torch.zeros(512, device="cuda"), 0.0, "relu")
     torch.cuda.synchronize()
     jit_s = time.perf_counter() - t0
-    bw = machine_bandwidth("cuda")
+    bw = machine_bandwidth("cuda", args.bandwidth_mib << 20)
     flush = CacheFlusher("cuda")
     results = []
     for label in args.shapes:
@@ -319,7 +320,8 @@ def bench_cuda(args) -> dict:
         results += bench_cuda_shape(label, d, n, args, gen, flush, bw["copy_gbps"], sparse_ffn_triton)
     return {"device": "cuda", "gpu": torch.cuda.get_device_name(),
             "machine_gbps": round(bw["copy_gbps"], 1),
-            "machine_gbps_counts": "read+write bytes of a 1 GiB device copy_, median of 5",
+            "machine_gbps_counts": f"read+write bytes of a {args.bandwidth_mib} MiB device copy_, "
+                                   "median of 5",
             "machine_read_gbps": round(bw["read_gbps"], 1),
             "jit_first_call_s": round(jit_s, 3), "results": results}
 
@@ -382,6 +384,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch and numba threads (CPU)")
     p.add_argument("--alpha", type=float, default=POWER_LAW_ALPHA, help="power-law exponent")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bandwidth-mib", type=int, default=1024, help="size of the copy measuring "
+                   "the machine's bandwidth (well above the last-level cache)")
     args = p.parse_args(argv)
     args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = [s for s in args.shapes if s not in SHAPES]

@@ -401,3 +401,25 @@ def test_numba_disk_cache_unwritable_and_reused(tmp_path):
     env["NUMBA_CACHE_DIR"] = str(tmp_path / "cache")
     assert probe(env)[1] == "0"  # compiled and saved
     assert probe(env) == ["FunctionCache", "1"]  # loaded from disk
+
+
+def test_bench_ffn_smoke():
+    """bench.ffn runs end to end on a tiny shape and its last line is the JSON report (its
+    kernels' results checked against the reference inside; no timing is asserted)."""
+    import json
+
+    out = subprocess.run([sys.executable, "-m", "bench.ffn", "--json", "--shapes", "tiny",
+                          "--fractions", "0.1,0.5", "--repeats", "2", "--bandwidth-mib", "32"],
+                         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["machine_gbps"] > 0 and report["numba"] == cpu.available()
+    rows = report["results"]
+    assert [(r["quant"], r["active"]) for r in rows] == [
+        ("int8", 0.1), ("fp32", 0.1), ("int8", 0.5), ("fp32", 0.5)]
+    for r in rows:
+        assert r["shape"] == "256x1024" and r["max_rel_err"] < 1e-4
+        assert r["dense_ms"] > 0 and r["sparse_ms"] > 0 and r["touched_gbps"] > 0
+        assert abs(r["fired"] - r["active_measured"]) < 0.05  # the drawn set fires
+    assert report["targets"]["quant"] == "int8"
