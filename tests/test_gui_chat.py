@@ -163,3 +163,29 @@ def test_markdown_code_block_has_copy_button(qtbot, window):
     block.copy_button.click()
     assert QGuiApplication.clipboard().text() == "print('hi')"
     assert block.copy_button.text().startswith("Copied")
+
+
+def test_context_full_is_explained_not_crashed(qtbot, tmp_path, llama_dir, monkeypatch):
+    from app.settings import Settings
+
+    cfg = Settings(tmp_path / "cfg" / "settings.json")
+    cfg["engine.ctx"] = 128
+    w = make_window(qtbot, tmp_path, llama_dir, max_new_tokens=1000, monkeypatch=monkeypatch)
+    try:
+        assert w.client.model_info["ctx"] == 128
+        send(qtbot, w, "the quick brown fox jumps over the lazy dog")
+        wait_idle(qtbot, w)
+        stats = w.storage.messages(w.chat.conversation.id)[-1].stats
+        assert stats["finish_reason"] in ("context_full", "length")
+        qtbot.waitUntil(lambda: w.chat.banner.isVisible(), timeout=10_000)
+        assert "context window" in w.chat.banner.label.text()
+        assert w.chat.context_bar.property("level") in ("warn", "full")
+        # Another message cannot fit at all: explained in the banner, no dialog, app usable.
+        send(qtbot, w, "and then what happened next in the story")
+        wait_idle(qtbot, w)
+        assert "filled the model's context window" in w.chat.banner.label.text()
+        assert all(m.content for m in w.storage.messages(w.chat.conversation.id))  # no empty answer kept
+        w.chat.banner.action.click()  # "New chat"
+        assert w.chat.conversation is None and not w.chat.banner.isVisible()
+    finally:
+        close_window(w)

@@ -353,6 +353,13 @@ class ChatPage(QWidget):
             return
         self._flush()
         reason = stats.get("finish_reason", "stop")
+        if not self._answer_text and reason == "context_full":
+            # Nothing could be said: drop the empty answer, explain in the banner.
+            self.storage.delete_messages_from(self.conversation.id, self._answer_id)
+            self._detach_answer()
+            self._reload_view()
+            self._show_context_full()
+            return
         status = STOPPED if reason == "cancelled" else COMPLETE
         self._end_answer(status, stats)
         self.readout.setText(self.live_text(stats, final=True))
