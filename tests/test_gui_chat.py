@@ -189,3 +189,17 @@ def test_context_full_is_explained_not_crashed(qtbot, tmp_path, llama_dir, monke
         assert w.chat.conversation is None and not w.chat.banner.isVisible()
     finally:
         close_window(w)
+
+
+def test_shift_enter_is_a_new_line_enter_sends(qtbot, window):
+    edit = window.chat.input.edit
+    edit.setFocus()
+    qtbot.keyClicks(edit, "line one")
+    qtbot.keyClick(edit, Qt.Key.Key_Return, Qt.KeyboardModifier.ShiftModifier)
+    qtbot.keyClicks(edit, "line two")
+    assert edit.toPlainText() == "line one\nline two"
+    assert not window.chat.busy
+    qtbot.keyClick(edit, Qt.Key.Key_Return)
+    assert window.chat.busy and edit.toPlainText() == ""
+    wait_idle(qtbot, window)
+    assert window.chat.view.messages()[0].text() == "line one\nline two"

@@ -419,6 +419,8 @@ class ChatPage(QWidget):
         hit = None if dense else stats.get("hot_hit_fraction")
         if dense:
             parts.append("dense: all neurons computed")
+        elif stats.get("ffn_active_fraction"):
+            parts.append(f"{fmt.percent(stats['ffn_active_fraction'])} of FFN neurons fired")
         elif hit is not None:
             parts.append(f"GPU served {fmt.percent(hit)} of active neurons")
         elif stats.get("expected_hot_hit_fraction") is not None:

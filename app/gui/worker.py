@@ -276,9 +276,18 @@ class EngineWorker(QObject):
             live["ttft_s"] = first - start
             if stats["new_tokens"] > 1 and now > first:
                 live["decode_tok_s"] = (stats["new_tokens"] - 1) / (now - first)
-        engine_live = getattr(self.engine, "live_stats", None)  # richer figures, if the engine has them
-        if engine_live is not None and not callable(engine_live):
-            live.update({k: v for k, v in (to_plain(engine_live) or {}).items() if v is not None})
+        # The engine fills last_stats as it goes: prompt figures are exact once prefill is done.
+        current = getattr(self.engine, "last_stats", None)
+        for key in ("prompt_tokens", "cached_tokens", "ttft_s", "prefill_tok_s"):
+            value = getattr(current, key, None)
+            if value:
+                live[key] = value
+        sparse = getattr(self.engine, "sparse", None)
+        if sparse is not None and hasattr(sparse, "generation_fractions"):
+            try:  # share of firing neurons so far, and how many the hot tier served
+                live["ffn_active_fraction"], live["hot_hit_fraction"] = sparse.generation_fractions()
+            except Exception:  # noqa: BLE001 - a readout, never worth failing an answer
+                pass
         if self._last_placement and "hot_hit_fraction" not in live:
             live["expected_hot_hit_fraction"] = self._last_placement.get("hot_hit_fraction")
         live.update(self._memory_fields())
