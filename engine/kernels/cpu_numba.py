@@ -5,9 +5,9 @@ the pure-torch reference when it is missing or disabled. All jitted code lives i
 file on purpose: numba's on-disk cache is invalidated by the timestamp of the file that
 defines a function, so helpers kept elsewhere could go stale in the cache.
 
-One call computes, for the rows selected by `idx`, by predictor logits >= a threshold (the
-selection fused into the kernel: no separate nonzero pass), or all rows, in three passes per chunk
-of rows (one chunk per thread, thread-private partial sums, no atomics):
+`ffn_rows` computes, for the rows selected by `idx`, by predictor logits >= a threshold
+(selection fused into the kernel: no separate nonzero pass), or all rows, in three passes
+per chunk of rows (one chunk per thread, thread-private partial sums, no atomics):
   A. gate rows: the gate nonlinearity per neuron (for ungated FFNs: up rows, final act);
   B. up rows, only of neurons whose gate is nonzero: act = nonlin(g) * u;
   C. down rows, only of neurons whose act is nonzero: part[chunk] += act * down_t[i].
@@ -15,7 +15,8 @@ Splitting the passes means every row read is one we know we need, so the next on
 software-prefetched while the current one is consumed (rows are 4-20 KB at random places,
 each a new stream for the hardware prefetcher). Rows are read in place, never copied out.
 int8 rows carry one fp32 scale per row: the dot runs on the raw int8 values (converted to
-fp32 in registers) and is scaled once per row.
+fp32 in registers) and is scaled once per row. `ffn_rows_batch` does the same for a few
+tokens at once; `quantize_rows_int8` builds int8 rows.
 """
 
 from __future__ import annotations
@@ -65,7 +66,10 @@ def _prefetch_row(typingctx, rows, i, j):
         i8p = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        # the intrinsic's name is mangled by pointer type: opaque `ptr` (LLVM >= 15 as
+        # llvmlite >= 0.45 emits it) or typed `i8*` (older llvmlite)
+        suffix = "p0" if str(i8p) == "ptr" else "p0i8"
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch." + suffix)
         builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
         return context.get_dummy_value()
 
