@@ -80,6 +80,15 @@ def test_cancel_keeps_partial_and_failure_shows_dialog(qtbot, window, local_hub)
     qtbot.waitUntil(lambda: card.state.text() == "Partly downloaded", timeout=30_000)
     assert card.download_button.text() == "Resume download"
     assert not error_dialogs()  # cancelling is not an error
+    # Delete the partial download (confirmed in a dialog).
+    folder = card.info["folder"]
+    qtbot.waitUntil(lambda: card.delete_button.isVisible(), timeout=5_000)
+    card.delete_button.click()
+    confirm = next(b for b in QApplication.topLevelWidgets()
+                   if isinstance(b, QMessageBox) and b.windowTitle() == "Delete model" and b.isVisible())
+    confirm.button(QMessageBox.StandardButton.Yes).click()
+    qtbot.waitUntil(lambda: card.state.text() == "Not downloaded", timeout=30_000)
+    assert not os.path.exists(folder)
 
     window.models._add_repo_id("nobody/no-such-model")
     qtbot.waitUntil(lambda: bool(error_dialogs()), timeout=60_000)

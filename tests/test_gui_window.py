@@ -242,3 +242,61 @@ def test_vram_slider_during_generation_replaces_live(qtbot, tmp_path, hybrid_mod
         assert reports[-1]["vram_budget"] == 1024**3
     finally:
         close_window(w)
+
+
+def test_mode_and_context_change_reload_and_keep_the_conversation(qtbot, tmp_path, hybrid_model, monkeypatch):
+    w = make_window(qtbot, tmp_path, hybrid_model, mode="hybrid", max_new_tokens=8, monkeypatch=monkeypatch)
+    try:
+        send(qtbot, w, "before the switch")
+        wait_idle(qtbot, w)
+        before = [m.text() for m in w.chat.view.messages()]
+        p = w.panel
+        p.ctx.setCurrentIndex(p.ctx.findData(1024))
+        p.mode.setCurrentIndex(p.mode.findData("dense"))
+        assert not p.ctx_apply.isHidden()
+        p.ctx_apply.click()
+        qtbot.waitUntil(lambda: (w.client.model_info or {}).get("ctx") == 1024, timeout=60_000)
+        assert w.client.model_info["mode"] == "dense"
+        assert (w.settings["engine.ctx"], w.settings["engine.mode"]) == (1024, "dense")
+        assert [m.text() for m in w.chat.view.messages()] == before
+        qtbot.waitUntil(lambda: "Dense mode" in p.verdict.text(), timeout=10_000)
+        send(qtbot, w, "after the switch")
+        wait_idle(qtbot, w)
+        assert len(w.chat.view.messages()) == 4
+    finally:
+        close_window(w)
+
+
+def test_saved_budgets_that_cannot_work_fall_back_with_a_note(qtbot, tmp_path, hybrid_model, monkeypatch):
+    from app.settings import Settings
+
+    cfg = Settings(tmp_path / "cfg" / "settings.json")
+    cfg["budget.vram_bytes"] = 0
+    cfg["budget.ram_bytes"] = 1  # one byte: nothing fits
+    w = make_window(qtbot, tmp_path, hybrid_model, mode="hybrid", monkeypatch=monkeypatch)
+    try:
+        assert w.client.model_info["mode"] == "hybrid"  # loaded anyway, with the defaults
+        qtbot.waitUntil(lambda: "saved budgets cannot work" in w.panel.verdict.text(), timeout=10_000)
+        assert not error_dialogs()
+        send(qtbot, w, "still works")
+        wait_idle(qtbot, w)
+        assert w.chat.view.last().role == "assistant"
+    finally:
+        close_window(w)
+
+
+def test_unanswered_last_prompt_offers_answer(qtbot, tmp_path, llama_dir, monkeypatch):
+    w = make_window(qtbot, tmp_path, llama_dir, max_new_tokens=6, monkeypatch=monkeypatch)
+    try:
+        conv = w.storage.create_conversation("Left hanging")
+        w.storage.add_message(conv.id, "user", "are you there?")
+        w.conversations.refresh(conv.id)
+        w.chat.open_conversation(conv.id)
+        last = w.chat.view.last()
+        assert last.role == "user" and last.regen_button.text() == "Answer"
+        qtbot.waitUntil(lambda: last.regen_button.isVisible(), timeout=3000)
+        last.regen_button.click()
+        wait_idle(qtbot, w)
+        assert [m.role for m in w.storage.messages(conv.id)] == ["user", "assistant"]
+    finally:
+        close_window(w)

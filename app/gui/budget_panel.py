@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 
 STEP = 1024**2  # slider resolution: 1 MiB (small models need it); arrow keys move 64 MiB
 CONTEXT_CHOICES = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+MODE_CHOICES = (
+    ("hybrid", "Hybrid: hot on GPU, cold on CPU", "Predictors pick the neurons; hot ones on the GPU, cold on the CPU"),
+    ("sparse", "Sparse: CPU only", "Predictors pick the neurons; everything on the CPU"),
+    ("dense", "Dense: every neuron", "Compute every neuron (no predictors needed; slowest)"),
+)
 
 
 def probe_machine(model_spec: str, ctx: int) -> dict:
@@ -156,23 +161,36 @@ class BudgetPanel(QScrollArea):
         self.ram = BudgetSlider("RAM", "How much system memory Thermocline may use", budgets)
         budgets.body.addWidget(self.vram)
         budgets.body.addWidget(self.ram)
-        ctx_row = QHBoxLayout()
+        load_grid = QGridLayout()
+        load_grid.setHorizontalSpacing(6)
         ctx_label = QLabel("Context length", budgets)
         ctx_label.setObjectName("sliderTitle")
+        mode_label = QLabel("Mode", budgets)
+        mode_label.setObjectName("sliderTitle")
+        self.mode = QComboBox(budgets)
+        self.mode.setObjectName("modeCombo")
+        for mode, text, tip in MODE_CHOICES:
+            self.mode.addItem(text, mode)
+            self.mode.setItemData(self.mode.count() - 1, tip, Qt.ItemDataRole.ToolTipRole)
+        self.mode.setToolTip("How feed-forward neurons are computed. Changing it reloads the model; "
+                             "conversations are kept.")
         self.ctx = QComboBox(budgets)
         self.ctx.setObjectName("ctxCombo")
         self.ctx.setToolTip("Tokens the model can read at once (prompt plus answer). Changing it reloads "
                             "the model; conversations are kept.")
         for n in CONTEXT_CHOICES:
             self.ctx.addItem(f"{n:,} tokens", n)
-        self.ctx_apply = QPushButton("Apply", budgets)
-        self.ctx_apply.setToolTip("Reload the model with this context length")
+        self.ctx_apply = QPushButton("Apply (reloads the model)", budgets)
+        self.ctx_apply.setProperty("kind", "primary")
+        self.ctx_apply.setToolTip("Reload the model with this context length and mode; the conversation stays")
         self.ctx_apply.hide()
-        ctx_row.addWidget(ctx_label)
-        ctx_row.addStretch(1)
-        ctx_row.addWidget(self.ctx)
-        ctx_row.addWidget(self.ctx_apply)
-        budgets.body.addLayout(ctx_row)
+        load_grid.addWidget(ctx_label, 0, 0)
+        load_grid.addWidget(self.ctx, 0, 1)
+        load_grid.addWidget(mode_label, 1, 0)
+        load_grid.addWidget(self.mode, 1, 1)
+        load_grid.setColumnStretch(0, 1)
+        budgets.body.addLayout(load_grid)
+        budgets.body.addWidget(self.ctx_apply, 0, Qt.AlignmentFlag.AlignRight)
         self.restore = QPushButton("Restore suggested", budgets)
         self.restore.setObjectName("restoreBudgets")
         self.restore.setToolTip("Go back to the budgets suggested for this machine and model")
@@ -225,6 +243,7 @@ class BudgetPanel(QScrollArea):
         self.vram.settled.connect(lambda _n: self._save_timer.start())
         self.ram.settled.connect(lambda _n: self._save_timer.start())
         self.ctx.currentIndexChanged.connect(self._ctx_changed)
+        self.mode.currentIndexChanged.connect(self._ctx_changed)
         self.ctx_apply.clicked.connect(self._apply_ctx)
         w = client.worker
         w.placement.connect(self.show_placement)
@@ -234,9 +253,9 @@ class BudgetPanel(QScrollArea):
         w.live_stats.connect(self._on_live)
         w.finished.connect(self._on_live)
         self._select_ctx(settings["engine.ctx"])
+        self._select_mode(settings["engine.mode"])
         self.vram.set_total(0)
-        self.ram.set_total(0)
-        self.refresh_machine()
+        self.ram.set_total(0)  # until the probe that precedes every model load reports
 
     def _usage_bar(self, section: Section, name: str) -> tuple[QLabel, QProgressBar]:
         label = QLabel(f"{name}: —", section)
@@ -296,8 +315,25 @@ class BudgetPanel(QScrollArea):
         return m.get("suggested_ram") or m.get("ram_available") or 0
 
     def budgets_for_load(self) -> tuple[int | None, int | None]:
-        """What the next model load should use (None: let the engine choose)."""
-        return self.settings["budget.vram_bytes"], self.settings["budget.ram_bytes"]
+        """What the next load should use: the saved budgets, else this machine's suggestion for
+        the model (None where neither is known: the engine chooses)."""
+        m = self.machine or {}
+        vram = self.settings["budget.vram_bytes"]
+        ram = self.settings["budget.ram_bytes"]
+        return (vram if vram is not None else m.get("suggested_vram"),
+                ram if ram is not None else m.get("suggested_ram"))
+
+    def probe_then(self, spec: str, ctx: int, then) -> None:
+        """Probe the machine and the suggestion for `spec`, then call `then()` (also on failure)."""
+        def done(machine: dict) -> None:
+            self._on_machine(machine)
+            then()
+
+        def failed(exc: BaseException) -> None:
+            self.suggest_label.setText(f"Could not probe this machine: {exc}")
+            then()
+
+        run_in_background(lambda: probe_machine(spec, ctx), done, failed, self)
 
     def restore_suggested(self) -> None:
         self.settings.reset("budget.vram_bytes")
@@ -326,11 +362,20 @@ class BudgetPanel(QScrollArea):
         self.ctx.blockSignals(False)
         self.ctx_apply.hide()
 
+    def _select_mode(self, mode: str) -> None:
+        i = max(0, self.mode.findData(mode))
+        self.mode.blockSignals(True)
+        self.mode.setCurrentIndex(i)
+        self.mode.blockSignals(False)
+        self.ctx_apply.hide()
+
     def _ctx_changed(self, _i: int) -> None:
-        self.ctx_apply.setVisible(self.ctx.currentData() != self.settings["engine.ctx"])
+        self.ctx_apply.setVisible(self.ctx.currentData() != self.settings["engine.ctx"]
+                                  or self.mode.currentData() != self.settings["engine.mode"])
 
     def _apply_ctx(self) -> None:
         self.settings["engine.ctx"] = int(self.ctx.currentData())
+        self.settings["engine.mode"] = str(self.mode.currentData())
         self.ctx_apply.hide()
         self.reload_requested.emit()
 
@@ -385,8 +430,8 @@ class BudgetPanel(QScrollArea):
     @Slot(dict)
     def _on_loaded(self, info: dict) -> None:
         self._select_ctx(int(info.get("ctx") or self.settings["engine.ctx"]))
+        self._select_mode(self.settings["engine.mode"])
         self._show_memory(info.get("memory") or {})
-        self.refresh_machine()
 
     def _on_live(self, _request_id: int, stats: dict) -> None:
         mem = {k[4:]: v for k, v in stats.items() if k.startswith("mem_")}

@@ -256,14 +256,16 @@ class ChatPage(QWidget):
         self._start_answer()
 
     def regenerate(self, message_id: int) -> None:
-        """Replace the last answer with a fresh one."""
-        if self.client.busy or self.conversation is None:
+        """Replace the last answer with a fresh one (or answer a last, unanswered prompt)."""
+        if self.client.busy or self.conversation is None or not self.client.model_info:
             return
         last = self.view.last()
-        if last is None or last.message_id != message_id or last.role != "assistant":
+        if last is None or last.message_id != message_id:
             return
-        self.storage.delete_messages_from(self.conversation.id, message_id)
-        self._reload_view()
+        if last.role == "assistant":
+            self.storage.delete_messages_from(self.conversation.id, message_id)
+            self._reload_view()
+        self.banner.hide()
         self._start_answer()
 
     def begin_edit(self, message_id: int) -> None:

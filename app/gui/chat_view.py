@@ -113,7 +113,11 @@ class MessageWidget(QFrame):
         self.stats_label.setText(fmt.message_stats(stats) if self.role == "assistant" else "")
 
     def set_actions_enabled(self, can_regenerate: bool, can_edit: bool) -> None:
-        self.regen_button.setVisible(can_regenerate and self.role == "assistant")
+        # On a last message from the user (its answer failed or never started) it reads "Answer".
+        self.regen_button.setVisible(can_regenerate)
+        self.regen_button.setText("Regenerate" if self.role == "assistant" else "Answer")
+        self.regen_button.setToolTip("Answer this again" if self.role == "assistant"
+                                     else "Ask the model to answer this message")
         self.edit_button.setVisible(self.role == "user")
         self.edit_button.setEnabled(can_edit)
 

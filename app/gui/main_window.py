@@ -215,16 +215,25 @@ class MainWindow(QMainWindow):
 
     # -- models --------------------------------------------------------------------------
     def load_active_model(self) -> None:
-        spec = self.settings["model.active"]
-        vram, ram = self.panel.budgets_for_load()
-        self.client.load(spec, mode=self.settings["engine.mode"], ctx=self.settings["engine.ctx"],
-                         vram_budget=vram, ram_budget=ram)
+        """Probe the suggested budgets for the model (a moment, off the GUI thread), then load it."""
         from . import formatting as fmt
 
+        spec, ctx = self.settings["model.active"], self.settings["engine.ctx"]
+        self.client.stop()  # the answer in progress ends before the switch
+        self.client.model_info = None
+        self.client.loading_model = spec
         self.model_status.setText(f"Loading {fmt.model_label(spec)}…")
         self.load_bar.setValue(0)
         self.load_bar.show()
         self.chat._sync_ready()
+        self.panel.probe_then(spec, ctx, lambda: self._load(spec))
+
+    def _load(self, spec: str) -> None:
+        if spec != self.settings["model.active"]:
+            return  # another switch came in meanwhile; its own probe will load it
+        vram, ram = self.panel.budgets_for_load()
+        self.client.load(spec, mode=self.settings["engine.mode"], ctx=self.settings["engine.ctx"],
+                         vram_budget=vram, ram_budget=ram)
 
     def switch_model(self, spec: str) -> None:
         """Make `spec` the active model; the conversation stays open."""

@@ -112,9 +112,10 @@ class EngineWorker(QObject):
         del old  # free the previous model's memory before the new one arrives
         self._last_placement = None
         mode = options.get("mode", "hybrid")
-        sparse_note = ""
+        sparse_note = budget_note = ""
         try:
             from engine import Engine  # heavy (torch): imported here, off the GUI thread
+            from engine.errors import BudgetError
 
             def progress(fraction: float, text: str = "") -> None:
                 self.loading.emit(float(fraction), str(text))
@@ -123,7 +124,16 @@ class EngineWorker(QObject):
             self._budgets = (vram, ram)
             kwargs = dict(ctx=int(options.get("ctx", 2048)), vram_budget=vram, ram_budget=ram, progress=progress)
             try:
-                eng = Engine.load(spec, mode=mode, **kwargs)
+                try:
+                    eng = Engine.load(spec, mode=mode, **kwargs)
+                except BudgetError as exc:
+                    if vram is None and ram is None:
+                        raise
+                    # Saved budgets too small for this model: load with the engine's own, and say so.
+                    budget_note = f"The saved budgets cannot work for this model ({exc}); using the defaults."
+                    kwargs.update(vram_budget=None, ram_budget=None)
+                    self._budgets = (None, None)
+                    eng = Engine.load(spec, mode=mode, **kwargs)
             except Exception as exc:  # noqa: BLE001
                 if mode == "dense":
                     raise
@@ -142,10 +152,12 @@ class EngineWorker(QObject):
         for attr in ("n_layers", "path", "name"):
             if hasattr(eng, attr):
                 info[attr] = to_plain(getattr(eng, attr))
-        info["note"] = sparse_note
+        info["note"] = sparse_note or budget_note
         self.loading.emit(1.0, "Ready")
         self.loaded.emit(info)
         self._initial_placement(sparse_note)
+        if budget_note:
+            self.placement_failed.emit(budget_note)
 
     def _initial_placement(self, note: str) -> None:
         eng = self.engine
