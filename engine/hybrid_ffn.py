@@ -91,8 +91,11 @@ class HybridFfn:
         else:
             logits = runtime.predictor_logits(self.layer, pred_input[0])
             mask = logits >= runtime.thresholds[self.layer]
+        # The cold part needs the logits on the CPU: copy them before the hot kernel is
+        # queued, so the GPU computes the hot rows while the CPU computes the cold ones.
+        cold_logits = None if logits is None or not len(self.cold) else logits.to("cpu")
         y_hot = self._hot_decode(x[0], logits)
-        y_cold = self._cold_decode(x[0], logits)
+        y_cold = self._cold_decode(x[0], cold_logits)
         counters = runtime.counters
         counters.considered += self.n_ff
         if mask is None:
@@ -116,14 +119,14 @@ class HybridFfn:
         from .kernels.triton_ffn import sparse_ffn_triton
 
         # The kernel thresholds the logits itself: no host sync, a static launch grid.
+        logits = None if logits is None else logits.float()
         return sparse_ffn_triton(x, hot.gate, hot.up, hot.down_t, logits, threshold if logits is not None else 0.0,
                                  self.activation, self.threshold, row_ids=hot.ids if logits is not None else None)
 
     def _cold_decode(self, x: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
         if not len(self.cold):
             return torch.zeros(x.shape[-1], dtype=torch.float32)
-        cpu_logits = None if logits is None else logits.to("cpu")  # the one sync the split needs
-        return self._cpu_rows(x.to("cpu", torch.float32), self.cold.rows, cpu_logits,
+        return self._cpu_rows(x.to("cpu", torch.float32), self.cold.rows, logits,
                               self.runtime.thresholds[self.layer], self.cold.ids)
 
     def _cpu_rows(self, x, rows, logits, threshold, ids) -> torch.Tensor:

@@ -30,6 +30,9 @@ class Norm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None:
+            if x.dtype != torch.float32:  # 16-bit on a GPU: normalise in fp32, as the references do
+                xf = x.float()
+                return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
             variance = x.pow(2).mean(-1, keepdim=True)
             return x * torch.rsqrt(variance + self.eps) * self.weight
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
@@ -147,12 +150,12 @@ class Transformer:
         x = self.embed[ids.to(self.embed.device)]
         mask = cache.mask(start, count)
         for index, layer in enumerate(self.layers):
-            if x.device != layer.device:
-                x = x.to(layer.device)
+            if x.device != layer.device or x.dtype != layer.qkv.dtype:  # the hidden state crosses tiers
+                x = x.to(layer.device, layer.qkv.dtype)
             x = self._layer(index, layer, x, start, cache, mask)
         if not all_logits:
             x = x[-1:]
-        x = self.final_norm(x.to(self.final_norm.weight.device))
+        x = self.final_norm(x.to(self.final_norm.weight.device, self.final_norm.weight.dtype))
         return F.linear(x, self.lm_head).float()
 
     def _layer(self, index: int, layer: Layer, x: torch.Tensor, start: int, cache: KVCache,
