@@ -82,6 +82,8 @@ def _row_dot(w, i, x, nxt):
     d = x.shape[0]
     step = _CACHE_LINE // w.itemsize
     nfull = d // _BLOCK
+    if nxt == i + 1:  # adjacent rows are one sequential stream: the hardware prefetches it
+        nxt = -1
     s = np.float32(0.0)
     for b in range(nfull):
         jb = b * _BLOCK
@@ -103,6 +105,8 @@ def _row_axpy(part, c, a, w, i, nxt):
     d = part.shape[1]
     step = _CACHE_LINE // w.itemsize
     nfull = d // _BLOCK
+    if nxt == i + 1:
+        nxt = -1
     for b in range(nfull):
         jb = b * _BLOCK
         if nxt >= 0:
