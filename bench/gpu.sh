@@ -115,8 +115,8 @@ if ! "$PY" -c "import engine.kernels.triton_ffn" 2>"$OUT/import.txt"; then
 fi
 
 # ---- 2. kernel tests on CUDA
-step "pytest tests/test_kernels_triton.py" 180 \
-    bash -c "'$PY' -m pytest tests/test_kernels_triton.py -q -p no:cacheprovider 2>&1 | tee '$OUT/pytest.txt'; exit \${PIPESTATUS[0]}"
+step "pytest tests/test_kernels_triton.py tests/test_cuda_engine.py" 240 \
+    bash -c "'$PY' -m pytest tests/test_kernels_triton.py tests/test_cuda_engine.py -q -p no:cacheprovider 2>&1 | tee '$OUT/pytest.txt'; exit \${PIPESTATUS[0]}"
 
 # ---- 3. the benchmark: dense cuBLAS vs Triton
 if [ "${DRY_RUN:-0}" != 1 ]; then
