@@ -40,16 +40,24 @@ def _rows(n, d, gated, seed):
     return x, gate, up, down_t, g
 
 
+def _nonlinearity(v, activation, thr):
+    """docs/ARCHITECTURE.md's activations, written out here independently of the code."""
+    if activation == "fatrelu":
+        return torch.where(v >= thr, v, torch.zeros_like(v))
+    r = v.clamp_min(0.0)
+    return r * r if activation == "relu2" else r
+
+
 def _dense_masked(x, gate, up, down_t, active, activation, thr):
     """The plain FFN in float64 (F.linear chain), with neurons outside `active` zeroed."""
     x64 = x.double()
     u = F.linear(x64, up.double())
     if gate is None:
-        a = reference.gate_nonlinearity(u, activation, thr)
+        a = _nonlinearity(u, activation, thr)
     else:
         g = F.linear(x64, gate.double())
         u = torch.relu(u) if activation == "drelu" else u
-        a = reference.gate_nonlinearity(g, activation, thr) * u
+        a = _nonlinearity(g, activation, thr) * u
     mask = torch.zeros_like(a)
     mask[active if active is not None else slice(None)] = 1.0
     return (a * mask) @ down_t.double(), a
