@@ -27,9 +27,9 @@ log = logging.getLogger(__name__)
 STEP = 1024**2  # slider resolution: 1 MiB (small models need it); arrow keys move 64 MiB
 CONTEXT_CHOICES = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 MODE_CHOICES = (
-    ("hybrid", "Hybrid: hot on GPU, cold on CPU", "Predictors pick the neurons; hot ones on the GPU, cold on the CPU"),
-    ("sparse", "Sparse: CPU only", "Predictors pick the neurons; everything on the CPU"),
-    ("dense", "Dense: every neuron", "Compute every neuron (no predictors needed; slowest)"),
+    ("hybrid", "Hybrid (GPU + CPU)", "Predictors pick the neurons; hot ones on the GPU, cold on the CPU"),
+    ("sparse", "Sparse (CPU)", "Predictors pick the neurons; everything on the CPU"),
+    ("dense", "Dense (all neurons)", "Compute every neuron (no predictors needed; slowest)"),
 )
 
 
@@ -176,6 +176,9 @@ class BudgetPanel(QScrollArea):
                              "conversations are kept.")
         self.ctx = QComboBox(budgets)
         self.ctx.setObjectName("ctxCombo")
+        for combo in (self.ctx, self.mode):  # let a narrow panel shrink them rather than clip
+            combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+            combo.setMinimumContentsLength(11)
         self.ctx.setToolTip("Tokens the model can read at once (prompt plus answer). Changing it reloads "
                             "the model; conversations are kept.")
         for n in CONTEXT_CHOICES:
@@ -188,7 +191,7 @@ class BudgetPanel(QScrollArea):
         load_grid.addWidget(self.ctx, 0, 1)
         load_grid.addWidget(mode_label, 1, 0)
         load_grid.addWidget(self.mode, 1, 1)
-        load_grid.setColumnStretch(0, 1)
+        load_grid.setColumnStretch(1, 1)
         budgets.body.addLayout(load_grid)
         budgets.body.addWidget(self.ctx_apply, 0, Qt.AlignmentFlag.AlignRight)
         self.restore = QPushButton("Restore suggested", budgets)
@@ -250,6 +253,7 @@ class BudgetPanel(QScrollArea):
         w.placement_failed.connect(self.show_placement_error)
         w.placement_unavailable.connect(self.show_unavailable)
         w.loaded.connect(self._on_loaded)
+        w.load_failed.connect(self._on_load_failed)
         w.live_stats.connect(self._on_live)
         w.finished.connect(self._on_live)
         self._select_ctx(settings["engine.ctx"])
@@ -296,7 +300,8 @@ class BudgetPanel(QScrollArea):
             self.suggest_label.setText(f"Suggested for this machine: VRAM {fmt.gib(sv)}, RAM {fmt.gib(sr)}.")
         else:
             why = machine.get("suggest_error") or "unknown model size"
-            self.suggest_label.setText(f"No suggestion for this model ({why}).")
+            self.suggest_label.setText("No suggested budgets: the model's size is not known yet.")
+            self.suggest_label.setToolTip(why)
         self.restore.setEnabled(sv is not None and sr is not None)
         self.vram.set_value(self.current_vram())
         self.ram.set_value(self.current_ram())
@@ -426,6 +431,10 @@ class BudgetPanel(QScrollArea):
         self.verdict.setProperty("kind", kind)
         self.verdict.style().unpolish(self.verdict)
         self.verdict.style().polish(self.verdict)
+
+    def _on_load_failed(self, *_args) -> None:
+        self.show_unavailable("No model loaded: choose one on the Models page.")
+        self._show_memory({})
 
     @Slot(dict)
     def _on_loaded(self, info: dict) -> None:

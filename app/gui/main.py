@@ -18,7 +18,8 @@ RESOURCES = Path(resources.__file__).parent
 
 def stylesheet() -> str:
     try:
-        return (RESOURCES / "styles" / "thermocline.qss").read_text(encoding="utf-8")
+        qss = (RESOURCES / "styles" / "thermocline.qss").read_text(encoding="utf-8")
+        return qss.replace("@ICONS@", (RESOURCES / "icons").as_posix())  # QSS urls need a real path
     except OSError:  # a missing style is ugly, not fatal
         log.warning("stylesheet missing; using the platform style")
         return ""

@@ -12,6 +12,7 @@ from PySide6.QtCore import QByteArray, Qt, QTimer, Slot
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (QButtonGroup, QFrame, QHBoxLayout, QLabel, QMainWindow, QProgressBar,
                                QPushButton, QSizePolicy, QSplitter, QStackedWidget, QVBoxLayout, QWidget)
+from shiboken6 import isValid
 
 from app.settings import Settings
 from app.storage import Storage
@@ -79,7 +80,7 @@ class MainWindow(QMainWindow):
         self.splitter.setStretchFactor(0, 0)
         self.splitter.setStretchFactor(1, 1)
         self.splitter.setStretchFactor(2, 0)
-        self.splitter.setSizes([240, 720, 320])
+        self.splitter.setSizes([240, 700, 340])
         # The panel may be squeezed to nothing, so the window can shrink below sidebar + chat +
         # panel; resizeEvent then folds it away (NARROW_WIDTH).
         self.splitter.setCollapsible(2, True)
@@ -268,6 +269,14 @@ class MainWindow(QMainWindow):
         self.model_status.setText("No model loaded")
         self.chat._sync_ready()
         self._refresh_models_if_shown()
+        welcome = getattr(self, "welcome", None)
+        if welcome is not None and isValid(welcome) and welcome.isVisible():
+            # First start: read the welcome first, then the problem.
+            welcome.finished.connect(lambda _r: self._show_load_error(what, todo))
+        else:
+            self._show_load_error(what, todo)
+
+    def _show_load_error(self, what: str, todo: str) -> None:
         self.last_error = show_error(self, "Could not load the model", what, todo)
 
     # -- shutdown ------------------------------------------------------------------------
