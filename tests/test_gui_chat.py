@@ -77,9 +77,11 @@ def test_stop_mid_answer_keeps_partial_text(qtbot, window):
     window.client.worker.token.connect(lambda _r, t: tokens.append(t))
     send(qtbot, window, "count the birds")
     qtbot.waitUntil(lambda: len(tokens) >= 3, timeout=60_000)
+    n_at_click = len(tokens)  # tokens the worker had emitted when Stop was pressed
     window.chat.input.button.click()  # the Send button reads Stop now
     wait_idle(qtbot, window, 30_000)
     n_at_stop = len(tokens)
+    assert n_at_stop - n_at_click <= 2  # honoured within a token (one may be in flight, plus a held-back tail)
     last = window.chat.view.last()
     assert last.status == STOPPED
     assert last.text() == "".join(tokens)
@@ -203,3 +205,62 @@ def test_shift_enter_is_a_new_line_enter_sends(qtbot, window):
     assert window.chat.busy and edit.toPlainText() == ""
     wait_idle(qtbot, window)
     assert window.chat.view.messages()[0].text() == "line one\nline two"
+
+
+KILL_SCRIPT = """
+import os, signal, sys, time
+sys.path[:0] = [{root!r}, {tests!r}]
+from gui_helpers import make_window, send
+from PySide6.QtCore import QCoreApplication
+
+class Bot:  # just enough of qtbot for make_window/send, in a plain process
+    def addWidget(self, w): pass
+    def keyClicks(self, w, text):
+        from PySide6.QtTest import QTest; QTest.keyClicks(w, text)
+    def keyClick(self, w, key, *a):
+        from PySide6.QtTest import QTest; QTest.keyClick(w, key, *a)
+    def waitUntil(self, f, timeout):
+        end = time.time() + timeout / 1000
+        while not f():
+            QCoreApplication.processEvents(); time.sleep(0.005)
+            if time.time() > end: raise TimeoutError
+
+from pathlib import Path
+w = make_window(Bot(), Path({tmp!r}), Path({model!r}), max_new_tokens=5000)
+send(Bot(), w, "tell me a long story")
+Bot().waitUntil(lambda: len(w.chat._answer_text) > 40 and w.chat.view.last().text() == w.chat._answer_text, 60000)
+Path({shown!r}).write_text(w.chat.view.last().text())  # what the user saw, at the moment of the kill
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_killed_mid_answer_keeps_what_was_shown(qtbot, tmp_path, llama_dir, monkeypatch):
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from app.storage import INTERRUPTED, Storage
+
+    root = Path(__file__).resolve().parents[1]
+    shown = tmp_path / "shown.txt"
+    script = KILL_SCRIPT.format(root=str(root), tests=str(root / "tests"), tmp=str(tmp_path),
+                                model=str(llama_dir), shown=str(shown))
+    env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "THERMOCLINE_DATA_DIR": str(tmp_path / "data"),
+           "THERMOCLINE_CONFIG_DIR": str(tmp_path / "cfg"), "THERMOCLINE_MODELS_DIR": str(tmp_path / "models")}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, timeout=240)
+    assert proc.returncode == -signal.SIGKILL
+    text = shown.read_text()
+    assert len(text) > 40
+    # The next start finds the partial answer, marked interrupted, holding all that was shown.
+    w = make_window(qtbot, tmp_path, llama_dir, monkeypatch=monkeypatch)
+    try:
+        last = w.chat.view.last()
+        assert last.role == "assistant" and last.status == INTERRUPTED
+        assert last.text().startswith(text)
+        db = Storage(tmp_path / "data" / "conversations.db")
+        stored = db.messages(w.chat.conversation.id)[-1]
+        db.close()
+        assert stored.status == INTERRUPTED and stored.content.startswith(text)
+    finally:
+        close_window(w)
