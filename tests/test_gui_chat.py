@@ -181,7 +181,7 @@ def test_context_full_is_explained_not_crashed(qtbot, tmp_path, llama_dir, monke
         assert stats["finish_reason"] in ("context_full", "length")
         qtbot.waitUntil(lambda: w.chat.banner.isVisible(), timeout=10_000)
         assert "context window" in w.chat.banner.label.text()
-        assert w.chat.context_bar.property("level") in ("warn", "full")
+        qtbot.waitUntil(lambda: w.chat.context_bar.property("level") in ("warn", "full"), timeout=10_000)
         # Another message cannot fit at all: explained in the banner, no dialog, app usable.
         send(qtbot, w, "and then what happened next in the story")
         wait_idle(qtbot, w)

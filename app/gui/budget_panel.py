@@ -159,6 +159,8 @@ class BudgetPanel(QScrollArea):
         budgets = Section("Memory budgets", inner)
         self.vram = BudgetSlider("VRAM (GPU memory)", "How much GPU memory Thermocline may use", budgets)
         self.ram = BudgetSlider("RAM", "How much system memory Thermocline may use", budgets)
+        self.vram.slider.setAccessibleName("VRAM budget")
+        self.ram.slider.setAccessibleName("RAM budget")
         budgets.body.addWidget(self.vram)
         budgets.body.addWidget(self.ram)
         load_grid = QGridLayout()

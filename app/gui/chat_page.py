@@ -133,6 +133,8 @@ class ChatPage(QWidget):
         self.readout.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         layout.addWidget(self.readout)
         self.input = InputBar(self)
+        self.input.edit.setAccessibleName("Message")
+        self.input.button.setAccessibleName("Send or stop")
         self.input.send_requested.connect(self.send)
         self.input.stop_requested.connect(self.stop)
         layout.addWidget(self.input)
@@ -212,7 +214,10 @@ class ChatPage(QWidget):
     def refresh_title(self) -> None:
         if self.conversation:
             self.conversation = self.storage.conversation(self.conversation.id)
-        self.title_label.setText(self.conversation.title if self.conversation else "New chat")
+        title = self.conversation.title if self.conversation else "New chat"
+        self.title_label.setText(title)
+        if self.isWindow() is False and self.window() is not None:
+            self.window().setWindowTitle(f"{title} — Thermocline")
 
     def _reload_view(self) -> None:
         self.view.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -117,4 +118,9 @@ def run_window(argv: list[str] | None = None) -> int:
     window.start()
     code = app.exec()
     window.storage.close()
+    if not getattr(window, "engine_stopped", True):
+        # Closed mid-load: everything is saved, but Engine.load cannot be interrupted and Qt
+        # aborts if a running QThread is destroyed; leave without tearing it down.
+        logging.shutdown()
+        os._exit(code)
     return code

@@ -285,5 +285,5 @@ class MainWindow(QMainWindow):
         self.settings["ui.splitter"] = bytes(self.splitter.saveState().toBase64()).decode()
         self.chat.close_out()
         self.models.shutdown()
-        self.client.shutdown()
+        self.engine_stopped = self.client.shutdown()
         super().closeEvent(event)

@@ -376,11 +376,14 @@ class EngineClient(QObject):
         self.worker.request_budgets(vram, ram)
         self._apply_budgets.emit()
 
-    def shutdown(self, timeout_ms: int = 5000) -> None:
+    def shutdown(self, timeout_ms: int = 5000) -> bool:
+        """Stop the answer, end the thread; False when it is still busy (a model load in progress)."""
         self.stop()
         self.thread.quit()
         if not self.thread.wait(timeout_ms):
             log.warning("engine thread did not stop within %d ms", timeout_ms)
+            return False
+        return True
 
     @Slot(dict)
     def _on_loaded(self, info: dict) -> None:
