@@ -203,7 +203,7 @@ def export(model, tok: Tokenizer, out: Path, args, summary: dict) -> None:
         layer.mlp.act_fn = torch.nn.ReLU()
     dtype = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     final = final.to(dtype)
-    final.config.torch_dtype = dtype
+    final.config.dtype = dtype
     final.save_pretrained(str(out), safe_serialization=True)
     gen = {"bos_token_id": tok.token_to_id(BOS), "eos_token_id": tok.token_to_id(EOS),
            "pad_token_id": tok.token_to_id(PAD), "do_sample": True, "temperature": 0.7,
