@@ -300,3 +300,26 @@ def test_unanswered_last_prompt_offers_answer(qtbot, tmp_path, llama_dir, monkey
         assert [m.role for m in w.storage.messages(conv.id)] == ["user", "assistant"]
     finally:
         close_window(w)
+
+
+def test_long_conversation_opens_with_latest_messages(qtbot, tmp_path, llama_dir, monkeypatch):
+    import time
+
+    w = make_window(qtbot, tmp_path, llama_dir, monkeypatch=monkeypatch)
+    try:
+        conv = w.storage.create_conversation("Long one")
+        for i in range(150):
+            w.storage.add_message(conv.id, "user" if i % 2 == 0 else "assistant", f"message {i} " + "word " * 30)
+        w.conversations.refresh(conv.id)
+        t0 = time.perf_counter()
+        w.chat.open_conversation(conv.id)
+        opened = time.perf_counter() - t0
+        shown = w.chat.view.messages()
+        assert len(shown) == 60 and shown[-1].text().startswith("message 149 ")
+        assert w.chat.view.earlier_button.text() == "Show 90 earlier messages"
+        w.chat.view.earlier_button.click()
+        assert len(w.chat.view.messages()) == 150
+        assert not w.chat.view.earlier_button.isVisible()
+        print(f"\nopened a 150-message conversation in {opened * 1000:.0f} ms")
+    finally:
+        close_window(w)

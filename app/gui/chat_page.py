@@ -28,6 +28,7 @@ from .worker import EngineClient
 log = logging.getLogger(__name__)
 
 FLUSH_MS = 40
+SHOWN_MESSAGES = 60  # a long conversation opens with its latest messages; older ones on request
 TITLE_CHARS = 48
 CONTEXT_WARN = 0.85
 
@@ -124,6 +125,7 @@ class ChatPage(QWidget):
         self.view.set_empty_text("Ask anything.\nAnswers stream in here, with their speed underneath.")
         self.view.regenerate_requested.connect(self.regenerate)
         self.view.edit_requested.connect(self.begin_edit)
+        self.view.show_earlier_requested.connect(self._show_all)
         layout.addWidget(self.view, 1)
         self.banner = Banner(self)
         layout.addWidget(self.banner)
@@ -219,19 +221,29 @@ class ChatPage(QWidget):
         if self.isWindow() is False and self.window() is not None:
             self.window().setWindowTitle(f"{title} — Thermocline")
 
-    def _reload_view(self) -> None:
+    def _reload_view(self, show_all: bool = False) -> None:
         self.view.clear()
         model = self._model_name()
+        hidden = 0
         if self.conversation is not None:
-            for m in self.storage.messages(self.conversation.id):
-                if m.role != "system":
-                    self.view.add_message(m.id, m.role, m.content, m.status, m.stats, m.created_at, model)
+            messages = [m for m in self.storage.messages(self.conversation.id) if m.role != "system"]
+            if not show_all and len(messages) > SHOWN_MESSAGES:
+                hidden = len(messages) - SHOWN_MESSAGES
+                messages = messages[hidden:]
+            for m in messages:
+                self.view.add_message(m.id, m.role, m.content, m.status, m.stats, m.created_at, model)
+        self.view.set_hidden_count(hidden)
         self.refresh_title()
         self.view.update_actions(self.client.busy)
         self.view.scroll_to_bottom()
         self._ctx_used = 0 if self.conversation is None else None
         self._update_context()
         self._recount()
+
+    def _show_all(self) -> None:
+        bar = self.view.verticalScrollBar()
+        self._reload_view(show_all=True)
+        bar.setValue(0)  # the user asked for the older messages: start at the top
 
     def _ensure_conversation(self, first_text: str) -> Conversation:
         if self.conversation is None:

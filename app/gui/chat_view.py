@@ -132,6 +132,7 @@ class ChatView(QScrollArea):
 
     edit_requested = Signal(int)
     regenerate_requested = Signal(int)
+    show_earlier_requested = Signal()
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -155,6 +156,12 @@ class ChatView(QScrollArea):
         self.empty_label.setWordWrap(True)
         self.empty_label.setContentsMargins(0, 60, 0, 0)  # counted in its size hint, unlike a QSS margin
         self._layout.addWidget(self.empty_label)
+        self.earlier_button = QPushButton(self.column)
+        self.earlier_button.setObjectName("earlierButton")
+        self.earlier_button.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.earlier_button.clicked.connect(self.show_earlier_requested)
+        self.earlier_button.hide()
+        self._layout.addWidget(self.earlier_button, 0, Qt.AlignmentFlag.AlignHCenter)
         self._layout.addStretch(1)
         outer.addStretch(0)
         outer.addWidget(self.column, 1)
@@ -170,6 +177,11 @@ class ChatView(QScrollArea):
     def set_empty_text(self, text: str) -> None:
         self.empty_label.setText(text)
         self.empty_label.setVisible(not self._messages and bool(text))
+
+    def set_hidden_count(self, n: int) -> None:
+        """Say that `n` older messages are not shown (long conversations open fast)."""
+        self.earlier_button.setText(f"Show {n} earlier message{'s' if n != 1 else ''}")
+        self.earlier_button.setVisible(n > 0)
 
     def clear(self) -> None:
         for w in self._messages:
