@@ -365,7 +365,9 @@ class ChatPage(QWidget):
     def _on_live_stats(self, request_id: int, stats: dict) -> None:
         if request_id == self._request:
             self.readout.setText("● " + self.live_text(stats))
-            self.readout.setProperty("live", True)
+            if stats.get("prompt_tokens"):  # the context fills as the answer grows
+                self._ctx_used = int(stats["prompt_tokens"]) + int(stats.get("new_tokens") or 0)
+                self._update_context()
 
     def _on_finished(self, request_id: int, stats: dict) -> None:
         if request_id != self._request:
