@@ -53,6 +53,30 @@ fi
 PKG="$(dpkg-deb -f "$DEB" Package)"
 DEB_BYTES=$(stat -c %s "$DEB")
 
+# -- an ordinary user to run the app as (made before the snapshot: useradd touches /etc) ----
+cleanup() {
+    [ -n "${XVFB_PID:-}" ] && kill "$XVFB_PID" 2>/dev/null || true
+    if [ "$KEEP_USER" = 0 ] && id "$TUSER" >/dev/null 2>&1; then
+        userdel "$TUSER" 2>/dev/null || true
+        rm -rf "$THOME"
+    fi
+}
+trap cleanup EXIT
+id "$TUSER" >/dev/null 2>&1 && userdel "$TUSER" 2>/dev/null || true
+rm -rf "$THOME"
+useradd --home-dir "$THOME" --create-home --shell /bin/sh "$TUSER"
+if [ -n "$MODEL" ]; then
+    cp -r "$MODEL" "$THOME/model"
+    mkdir -p "$THOME/.config/Thermocline"
+    printf '{"model.active": "%s", "chat.max_new_tokens": 64}\n' "$THOME/model" > "$THOME/.config/Thermocline/settings.json"
+    MODEL_USED="$MODEL (copied)"
+else
+    mkdir -p "$THOME/.config/Thermocline"
+    printf '{"chat.max_new_tokens": 64}\n' > "$THOME/.config/Thermocline/settings.json"
+    MODEL_USED="demo"
+fi
+chown -R "$TUSER:$TUSER" "$THOME"
+
 # -- snapshot, install --------------------------------------------------------------------
 snapshot() { find /opt /usr /etc /var/lib/dpkg/info -xdev \( -path /usr/lib/python3/dist-packages -prune \) -o -print 2>/dev/null \
     | grep -v -e '/__pycache__' -e '^/etc/ld.so.cache$' | sort; }
@@ -78,30 +102,7 @@ fi
 [ -e /opt/thermocline/_internal/triton ] && [ "$PKG" = thermocline ] && fail "CPU package contains triton"
 thermocline --help >/dev/null && ok "thermocline --help" || fail "thermocline --help"
 
-# -- a user, a display, the app ------------------------------------------------------------
-cleanup() {
-    [ -n "${XVFB_PID:-}" ] && kill "$XVFB_PID" 2>/dev/null || true
-    if [ "$KEEP_USER" = 0 ] && id "$TUSER" >/dev/null 2>&1; then
-        userdel "$TUSER" 2>/dev/null || true
-        rm -rf "$THOME"
-    fi
-}
-trap cleanup EXIT
-id "$TUSER" >/dev/null 2>&1 && userdel "$TUSER" 2>/dev/null || true
-rm -rf "$THOME"
-useradd --home-dir "$THOME" --create-home --shell /bin/sh "$TUSER"
-if [ -n "$MODEL" ]; then
-    cp -r "$MODEL" "$THOME/model"
-    mkdir -p "$THOME/.config/Thermocline"
-    printf '{"model.active": "%s", "chat.max_new_tokens": 64}\n' "$THOME/model" > "$THOME/.config/Thermocline/settings.json"
-    MODEL_USED="$MODEL (copied)"
-else
-    mkdir -p "$THOME/.config/Thermocline"
-    printf '{"chat.max_new_tokens": 64}\n' > "$THOME/.config/Thermocline/settings.json"
-    MODEL_USED="demo"
-fi
-chown -R "$TUSER:$TUSER" "$THOME"
-
+# -- a display, the app (as the test user) ----------------------------------------------
 Xvfb ":$DISPLAY_NUM" -screen 0 1280x800x24 -nolisten tcp -ac >"$OUT/xvfb.log" 2>&1 &
 XVFB_PID=$!
 for _ in $(seq 100); do [ -e "/tmp/.X11-unix/X$DISPLAY_NUM" ] && break; sleep 0.1; done

@@ -57,13 +57,14 @@ class X:
 
     def main_window(self) -> int | None:
         for wid, title, w, h in self.windows():
-            if title == "Thermocline" and w >= 500 and h >= 300:
+            if title == "Thermocline" and w >= 500 and h >= 300:  # not the splash, not a dialog
                 return wid
         return None
 
     def dialog(self, title: str) -> int | None:
+        """A window titled `title` (Qt may append " — Thermocline")."""
         for wid, t, _w, _h in self.windows():
-            if t == title:
+            if t == title or t.startswith(title + " "):
                 return wid
         return None
 
@@ -74,6 +75,13 @@ class X:
     def type(self, wid: int, text: str) -> None:
         self.run("xdotool", "windowfocus", "--sync", str(wid))
         self.run("xdotool", "type", "--delay", "20", text)
+
+    def click(self, wid: int, x: int, y: int) -> None:
+        self.run("xdotool", "mousemove", "--window", str(wid), str(x), str(y), "click", "1")
+
+    def geometry(self, wid: int) -> tuple[int, int]:
+        m = re.search(r"Geometry: (\d+)x(\d+)", self.run("xdotool", "getwindowgeometry", str(wid)))
+        return (int(m.group(1)), int(m.group(2))) if m else (1280, 800)
 
     def screenshot(self, path: Path) -> None:
         self.run("import", "-display", self.display, "-window", "root", str(path))
@@ -141,6 +149,7 @@ def run_once(args, tag: str, x: X, db: Path, first: bool) -> dict:
         stop(proc, x, None)
         return res
     res["window_s"] = round(time.monotonic() - t0, 2)
+    time.sleep(1.0)  # the first paint
     x.screenshot(args.out / f"{tag}-1-window.png")
 
     if first:  # the first-start welcome dialog
@@ -152,9 +161,17 @@ def run_once(args, tag: str, x: X, db: Path, first: bool) -> dict:
         res["welcome_dialog"] = bool(dlg)
         if dlg:
             x.screenshot(args.out / f"{tag}-2-welcome.png")
-            x.key(dlg, "Return")
-            time.sleep(0.5)
+            for key in ("Return", "Escape"):  # "Start chatting", else close it
+                x.key(dlg, key)
+                time.sleep(0.7)
+                if not x.dialog("Welcome"):
+                    break
+            res["welcome_closed"] = not x.dialog("Welcome")
 
+    # The prompt box spans the bottom of the chat column (left of the budgets panel).
+    w, h = x.geometry(wid)
+    x.click(wid, int(w * 0.4), h - 50)
+    time.sleep(0.3)
     x.type(wid, args.prompt)
     accepted = False
     while time.monotonic() < deadline and proc.poll() is None:
