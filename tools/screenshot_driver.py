@@ -75,7 +75,7 @@ def main() -> int:
     settings = Settings()
     settings["model.active"] = model
     settings["engine.mode"] = args.mode
-    settings["chat.max_new_tokens"] = 120
+    settings["chat.max_new_tokens"] = 160
     settings["chat.temperature"] = 0.7
     window = build_window(settings=settings)
     w, h = map(int, args.size.split("x"))
@@ -109,13 +109,19 @@ def main() -> int:
     pump(20, lambda: window.panel.machine is not None)
 
     edit = window.chat.input.edit
-    edit.setFocus()
-    edit.setPlainText("Write one paragraph about a walk by the river, then a Python one-liner that "
-                      "counts words:\n```python\ntext = open('walk.txt').read()\n```")
-    QTest.keyClick(edit, Qt.Key.Key_Return)
-    pump(60, lambda: len(window.chat._answer_text) > 60 or not window.client.busy)
+
+    def ask(text: str) -> None:
+        edit.setFocus()
+        edit.setPlainText(text)
+        QTest.keyClick(edit, Qt.Key.Key_Return)
+
+    ask("Tell me about the ball at Netherfield, and who danced with whom.")
+    pump(180, lambda: not window.chat.busy)
+    ask("My notes so far:\n```text\nMr. Darcy: proud, or only shy?\nMr. Bingley: all ease\n```\n"
+        "What would Elizabeth say of them?")
+    pump(60, lambda: len(window.chat._answer_text) > 60 or not window.chat.busy)
     shot("chat-streaming")
-    pump(180, lambda: not window.client.busy)
+    pump(180, lambda: not window.chat.busy)
     shot("chat")
 
     panel = window.panel
