@@ -11,7 +11,8 @@
 # TORCH_INDEX_URL (optional pip index for torch), PYTHON (interpreter for the new venv),
 # DEB_COMPRESSION (xz, the default, read by every dpkg; gzip or zstd build faster) and
 # DEB_LEVEL (default 6; xz -6 of the 1 GB bundle takes ~15 min on a busy 2-core machine).
-# Needs: python3 (3.10+), dpkg-deb (dpkg-dev not required). Heavy: run it niced on a shared box.
+# Needs: python3 (3.10+), dpkg-deb, objdump (binutils); not dpkg-dev or fakeroot.
+# Heavy (torch + Qt): run it niced on a shared machine.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
@@ -138,6 +139,10 @@ EOF
         desc_more=" This is the CPU build. For an NVIDIA GPU install thermocline-cuda instead
  (it replaces this package)."
     fi
+    # libc6: the newest glibc symbol any bundled binary needs (those copied from the build
+    # machine set it): the package installs on systems at least as new as the build machine.
+    glibc_min="$(find "$DEB_ROOT/opt/thermocline" -type f \( -name '*.so*' -o -name thermocline \) -print0 \
+        | xargs -0 objdump -T 2>/dev/null | grep -o 'GLIBC_2\.[0-9]*' | sort -t. -k2 -n -u | tail -1 | sed 's/GLIBC_//' || true)"
     cat > "$DEB_ROOT/DEBIAN/control" <<EOF
 Package: $PKG
 Version: $VERSION
@@ -146,7 +151,7 @@ Maintainer: Thermocline developers <thermocline@users.noreply.invalid>
 Section: utils
 Priority: optional
 Installed-Size: $installed_kib
-Depends: libc6 (>= 2.28), libgl1, libegl1, libfontconfig1, libfreetype6, libglib2.0-0, libdbus-1-3, libxkbcommon0, libxkbcommon-x11-0, libx11-xcb1, libxcb1, libxcb-cursor0, libxcb-icccm4, libxcb-image0, libxcb-keysyms1, libxcb-randr0, libxcb-render-util0, libxcb-shape0, libxcb-xfixes0, libxcb-xinerama0, libxcb-xkb1
+Depends: libc6 (>= ${glibc_min:-2.28}), libgl1, libegl1, libfontconfig1, libfreetype6, libdbus-1-3, libxkbcommon0, libxkbcommon-x11-0, libx11-xcb1, libxcb1, libxcb-cursor0, libxcb-icccm4, libxcb-image0, libxcb-keysyms1, libxcb-randr0, libxcb-render-util0, libxcb-shape0, libxcb-xfixes0, libxcb-xinerama0, libxcb-xkb1
 Conflicts: $OTHER
 Replaces: $OTHER
 Description: $desc_line
