@@ -1,2 +1,8 @@
 """Benchmarks: each module runs with `python -m bench.<name>` and prints one JSON object as
 its last line. They measure speed; the test suite checks behaviour, never wall time."""
+
+import os
+
+# As the engine does (engine/__init__.py): torch's spinning OpenMP workers would otherwise
+# steal the cores from the numba kernels. Set here so it precedes every benchmark's torch import.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -36,13 +36,7 @@ import sys
 import time
 from collections.abc import Callable
 
-# Idle OpenMP workers sleep instead of spinning. torch and numba each run their own OpenMP
-# pool here (torch bundles its libgomp); a spinning torch worker steals a core from the
-# numba kernel that follows a torch op (measured: median 27 ms instead of 1.6 ms on a loaded
-# 2-core machine). Must be set before torch loads; an explicit setting is kept.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import torch  # noqa: E402
+import torch  # noqa: E402  (after bench/__init__ set OMP_WAIT_POLICY)
 import torch.nn.functional as F  # noqa: E402
 
 SHAPES = {"7B": (4096, 11008), "13B": (5120, 13824), "tiny": (256, 1024)}  # tiny: smoke tests
