@@ -36,8 +36,8 @@ import sys
 import time
 from collections.abc import Callable
 
-import torch  # noqa: E402  (after bench/__init__ set OMP_WAIT_POLICY)
-import torch.nn.functional as F  # noqa: E402
+import torch  # after bench/__init__ set OMP_WAIT_POLICY
+import torch.nn.functional as F
 
 SHAPES = {"7B": (4096, 11008), "13B": (5120, 13824), "tiny": (256, 1024)}  # tiny: smoke tests
 FRACTIONS = (0.05, 0.10, 0.20, 0.30, 0.50)
