@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from PySide6.QtCore import Qt, QTimer
+from PySide6.QtCore import QEvent, Qt, QTimer
 from PySide6.QtGui import QFontDatabase, QGuiApplication, QTextOption
 from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QSizePolicy,
                                QVBoxLayout, QWidget)
@@ -28,8 +28,42 @@ class Segment:
     closed: bool = True
 
 
+PROSE_CHUNK_CHARS = 1200  # long prose is cut into chunks so a streaming flush re-renders little
+
+
+def chunk_prose(text: str, limit: int = PROSE_CHUNK_CHARS) -> list[str]:
+    """Prose cut at blank lines into chunks of about `limit` characters.
+
+    Cuts are greedy from the start, so as an answer grows the earlier chunks stay as they
+    were and only the last one re-renders. A cut is made only before a block that starts at
+    the margin (not an indented continuation of a list item, which alone would read as code).
+    """
+    blocks = text.split("\n\n")
+    chunks: list[list[str]] = []
+    size = 0
+    for block in blocks:
+        can_cut = bool(block) and not block[0].isspace()
+        if chunks and (size + len(block) <= limit or not can_cut):
+            chunks[-1].append(block)
+            size += len(block) + 2
+        else:
+            chunks.append([block])
+            size = len(block)
+    return ["\n\n".join(c).strip("\n") for c in chunks if "".join(c).strip()]
+
+
 def split_markdown(text: str) -> list[Segment]:
-    """Prose and fenced code blocks, in order (code text without its fences)."""
+    """Prose (in chunks) and fenced code blocks, in order (code text without its fences)."""
+    out: list[Segment] = []
+    for seg in _split_fences(text):
+        if seg.kind == "prose":
+            out.extend(Segment("prose", chunk) for chunk in chunk_prose(seg.text))
+        else:
+            out.append(seg)
+    return out
+
+
+def _split_fences(text: str) -> list[Segment]:
     segments: list[Segment] = []
     prose: list[str] = []
     code: list[str] | None = None
@@ -77,11 +111,26 @@ class ProseLabel(QLabel):
         self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.setMinimumWidth(40)
         self._source = None
+        self._heights: dict[int, int] = {}
 
     def set_source(self, text: str) -> None:
         if text != self._source:
             self._source = text
+            self._heights.clear()
             self.setText(text)
+
+    def changeEvent(self, event) -> None:  # noqa: N802 - Qt API
+        if event.type() in (QEvent.Type.FontChange, QEvent.Type.StyleChange):
+            self._heights.clear()  # the same text lays out differently now
+        super().changeEvent(event)
+
+    def heightForWidth(self, width: int) -> int:  # noqa: N802 - Qt API
+        # Every layout pass of the chat asks every label; QLabel lays its rich text out anew
+        # each time. Cached per width, a streaming flush costs one label's layout, not all.
+        height = self._heights.get(width)
+        if height is None:
+            height = self._heights[width] = super().heightForWidth(width)
+        return height
 
 
 class CodeBlock(QFrame):
