@@ -43,3 +43,31 @@ def test_view_updates_in_place(qtbot):
     assert view.code_blocks()[0].code() == "x = 2"
     view.set_markdown("plain")
     assert view.code_blocks() == [] and view.text() == "plain"
+
+
+def test_long_streaming_answer_flushes_stay_cheap(qtbot):
+    """Each flush of a growing 10k-character answer costs the GUI thread well under 50 ms."""
+    import time
+
+    from PySide6.QtWidgets import QApplication
+
+    from app.gui.chat_view import ChatView
+    from app.gui.main import stylesheet
+
+    QApplication.instance().setStyleSheet(stylesheet())
+    view = ChatView()
+    qtbot.addWidget(view)
+    view.resize(800, 600)
+    view.show()
+    msg = view.add_message(1, "assistant", "")
+    words = "the quick brown fox jumps over the lazy dog with **bold** and `code` words".split()
+    text, worst = "", 0.0
+    for i in range(2000):
+        text += words[i % len(words)] + (" " if i % 120 else "\n\n")
+        if i % 8 == 0:
+            start = time.thread_time()  # CPU time of this thread: other programs do not count
+            msg.set_text(text)
+            QApplication.processEvents()
+            worst = max(worst, time.thread_time() - start)
+    assert len(text) > 10_000 and len(msg.body._widgets) > 5
+    assert worst < 0.050, f"worst flush {worst * 1000:.0f} ms"
