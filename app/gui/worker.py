@@ -26,6 +26,8 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
+from .formatting import model_label
+
 log = logging.getLogger(__name__)
 
 LIVE_STATS_INTERVAL_S = 0.25
@@ -107,7 +109,7 @@ class EngineWorker(QObject):
     # -- model ---------------------------------------------------------------------------
     @Slot(str, dict)
     def load_model(self, spec: str, options: dict) -> None:
-        self.loading.emit(0.0, f"Loading {spec}…")
+        self.loading.emit(0.0, f"Loading {model_label(spec)}…")
         old, self.engine = self.engine, None
         del old  # free the previous model's memory before the new one arrives
         self._last_placement = None
@@ -143,7 +145,7 @@ class EngineWorker(QObject):
                 sparse_note = f"Running dense: {mode} mode is not available for this model ({exc})."
         except Exception as exc:  # noqa: BLE001 - every failure becomes a dialog
             log.exception("loading %s failed", spec)
-            what, todo = explain_error(exc, f"load the model “{spec}”")
+            what, todo = explain_error(exc, f"load the model “{model_label(spec)}”")
             self.load_failed.emit(what, todo)
             return
         self.engine, self.model_spec = eng, spec
