@@ -49,6 +49,39 @@ def pick_model(requested: str, scratch: Path) -> str:
     return str(folder)
 
 
+def download_shot(window, model: str, pump, shot) -> None:
+    """A real download in progress, served over HTTP by the tests' local Hub stand-in (no
+    network); the download is cancelled and its files deleted with the scratch folder."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        from hub_server import HubRepo, HubServer
+    except ImportError:
+        print("tests/hub_server.py not found: no download screenshot", file=sys.stderr)
+        return
+    from models_registry import resolve_model
+
+    folder = resolve_model(model)
+    files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    repo = "local-hub/tiny-relu-llama"
+    server = HubServer().start()
+    try:
+        os.environ["HF_ENDPOINT"] = server.url
+        server.add_repo(HubRepo(repo, files))
+        # A large second shard (zeros) keeps the transfer going long enough to be seen.
+        files["model-extra.safetensors"] = bytes(400 * 1024**2)
+        server.add_repo(HubRepo(repo, files))
+        window.models._add_repo_id(repo)
+        pump(60, lambda: repo in window.models.cards and window.models.cards[repo].total_bar.value() >= 150
+             and "model-extra" in window.models.cards[repo].progress_label.text())
+        card = window.models.cards[repo]
+        window.models.list_widget.parentWidget().parentWidget().ensureWidgetVisible(card)
+        shot("models-download")
+        card.cancel_button.click()
+        pump(10, lambda: repo not in window.models.jobs)
+    finally:
+        server.stop()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
@@ -61,6 +94,7 @@ def main() -> int:
     scratch = Path(tempfile.mkdtemp(prefix="thermocline-shots-"))
     os.environ["THERMOCLINE_DATA_DIR"] = str(scratch / "data")
     os.environ["THERMOCLINE_CONFIG_DIR"] = str(scratch / "config")
+    os.environ["THERMOCLINE_MODELS_DIR"] = str(scratch / "models")  # the user's downloads stay out of it
     model = pick_model(args.model, scratch)
 
     from PySide6.QtCore import QCoreApplication, Qt
@@ -134,6 +168,7 @@ def main() -> int:
     window.show_page("models")
     pump(30, lambda: len(window.models.cards) > 3 and not window.models._pending_rows)
     shot("models")
+    download_shot(window, model, pump, shot)
 
     window.show_page("chat")
     sw, sh = map(int, args.small.split("x"))

@@ -36,7 +36,7 @@ def _rough_fit(size_bytes: int | None, hw) -> tuple[str, str]:
     from models_registry.fit import VERDICT_FITS, VERDICT_HYBRID, VERDICT_NO
 
     if not size_bytes:
-        return "unknown", "size unknown until downloaded"
+        return "fit unknown", "fit is estimated once the size is known"
     vram = hw.usable_vram_free
     if size_bytes <= vram * 0.85:
         return VERDICT_FITS, "estimate from the download size"
