@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from PySide6.QtCore import Qt, QTimer, Signal, Slot
-from PySide6.QtWidgets import (QComboBox, QFrame, QGridLayout, QHBoxLayout, QLabel, QProgressBar, QPushButton,
+from PySide6.QtWidgets import (QComboBox, QFrame, QGridLayout, QLabel, QProgressBar, QPushButton,
                                QScrollArea, QSlider, QVBoxLayout, QWidget)
 
 from app.settings import Settings

@@ -11,7 +11,7 @@ import logging
 from PySide6.QtCore import QByteArray, Qt, QTimer, Slot
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (QButtonGroup, QFrame, QHBoxLayout, QLabel, QMainWindow, QProgressBar,
-                               QPushButton, QSizePolicy, QSplitter, QStackedWidget, QVBoxLayout, QWidget)
+                               QPushButton, QSizePolicy, QSplitter, QStackedWidget, QVBoxLayout)
 from shiboken6 import isValid
 
 from app.settings import Settings
