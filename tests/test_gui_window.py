@@ -125,7 +125,11 @@ def test_budget_panel_reports_dense_mode_and_probes_hardware(qtbot, tmp_path, ll
         p = w.panel
         qtbot.waitUntil(lambda: p.machine is not None, timeout=30_000)
         assert p.ram.total > 0 and p.ram.slider.maximum() > 0
-        assert "Suggested" in p.suggest_label.text() or "No suggestion" in p.suggest_label.text()
+        assert "Suggested" in p.suggest_label.text()
+        assert "trained on 512 tokens" in p.ctx_hint.text()  # the tiny model's max_position_embeddings
+        p.ctx.setCurrentIndex(p.ctx.findData(512))
+        assert p.ctx_hint.isHidden() and not p.ctx_apply.isHidden()
+        p.ctx.setCurrentIndex(p.ctx.findData(2048))
         qtbot.waitUntil(lambda: "Dense mode" in p.verdict.text() or p.placement is not None, timeout=10_000)
         # Moving the RAM slider on a dense engine explains itself in the panel, no crash.
         p.ram.slider.setValue(p.ram.slider.maximum() // 2)

@@ -195,6 +195,12 @@ class BudgetPanel(QScrollArea):
         load_grid.addWidget(self.mode, 1, 1)
         load_grid.setColumnStretch(1, 1)
         budgets.body.addLayout(load_grid)
+        self.ctx_hint = QLabel(budgets)
+        self.ctx_hint.setObjectName("hint")
+        self.ctx_hint.setWordWrap(True)
+        self.ctx_hint.hide()
+        budgets.body.addWidget(self.ctx_hint)
+        self._trained_ctx: int | None = None
         budgets.body.addWidget(self.ctx_apply, 0, Qt.AlignmentFlag.AlignRight)
         self.restore = QPushButton("Restore suggested", budgets)
         self.restore.setObjectName("restoreBudgets")
@@ -376,7 +382,15 @@ class BudgetPanel(QScrollArea):
         self.mode.blockSignals(False)
         self.ctx_apply.hide()
 
+    def _update_ctx_hint(self) -> None:
+        ctx, trained = self.ctx.currentData(), self._trained_ctx
+        over = bool(trained) and ctx > trained
+        self.ctx_hint.setText(f"This model was trained on {trained:,} tokens; beyond that its answers "
+                              "may lose the thread." if over else "")
+        self.ctx_hint.setVisible(over)
+
     def _ctx_changed(self, _i: int) -> None:
+        self._update_ctx_hint()
         self.ctx_apply.setVisible(self.ctx.currentData() != self.settings["engine.ctx"]
                                   or self.mode.currentData() != self.settings["engine.mode"])
 
@@ -443,6 +457,8 @@ class BudgetPanel(QScrollArea):
     def _on_loaded(self, info: dict) -> None:
         self._select_ctx(int(info.get("ctx") or self.settings["engine.ctx"]))
         self._select_mode(self.settings["engine.mode"])
+        self._trained_ctx = info.get("max_positions")
+        self._update_ctx_hint()
         self._show_memory(info.get("memory") or {})
 
     def _on_live(self, _request_id: int, stats: dict) -> None:

@@ -151,9 +151,9 @@ class EngineWorker(QObject):
         self.engine, self.model_spec = eng, spec
         info = {"model": spec, "ctx": int(getattr(eng, "ctx", options.get("ctx", 2048))),
                 "mode": str(getattr(eng, "mode", options.get("mode", ""))), "memory": self._memory()}
-        for attr in ("n_layers", "path", "name"):
-            if hasattr(eng, attr):
-                info[attr] = to_plain(getattr(eng, attr))
+        trained = getattr(getattr(eng, "config", None), "max_positions", None)
+        if isinstance(trained, int):
+            info["max_positions"] = trained  # the context length the model was trained for
         info["note"] = sparse_note or budget_note
         self.loading.emit(1.0, "Ready")
         self.loaded.emit(info)
