@@ -327,3 +327,21 @@ def test_long_conversation_opens_with_latest_messages(qtbot, tmp_path, llama_dir
         print(f"\nopened a 150-message conversation in {opened * 1000:.0f} ms")
     finally:
         close_window(w)
+
+
+def test_impossible_budget_is_explained_in_the_panel(qtbot, tmp_path, hybrid_model, monkeypatch):
+    w = make_window(qtbot, tmp_path, hybrid_model, mode="hybrid", monkeypatch=monkeypatch)
+    try:
+        p = w.panel
+        qtbot.waitUntil(lambda: p.placement is not None and p.machine is not None, timeout=30_000)
+        p.ram.slider.setValue(0)  # no RAM at all: the model cannot be placed
+        qtbot.waitUntil(lambda: "cannot work" in p.verdict.text(), timeout=10_000)
+        assert p.verdict.property("kind") == "bad"
+        assert not error_dialogs()
+        send(qtbot, w, "still answering")  # the engine kept its last good placement
+        wait_idle(qtbot, w)
+        assert w.chat.view.last().status == "complete"
+        p.restore_suggested()
+        qtbot.waitUntil(lambda: p.verdict.text().startswith("Fits"), timeout=10_000)
+    finally:
+        close_window(w)
