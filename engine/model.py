@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .kernels import cpu as cpu_kernels
 from .kv_cache import KVCache
 from .rope import RotaryTable, apply_rotary
 
@@ -40,6 +41,15 @@ class Norm:
     @property
     def nbytes(self) -> int:
         return _nbytes(self.weight, self.bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, d] @ weight[n, d]^T (+ bias). One token on the CPU goes through our own
+    matrix-vector kernel, which streams the weights about twice as fast as torch's."""
+    if x.shape[0] == 1 and x.device.type == "cpu" and x.dtype == torch.float32:
+        out = cpu_kernels.matvec(x[0], weight)[None]
+        return out + bias if bias is not None else out
+    return F.linear(x, weight, bias)
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
@@ -90,14 +100,17 @@ class DenseFfn:
 
     def activations(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
-            pre = F.linear(x, self.gate_up)
+            pre = linear(x, self.gate_up)
             gate_pre, up_pre = pre[..., : self.n_ff], pre[..., self.n_ff :]
         else:
-            gate_pre, up_pre = None, F.linear(x, self.gate_up, self.up_bias)
+            gate_pre, up_pre = None, linear(x, self.gate_up, self.up_bias)
         return activate(self.activation, self.threshold, up_pre, gate_pre)
 
     def project(self, act: torch.Tensor) -> torch.Tensor:
-        out = act @ self.down_t
+        if act.shape[0] == 1 and act.device.type == "cpu" and act.dtype == torch.float32:
+            out = cpu_kernels.combine(act[0].contiguous(), self.down_t)[None]
+        else:
+            out = act @ self.down_t
         return out + self.down_bias if self.down_bias is not None else out
 
     def __call__(self, x: torch.Tensor, pred_input: torch.Tensor, layer: int,
@@ -156,7 +169,7 @@ class Transformer:
         if not all_logits:
             x = x[-1:]
         x = self.final_norm(x.to(self.final_norm.weight.device, self.final_norm.weight.dtype))
-        return F.linear(x, self.lm_head).float()
+        return linear(x, self.lm_head).float()
 
     def _layer(self, index: int, layer: Layer, x: torch.Tensor, start: int, cache: KVCache,
                mask: torch.Tensor | None) -> torch.Tensor:
@@ -172,7 +185,7 @@ class Transformer:
                    mask: torch.Tensor | None) -> torch.Tensor:
         cfg = self.config
         count = x.shape[0]
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = linear(x, layer.qkv, layer.qkv_bias)
         q = qkv[:, : self.q_size].view(count, cfg.num_heads, cfg.head_dim).transpose(0, 1)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(count, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
         v = qkv[:, self.q_size + self.kv_size :].view(count, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
@@ -194,4 +207,4 @@ class Transformer:
                 enable_gqa=cfg.num_heads != cfg.num_kv_heads,
             )[0]
             out = out.transpose(0, 1).reshape(count, self.q_size)
-        return F.linear(out, layer.out, layer.out_bias)
+        return linear(out, layer.out, layer.out_bias)

@@ -341,3 +341,31 @@ def warmup(quants: tuple[str, ...] = QUANTS, batch: bool = False) -> dict:
     return {"seconds": time.perf_counter() - t0,
             "cache_hits": sum(sum(f.stats.cache_hits.values()) for f in fns),
             "compiled": sum(sum(f.stats.cache_misses.values()) for f in fns), "numba": True}
+
+
+# More chunks than threads: a thread that shares its core with another process would
+# otherwise hold up the whole product with its fixed half of the rows.
+_DENSE_CHUNKS_PER_THREAD = 8
+
+
+def _dense_operands(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+
+
+def matvec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x fp32 [d] times every row of w fp32 [n, d] -> [n]: a decode step's dense product.
+    Falls back to torch when numba is missing or the operands are not contiguous fp32."""
+    kern = _kernels()
+    if kern is None or not _dense_operands(x, w):
+        return torch.mv(w, x)
+    with _lock:
+        return torch.from_numpy(kern.matvec_rows(w.numpy(), x.numpy(), _DENSE_CHUNKS_PER_THREAD * _use_threads(kern)))
+
+
+def combine(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum_i a[i] * w[i] for a fp32 [n] and w fp32 [n, d] -> [d] (every row, dense)."""
+    kern = _kernels()
+    if kern is None or not _dense_operands(a, w):
+        return a @ w
+    with _lock:
+        return torch.from_numpy(kern.combine_rows(a.numpy(), w.numpy(), _DENSE_CHUNKS_PER_THREAD * _use_threads(kern)))

@@ -1,0 +1,47 @@
+"""The dense decode kernels (matvec, combine) against plain torch, with and without numba."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.kernels import cpu
+
+
+@pytest.mark.parametrize("n, d", [(1, 1), (7, 33), (300, 256), (2048, 130)])
+def test_matvec_and_combine_match_torch(n, d):
+    g = torch.Generator().manual_seed(n * 1000 + d)
+    w = torch.randn(n, d, generator=g)
+    x = torch.randn(d, generator=g)
+    a = torch.relu(torch.randn(n, generator=g))
+    assert torch.allclose(cpu.matvec(x, w), (w.double() @ x.double()).float(), rtol=1e-4, atol=1e-4)
+    assert torch.allclose(cpu.combine(a, w), (a.double() @ w.double()).float(), rtol=1e-4, atol=1e-4)
+
+
+def test_non_contiguous_operands_fall_back_to_torch():
+    w = torch.randn(64, 40)[:, :32]  # a strided view
+    x = torch.randn(32)
+    assert torch.allclose(cpu.matvec(x, w), w @ x, atol=1e-5)
+    a, wt = torch.randn(64), torch.randn(32, 64).t()  # [64, 32], transposed: not contiguous
+    assert torch.allclose(cpu.combine(a, wt), a @ wt, atol=1e-5)
+
+
+def test_without_numba_the_engine_decodes_the_same(llama_dir):
+    script = (
+        "from engine import Engine, SamplingParams\n"
+        f"e = Engine.load({str(llama_dir)!r}); e.eos_ids = set()\n"
+        "print(e.generate([0, 5, 9, 17], SamplingParams(max_new_tokens=12, temperature=0)).token_ids)\n"
+    )
+    root = str(Path(__file__).resolve().parent.parent)
+    outputs = []
+    for disabled in ("0", "1"):
+        env = {**os.environ, "PYTHONPATH": root, "THERMOCLINE_NO_NUMBA": disabled}
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        outputs.append(proc.stdout.strip().splitlines()[-1])
+    assert outputs[0] == outputs[1]
