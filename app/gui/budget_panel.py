@@ -50,6 +50,10 @@ def probe_machine(model_spec: str, ctx: int) -> dict:
 
         folder = resolve_model(model_spec)
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        trained = config.get("max_position_embeddings") or config.get("n_positions")
+        if isinstance(trained, int) and trained > 0:
+            out["trained_ctx"] = trained
+            ctx = min(ctx, trained)
         est = estimate_fit(config, ctx=ctx, hardware=hw, model_dir=folder)
         out["suggested_vram"], out["suggested_ram"] = est.suggested_vram_budget, est.suggested_ram_budget
     except Exception as exc:  # noqa: BLE001 - no suggestion is fine; say why in the panel
@@ -327,6 +331,12 @@ class BudgetPanel(QScrollArea):
         m = self.machine or {}
         return m.get("suggested_ram") or m.get("ram_available") or 0
 
+    def ctx_for_load(self) -> int:
+        """The chosen context length, capped at what the model was trained for."""
+        ctx = self.settings["engine.ctx"]
+        trained = (self.machine or {}).get("trained_ctx")
+        return min(ctx, trained) if trained else ctx
+
     def budgets_for_load(self) -> tuple[int | None, int | None]:
         """What the next load should use: the saved budgets, else this machine's suggestion for
         the model (None where neither is known: the engine chooses)."""
@@ -385,8 +395,8 @@ class BudgetPanel(QScrollArea):
     def _update_ctx_hint(self) -> None:
         ctx, trained = self.ctx.currentData(), self._trained_ctx
         over = bool(trained) and ctx > trained
-        self.ctx_hint.setText(f"This model was trained on {trained:,} tokens; beyond that its answers "
-                              "may lose the thread." if over else "")
+        self.ctx_hint.setText(f"This model was trained on {trained:,} tokens, so its context is capped "
+                              "there." if over else "")
         self.ctx_hint.setVisible(over)
 
     def _ctx_changed(self, _i: int) -> None:
@@ -458,6 +468,8 @@ class BudgetPanel(QScrollArea):
         self._select_ctx(int(info.get("ctx") or self.settings["engine.ctx"]))
         self._select_mode(self.settings["engine.mode"])
         self._trained_ctx = info.get("max_positions")
+        if self._trained_ctx and self.settings["engine.ctx"] > self._trained_ctx:
+            self._select_ctx(self.settings["engine.ctx"])  # show the choice; the hint says it is capped
         self._update_ctx_hint()
         self._show_memory(info.get("memory") or {})
 

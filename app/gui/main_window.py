@@ -233,7 +233,7 @@ class MainWindow(QMainWindow):
         if spec != self.settings["model.active"]:
             return  # another switch came in meanwhile; its own probe will load it
         vram, ram = self.panel.budgets_for_load()
-        self.client.load(spec, mode=self.settings["engine.mode"], ctx=self.settings["engine.ctx"],
+        self.client.load(spec, mode=self.settings["engine.mode"], ctx=self.panel.ctx_for_load(),
                          vram_budget=vram, ram_budget=ram)
 
     def switch_model(self, spec: str) -> None:

@@ -196,7 +196,7 @@ class CodeBlock(QFrame):
         widest = max((metrics.horizontalAdvance(line) for line in (self._code or "").split("\n")), default=0)
         too_wide = widest + 16 > self.editor.viewport().width()
         bar = self.editor.horizontalScrollBar().sizeHint().height() if too_wide else 0
-        margins = int(self.editor.document().documentMargin() * 2) + 6
+        margins = int(self.editor.document().documentMargin() * 2) + 2
         self.editor.setFixedHeight(lines * metrics.lineSpacing() + margins + bar)
 
 
