@@ -43,8 +43,13 @@ class PredictorSet:
         return sum(t.numel() * t.element_size() for t in (self.fc1[layer], self.fc2[layer]))
 
     def logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Logits [n_ff] for one token x [d], or [T, n_ff] for x [T, d]."""
+        from .model import linear
+
         fc1, fc2 = self.fc1[layer], self.fc2[layer]
-        return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x.to(fc1.dtype), fc1)), fc2)
+        rows = x.to(fc1.dtype).reshape(-1, x.shape[-1])
+        out = linear(torch.relu(linear(rows, fc1)), fc2)
+        return out.reshape(*x.shape[:-1], fc2.shape[0])
 
     def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         return self.logits(layer, x) >= self.thresholds[layer]
