@@ -87,8 +87,9 @@ ls -d "$BUNDLE"/_internal/numba "$BUNDLE"/_internal/llvmlite >/dev/null
 "$BUNDLE/thermocline" --help >/dev/null
 smoke_home="$(mktemp -d)"
 if [ -f "$BUNDLE/_internal/resources/demo/config.json" ]; then
-    HOME="$smoke_home" XDG_CACHE_HOME="$smoke_home/cache" "$BUNDLE/thermocline" generate --model demo \
-        --prompt "Hello" --max-new-tokens 8 --temperature 0 --json > build/smoke-$FLAVOUR.json
+    # From another folder than the checkout, as users start it.
+    (cd "$smoke_home" && HOME="$smoke_home" XDG_CACHE_HOME="$smoke_home/cache" "$BUNDLE/thermocline" generate \
+        --model demo --prompt "Hello" --max-new-tokens 8 --temperature 0 --json) > build/smoke-$FLAVOUR.json
     echo "demo model answers: $(head -c 300 build/smoke-$FLAVOUR.json)"
 else
     echo "WARNING: the bundle has no demo model (resources/demo/ is empty): the app will start with none" >&2

@@ -1,15 +1,20 @@
 """Entry point of the frozen Thermocline bundle (PyInstaller runs this as `__main__`).
 
-Same as the `thermocline` console script (`app.cli:main`), plus one packaging hook:
-with THERMOCLINE_PREPARE_KERNELS=1 it compiles the numba CPU kernels into their on-disk
-cache and exits. The Windows installer (a per-user install) runs it once after installing,
-on the user's own CPU, so the first launch does not spend ~30 s compiling. numba keeps the
-cache in the user's cache folder, so a system-wide .deb cannot prepare it for its users:
-there the first start compiles (behind the splash screen) and later starts load the cache.
+Same as the `thermocline` console script (`app.cli:main`), plus two packaging concerns:
+
+- The numba CPU kernels take ~30 s to compile. In the bundle their cache lives in the user's
+  cache folder (`<user cache>/Thermocline/numba`, via NUMBA_CACHE_DIR). With
+  THERMOCLINE_PREPARE_KERNELS=1 the program compiles them into the cache and exits: the Linux
+  package's postinst runs it as root into `_internal/numba-cache` (on the installing machine,
+  so for its CPU), and each user's first start copies that seed into their own cache; the
+  Windows installer (a per-user install) runs it straight into the user's cache. Either way
+  the first window opens without the compile.
+- The Windows window build has no console: stdout/stderr go to a log file.
 """
 
 import multiprocessing
 import os
+import shutil
 import sys
 
 
@@ -30,6 +35,30 @@ def _streams_for_windowed_app() -> None:
     sys.stderr = sys.stderr or stream
 
 
+def _numba_cache() -> None:
+    """Point numba at the user's cache folder, seeded from the bundle's `numba-cache` (made
+    by the Linux postinst for this machine's CPU). Entries that do not fit (another CPU, other
+    sources) are simply recompiled by numba."""
+    if not getattr(sys, "frozen", False) or os.environ.get("NUMBA_CACHE_DIR"):
+        return
+    try:
+        import platformdirs
+
+        user = os.path.join(platformdirs.user_cache_dir("Thermocline", appauthor=False), "numba")
+        seed = os.path.join(getattr(sys, "_MEIPASS", ""), "numba-cache")
+        for dirpath, _dirs, files in os.walk(seed):
+            target = os.path.join(user, os.path.relpath(dirpath, seed))
+            for name in files:
+                src, dst = os.path.join(dirpath, name), os.path.join(target, name)
+                if not os.path.exists(dst) or os.path.getmtime(src) > os.path.getmtime(dst):
+                    os.makedirs(target, exist_ok=True)
+                    shutil.copy2(src, dst)
+        os.makedirs(user, exist_ok=True)
+        os.environ["NUMBA_CACHE_DIR"] = user
+    except OSError:
+        pass  # numba falls back to its own per-user cache folder
+
+
 def _prepare_kernels() -> int:
     from engine.kernels import cpu
 
@@ -42,6 +71,7 @@ def _prepare_kernels() -> int:
 if __name__ == "__main__":
     multiprocessing.freeze_support()
     _streams_for_windowed_app()
+    _numba_cache()
     if os.environ.get("THERMOCLINE_PREPARE_KERNELS", "") == "1":
         sys.exit(_prepare_kernels())
     from app.cli import main

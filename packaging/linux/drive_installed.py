@@ -56,10 +56,12 @@ class X:
         return out
 
     def main_window(self) -> int | None:
-        for wid, title, w, h in self.windows():
-            if title == "Thermocline" and w >= 500 and h >= 300:  # not the splash, not a dialog
-                return wid
-        return None
+        """The largest window titled "Thermocline" or "<conversation> — Thermocline" (not the
+        splash, which is small; not the welcome dialog, which is smaller than the window)."""
+        found = [(w * h, wid) for wid, title, w, h in self.windows()
+                 if w >= 500 and h >= 300 and (title == "Thermocline" or title.endswith("Thermocline"))
+                 and not title.startswith("Welcome")]
+        return max(found)[1] if found else None
 
     def dialog(self, title: str) -> int | None:
         """A window titled `title` (Qt may append " — Thermocline")."""
@@ -109,7 +111,10 @@ def launch(user: str, home: Path, display: str, log: Path) -> subprocess.Popen:
     (home / ".runtime").mkdir(mode=0o700, exist_ok=True)
     sh("chown", f"{user}:{user}", str(home / ".runtime"))
     cmd = ["runuser", "-u", user, "--", "env", "-i", *[f"{k}={v}" for k, v in env.items()], *argv]
-    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    # From the home folder, as a menu launcher starts it (not from this checkout, whose sources
+    # relative paths could resolve to).
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            cwd=home)
 
 
 def stop(proc: subprocess.Popen, x: X, wid: int | None) -> str:
