@@ -437,18 +437,19 @@ class ChatPage(QWidget):
         if stats.get("ttft_s") is not None:
             parts.append(f"first token {fmt.seconds(stats['ttft_s'])}")
         dense = stats.get("mode") == "dense"
-        hit = None if dense else stats.get("hot_hit_fraction")
+        device = stats.get("mem_device") or stats.get("device")
+        on_gpu = str(device or "").startswith("cuda")  # with no GPU there is no GPU share to show
+        hit = None if dense or not on_gpu else stats.get("hot_hit_fraction")
         if dense:
             parts.append("dense: all neurons computed")
         elif stats.get("ffn_active_fraction"):
             parts.append(f"{fmt.percent(stats['ffn_active_fraction'])} of FFN neurons fired")
         elif hit is not None:
             parts.append(f"GPU served {fmt.percent(hit)} of active neurons")
-        elif stats.get("expected_hot_hit_fraction") is not None:
+        elif on_gpu and stats.get("expected_hot_hit_fraction") is not None:
             parts.append(f"GPU share ≈{fmt.percent(stats['expected_hot_hit_fraction'])} (expected)")
         vram, ram = stats.get("mem_vram_bytes", stats.get("vram_bytes")), stats.get("mem_ram_bytes",
                                                                                      stats.get("ram_bytes"))
-        device = stats.get("mem_device") or stats.get("device")
         for name, used, budget in (("VRAM", vram, stats.get("vram_budget")), ("RAM", ram, stats.get("ram_budget"))):
             if used is None or (name == "VRAM" and not used and not budget and device in (None, "cpu")):
                 continue

@@ -72,7 +72,8 @@ def message_stats(stats: dict | None) -> str:
         parts.append(f"first token {seconds(stats['ttft_s'])}")
     if stats.get("ffn_active_fraction") and stats.get("mode") not in ("dense", None):
         parts.append(f"{percent(stats['ffn_active_fraction'])} of neurons fired")
-    if stats.get("hot_hit_fraction") is not None and stats.get("mode") not in ("dense", None):
+    on_gpu = str(stats.get("device") or stats.get("mem_device") or "").startswith("cuda")
+    if stats.get("hot_hit_fraction") is not None and stats.get("mode") not in ("dense", None) and on_gpu:
         parts.append(f"GPU served {percent(stats['hot_hit_fraction'])} of active neurons")
     if stats.get("mode"):
         parts.append(str(stats["mode"]))
