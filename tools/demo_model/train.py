@@ -62,7 +62,7 @@ def build_model(args, vocab_size: int):
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
-        max_position_embeddings=args.ctx,
+        max_position_embeddings=args.ctx or args.seq_len,
         hidden_act="relu",
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
@@ -209,7 +209,7 @@ def export(model, tok: Tokenizer, out: Path, args, summary: dict) -> None:
            "pad_token_id": tok.token_to_id(PAD), "do_sample": True, "temperature": 0.7,
            "top_k": 40, "max_new_tokens": 128}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n", encoding="utf-8")
-    save_tokenizer(tok, out, model_max_length=args.ctx)
+    save_tokenizer(tok, out, model_max_length=final.config.max_position_embeddings)
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n",
                                                encoding="utf-8")
 
@@ -228,7 +228,9 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--ctx", type=int, default=None,
+                   help="context length in config.json (default --seq-len: RoPE positions past the "
+                        "trained windows measure far worse perplexity)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=6000)
