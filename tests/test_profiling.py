@@ -196,3 +196,7 @@ def test_cli_profile_reports_json_and_errors(model, corpus, capsys):
     code = cli_main(["profile", "--model", str(model), "--corpus", "/nonexistent/text.txt"])
     assert code == 2
     assert capsys.readouterr().err.startswith("error: corpus file")
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["profile", "--model", str(model), "--corpus", str(corpus), "--max-pairs-bytes", "12XB"])
+    assert exit_info.value.code == 2
+    assert "cannot read size '12XB'" in capsys.readouterr().err

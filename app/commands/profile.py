@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
+from engine.errors import UserError
 from engine.units import format_size, parse_size
 
 from .progress_bar import ProgressBar
+
+
+def _size(text: str) -> int:
+    """parse_size for argparse: a bad size is a usage error (one line, exit 2)."""
+    try:
+        return parse_size(text)
+    except UserError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def register(subparsers) -> None:
@@ -16,7 +26,7 @@ def register(subparsers) -> None:
     parser.add_argument("--corpus", nargs="+", required=True, metavar="FILE",
                         help="calibration text files (UTF-8)")
     parser.add_argument("--max-tokens", type=int, default=200_000, help="tokens to profile")
-    parser.add_argument("--max-pairs-bytes", type=parse_size, default=parse_size("2GiB"),
+    parser.add_argument("--max-pairs-bytes", type=_size, default=parse_size("2GiB"),
                         metavar="SIZE", help="disk cap for predictor training pairs (default 2GiB)")
     parser.add_argument("--window", type=int, default=512, help="tokens per forward pass")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cpu)")
@@ -28,7 +38,6 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from engine import Engine
-    from engine.errors import UserError
     from engine.profiling import ProfileSettings, profile
 
     if args.max_tokens < 2:
