@@ -109,7 +109,7 @@ def main() -> int:
     settings = Settings()
     settings["model.active"] = model
     settings["engine.mode"] = args.mode
-    settings["chat.max_new_tokens"] = 160
+    settings["chat.max_new_tokens"] = 48
     settings["chat.temperature"] = 0.7
     window = build_window(settings=settings)
     w, h = map(int, args.size.split("x"))

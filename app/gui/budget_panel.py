@@ -424,9 +424,8 @@ class BudgetPanel(QScrollArea):
                                    ("the GPU" if dev.startswith("cuda") else f"the fast tier ({dev or 'cpu'})"))
         self.tiers.set_tiers(report.get("tier_bytes") or {})
         facts = []
-        if report.get("hot_hit_fraction") is not None:
-            where = "the GPU" if dev.startswith("cuda") else "the fast tier"
-            facts.append(f"Expected share of firing neurons served by {where}: "
+        if report.get("hot_hit_fraction") is not None and dev.startswith("cuda"):
+            facts.append(f"Expected share of firing neurons served by the GPU: "
                          f"<b>{fmt.percent(report['hot_hit_fraction'])}</b>")
         if report.get("vram_bytes") is not None:
             facts.append(f"Placed: VRAM {fmt.gib(report['vram_bytes'])}, RAM {fmt.gib(report.get('ram_bytes'))}")
