@@ -25,6 +25,7 @@ from .sampling import Sampler, SamplingParams
 from .tokenizer import StreamDecoder, Tokenizer
 
 MODES = ("dense", "sparse", "hybrid", "oracle")
+DEFAULT_CTX = 2048
 
 
 @dataclass
@@ -95,18 +96,19 @@ class Engine:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def load(cls, model: str | Path = "demo", *, mode: str = "dense", ctx: int = 2048,
+    def load(cls, model: str | Path = "demo", *, mode: str = "dense", ctx: int | None = None,
              vram_budget: int | None = None, ram_budget: int | None = None,
              device: str | None = None, threads: int | None = None, cold_quant: str = "int8",
              progress: Progress | None = None) -> "Engine":
         if mode not in MODES:
             raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
-        if ctx < 8:
-            raise UserError(f"context length {ctx} is too small (at least 8)")
         if threads:
             torch.set_num_threads(threads)
         model_dir = resolve_model_dir(model)
         config = ModelConfig.from_dir(model_dir)
+        ctx = ctx or min(DEFAULT_CTX, config.max_positions)  # no longer than the model was trained for
+        if ctx < 8:
+            raise UserError(f"context length {ctx} is too small (at least 8)")
         tokenizer = Tokenizer(model_dir)
         if mode in ("sparse", "hybrid", "oracle"):
             from .sparse import build_sparse_engine

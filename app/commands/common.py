@@ -23,7 +23,8 @@ def add_model_options(parser: argparse.ArgumentParser, *, sampling: bool = True)
                         help="bytes of fast-device memory for weights and cache (0, 512MiB, 4GiB)")
     parser.add_argument("--ram-budget", type=size_arg, default=None, metavar="SIZE",
                         help="bytes of RAM for what stays on the CPU")
-    parser.add_argument("--ctx", type=int, default=2048, help="context length in tokens")
+    parser.add_argument("--ctx", type=int, default=None,
+                        help="context length in tokens (default: 2048, or less if the model was trained on less)")
     parser.add_argument("--device", default=None, help="fast device (cuda, cuda:1, cpu); default: best found")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     parser.add_argument("--cpu-weights", default="int8", choices=("int8", "fp32"),
