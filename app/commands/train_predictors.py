@@ -25,7 +25,7 @@ def register(subparsers) -> None:
     parser.add_argument("--target-recall", type=float, default=0.95,
                         help="share of firing neurons each layer's predictor must catch")
     parser.add_argument("--rank", default="auto", help="predictor rank: auto (per layer) or N")
-    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--epochs", type=int, default=40, help="at most; stops early when validation stalls")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads")
     parser.add_argument("--restart", action="store_true", help="retrain layers already done")
