@@ -110,6 +110,10 @@ class Engine:
         if ctx < 8:
             raise UserError(f"context length {ctx} is too small (at least 8)")
         tokenizer = Tokenizer(model_dir)
+        # Load the CPU kernels' machine code now (numba's disk cache), not in the first token.
+        from .kernels import cpu as cpu_kernels
+
+        cpu_kernels.warmup(quants=() if mode == "dense" else (cold_quant, "fp32"))
         if mode in ("sparse", "hybrid", "oracle"):
             from .sparse import build_sparse_engine
 

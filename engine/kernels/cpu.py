@@ -315,13 +315,14 @@ def sparse_ffn_batch(xs: torch.Tensor, rows: CpuFfnRows, active: torch.Tensor | 
     return torch.from_numpy(ys)
 
 
-def warmup(quants: tuple[str, ...] = QUANTS, batch: bool = False) -> dict:
+def warmup(quants: tuple[str, ...] = QUANTS, batch: bool = False, dense: bool = True) -> dict:
     """Compile (or load from numba's disk cache) the kernels for the given row storages on
     tiny inputs. A cold compile of both storages took ~25 s on a busy 2-core machine; the
     disk cache (next to the module, else the user cache dir) makes later starts ~1 s, so an
     installer should run this once.
 
-    `batch`: also the small-batch kernel (sparse_ffn_batch).
+    `batch`: also the small-batch kernel (sparse_ffn_batch); `dense`: the decode products
+    (matvec, combine).
     Returns {"seconds": wall time, "cache_hits": n, "compiled": n, "numba": available()}.
     The first call of each specialisation otherwise pays this inside a decode step.
     """
@@ -337,7 +338,11 @@ def warmup(quants: tuple[str, ...] = QUANTS, batch: bool = False) -> dict:
         sparse_ffn(x, rows, torch.tensor([1, 5]), "relu")
         if batch:
             sparse_ffn_batch(w[:2, 0], rows, torch.tensor([1, 5]), "relu")
-    fns = (kern.ffn_rows, kern.quantize_rows_int8) + ((kern.ffn_rows_batch,) if batch else ())
+    if dense:
+        matvec(x, w[0].contiguous())
+        combine(x, w[0].contiguous())
+    fns = ((kern.ffn_rows, kern.quantize_rows_int8) + ((kern.ffn_rows_batch,) if batch else ())
+           + ((kern.matvec_rows, kern.combine_rows) if dense else ()))
     return {"seconds": time.perf_counter() - t0,
             "cache_hits": sum(sum(f.stats.cache_hits.values()) for f in fns),
             "compiled": sum(sum(f.stats.cache_misses.values()) for f in fns), "numba": True}
