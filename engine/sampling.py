@@ -44,7 +44,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
         p = self.params
-        logits = logits.float().cpu()
+        logits = logits.float().cpu().clone()  # our own copy: the model's is an inference tensor
         if p.repetition_penalty != 1.0 and history:
             seen = torch.tensor(sorted(set(history)), dtype=torch.long)
             values = logits[seen]

@@ -109,6 +109,15 @@ def test_sampler_filters():
     assert Sampler(SamplingParams(temperature=0, repetition_penalty=2.0))(logits, [0]) == 1
 
 
+def test_every_sampling_option_through_the_engine(llama_dir):
+    engine = Engine.load(llama_dir)
+    params = SamplingParams(max_new_tokens=8, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05,
+                            repetition_penalty=1.3, seed=7)
+    first = engine.generate("the quick brown", params)
+    assert first.stats.new_tokens > 0 or first.stats.finish_reason == "stop"
+    assert Engine.load(llama_dir).generate("the quick brown", params).token_ids == first.token_ids
+
+
 def test_context_limits(llama_dir):
     engine = Engine.load(llama_dir, ctx=16)
     with pytest.raises(ContextFullError):
