@@ -113,7 +113,7 @@ python3 packaging/linux/drive_installed.py --user "$TUSER" --home "$THOME" --dis
 DRIVE_RC=$?
 set -e
 cat "$OUT/drive.log"
-[ "$DRIVE_RC" = 0 ] && ok "window appeared and an answer streamed (twice)" || fail "GUI run: see $OUT/drive.log"
+[ "$DRIVE_RC" = 0 ] && ok "window appeared and the model answered, twice (streaming seen)" || fail "GUI run: see $OUT/drive.log"
 kill "$XVFB_PID" 2>/dev/null || true
 XVFB_PID=""
 
