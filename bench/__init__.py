@@ -6,3 +6,13 @@ import os
 # As the engine does (engine/__init__.py): torch's spinning OpenMP workers would otherwise
 # steal the cores from the numba kernels. Set here so it precedes every benchmark's torch import.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def emit(result: dict, json_only: bool) -> None:
+    """A readable table unless --json, then the result as one JSON object on the last line."""
+    import json
+
+    if not json_only:
+        for key, value in result.items():
+            print(f"{key:28s} {value}")
+    print(json.dumps(result))

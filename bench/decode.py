@@ -8,7 +8,6 @@ is one JSON object (`ours_tok_s`, `transformers_tok_s`, `speedup`, ...).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -16,6 +15,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from bench import emit
 
 
 def build_model(root: Path, hidden: int, layers: int, ff: int, vocab: int) -> Path:
@@ -112,10 +113,7 @@ def main(argv=None) -> int:
         "ours_implied_gbps": round(weight_bytes * median("ours", 1) / 1e9, 2),
         "transformers_implied_gbps": round(weight_bytes * median("transformers", 1) / 1e9, 2),
     }
-    if not args.json:
-        for key, value in result.items():
-            print(f"{key:28s} {value}")
-    print(json.dumps(result))
+    emit(result, args.json)
     return 0
 
 

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from bench import emit
+
 from engine import Engine, SamplingParams
 from engine.activation_stats import ActivationStats
 from engine.predictors import PredictorSet
@@ -180,10 +182,7 @@ def main(argv=None) -> int:
         "hybrid_fast_device": str(hybrid.sparse.fast),
         "runs": runs,
     }
-    if not args.json:
-        for key, value in result.items():
-            print(f"{key:28s} {value}")
-    print(json.dumps(result))
+    emit(result, args.json)
     return 0
 
 

@@ -40,6 +40,15 @@ class Converter:
             offset += p.shape[0]
         return out
 
+    def output_head(self, embed: torch.Tensor, cpu: Placement, head: Placement) -> torch.Tensor:
+        """The output head: its own tensor, or the embeddings when tied (shared where the
+        two tiers agree in device and dtype)."""
+        cfg = self.config
+        if cfg.tie_word_embeddings or not self.source.has("lm_head.weight"):
+            same = head.device == cpu.device and head.dtype == cpu.dtype
+            return embed if same else embed.to(head.device, head.dtype)
+        return self.get("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), head)
+
     def ffn(self, gate_name: str | None, up_name: str, down_name: str, where: Placement,
             up_bias_name: str | None = None, down_bias_name: str | None = None) -> DenseFfn:
         cfg = self.config

@@ -32,11 +32,7 @@ def load_globals(conv: Converter, cpu: Placement, head: Placement):
     d, vocab = cfg.hidden_size, cfg.vocab_size
     embed = conv.get("transformer.word_embeddings.weight", (vocab, d), cpu)
     norm = _layer_norm(conv, "transformer.ln_f", head)
-    if cfg.tie_word_embeddings or not conv.source.has("lm_head.weight"):
-        lm_head = embed if head.device == cpu.device and head.dtype == cpu.dtype else embed.to(head.device, head.dtype)
-    else:
-        lm_head = conv.get("lm_head.weight", (vocab, d), head)
-    return embed, norm, lm_head
+    return embed, norm, conv.output_head(embed, cpu, head)
 
 
 def load_layer(conv: Converter, i: int, where: Placement, ffn_where: Placement | None = None) -> Layer:

@@ -13,11 +13,7 @@ def load_globals(conv: Converter, cpu: Placement, head: Placement) -> tuple[torc
     d, vocab = cfg.hidden_size, cfg.vocab_size
     embed = conv.get("model.embed_tokens.weight", (vocab, d), cpu)
     norm = Norm(conv.get("model.norm.weight", (d,), head), None, cfg.norm_eps)
-    if cfg.tie_word_embeddings or not conv.source.has("lm_head.weight"):
-        lm_head = embed if head.device == cpu.device and head.dtype == cpu.dtype else embed.to(head.device, head.dtype)
-    else:
-        lm_head = conv.get("lm_head.weight", (vocab, d), head)
-    return embed, norm, lm_head
+    return embed, norm, conv.output_head(embed, cpu, head)
 
 
 def load_layer(conv: Converter, i: int, where: Placement, ffn_where: Placement | None = None) -> Layer:
