@@ -13,6 +13,11 @@ import torch
 from engine.kernels import cpu
 
 
+@pytest.fixture(autouse=True)
+def numba_for_every_size(monkeypatch):
+    monkeypatch.setattr(cpu, "_DENSE_MIN_ELEMENTS", 0)  # small test shapes take the numba path too
+
+
 @pytest.mark.parametrize("n, d", [(1, 1), (7, 33), (300, 256), (2048, 130)])
 def test_matvec_and_combine_match_torch(n, d):
     g = torch.Generator().manual_seed(n * 1000 + d)
