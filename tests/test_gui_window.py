@@ -125,6 +125,9 @@ def test_budget_panel_reports_dense_mode_and_probes_hardware(qtbot, tmp_path, ll
         p = w.panel
         qtbot.waitUntil(lambda: p.machine is not None, timeout=30_000)
         assert p.ram.total > 0 and p.ram.slider.maximum() > 0
+        # The status bar says which torch build runs (this machine: the CPU build).
+        qtbot.waitUntil(lambda: w.build_status.text() == "CPU build", timeout=30_000)
+        assert "torch" in w.build_status.toolTip()
         assert "Suggested" in p.suggest_label.text()
         assert "trained on 512 tokens" in p.ctx_hint.text()  # the tiny model's max_position_embeddings
         p.ctx.setCurrentIndex(p.ctx.findData(512))

@@ -102,6 +102,9 @@ class MainWindow(QMainWindow):
         self.panel_button.setToolTip("Show or hide the budgets and placement panel (Ctrl+B)")
         self.panel_button.toggled.connect(self.set_panel_visible)
         self.statusBar().addWidget(self.model_status, 1)
+        self.build_status = QLabel(self)  # CPU or CUDA build of torch, filled once a model loads
+        self.build_status.setObjectName("buildStatus")
+        self.statusBar().addPermanentWidget(self.build_status)
         self.statusBar().addPermanentWidget(self.load_bar)
         self.statusBar().addPermanentWidget(self.panel_button)
 
@@ -261,6 +264,11 @@ class MainWindow(QMainWindow):
 
         self.model_status.setText(f"Model: {fmt.model_label(info.get('model'))} · {info.get('mode')} mode · context "
                                   f"{info.get('ctx'):,} tokens · {fmt.device_name(mem.get('device'))}")
+        build = info.get("build") or {}
+        if build.get("summary"):  # which torch this is: CPU or CUDA build, and what to install for a GPU
+            self.model_status.setToolTip(build["summary"])
+            self.build_status.setText(build.get("flavour", "").upper() + " build")
+            self.build_status.setToolTip(build["summary"])
         self._refresh_models_if_shown()
 
     @Slot(str, str)

@@ -155,6 +155,9 @@ class EngineWorker(QObject):
         if isinstance(trained, int):
             info["max_positions"] = trained  # the context length the model was trained for
         info["note"] = sparse_note or budget_note
+        from engine.runtime_info import torch_build
+
+        info["build"] = torch_build()  # CPU or CUDA build of torch, and whether a GPU is usable
         self.loading.emit(1.0, "Ready")
         self.loaded.emit(info)
         self._initial_placement(sparse_note)
