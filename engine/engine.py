@@ -20,7 +20,7 @@ import torch
 from .config import ModelConfig
 from .errors import ContextFullError, UserError
 from .kv_cache import KVCache
-from .loader import Progress, compute_dtype, load_transformer, resolve_model_dir
+from .loader import Progress, load_transformer, resolve_model_dir
 from .sampling import Sampler, SamplingParams
 from .tokenizer import StreamDecoder, Tokenizer
 

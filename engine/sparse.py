@@ -180,7 +180,7 @@ class SparseRuntime:
         cpu = torch.device("cpu")
         return (self.fast, self.fast_dtype()) if on_fast else (cpu, torch.float32)
 
-    def split_ffn(self, layer: int, dense: DenseFfn, hot_ids: np.ndarray, on_fast: bool) -> HybridFfn:
+    def split_ffn(self, layer: int, dense: DenseFfn, hot_ids: np.ndarray) -> HybridFfn:
         """Split a freshly loaded fp32 CPU FFN into hot and cold rows."""
         hot_idx = torch.as_tensor(hot_ids, dtype=torch.long)
         cold_mask = torch.ones(dense.n_ff, dtype=torch.bool)
@@ -200,14 +200,13 @@ class SparseRuntime:
 
     def apply(self, plan: Placement) -> None:
         """Move what changed tier; called with the engine lock held (or between tokens)."""
-        model, cache = self.model, self.cache
+        model = self.model
         if plan.head_on_fast != self.plan.head_on_fast:
             device, dtype = self._where(plan.head_on_fast)
             model.lm_head = self._head_weights(plan.head_on_fast)
             norm = model.final_norm
             norm.weight = norm.weight.to(device, dtype)
             norm.bias = None if norm.bias is None else norm.bias.to(device, dtype)
-            self._ensure_rotary(device, dtype)
         for i, layer in enumerate(model.layers):
             if plan.layer_on_fast[i] != self.plan.layer_on_fast[i]:
                 self._move_layer_dense(i, plan.layer_on_fast[i])
@@ -373,7 +372,7 @@ def build_sparse_engine(engine_cls, model_dir: Path, config: ModelConfig, tokeni
     head_device = fast if plan.head_on_fast else cpu
     model = load_transformer(
         model_dir, config, layer_devices, head_device, ctx, progress,
-        ffn_builder=lambda i, dense: runtime.split_ffn(i, dense, plan.hot_ids[i], plan.layer_on_fast[i]),
+        ffn_builder=lambda i, dense: runtime.split_ffn(i, dense, plan.hot_ids[i]),
     )
     if predictors is not None:
         for i, on_fast in enumerate(plan.layer_on_fast):

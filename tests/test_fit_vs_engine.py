@@ -6,7 +6,6 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from engine import Engine
 from models_registry.fit import BytesModel, estimate_fit

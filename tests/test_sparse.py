@@ -6,7 +6,6 @@ import json
 import shutil
 import threading
 
-import numpy as np
 import pytest
 import torch
 
