@@ -25,6 +25,18 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     }
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Tiny matmuls gain nothing from threads, and on a busy 2-core CI box spinning
+    OpenMP threads make them many times slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def llama_dir(tiny_models) -> Path:
     return tiny_models["llama"]

@@ -21,14 +21,7 @@ from engine.profiling import ProfileSettings, load_pairs, profile
 WINDOW = 64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy 2-core CI box spinning
-    OpenMP threads make them many times slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_threshold_is_the_sparsest_that_keeps_the_target_recall():
