@@ -298,6 +298,9 @@ class BudgetPanel(QScrollArea):
         self.machine = machine
         self.vram.set_total(machine["vram_total"])
         self.ram.set_total(machine["ram_total"])
+        hybrid = self.mode.findData("hybrid")
+        if hybrid >= 0:  # without a GPU the fast tier is the CPU: say so in the mode's name
+            self.mode.setItemText(hybrid, "Hybrid (GPU + CPU)" if machine["vram_total"] else "Hybrid (no GPU: CPU)")
         if machine["vram_total"] == 0:
             self.vram.slider.setEnabled(False)
             why = f" ({machine['gpu_note']})" if machine.get("gpu_note") else ""
