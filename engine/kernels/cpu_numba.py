@@ -129,6 +129,14 @@ def _nonlinearity(g, code, thr):
 
 
 @_njit(inline="always")
+def _row_at(idx, use_idx, t, hi):
+    """The row at position t of the selection (for prefetching), or -1 past its end."""
+    if t >= hi:
+        return -1
+    return idx[t] if use_idx else t
+
+
+@_njit(inline="always")
 def _next_live(acts, t, hi):
     """First position >= t (below hi) whose activation is nonzero, else hi."""
     while t < hi and acts[t] == 0.0:
@@ -195,9 +203,7 @@ def ffn_rows(x, gate, gate_s, up, up_s, down, down_s, idx, use_idx, pred, pred_i
         while t < hi:
             t2 = _next_selected(pred, pred_ids, use_pred, use_pred_ids, pthr, t + 1, hi)
             i = idx[t] if use_idx else t
-            nxt = -1
-            if t2 < hi:
-                nxt = idx[t2] if use_idx else t2
+            nxt = _row_at(idx, use_idx, t2, hi)
             g = _row_dot(first, i, x, nxt)
             if scaled:
                 g *= first_s[i]
@@ -209,9 +215,7 @@ def ffn_rows(x, gate, gate_s, up, up_s, down, down_s, idx, use_idx, pred, pred_i
             while t < hi:
                 t2 = _next_live(acts, t + 1, hi)
                 i = idx[t] if use_idx else t
-                nxt = -1
-                if t2 < hi:
-                    nxt = idx[t2] if use_idx else t2
+                nxt = _row_at(idx, use_idx, t2, hi)
                 u = _row_dot(up, i, x, nxt)
                 if scaled:
                     u *= up_s[i]
@@ -224,9 +228,7 @@ def ffn_rows(x, gate, gate_s, up, up_s, down, down_s, idx, use_idx, pred, pred_i
         while t < hi:
             t2 = _next_live(acts, t + 1, hi)
             i = idx[t] if use_idx else t
-            nxt = -1
-            if t2 < hi:
-                nxt = idx[t2] if use_idx else t2
+            nxt = _row_at(idx, use_idx, t2, hi)
             a = acts[t]
             if scaled:
                 a *= down_s[i]
@@ -318,9 +320,7 @@ def ffn_rows_batch(xs, gate, gate_s, up, up_s, down, down_s, idx, use_idx, gated
             while t < hi:
                 t2 = _next_live_any(acts, t + 1, hi)
                 i = idx[t] if use_idx else t
-                nxt = -1
-                if t2 < hi:
-                    nxt = idx[t2] if use_idx else t2
+                nxt = _row_at(idx, use_idx, t2, hi)
                 pf = nxt
                 for s in range(T):
                     if acts[s, t] != 0.0:
@@ -336,9 +336,7 @@ def ffn_rows_batch(xs, gate, gate_s, up, up_s, down, down_s, idx, use_idx, gated
         while t < hi:
             t2 = _next_live_any(acts, t + 1, hi)
             i = idx[t] if use_idx else t
-            nxt = -1
-            if t2 < hi:
-                nxt = idx[t2] if use_idx else t2
+            nxt = _row_at(idx, use_idx, t2, hi)
             pf = nxt
             for s in range(T):
                 a = acts[s, t]
