@@ -84,15 +84,17 @@ def _stop_holdback(text: str, stops: list[str]) -> int:
 
 class Engine:
     def __init__(self, model_dir: Path, config: ModelConfig, tokenizer: Tokenizer, model, cache: KVCache,
-                 mode: str, ctx: int, eos_ids: set[int], generation_defaults: dict):
+                 mode: str, ctx: int, eos_ids: set[int], generation_defaults: dict, sparse=None):
         self.model_dir, self.config, self.tokenizer = model_dir, config, tokenizer
         self.model, self.cache, self.mode, self.ctx = model, cache, mode, ctx
         self.eos_ids = eos_ids
         self.generation_defaults = generation_defaults
         self.last_stats = GenerationStats(mode=mode)
-        self._lock = threading.RLock()
+        self.sparse = sparse  # engine.sparse.SparseRuntime for sparse/hybrid/oracle modes
+        # One generation or re-placement at a time; the sparse runtime shares the lock so a
+        # budget change can tell whether a generation is running.
+        self._lock = sparse.lock if sparse is not None else threading.RLock()
         self._cached_ids: list[int] = []
-        self.sparse = None  # engine.sparse.SparseRuntime for sparse/hybrid/oracle modes
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -121,13 +123,13 @@ class Engine:
                                        device, progress, cold_quant)
         dev = torch.device(device or "cpu")
         model_obj = load_transformer(model_dir, config, [dev] * config.num_layers, dev, ctx, progress)
-        cache = cls.make_cache(config, ctx, [dev] * config.num_layers, model_obj.layers[0].qkv.dtype)
+        cache = cls.make_cache(config, ctx, [dev] * config.num_layers, [model_obj.layers[0].qkv.dtype] * config.num_layers)
         return cls(model_dir, config, tokenizer, model_obj, cache, mode, ctx,
                    cls.eos_from(model_dir, config, tokenizer), cls.defaults_from(model_dir))
 
     @staticmethod
-    def make_cache(config: ModelConfig, ctx: int, devices: list[torch.device], dtype: torch.dtype) -> KVCache:
-        return KVCache(config.num_layers, config.num_kv_heads, config.head_dim, ctx, dtype, devices,
+    def make_cache(config: ModelConfig, ctx: int, devices: list[torch.device], dtypes: list[torch.dtype]) -> KVCache:
+        return KVCache(config.num_layers, config.num_kv_heads, config.head_dim, ctx, dtypes, devices,
                        config.sliding_window)
 
     @staticmethod

@@ -15,12 +15,13 @@ from .errors import ContextFullError
 
 class KVCache:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, slots: int,
-                 dtype: torch.dtype, devices: list[torch.device], sliding_window: int | None = None):
+                 dtypes: list[torch.dtype], devices: list[torch.device], sliding_window: int | None = None):
         self.slots = slots
         self.rolling = sliding_window is not None and sliding_window <= slots
         self.window = sliding_window
-        self.k = [torch.zeros(kv_heads, slots, head_dim, dtype=dtype, device=devices[i]) for i in range(num_layers)]
-        self.v = [torch.zeros(kv_heads, slots, head_dim, dtype=dtype, device=devices[i]) for i in range(num_layers)]
+        # Each layer's cache lives with its layer, in that layer's compute dtype.
+        self.k = [torch.zeros(kv_heads, slots, head_dim, dtype=dtypes[i], device=devices[i]) for i in range(num_layers)]
+        self.v = [torch.zeros(kv_heads, slots, head_dim, dtype=dtypes[i], device=devices[i]) for i in range(num_layers)]
         # Bookkeeping stays on the CPU; masks are moved to a layer's device when used.
         self.slot_pos = torch.full((slots,), -1, dtype=torch.long)
         self.length = 0  # positions 0 .. length-1 have been written

@@ -362,8 +362,7 @@ def build_sparse_engine(engine_cls, model_dir: Path, config: ModelConfig, tokeni
         predictors = PredictorSet.load(model_dir, config.num_layers, config.hidden_size, config.intermediate_size)
     storage = WeightSource(model_dir).dtype()
     problem = problem_for_model(model_dir, config, ctx, fast, cold_quant, predictors, storage)
-    engine_lock = threading.RLock()
-    runtime = SparseRuntime(engine_lock, config, mode, fast, storage, predictors, problem, cold_quant)
+    runtime = SparseRuntime(threading.RLock(), config, mode, fast, storage, predictors, problem, cold_quant)
     plan = runtime.solve(vram, ram)
     runtime.budgets = (vram, ram)
     runtime.plan = plan
@@ -377,15 +376,9 @@ def build_sparse_engine(engine_cls, model_dir: Path, config: ModelConfig, tokeni
     if predictors is not None:
         for i, on_fast in enumerate(plan.layer_on_fast):
             predictors.to(i, *runtime._where(on_fast))
-    cache_dtype = {d: compute_dtype(d, storage) for d in set(layer_devices)}
-    cache = engine_cls.make_cache(config, ctx, layer_devices, torch.float32)
-    for i, d in enumerate(layer_devices):
-        cache.k[i] = cache.k[i].to(cache_dtype[d])
-        cache.v[i] = cache.v[i].to(cache_dtype[d])
+    cache = engine_cls.make_cache(config, ctx, layer_devices, [compute_dtype(d, storage) for d in layer_devices])
     runtime.model, runtime.cache = model, cache
     model.lm_head = runtime._head_weights(plan.head_on_fast)
-    engine = engine_cls(model_dir, config, tokenizer, model, cache, mode, ctx,
-                        engine_cls.eos_from(model_dir, config, tokenizer), engine_cls.defaults_from(model_dir))
-    engine._lock = engine_lock
-    engine.sparse = runtime
-    return engine
+    return engine_cls(model_dir, config, tokenizer, model, cache, mode, ctx,
+                      engine_cls.eos_from(model_dir, config, tokenizer), engine_cls.defaults_from(model_dir),
+                      sparse=runtime)
