@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import host_memory
 from .activation_stats import ActivationStats
 from .config import ModelConfig
 from .errors import BudgetError, UserError
@@ -189,8 +190,8 @@ class SparseRuntime:
         device, dtype = self._where(True)
         gate, up, down_t = dense.gate, dense.up, dense.down_t
         hot = HotRows(
-            None if gate is None else gate[hot_idx].to(device, dtype).contiguous(),
-            up[hot_idx].to(device, dtype).contiguous(), down_t[hot_idx].to(device, dtype).contiguous(),
+            None if gate is None else _hot_rows(gate[hot_idx], device, dtype),
+            _hot_rows(up[hot_idx], device, dtype), _hot_rows(down_t[hot_idx], device, dtype),
             hot_idx.to(device),
         )
         cold = ColdRows(cpu_kernels.CpuFfnRows.from_dense(None if gate is None else gate[cold_idx], up[cold_idx],
@@ -277,8 +278,9 @@ class SparseRuntime:
         order = torch.as_tensor(np.argsort(ids, kind="stable"))
         gate, up, down_t = (hot_rows(ffn.hot.gate, pg), hot_rows(ffn.hot.up, pu), hot_rows(ffn.hot.down_t, pd))
         dev_order = order.to(device)
-        new_hot_rows = HotRows(None if gate is None else gate[dev_order].contiguous(), up[dev_order].contiguous(),
-                               down_t[dev_order].contiguous(), torch.as_tensor(ids[order.numpy()], device=device))
+        new_hot_rows = HotRows(None if gate is None else _hot_rows(gate[dev_order], device, dtype),
+                               _hot_rows(up[dev_order], device, dtype), _hot_rows(down_t[dev_order], device, dtype),
+                               torch.as_tensor(ids[order.numpy()], device=device))
 
         # Cold rows: those that stay plus the demoted ones copied back from the fast device.
         demote_pos = np.flatnonzero(~keep_hot)
@@ -319,6 +321,14 @@ class SparseRuntime:
         vram = tiers["fast_dense"] + tiers["fast_kv"] + tiers["fast_ffn"]
         ram = tiers["cpu_dense"] + tiers["cpu_kv"] + tiers["cpu_ffn"]
         return {"vram_bytes": vram, "ram_bytes": ram, "device": str(self.fast), "tiers": tiers}
+
+
+def _hot_rows(rows: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Hot rows for the fast tier; when the CPU stands in for it, on huge pages like the
+    cold rows, since the same CPU kernels read them at random."""
+    if device.type == "cpu":
+        return host_memory.copy_of(rows, dtype)
+    return rows.to(device, dtype).contiguous()
 
 
 def _concat_rows(parts: list) -> cpu_kernels.CpuFfnRows:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine import host_memory
 from engine.kernels import reference
 from engine.kernels.cpu_quant import dequantize_rows_int8, quantize_rows_int8
 
@@ -28,6 +29,7 @@ QUANTS = ("int8", "fp32")
 _lock = threading.Lock()  # numba's workqueue threading layer aborts on concurrent launches
 _numba = None  # the cpu_numba module once imported; False when unavailable
 _threads = None  # set_num_threads's value; numba's own setting is per calling thread
+_applied = threading.local()  # .n: the count last applied on this calling thread
 
 
 def _kernels():
@@ -48,10 +50,16 @@ def _kernels():
 
 
 def _use_threads(kern) -> int:
-    """Applies set_num_threads's value on the calling thread; returns the thread count."""
-    if _threads is not None and kern.numba.get_num_threads() != _threads:
-        kern.numba.set_num_threads(_threads)
-    return kern.numba.get_num_threads()
+    """Applies set_num_threads's value on the calling thread; returns the thread count.
+
+    Remembered per thread: numba's get/set calls cost tens of microseconds when the caches
+    are cold, as they are between two layers' FFNs."""
+    applied = getattr(_applied, "n", None)
+    if applied is None or (_threads is not None and applied != _threads):
+        if _threads is not None:
+            kern.numba.set_num_threads(_threads)
+        applied = _applied.n = kern.numba.get_num_threads()
+    return applied
 
 
 def available() -> bool:
@@ -114,17 +122,20 @@ class CpuFfnRows:
     @classmethod
     def from_dense(cls, gate: torch.Tensor | None, up: torch.Tensor, down_t: torch.Tensor,
                    quant: str = "int8") -> "CpuFfnRows":
-        """Copy float rows [n, d] (any float dtype, any device) into the kernel's storage."""
+        """Copy float rows [n, d] (any float dtype, any device) into the kernel's storage
+        (on huge pages where the OS has them: the kernels read rows at random)."""
         if quant == "int8":
-            gq, gs = quantize_rows_int8(gate) if gate is not None else (None, None)
-            uq, us = quantize_rows_int8(up)
-            dq, ds = quantize_rows_int8(down_t)
+            def quantize(t):
+                if t is None:
+                    return None, None
+                return quantize_rows_int8(t, out_q=host_memory.empty(t.shape, torch.int8))
+
+            (gq, gs), (uq, us), (dq, ds) = quantize(gate), quantize(up), quantize(down_t)
             return cls(gq, uq, dq, gs, us, ds, quant="int8")
         if quant == "fp32":
             def copy(t):
-                return t.to(device="cpu", dtype=torch.float32, copy=True).contiguous()
-            return cls(copy(gate) if gate is not None else None, copy(up), copy(down_t),
-                       quant="fp32")
+                return host_memory.copy_of(t.to("cpu"), torch.float32) if t is not None else None
+            return cls(copy(gate), copy(up), copy(down_t), quant="fp32")
         raise ValueError(f"unknown quant {quant!r}; expected one of {QUANTS}")
 
     @property
@@ -153,7 +164,7 @@ class CpuFfnRows:
             raise IndexError(f"neuron ids out of range [0, {self.n_neurons})")
 
         def pick(t):
-            return t.index_select(0, ids) if t is not None else None
+            return host_memory.gather_rows(t, ids) if t is not None else None
 
         return CpuFfnRows(pick(self.gate), pick(self.up), pick(self.down_t),
                           pick(self.gate_scale), pick(self.up_scale), pick(self.down_scale),
@@ -194,14 +205,22 @@ def _check_call(x, rows, activation, out_acts, k):
         raise ValueError(f"out_acts: expected contiguous CPU fp32 [{k}]")
 
 
+def _numpy(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """t as a contiguous CPU numpy array of dtype: a view when it already is one (the
+    usual case, and a conversion costs tens of microseconds when caches are cold)."""
+    if t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() and not t.requires_grad:
+        return t.numpy()
+    return t.detach().to(device="cpu", dtype=dtype).contiguous().numpy()
+
+
 def _ids(name, t):
     if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name}: expected int32/int64 [k], got {t.dtype} {tuple(t.shape)}")
-    return t.detach().to(device="cpu", dtype=torch.int64).contiguous().numpy()
+    return _numpy(t, torch.int64)
 
 
 def _launch(kern, x, rows, idx, pred, pred_ids, pthr, activation, act_threshold, acts):
-    xn = x.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+    xn = _numpy(x, torch.float32)
     gate, gate_s, up, up_s, down, down_s = rows._numpy_views()
     use_idx, use_pred = idx is not None, pred is not None
     k = idx.shape[0] if use_idx else rows.n_neurons
@@ -270,7 +289,7 @@ def sparse_ffn_predicted(x: torch.Tensor, rows: CpuFfnRows, pred_logits: torch.T
         if out_acts is not None:
             out_acts.zero_().index_copy_(0, active, acts)
         return y
-    pred = pred_logits.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+    pred = _numpy(pred_logits, torch.float32)
     acts = out_acts.numpy() if out_acts is not None else np.empty(n, dtype=np.float32)
     return _launch(kern, x, rows, None, pred, ids, pred_threshold, activation, act_threshold, acts)
 
@@ -302,7 +321,7 @@ def sparse_ffn_batch(xs: torch.Tensor, rows: CpuFfnRows, active: torch.Tensor | 
                                          out_acts[s] if out_acts is not None else None,
                                          scales=rows._scales())
         return ys
-    xn = xs.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+    xn = _numpy(xs, torch.float32)
     acts = out_acts.numpy() if out_acts is not None else np.empty((T, k), dtype=np.float32)
     gate, gate_s, up, up_s, down, down_s = rows._numpy_views()
     with _lock:

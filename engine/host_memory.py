@@ -1,0 +1,60 @@
+"""Large CPU tensors on transparent huge pages.
+
+The cold FFN rows are read a few KB at a time at random places across hundreds of MB. With
+4 KB pages almost every row read misses the TLB and walks the page tables, and between two
+FFN calls the rest of the model streams through the caches and evicts the page-table
+entries too, so the walk itself goes to DRAM. With 2 MB pages a 7B layer's cold rows fit in
+the TLB. Measured on a 2-core EPYC (bench.ffn's 7B int8 layer, 10% active): 0.83 -> 0.69 ms.
+
+Linux only, where the kernel honours `madvise(MADV_HUGEPAGE)` (transparent_hugepage
+"always" or "madvise"); elsewhere, for small tensors, or when the mapping fails, a plain
+`torch.empty`. The memory is an anonymous private mapping owned by the tensor: it is
+unmapped when the last view of the tensor goes.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+
+import numpy as np
+import torch
+
+HUGE_PAGE = 2 << 20
+# Below one huge page there is nothing to gain and up to 2 MB of address space to pad.
+MIN_BYTES = HUGE_PAGE
+_SUPPORTED = hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_PRIVATE")
+
+
+def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised contiguous CPU tensor, huge-page backed when it is large enough."""
+    shape = tuple(int(s) for s in shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < MIN_BYTES or not _SUPPORTED:
+        return torch.empty(shape, dtype=dtype)
+    try:
+        # one page of slack to start the tensor on a huge-page boundary
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:
+        return torch.empty(shape, dtype=dtype)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # THP compiled out: ordinary pages, still correct
+        pass
+    raw = np.frombuffer(region, dtype=np.uint8)  # the array keeps the mapping alive
+    start = (-raw.ctypes.data) % HUGE_PAGE
+    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
+
+
+def copy_of(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A contiguous CPU copy of t (converted to dtype if given) in `empty`'s memory."""
+    out = empty(t.shape, dtype or t.dtype)
+    out.copy_(t.detach())
+    return out
+
+
+def gather_rows(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """t[ids] for a CPU tensor of rows t [n, ...] into `empty`'s memory."""
+    out = empty((ids.numel(),) + tuple(t.shape[1:]), t.dtype)
+    torch.index_select(t, 0, ids, out=out)
+    return out

@@ -1,0 +1,78 @@
+"""Huge-page backed CPU tensors: same contents and semantics as torch.empty's, and on Linux
+with transparent huge pages enabled, really backed by huge pages."""
+
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import host_memory
+from engine.kernels import cpu
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _thp_mode() -> str | None:
+    try:
+        return THP.read_text().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _anon_huge_kb(address: int) -> int:
+    """AnonHugePages of the mapping holding `address`, from /proc/self/smaps."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float32, torch.bfloat16])
+def test_large_tensor_is_aligned_writable_and_copies_exactly(dtype):
+    src = torch.randn(1024, 3000).to(dtype)  # > 2 MB in every dtype
+    t = host_memory.copy_of(src)
+    assert t.shape == src.shape and t.dtype == dtype and t.is_contiguous()
+    assert torch.equal(t, src)
+    if host_memory._SUPPORTED:
+        assert t.data_ptr() % host_memory.HUGE_PAGE == 0
+    before = src.clone()
+    t[3, 5] = 7  # writable, and a copy
+    assert torch.equal(src, before) and t[3, 5] == 7
+
+
+def test_small_tensor_and_gather_rows():
+    src = torch.randn(64, 16)
+    assert host_memory.empty((4, 4), torch.float32).shape == (4, 4)
+    ids = torch.tensor([5, 0, 63, 5])
+    assert torch.equal(host_memory.gather_rows(src, ids), src[ids])
+    big = torch.randn(4096, 512)
+    ids = torch.randperm(4096)[:2048]
+    assert torch.equal(host_memory.gather_rows(big, ids), big[ids])
+
+
+def test_mapping_outlives_its_views():
+    t = host_memory.copy_of(torch.arange(1 << 20, dtype=torch.float32))
+    view = t[10:20].numpy()
+    del t
+    gc.collect()
+    assert view.tolist() == list(range(10, 20))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or _thp_mode() not in ("always", "madvise"),
+                    reason="transparent huge pages are not available")
+def test_cold_rows_are_on_huge_pages():
+    d, n = 1024, 8192  # 8 MB of int8 per matrix
+    w = torch.randn(n, d)
+    rows = cpu.CpuFfnRows.from_dense(w, w, w, quant="int8")
+    assert _anon_huge_kb(rows.up.data_ptr()) >= 2048
+    picked = rows.select(torch.arange(0, n, 2))
+    assert _anon_huge_kb(picked.down_t.data_ptr()) >= 2048
