@@ -431,3 +431,30 @@ def test_bench_ffn_smoke():
         assert r["dense_ms"] > 0 and r["sparse_ms"] > 0 and r["touched_gbps"] > 0
         assert abs(r["fired"] - r["active_measured"]) < 0.05  # the drawn set fires
     assert report["targets"]["quant"] == "int8"
+
+
+_FIRST_ANSWER_PROBE = textwrap.dedent("""
+    from engine import Engine
+    from engine.kernels import cpu
+    from engine.sampling import SamplingParams
+
+    kern = cpu._kernels()
+    fns = (kern.matvec_rows, kern.combine_rows, kern.ffn_rows)
+    for mode in ("dense", "hybrid"):
+        eng = Engine.load("demo", mode=mode)
+        before = [len(f.signatures) for f in fns]
+        for _ in eng.stream("Mr. Darcy", SamplingParams(max_new_tokens=3)):
+            pass
+        new = [f.__name__ for f, n in zip(fns, before) if len(f.signatures) != n]
+        print(mode, ",".join(new) or "-")
+""")
+
+
+@needs_numba
+def test_engine_load_prepares_every_kernel_the_first_answer_runs():
+    """Loading a model brings in every kernel specialisation decoding uses, so the first
+    answer does not pay numba's compile or cache load (about 250 ms on the demo)."""
+    out = subprocess.run([sys.executable, "-c", _FIRST_ANSWER_PROBE], capture_output=True,
+                         text=True, timeout=600, cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["dense", "-", "hybrid", "-"], out.stdout

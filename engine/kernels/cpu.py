@@ -357,9 +357,11 @@ def warmup(quants: tuple[str, ...] = QUANTS, batch: bool = False, dense: bool = 
         sparse_ffn(x, rows, torch.tensor([1, 5]), "relu")
         if batch:
             sparse_ffn_batch(w[:2, 0], rows, torch.tensor([1, 5]), "relu")
-    if dense:
-        matvec(x, w[0].contiguous())
-        combine(x, w[0].contiguous())
+    if dense:  # directly: matvec/combine leave matrices this small to torch
+        wn, xn = w[0].contiguous().numpy(), x.numpy()
+        with _lock:
+            kern.matvec_rows(wn, xn, 1)
+            kern.combine_rows(xn, wn, 1)
     fns = ((kern.ffn_rows, kern.quantize_rows_int8) + ((kern.ffn_rows_batch,) if batch else ())
            + ((kern.matvec_rows, kern.combine_rows) if dense else ()))
     return {"seconds": time.perf_counter() - t0,
