@@ -83,11 +83,12 @@ class DownloadControl:
         if self.cancelled:
             raise DownloadCancelled("download cancelled; partial files are kept and the next download resumes them")
 
-    def sleep(self, seconds: float) -> None:
-        """Wait between retries, waking early on cancel."""
+    def sleep(self, seconds: float, on_pause=None, on_resume=None) -> None:
+        """Wait between retries, waking early on cancel; a pause that falls in the wait is
+        reported through the same callbacks as `checkpoint`'s."""
         if seconds > 0:
             self._cancelled.wait(seconds)
-        self.checkpoint()
+        self.checkpoint(on_pause, on_resume)
 
 
 class ProgressMeter:

@@ -138,5 +138,5 @@ def fetch_file(url: str, part: Path, remote: RemoteFile, *, headers: dict, meter
             meter.flush()
             meter.emit("retry", remote.name, file_done=pos, file_total=remote.size,
                        message=f"{exc.__class__.__name__}: resuming at byte {pos}")
-            control.sleep(retry_delay * max(failures, 1) if not progressed else 0)
+            control.sleep(retry_delay * max(failures, 1) if not progressed else 0, on_pause, on_resume)
     return hasher.hexdigest()

@@ -134,6 +134,28 @@ def test_cancel_keeps_partial_and_pause_resume_completes(hub, env):
     assert (result.model_dir / WEIGHTS).read_bytes() == files[WEIGHTS]
 
 
+def test_a_pause_during_a_retry_wait_is_reported(hub, env):
+    """Pausing while a cut transfer waits to retry says so (and says when it resumes), with
+    the bytes kept so far, like a pause mid-stream."""
+    files = hub.add_repo(HubRepo(REPO, tiny_model_files(weight_bytes=600_000))).files
+    hub.cut_after[WEIGHTS] = 250_000
+    control = DownloadControl()
+    events = []
+
+    def pause_on_retry(event):
+        events.append(event)
+        if event.kind == "retry" and event.filename == WEIGHTS:
+            control.pause()
+            threading.Timer(0.2, control.resume).start()
+
+    result = download_model(REPO, progress=pause_on_retry, control=control, retry_delay=0)
+    kinds = [e.kind for e in events]
+    assert kinds.index("retry") < kinds.index("paused") < kinds.index("resumed") < kinds.index("done")
+    paused = events[kinds.index("paused")]
+    assert (paused.filename, paused.file_done) == (WEIGHTS, 250_000)
+    assert (result.model_dir / WEIGHTS).read_bytes() == files[WEIGHTS]
+
+
 def test_a_server_that_keeps_failing_gives_up_and_keeps_the_partial_file(hub, env):
     hub.add_repo(HubRepo(REPO, tiny_model_files(weight_bytes=300_000)))
     hub.cut_after[WEIGHTS] = 0  # the first transfer sends nothing
