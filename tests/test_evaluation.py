@@ -134,3 +134,25 @@ def test_cli_json(trained, capsys):
                 "predicted_sparsity", "greedy_agreement", "per_layer"):
         assert key in report
     assert report["ppl_oracle"] == pytest.approx(report["ppl_dense"], rel=1e-5)
+    assert report["cpu_weights"] == "int8"
+
+
+def test_cli_fp32_rows_score_the_checkpoint_exactly(trained, capsys):
+    """With --cpu-weights fp32 the dense perplexity is the checkpoint's own: that of a plain
+    dense engine over the same windows. With int8 rows (the default) it is not."""
+    model, heldout = trained
+    args = ["eval", "--model", str(model), "--corpus", str(heldout), "--max-tokens", "128",
+            "--window", str(WINDOW), "--json"]
+    assert cli_main(args + ["--cpu-weights", "fp32"]) == 0
+    exact = json.loads(capsys.readouterr().out)
+    assert cli_main(args) == 0
+    int8 = json.loads(capsys.readouterr().out)
+    dense = Engine.load(model, ctx=WINDOW)
+    nll = count = 0
+    for ids in corpus_windows(dense.tokenizer, heldout.read_text(), WINDOW, 128):
+        logits = dense.score(ids)[:-1].float()
+        nll += float(F.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum"))
+        count += len(ids) - 1
+    assert exact["cpu_weights"] == "fp32" and exact["tokens"] == count
+    assert exact["ppl_dense"] == pytest.approx(math.exp(nll / count), rel=1e-5)
+    assert int8["ppl_dense"] != pytest.approx(math.exp(nll / count), rel=1e-7)

@@ -16,6 +16,9 @@ def register(subparsers) -> None:
     parser.add_argument("--window", type=int, default=256, help="tokens per scored window")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cpu)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads")
+    parser.add_argument("--cpu-weights", default="int8", choices=("int8", "fp32"),
+                        help="format of the FFN rows on the CPU, shared by all three scorings "
+                             "(int8: as chat runs; fp32: the checkpoint's exact rows)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
 
@@ -28,14 +31,14 @@ def run(args) -> int:
     if args.max_tokens < 2 or args.window < 2:
         raise UserError("--max-tokens and --window must be at least 2")
     engine = Engine.load(args.model, mode="sparse", ctx=args.window, device=args.device,
-                         threads=args.threads)
+                         threads=args.threads, cold_quant=args.cpu_weights)
     bar = ProgressBar("eval", quiet=args.json)
     report = evaluate(engine, args.corpus, EvalSettings(args.max_tokens, args.window), progress=bar)
     bar.done()
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"{report['tokens']} tokens of held-out text")
+    print(f"{report['tokens']} tokens of held-out text, FFN rows on the CPU in {report['cpu_weights']}")
     print(f"perplexity dense {report['ppl_dense']:.3f}  sparse {report['ppl_sparse']:.3f} "
           f"({report['ppl_sparse_ratio']:.4f}x)  oracle {report['ppl_oracle']:.3f}")
     print(f"greedy agreement sparse vs dense {report['greedy_agreement'] * 100:.1f}%")
