@@ -352,3 +352,16 @@ def test_impossible_budget_is_explained_in_the_panel(qtbot, tmp_path, hybrid_mod
         qtbot.waitUntil(lambda: p.verdict.text().startswith("Fits"), timeout=10_000)
     finally:
         close_window(w)
+
+
+def test_budget_slider_never_rounds_a_budget_down(qtbot):
+    """A suggested budget of less than one slider step (a tiny model's RAM) must not
+    become 0, which could no longer hold it."""
+    from app.gui.budget_panel import STEP, BudgetSlider
+
+    slider = BudgetSlider("RAM", "")
+    qtbot.addWidget(slider)
+    slider.set_total(8 * STEP)
+    for wanted in (1, 483_248, STEP, STEP + 1, 3 * STEP - 5):
+        slider.set_value(wanted)
+        assert wanted <= slider.value() < wanted + STEP

@@ -103,9 +103,10 @@ class BudgetSlider(QWidget):
         self._label()
 
     def set_value(self, n: int) -> None:
-        """Set without emitting (restoring saved or suggested budgets)."""
+        """Set without emitting (restoring saved or suggested budgets). Rounds up to the
+        slider's step: a budget rounded down may no longer hold what it was chosen for."""
         self._quiet = True
-        self.slider.setValue(int(round(n / STEP)))
+        self.slider.setValue(-(-int(n) // STEP))
         self._quiet = False
         self._label()
 
