@@ -123,7 +123,7 @@ class Engine:
                                        device, progress, cold_quant)
         dev = torch.device(device or "cpu")
         model_obj = load_transformer(model_dir, config, [dev] * config.num_layers, dev, ctx, progress)
-        cache = cls.make_cache(config, ctx, [dev] * config.num_layers, [model_obj.layers[0].qkv.dtype] * config.num_layers)
+        cache = cls.make_cache(config, ctx, [dev] * config.num_layers, [model_obj.layers[0].dtype] * config.num_layers)
         return cls(model_dir, config, tokenizer, model_obj, cache, mode, ctx,
                    cls.eos_from(model_dir, config, tokenizer), cls.defaults_from(model_dir))
 
@@ -278,9 +278,7 @@ class Engine:
         if self.sparse is not None:
             return self.sparse.memory()
         m = self.model
-        total = sum(t.numel() * t.element_size() for t in (m.embed, m.final_norm.weight))
-        if m.lm_head.data_ptr() != m.embed.data_ptr():
-            total += m.lm_head.numel() * m.lm_head.element_size()
+        total = sum(t.numel() * t.element_size() for t in (m.embed, m.final_norm.weight)) + m.head_nbytes
         total += sum(layer.dense_nbytes + layer.ffn.nbytes for layer in m.layers) + self.cache.nbytes
         on_gpu = m.layers[0].device.type != "cpu"
         return {"vram_bytes": total if on_gpu else 0, "ram_bytes": 0 if on_gpu else total,

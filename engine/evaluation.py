@@ -3,9 +3,9 @@
 The same token windows are scored (teacher forcing) three ways by one sparse-loaded engine:
 `dense` (every neuron), `sparse` (the predictors choose, skipped neurons give 0) and `oracle`
 (exactly the neurons that fire: must equal dense, a check of the sparse path itself).
-All three read the same FFN rows (int8 on the CPU unless the engine was loaded with
+All three read the same weights (the CPU tier's in int8 unless the engine was loaded with
 cold_quant="fp32"), so the sparse/dense ratio measures the predictors alone; `cpu_weights`
-in the report says which rows were read.
+in the report says which were read.
 
 - ppl_*: exp of the mean next-token negative log-likelihood over all scored positions.
 - greedy_agreement: share of positions where sparse and dense pick the same greedy (argmax)

@@ -11,7 +11,7 @@ from .arch import falcon, llama
 from .arch.common import Converter, Placement
 from .config import ModelConfig
 from .errors import UserError
-from .model import Transformer
+from .model import Layer, Transformer
 from .rope import RotaryTable
 from .weights import WeightSource
 
@@ -41,10 +41,12 @@ def compute_dtype(device: torch.device, storage: torch.dtype) -> torch.dtype:
 
 def load_transformer(model_dir: Path, config: ModelConfig, layer_devices: list[torch.device],
                      head_device: torch.device, ctx: int, progress: Progress | None = None,
-                     ffn_builder: Callable[[int, object], object] | None = None) -> Transformer:
+                     ffn_builder: Callable[[int, object], object] | None = None,
+                     on_layer: Callable[[int, Layer], None] | None = None) -> Transformer:
     """Load every layer onto its device. With `ffn_builder`, FFN rows are staged on the CPU
     in fp32 and handed over layer by layer (the sparse engine splits them into tiers), so
-    the whole dense FFN never sits in memory at once."""
+    the whole dense FFN never sits in memory at once; `on_layer` may then convert the rest
+    of the layer the same way (the sparse engine's int8 CPU tier)."""
     source = WeightSource(model_dir)
     storage = source.dtype()
     conv = Converter(source, config)
@@ -60,6 +62,8 @@ def load_transformer(model_dir: Path, config: ModelConfig, layer_devices: list[t
         layer = family.load_layer(conv, i, where, cpu if ffn_builder else None)
         if ffn_builder is not None:
             layer.ffn = ffn_builder(i, layer.ffn)
+        if on_layer is not None:
+            on_layer(i, layer)
         layers.append(layer)
     devices = set(layer_devices) | {head_device}
     rotary = {d: RotaryTable(config.rope, config.head_dim, ctx, compute_dtype(d, storage), d) for d in devices}

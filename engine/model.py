@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from .config import ModelConfig
 from .kernels import cpu as cpu_kernels
 from .kv_cache import KVCache
+from .quantized import Int8Matrix, matrix_nbytes
 from .rope import RotaryTable, apply_rotary
 
 # Called per layer with (layer index, predictor input [T, d], true FFN activations [T, n_ff]).
@@ -43,17 +44,21 @@ class Norm:
         return _nbytes(self.weight, self.bias)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | Int8Matrix, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, d] @ weight[n, d]^T (+ bias). One token on the CPU goes through our own
-    matrix-vector kernel, which streams the weights about twice as fast as torch's."""
-    if x.shape[0] == 1 and x.device.type == "cpu" and x.dtype == torch.float32:
+    matrix-vector kernel, which streams the weights about twice as fast as torch's; int8
+    matrices (the CPU tier's, see engine.quantized) through their own product."""
+    if isinstance(weight, Int8Matrix):
+        out = weight.linear(x)
+    elif x.shape[0] == 1 and x.device.type == "cpu" and x.dtype == torch.float32:
         out = cpu_kernels.matvec(x[0], weight)[None]
-        return out + bias if bias is not None else out
-    return F.linear(x, weight, bias)
+    else:
+        return F.linear(x, weight, bias)
+    return out + bias if bias is not None else out
 
 
-def _nbytes(*tensors: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+def _nbytes(*tensors: torch.Tensor | Int8Matrix | None) -> int:
+    return sum(matrix_nbytes(t) for t in tensors)
 
 
 def activate(activation: str, threshold: float, up_pre: torch.Tensor, gate_pre: torch.Tensor | None) -> torch.Tensor:
@@ -125,13 +130,18 @@ class DenseFfn:
 class Layer:
     attn_norm: Norm
     mlp_norm: Norm | None  # None: the MLP reads the attention norm's output (Falcon parallel, 1 LN)
-    qkv: torch.Tensor      # [(heads + 2 kv_heads) * head_dim, d], rows q | k | v
+    qkv: torch.Tensor | Int8Matrix  # [(heads + 2 kv_heads) * head_dim, d], rows q | k | v
     qkv_bias: torch.Tensor | None
-    out: torch.Tensor      # [d, heads * head_dim]
+    out: torch.Tensor | Int8Matrix  # [d, heads * head_dim]
     out_bias: torch.Tensor | None
     ffn: object            # DenseFfn or a sparse FFN with the same call signature
     parallel: bool         # Falcon: attention and MLP both read the layer input
     device: torch.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the layer computes in (int8 matrices compute in their norm's fp32)."""
+        return self.attn_norm.weight.dtype
 
     @property
     def dense_nbytes(self) -> int:
@@ -142,7 +152,7 @@ class Layer:
 
 class Transformer:
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[Layer], final_norm: Norm,
-                 lm_head: torch.Tensor, rotary: dict[torch.device, RotaryTable]):
+                 lm_head: torch.Tensor | Int8Matrix, rotary: dict[torch.device, RotaryTable]):
         self.config = config
         self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
         self.rotary = rotary
@@ -155,6 +165,12 @@ class Transformer:
     def head_device(self) -> torch.device:
         return self.lm_head.device
 
+    @property
+    def head_nbytes(self) -> int:
+        """Bytes of the output head beyond the embeddings (0 when it is them: tied, same tier)."""
+        shared = isinstance(self.lm_head, torch.Tensor) and self.lm_head.data_ptr() == self.embed.data_ptr()
+        return 0 if shared else matrix_nbytes(self.lm_head)
+
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, start: int, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
         """Run tokens `ids` [T] at positions start.. ; returns logits [T or 1, vocab] (fp32)."""
@@ -163,8 +179,8 @@ class Transformer:
         x = self.embed[ids.to(self.embed.device)]
         mask = cache.mask(start, count)
         for index, layer in enumerate(self.layers):
-            if x.device != layer.device or x.dtype != layer.qkv.dtype:  # the hidden state crosses tiers
-                x = x.to(layer.device, layer.qkv.dtype)
+            if x.device != layer.device or x.dtype != layer.dtype:  # the hidden state crosses tiers
+                x = x.to(layer.device, layer.dtype)
             x = self._layer(index, layer, x, start, cache, mask)
         if not all_logits:
             x = x[-1:]

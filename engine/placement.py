@@ -49,6 +49,8 @@ class ModelBytes:
     n_layers: int
     vocab: int
     attention_params: int  # per layer: q, k, v, o and their biases
+    attention_rows: int    # per layer: rows of the qkv and output matrices (one int8 scale each)
+    attention_bias_params: int  # per layer: the part of attention_params that is biases
     norm_params: int       # per layer
     final_norm_params: int
     kv_per_position: int   # per layer: 2 (k, v) * kv_heads * head_dim
@@ -61,9 +63,11 @@ class ModelBytes:
         layer_norm = config.norm_kind == "layer"  # LayerNorm has a bias
         one_norm = config.parallel_attn and config.num_ln_in_parallel_attn == 1
         q_kv_rows = (config.num_heads + 2 * config.num_kv_heads) * hd
+        bias = (q_kv_rows + d) if config.attention_bias else 0
         return cls(
             d=d, n_ff=config.intermediate_size, n_layers=config.num_layers, vocab=config.vocab_size,
-            attention_params=q_kv_rows * d + d * config.num_heads * hd + ((q_kv_rows + d) if config.attention_bias else 0),
+            attention_params=q_kv_rows * d + d * config.num_heads * hd + bias,
+            attention_rows=q_kv_rows + d, attention_bias_params=bias,
             norm_params=(2 if layer_norm else 1) * d * (1 if one_norm else 2),
             final_norm_params=(2 if layer_norm else 1) * d,
             kv_per_position=2 * config.num_kv_heads * hd,
@@ -72,9 +76,14 @@ class ModelBytes:
         )
 
 
-COLD_INT8 = "int8"  # int8 rows with one fp32 scale per row
-CPU_BYTES = 4       # fp32: dense parts, KV cache and fp32 rows on the CPU
+COLD_INT8 = "int8"  # CPU weights as int8 rows with one fp32 scale per row
+CPU_BYTES = 4       # fp32: norms, biases, predictors, KV cache, and fp32 weights on the CPU
 INDEX_BYTES = 8     # the int64 id kept with every hot and cold neuron
+
+
+def cpu_matrix_bytes(params: int, rows: int, cold_quant: str) -> int:
+    """Bytes of weight matrices on the CPU tier: int8 values and an fp32 scale per row, or fp32."""
+    return params + rows * CPU_BYTES if cold_quant == COLD_INT8 else params * CPU_BYTES
 
 
 def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: list[np.ndarray], ctx: int,
@@ -84,24 +93,28 @@ def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: l
 
     Fast tier: the output head (its own copy even when tied to the embeddings), each
     layer's attention, norms, predictor and KV cache, hot neurons (rows + id). CPU tier:
-    the embeddings (always), whatever of those did not fit in fp32, cold neurons (int8
-    rows + fp32 scale + id, or fp32 rows + id).
+    the embeddings (always, fp32), whatever of those did not fit, cold neurons (rows +
+    id). On the CPU tier the weight matrices (attention, an untied head, FFN rows) are
+    int8 rows with an fp32 scale each when cold_quant is int8, else fp32; the rest is fp32.
     """
     layers = []
+    attention_matrices = model.attention_params - model.attention_bias_params
     for params in predictor_params:
         dense = model.attention_params + model.norm_params + params
+        dense_cpu = (cpu_matrix_bytes(attention_matrices, model.attention_rows, cold_quant)
+                     + (model.attention_bias_params + model.norm_params + params) * CPU_BYTES)
         kv = model.kv_per_position * ctx
-        layers.append(LayerCost(dense * fast_weight_bytes, dense * CPU_BYTES, kv * fast_kv_bytes, kv * CPU_BYTES))
+        layers.append(LayerCost(dense * fast_weight_bytes, dense_cpu, kv * fast_kv_bytes, kv * CPU_BYTES))
     rows = model.ffn_matrices
-    neuron_cpu = rows * (model.d + 4) if cold_quant == COLD_INT8 else rows * model.d * CPU_BYTES
     head = model.vocab * model.d
+    head_cpu = 0 if model.tied_embeddings else cpu_matrix_bytes(head, model.vocab, cold_quant)
     return PlacementProblem(
         layers=layers,
         frequencies=frequencies,
         neuron_fast=rows * model.d * fast_weight_bytes + INDEX_BYTES,
-        neuron_cpu=neuron_cpu + INDEX_BYTES,
+        neuron_cpu=cpu_matrix_bytes(rows * model.d, rows, cold_quant) + INDEX_BYTES,
         head_fast=(head + model.final_norm_params) * fast_weight_bytes,
-        head_cpu=(model.final_norm_params + (0 if model.tied_embeddings else head)) * CPU_BYTES,
+        head_cpu=model.final_norm_params * CPU_BYTES + head_cpu,
         embed_cpu=head * CPU_BYTES,
         fast_device=fast_device,
     )

@@ -25,8 +25,9 @@ from .hybrid_ffn import ColdRows, FfnCounters, HotRows, HybridFfn
 from .kernels import cpu as cpu_kernels
 from .loader import compute_dtype, load_transformer
 from .model import DenseFfn, Transformer
-from .placement import ModelBytes, Placement, PlacementProblem, build_problem, solve
+from .placement import COLD_INT8, ModelBytes, Placement, PlacementProblem, build_problem, solve
 from .predictors import PredictorSet
+from .quantized import Int8Matrix
 from .units import format_size
 from .weights import WeightSource
 
@@ -216,15 +217,29 @@ class SparseRuntime:
                 self._move_neurons(layer.ffn, new_ids)
         self.plan = plan
 
-    def _head_weights(self, on_fast: bool) -> torch.Tensor:
+    def _head_weights(self, on_fast: bool) -> torch.Tensor | Int8Matrix:
         """The output head for its tier. A tied head shares the embeddings on the CPU tier;
         on the fast tier it is its own copy, even when the CPU stands in for the GPU, so
         the bytes are those a GPU would hold."""
         model = self.model
         device, dtype = self._where(on_fast)
         if not self.config.tie_word_embeddings:
-            return model.lm_head.to(device, dtype)
+            return self._tier_matrix(model.lm_head, on_fast)
         return model.embed.to(device, dtype, copy=True) if on_fast else model.embed
+
+    def _tier_matrix(self, w: torch.Tensor | Int8Matrix, on_fast: bool) -> torch.Tensor | Int8Matrix:
+        """A dense weight matrix in its tier's storage: the fast tier's dtype, or on the CPU
+        tier fp32, or int8 rows when the CPU weights are int8 (a quarter of the bytes to
+        read per token)."""
+        if not on_fast and self.cold_quant == COLD_INT8:
+            return w if isinstance(w, Int8Matrix) else Int8Matrix.quantize(w)
+        device, dtype = self._where(on_fast)
+        return w.to_dense(device, dtype) if isinstance(w, Int8Matrix) else w.to(device, dtype)
+
+    def convert_layer_dense(self, layer, on_fast: bool) -> None:
+        """The attention matrices of a freshly loaded layer into its tier's storage."""
+        layer.qkv = self._tier_matrix(layer.qkv, on_fast)
+        layer.out = self._tier_matrix(layer.out, on_fast)
 
     def _ensure_rotary(self, device: torch.device, dtype: torch.dtype) -> None:
         if device not in self.model.rotary:
@@ -236,7 +251,8 @@ class SparseRuntime:
     def _move_layer_dense(self, i: int, to_fast: bool) -> None:
         device, dtype = self._where(to_fast)
         layer = self.model.layers[i]
-        for name in ("qkv", "qkv_bias", "out", "out_bias"):
+        self.convert_layer_dense(layer, to_fast)
+        for name in ("qkv_bias", "out_bias"):
             t = getattr(layer, name)
             if t is not None:
                 setattr(layer, name, t.to(device, dtype))
@@ -305,9 +321,7 @@ class SparseRuntime:
         def nb(*tensors):
             return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
-        head = nb(model.final_norm.weight, model.final_norm.bias)
-        if model.lm_head.data_ptr() != model.embed.data_ptr():
-            head += nb(model.lm_head)
+        head = nb(model.final_norm.weight, model.final_norm.bias) + model.head_nbytes
         tiers = {"fast_dense": 0, "fast_kv": 0, "fast_ffn": 0, "cpu_dense": nb(model.embed), "cpu_kv": 0,
                  "cpu_ffn": 0}
         tiers["fast_dense" if plan.head_on_fast else "cpu_dense"] += head
@@ -382,6 +396,7 @@ def build_sparse_engine(engine_cls, model_dir: Path, config: ModelConfig, tokeni
     model = load_transformer(
         model_dir, config, layer_devices, head_device, ctx, progress,
         ffn_builder=lambda i, dense: runtime.split_ffn(i, dense, plan.hot_ids[i]),
+        on_layer=lambda i, layer: runtime.convert_layer_dense(layer, plan.layer_on_fast[i]),
     )
     if predictors is not None:
         for i, on_fast in enumerate(plan.layer_on_fast):

@@ -3,8 +3,8 @@
 The rules themselves live in `engine.placement` (torch-free, so this package may use
 them): fast device first for the output head, then each layer's attention, norms,
 predictor and KV cache in layer order, then, once every layer's dense part is there, hot
-FFN neurons; the CPU keeps the embeddings and everything else, cold neurons as int8 rows
-with one fp32 scale per row. `BytesModel` says how many bytes an element takes on each
+FFN neurons; the CPU keeps the embeddings and everything else, its weight matrices
+(attention, an untied head, cold FFN rows) as int8 rows with one fp32 scale per row. `BytesModel` says how many bytes an element takes on each
 tier. Predictor sizes come from the model's `thermocline/predictors.safetensors` header
 when there is one, else rank 1024.
 
@@ -60,8 +60,11 @@ class ModelShape:
         q = self.d * self.n_heads * self.head_dim
         kv = 2 * self.d * self.n_kv_heads * self.head_dim
         o = self.n_heads * self.head_dim * self.d
-        bias = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim + self.d if self.attn_bias else 0
-        return q + kv + o + bias
+        return q + kv + o + self.attention_bias_params_per_layer
+
+    @property
+    def attention_bias_params_per_layer(self) -> int:
+        return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim + self.d if self.attn_bias else 0
 
     @property
     def embedding_params(self) -> int:
@@ -146,11 +149,11 @@ def predictor_params_from_file(path: Path) -> list[int] | None:
 
 @dataclass(frozen=True)
 class BytesModel:
-    """Bytes per element on the fast tier, and the CPU format of cold rows."""
+    """Bytes per element on the fast tier, and the CPU tier's format of weight matrices."""
 
     gpu_weight_bytes: int = 2  # fp16 / bf16 on CUDA (a CPU stand-in device holds fp32: 4)
     gpu_kv_bytes: int = 2
-    cold_quant: str = "int8"  # "int8": int8 rows + one fp32 scale per row; "fp32": plain rows
+    cold_quant: str = "int8"  # CPU matrices: "int8" rows + one fp32 scale per row; "fp32"
 
 
 @dataclass
@@ -211,6 +214,8 @@ def placement_bytes(shape: ModelShape) -> ModelBytes:
     return ModelBytes(
         d=shape.d, n_ff=shape.n_ff, n_layers=shape.n_layers, vocab=shape.vocab,
         attention_params=shape.attention_params_per_layer, norm_params=shape.norm_params_per_layer,
+        attention_rows=(shape.n_heads + 2 * shape.n_kv_heads) * shape.head_dim + shape.d,
+        attention_bias_params=shape.attention_bias_params_per_layer,
         final_norm_params=shape.final_norm_params, kv_per_position=2 * shape.n_kv_heads * shape.head_dim,
         ffn_matrices=shape.ffn_matrices, tied_embeddings=shape.tied_embeddings,
     )

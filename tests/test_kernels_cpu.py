@@ -458,3 +458,19 @@ def test_engine_load_prepares_every_kernel_the_first_answer_runs():
                          text=True, timeout=600, cwd=Path(__file__).parent.parent)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["dense", "-", "hybrid", "-"], out.stdout
+
+
+@pytest.mark.parametrize("numba_on", [True, False])
+@pytest.mark.parametrize("n,d", [(1, 8), (300, 1000), (2500, 257)])
+def test_matvec_int8_equals_the_dequantized_product(monkeypatch, numba_on, n, d):
+    if numba_on and not cpu.available():
+        pytest.skip("numba unavailable")
+    if not numba_on:
+        monkeypatch.setattr(cpu, "_numba", False)
+    g = torch.Generator().manual_seed(n + d)
+    q, scale = cpu.quantize_rows_int8(torch.randn(n, d, generator=g))
+    x = torch.randn(d, generator=g)
+    y = cpu.matvec_int8(x, q, scale)
+    ref = (q.double() * scale.double()[:, None]) @ x.double()
+    assert y.dtype == torch.float32 and y.shape == (n,)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))

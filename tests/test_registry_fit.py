@@ -9,7 +9,7 @@ import pytest
 
 from models_registry.catalogue import find_entry
 from models_registry.fit import (
-    VERDICT_FITS, VERDICT_HYBRID, VERDICT_NO, VRAM_RESERVE, estimate_fit, gpu_bytes_for_everything,
+    VERDICT_FITS, VERDICT_HYBRID, VERDICT_NO, VRAM_RESERVE, BytesModel, estimate_fit, gpu_bytes_for_everything,
     place_bytes, predictor_params_from_file, shape_from_config, suggest_budgets,
 )
 from models_registry.hardware import GpuInfo, HardwareInfo
@@ -65,9 +65,13 @@ def test_everything_on_cpu_follows_the_cpu_byte_rules():
     shape = shape_from_config(tiny())
     est = place_bytes(shape, ctx=32, vram_budget=0, ram_budget=1 << 40, predictor_rank=8)
     d, f, L, kvh, hd = 64, 160, 3, 2, 16
-    embed_head_norm = 100 * 64 * 2 + 64
-    dense = embed_head_norm + L * (64 * 64 * 2 + 2 * 64 * kvh * hd + 2 * 64)
-    assert est.dense_cpu_bytes == dense * 4
+    embed_norms = (100 * 64 + 64 + L * 2 * 64) * 4  # fp32
+    head = 100 * (64 + 4)  # untied head: int8 rows, an fp32 scale per row
+    attention = L * (64 * 64 * 2 + 2 * 64 * kvh * hd + (64 + 2 * kvh * hd + 64) * 4)  # same for q|k|v, o
+    assert est.dense_cpu_bytes == embed_norms + head + attention
+    fp32 = place_bytes(shape, ctx=32, vram_budget=0, ram_budget=1 << 40, predictor_rank=8,
+                       bytes_model=BytesModel(cold_quant="fp32"))
+    assert fp32.dense_cpu_bytes == (embed_norms // 4 + 100 * 64 + L * (64 * 64 * 2 + 2 * 64 * kvh * hd)) * 4
     assert est.predictor_cpu_bytes == L * 8 * (d + f) * 4
     assert est.kv_cpu_bytes == L * 2 * 32 * kvh * hd * 4
     assert est.cold_ffn_bytes == L * f * (3 * (d + 4) + 8)  # int8 rows, fp32 scales, int64 ids

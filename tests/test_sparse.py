@@ -13,6 +13,7 @@ import model_factory as mf
 from engine import BudgetError, Engine, SamplingParams
 from engine.activation_stats import ActivationStats
 from engine.predictors import PredictorSet, import_powerinfer_predictors
+from engine.quantized import Int8Matrix
 
 FAMILIES = ["llama", "mistral", "falcon_mq", "falcon_new"]
 PROMPT = [0, 5, 9, 17, 33, 100, 7, 8]
@@ -149,6 +150,29 @@ def test_int8_cold_rows_stay_close_to_dense(llama_dir):
     dense = Engine.load(llama_dir).score(PROMPT)
     int8 = Engine.load(llama_dir, mode="oracle", vram_budget=0, ram_budget=RAM, cold_quant="int8")
     assert (int8.score(PROMPT, "oracle") - dense).abs().max().item() < 0.05
+
+
+@pytest.mark.parametrize("family", ["llama", "falcon_new"])
+def test_int8_cpu_tier_holds_attention_and_head_as_int8_rows(tiny_models, dense_refs, family):
+    """With int8 CPU weights the CPU tier's attention and (untied) head are int8 rows; the
+    logits stay close to the fp32 model's, and a layer promoted to the fast tier and
+    demoted again computes what it computed before."""
+    model = tiny_models[family]
+    engine = Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cold_quant="int8")
+    layers = engine.model.layers
+    assert all(isinstance(layer.qkv, Int8Matrix) and isinstance(layer.out, Int8Matrix) for layer in layers)
+    assert isinstance(engine.model.lm_head, Int8Matrix) != engine.config.tie_word_embeddings
+    before = engine.score(PROMPT, "oracle")
+    assert (before - dense_refs[family][0]).abs().max().item() < 0.05
+    steps = torch.cat([engine.model.forward(torch.tensor([t]), i, engine.cache) for i, t in enumerate(PROMPT)])
+    assert (steps - before).abs().max().item() <= 1e-4  # one token (int8 kernel) = many (torch)
+    engine.set_budgets(vram=vram_for(engine, 0.0))  # every dense part on the fast tier (the CPU here)
+    assert not any(isinstance(layer.qkv, Int8Matrix) for layer in layers)
+    assert (engine.score(PROMPT, "oracle") - before).abs().max().item() <= 1e-4
+    engine.set_budgets(vram=0)
+    assert all(isinstance(layer.qkv, Int8Matrix) for layer in layers)
+    assert (engine.score(PROMPT, "oracle") - before).abs().max().item() <= 1e-5
+    assert engine.memory()["tiers"] == engine.sparse.plan.tier_bytes
 
 
 def test_powerinfer_predictor_import_orders_layers_by_number(tmp_path):

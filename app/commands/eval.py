@@ -17,8 +17,8 @@ def register(subparsers) -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cpu)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads")
     parser.add_argument("--cpu-weights", default="int8", choices=("int8", "fp32"),
-                        help="format of the FFN rows on the CPU, shared by all three scorings "
-                             "(int8: as chat runs; fp32: the checkpoint's exact rows)")
+                        help="format of the weights on the CPU, shared by all three scorings "
+                             "(int8: as chat runs; fp32: the checkpoint's exact weights)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
 
@@ -38,7 +38,7 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"{report['tokens']} tokens of held-out text, FFN rows on the CPU in {report['cpu_weights']}")
+    print(f"{report['tokens']} tokens of held-out text, CPU weights in {report['cpu_weights']}")
     print(f"perplexity dense {report['ppl_dense']:.3f}  sparse {report['ppl_sparse']:.3f} "
           f"({report['ppl_sparse_ratio']:.4f}x)  oracle {report['ppl_oracle']:.3f}")
     print(f"greedy agreement sparse vs dense {report['greedy_agreement'] * 100:.1f}%")

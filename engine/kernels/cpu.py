@@ -359,11 +359,13 @@ def warmup(quants: tuple[str, ...] = QUANTS, batch: bool = False, dense: bool = 
             sparse_ffn_batch(w[:2, 0], rows, torch.tensor([1, 5]), "relu")
     if dense:  # directly: matvec/combine leave matrices this small to torch
         wn, xn = w[0].contiguous().numpy(), x.numpy()
+        q, scale = quantize_rows_int8(w[0])
         with _lock:
             kern.matvec_rows(wn, xn, 1)
             kern.combine_rows(xn, wn, 1)
+            kern.matvec_rows_int8(q.numpy(), scale.numpy(), xn, 1)
     fns = ((kern.ffn_rows, kern.quantize_rows_int8) + ((kern.ffn_rows_batch,) if batch else ())
-           + ((kern.matvec_rows, kern.combine_rows) if dense else ()))
+           + ((kern.matvec_rows, kern.combine_rows, kern.matvec_rows_int8) if dense else ()))
     return {"seconds": time.perf_counter() - t0,
             "cache_hits": sum(sum(f.stats.cache_hits.values()) for f in fns),
             "compiled": sum(sum(f.stats.cache_misses.values()) for f in fns), "numba": True}
@@ -392,6 +394,25 @@ def matvec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.mv(w, x)
     with _lock:
         return torch.from_numpy(kern.matvec_rows(w.numpy(), x.numpy(), _DENSE_CHUNKS_PER_THREAD * _use_threads(kern)))
+
+
+def matvec_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x fp32 [d] times every row of (q int8 [n, d], scale fp32 [n]) -> fp32 [n]: `matvec`
+    over int8 rows. Without numba, torch dequantizes a block of rows at a time."""
+    kern = _kernels()
+    if kern is None:
+        out = torch.empty(q.shape[0], dtype=torch.float32)
+        for lo in range(0, q.shape[0], _DEQUANT_ROWS):
+            hi = min(lo + _DEQUANT_ROWS, q.shape[0])
+            out[lo:hi] = torch.mv(dequantize_rows_int8(q[lo:hi], scale[lo:hi]), x)
+        return out
+    with _lock:
+        return torch.from_numpy(kern.matvec_rows_int8(q.numpy(), scale.numpy(), _numpy(x, torch.float32),
+                                                      _DENSE_CHUNKS_PER_THREAD * _use_threads(kern)))
+
+
+# Rows dequantized at a time where torch computes over int8 rows: bounds the fp32 copy.
+_DEQUANT_ROWS = 2048
 
 
 def combine(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,74 @@
+"""Dense weight matrices kept in int8 on the CPU tier.
+
+A decode step reads every weight of the attention projections and the output head once,
+so on the CPU their bytes set the speed. Stored as int8 rows with one fp32 scale per row
+(the format of the cold FFN rows, `engine.kernels.cpu_quant`), they take a quarter of the
+RAM and of the time of fp32. One token goes through the int8 matrix-vector kernel; many
+tokens (a prefill) through torch on a block of rows dequantized at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .kernels import cpu as cpu_kernels
+from .kernels.cpu_quant import dequantize_rows_int8, quantize_rows_int8
+
+# Rows dequantized per step of a many-token product: bounds the fp32 copy to a few MB.
+_BLOCK_ROWS = 1024
+
+
+@dataclass(eq=False, frozen=True)
+class Int8Matrix:
+    """A weight matrix [n, d]: q int8 [n, d] and scale fp32 [n], row i = q[i] * scale[i]."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> "Int8Matrix":
+        """From a float matrix on any device."""
+        return cls(*quantize_rows_int8(w))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * 4
+
+    def dequantize(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Rows lo..hi as fp32."""
+        return dequantize_rows_int8(self.q[lo:hi], self.scale[lo:hi])
+
+    def to_dense(self, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+        """The whole matrix as a plain tensor (moving to another tier)."""
+        return self.dequantize().to(device, dtype)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x fp32 [T, d] (CPU) @ this^T -> fp32 [T, n]."""
+        x = x.float()
+        if x.shape[0] == 1:
+            return cpu_kernels.matvec_int8(x[0], self.q, self.scale)[None]
+        n = self.q.shape[0]
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        for lo in range(0, n, _BLOCK_ROWS):
+            hi = min(lo + _BLOCK_ROWS, n)
+            out[:, lo:hi] = F.linear(x, self.dequantize(lo, hi))
+        return out
+
+
+def matrix_nbytes(w: torch.Tensor | Int8Matrix | None) -> int:
+    if w is None:
+        return 0
+    if isinstance(w, Int8Matrix):
+        return w.nbytes
+    return w.numel() * w.element_size()
