@@ -385,19 +385,50 @@ def ffn_rows_batch(xs, gate, gate_s, up, up_s, down, down_s, idx, use_idx, gated
 # torch's fp32 [1, d] x [n, d]^T product streams DRAM-resident weights at about 7 GB/s on
 # these machines; a plain row loop split over the threads reaches about 15 GB/s. Every row
 # is used (dense), so rows stream in order and the hardware prefetcher does the rest.
+# Four rows per pass over x: four independent sums keep the vector units busy where one
+# sum waits on its own previous add (int8 rows, converted to fp32 on the fly, went from
+# about 20 to 28 GB/s on a 2-core EPYC; fp32 rows gained 3-14%).
+
+@_njit(inline="always", fastmath=True)
+def _matvec_chunk(w, scale, scaled, x, y, lo, hi):
+    """y[i] = w[i] . x (times scale[i] when `scaled`) for rows lo..hi of w (fp32 or int8)."""
+    d = x.shape[0]
+    i = lo
+    while i + 3 < hi:
+        s0 = np.float32(0.0)
+        s1 = np.float32(0.0)
+        s2 = np.float32(0.0)
+        s3 = np.float32(0.0)
+        for j in range(d):
+            xj = x[j]
+            s0 += np.float32(w[i, j]) * xj
+            s1 += np.float32(w[i + 1, j]) * xj
+            s2 += np.float32(w[i + 2, j]) * xj
+            s3 += np.float32(w[i + 3, j]) * xj
+        if scaled:
+            s0 *= scale[i]
+            s1 *= scale[i + 1]
+            s2 *= scale[i + 2]
+            s3 *= scale[i + 3]
+        y[i], y[i + 1], y[i + 2], y[i + 3] = s0, s1, s2, s3
+        i += 4
+    while i < hi:
+        s = np.float32(0.0)
+        for j in range(d):
+            s += np.float32(w[i, j]) * x[j]
+        y[i] = s * scale[i] if scaled else s
+        i += 1
+
 
 @_njit(parallel=True, fastmath=True)
 def matvec_rows(w, x, nchunks):
     """y[i] = w[i] . x for every row of w fp32 [n, d]; x fp32 [d]."""
-    n, d = w.shape
+    n = w.shape[0]
     y = np.empty(n, dtype=np.float32)
+    no_scale = np.empty(0, dtype=np.float32)
     per = (n + nchunks - 1) // nchunks
     for c in prange(nchunks):
-        for i in range(c * per, min(n, (c + 1) * per)):
-            s = np.float32(0.0)
-            for j in range(d):
-                s += w[i, j] * x[j]
-            y[i] = s
+        _matvec_chunk(w, no_scale, False, x, y, c * per, min(n, (c + 1) * per))
     return y
 
 
@@ -405,15 +436,11 @@ def matvec_rows(w, x, nchunks):
 def matvec_rows_int8(q, scale, x, nchunks):
     """y[i] = scale[i] * (q[i] . x) for every row of q int8 [n, d]; scale fp32 [n], x fp32 [d]:
     `matvec_rows` over int8 rows, a quarter of the bytes."""
-    n, d = q.shape
+    n = q.shape[0]
     y = np.empty(n, dtype=np.float32)
     per = (n + nchunks - 1) // nchunks
     for c in prange(nchunks):
-        for i in range(c * per, min(n, (c + 1) * per)):
-            s = np.float32(0.0)
-            for j in range(d):
-                s += np.float32(q[i, j]) * x[j]
-            y[i] = s * scale[i]
+        _matvec_chunk(q, scale, True, x, y, c * per, min(n, (c + 1) * per))
     return y
 
 
