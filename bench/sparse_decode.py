@@ -9,8 +9,8 @@ set replaces its threshold. Statistics with the same p_i drive the hybrid placem
 
 `limit` is the bytes of weights read per token, dense over sparse, predictors included:
 the speed-up a memory-bound decode could reach. Target: sparse/dense >= 85% of it. The
-sparse engine's CPU tier holds its weight matrices as int8 rows (attention and head too),
-so part of the limit is the int8 attention; the hybrid engine's fast tier is the CPU
+sparse engine's CPU tier holds its weight matrices as int8 rows (attention, head and
+predictors too), so part of the limit is the int8 attention; the hybrid engine's fast tier is the CPU
 standing in for a GPU here, in fp32, so hybrid reads more bytes than sparse.
 The last line is one JSON object.
 """
@@ -151,8 +151,8 @@ def main(argv=None) -> int:
         served_hot = hybrid.last_stats.hot_hit_fraction
 
     # Bytes of weights read per token (the KV cache is tiny at this context). Dense mode
-    # reads fp32; sparse mode's CPU tier holds attention, head and FFN rows as int8 rows with
-    # an fp32 scale each, norms and predictors in fp32.
+    # reads fp32; sparse mode's CPU tier holds attention, head, predictors and FFN rows as
+    # int8 rows with an fp32 scale each, norms in fp32.
     def int8(params: int, rows: int) -> int:
         return params + 4 * rows
 
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     norms = 2 * d
     dense_bytes = 4 * (args.layers * (attn + norms + 3 * d * n_ff) + vocab * d + d)
     sparse_ffn = n_ff * active_measured * (1 + fired * 2) * int8(d, 1)  # gate rows; up/down where fired
-    predictor = 4 * args.rank * (d + n_ff)
+    predictor = int8(args.rank * (d + n_ff), args.rank + n_ff)
     sparse_bytes = (args.layers * (int8(attn, attn_rows) + 4 * norms + predictor + sparse_ffn)
                     + int8(vocab * d, vocab) + 4 * d)
     limit = dense_bytes / sparse_bytes

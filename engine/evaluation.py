@@ -81,11 +81,13 @@ def evaluate(engine, corpus: list[str | Path] | None = None, settings: EvalSetti
     text = read_corpus(corpus or [default_corpus(model_dir)])
     windows = corpus_windows(engine.tokenizer, text, min(settings.window, engine.ctx),
                              settings.max_tokens)
-    predictors = PredictorSet.load(model_dir)
+    predictors = engine.sparse.predictors  # as the engine runs them (int8 on an int8 CPU tier)
+    if predictors is None:
+        predictors = PredictorSet.load(model_dir)
     tallies = [_LayerTally() for _ in range(engine.config.num_layers)]
 
     def observe(layer: int, pred_input: torch.Tensor, act: torch.Tensor) -> None:
-        logits = predictors.logits(layer, pred_input.float())
+        logits = predictors.logits(layer, pred_input.to(predictors.fc1[layer].device))
         tallies[layer].add((logits >= predictors.thresholds[layer]).cpu(), (act != 0).cpu())
 
     nll = {m: 0.0 for m in MODES}

@@ -86,6 +86,13 @@ def cpu_matrix_bytes(params: int, rows: int, cold_quant: str) -> int:
     return params + rows * CPU_BYTES if cold_quant == COLD_INT8 else params * CPU_BYTES
 
 
+def predictor_cpu_bytes(model: "ModelBytes", params: int, cold_quant: str) -> int:
+    """Bytes of one layer's predictor (fc1 [rank, d], fc2 [n_ff, rank]: params elements) on
+    the CPU tier."""
+    rank = params // (model.d + model.n_ff)
+    return cpu_matrix_bytes(params, rank + model.n_ff if params else 0, cold_quant)
+
+
 def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: list[np.ndarray], ctx: int,
                   fast_weight_bytes: int, fast_kv_bytes: int, cold_quant: str,
                   fast_device: str = "cuda:0") -> PlacementProblem:
@@ -94,15 +101,17 @@ def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: l
     Fast tier: the output head (its own copy even when tied to the embeddings), each
     layer's attention, norms, predictor and KV cache, hot neurons (rows + id). CPU tier:
     the embeddings (always, fp32), whatever of those did not fit, cold neurons (rows +
-    id). On the CPU tier the weight matrices (attention, an untied head, FFN rows) are
-    int8 rows with an fp32 scale each when cold_quant is int8, else fp32; the rest is fp32.
+    id). On the CPU tier the weight matrices (attention, an untied head, predictors, FFN
+    rows) are int8 rows with an fp32 scale each when cold_quant is int8, else fp32; the
+    rest is fp32.
     """
     layers = []
     attention_matrices = model.attention_params - model.attention_bias_params
     for params in predictor_params:
         dense = model.attention_params + model.norm_params + params
         dense_cpu = (cpu_matrix_bytes(attention_matrices, model.attention_rows, cold_quant)
-                     + (model.attention_bias_params + model.norm_params + params) * CPU_BYTES)
+                     + predictor_cpu_bytes(model, params, cold_quant)
+                     + (model.attention_bias_params + model.norm_params) * CPU_BYTES)
         kv = model.kv_per_position * ctx
         layers.append(LayerCost(dense * fast_weight_bytes, dense_cpu, kv * fast_kv_bytes, kv * CPU_BYTES))
     rows = model.ffn_matrices

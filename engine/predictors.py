@@ -18,6 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .errors import ModelFormatError
+from .quantized import Int8Matrix, matrix_nbytes
 from .sidecar import group_by_layer, sidecar_dir
 
 FILENAME = "predictors.safetensors"
@@ -40,23 +41,29 @@ class PredictorSet:
         return [w.shape[0] for w in self.fc1]
 
     def nbytes(self, layer: int) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.fc1[layer], self.fc2[layer]))
+        return matrix_nbytes(self.fc1[layer]) + matrix_nbytes(self.fc2[layer])
 
     def logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Logits [n_ff] for one token x [d], or [T, n_ff] for x [T, d]."""
         from .model import linear
 
         fc1, fc2 = self.fc1[layer], self.fc2[layer]
-        rows = x.to(fc1.dtype).reshape(-1, x.shape[-1])
+        dtype = torch.float32 if isinstance(fc1, Int8Matrix) else fc1.dtype
+        rows = x.to(dtype).reshape(-1, x.shape[-1])
         out = linear(torch.relu(linear(rows, fc1)), fc2)
         return out.reshape(*x.shape[:-1], fc2.shape[0])
 
     def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         return self.logits(layer, x) >= self.thresholds[layer]
 
-    def to(self, layer: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.fc1[layer] = self.fc1[layer].to(device, dtype)
-        self.fc2[layer] = self.fc2[layer].to(device, dtype)
+    def to(self, layer: int, device: torch.device, dtype: torch.dtype, int8: bool = False) -> None:
+        """Move a layer's predictor to a tier: device and dtype, or int8 rows on the CPU."""
+        def place(w):
+            if int8:
+                return w if isinstance(w, Int8Matrix) else Int8Matrix.quantize(w)
+            return w.to_dense(device, dtype) if isinstance(w, Int8Matrix) else w.to(device, dtype)
+
+        self.fc1[layer], self.fc2[layer] = place(self.fc1[layer]), place(self.fc2[layer])
 
     # ---------------------------------------------------------------- storage
     def save(self, model_dir: Path) -> Path:

@@ -236,6 +236,11 @@ class SparseRuntime:
         device, dtype = self._where(on_fast)
         return w.to_dense(device, dtype) if isinstance(w, Int8Matrix) else w.to(device, dtype)
 
+    def place_predictor(self, i: int, on_fast: bool) -> None:
+        """Layer i's predictor in its tier's storage (int8 rows on an int8 CPU tier)."""
+        if self.predictors is not None:
+            self.predictors.to(i, *self._where(on_fast), int8=not on_fast and self.cold_quant == COLD_INT8)
+
     def convert_layer_dense(self, layer, on_fast: bool) -> None:
         """The attention matrices of a freshly loaded layer into its tier's storage."""
         layer.qkv = self._tier_matrix(layer.qkv, on_fast)
@@ -261,8 +266,7 @@ class SparseRuntime:
                 norm.weight = norm.weight.to(device, dtype)
                 norm.bias = None if norm.bias is None else norm.bias.to(device, dtype)
         layer.device = device
-        if self.predictors is not None:
-            self.predictors.to(i, device, dtype)
+        self.place_predictor(i, to_fast)
         self.cache.k[i] = self.cache.k[i].to(device, dtype)  # the conversation moves with its layer
         self.cache.v[i] = self.cache.v[i].to(device, dtype)
         self._ensure_rotary(device, dtype)
@@ -398,9 +402,8 @@ def build_sparse_engine(engine_cls, model_dir: Path, config: ModelConfig, tokeni
         ffn_builder=lambda i, dense: runtime.split_ffn(i, dense, plan.hot_ids[i]),
         on_layer=lambda i, layer: runtime.convert_layer_dense(layer, plan.layer_on_fast[i]),
     )
-    if predictors is not None:
-        for i, on_fast in enumerate(plan.layer_on_fast):
-            predictors.to(i, *runtime._where(on_fast))
+    for i, on_fast in enumerate(plan.layer_on_fast):
+        runtime.place_predictor(i, on_fast)
     cache = engine_cls.make_cache(config, ctx, layer_devices, [compute_dtype(d, storage) for d in layer_devices])
     runtime.model, runtime.cache = model, cache
     model.lm_head = runtime._head_weights(plan.head_on_fast)

@@ -4,7 +4,8 @@ The rules themselves live in `engine.placement` (torch-free, so this package may
 them): fast device first for the output head, then each layer's attention, norms,
 predictor and KV cache in layer order, then, once every layer's dense part is there, hot
 FFN neurons; the CPU keeps the embeddings and everything else, its weight matrices
-(attention, an untied head, cold FFN rows) as int8 rows with one fp32 scale per row. `BytesModel` says how many bytes an element takes on each
+(attention, an untied head, predictors, cold FFN rows) as int8 rows with one fp32 scale
+per row. `BytesModel` says how many bytes an element takes on each
 tier. Predictor sizes come from the model's `thermocline/predictors.safetensors` header
 when there is one, else rank 1024.
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.placement import CPU_BYTES, ModelBytes, build_problem, solve
+from engine.placement import ModelBytes, build_problem, predictor_cpu_bytes, solve
 from engine.units import format_size
 
 from .arch import ArchInfo, detect_architecture
@@ -232,7 +233,8 @@ def place_bytes(shape: ModelShape, *, ctx: int, vram_budget: int, ram_budget: in
         predictor_params = [predictor_rank * (shape.d + shape.n_ff)] * shape.n_layers
     # Which neurons are hot does not change any byte count: uniform frequencies will do.
     frequencies = [np.ones(shape.n_ff, dtype=np.float32) for _ in range(shape.n_layers)]
-    problem = build_problem(placement_bytes(shape), predictor_params, frequencies, ctx, bm.gpu_weight_bytes,
+    model = placement_bytes(shape)
+    problem = build_problem(model, predictor_params, frequencies, ctx, bm.gpu_weight_bytes,
                             bm.gpu_kv_bytes, bm.cold_quant)
     plan = solve(problem, max(int(vram_budget), 0), ram_budget)
     tiers = plan.tier_bytes
@@ -240,7 +242,8 @@ def place_bytes(shape: ModelShape, *, ctx: int, vram_budget: int, ram_budget: in
     est = FitEstimate(ctx=ctx, vram_budget=vram_budget, ram_budget=ram_budget,
                       total_params=shape.total_params, shape=asdict(shape))
     est.predictor_gpu_bytes = sum(p for p, fast in zip(predictor_params, on_gpu) if fast) * bm.gpu_weight_bytes
-    est.predictor_cpu_bytes = sum(p for p, fast in zip(predictor_params, on_gpu) if not fast) * CPU_BYTES
+    est.predictor_cpu_bytes = sum(predictor_cpu_bytes(model, p, bm.cold_quant)
+                                  for p, fast in zip(predictor_params, on_gpu) if not fast)
     est.dense_gpu_bytes = tiers["fast_dense"] - est.predictor_gpu_bytes
     est.dense_cpu_bytes = tiers["cpu_dense"] - est.predictor_cpu_bytes
     est.kv_gpu_bytes, est.kv_cpu_bytes = tiers["fast_kv"], tiers["cpu_kv"]

@@ -67,12 +67,13 @@ def test_everything_on_cpu_follows_the_cpu_byte_rules():
     d, f, L, kvh, hd = 64, 160, 3, 2, 16
     embed_norms = (100 * 64 + 64 + L * 2 * 64) * 4  # fp32
     head = 100 * (64 + 4)  # untied head: int8 rows, an fp32 scale per row
-    attention = L * (64 * 64 * 2 + 2 * 64 * kvh * hd + (64 + 2 * kvh * hd + 64) * 4)  # same for q|k|v, o
+    attention = L * (64 * 64 * 2 + 2 * 64 * kvh * hd + (64 + 2 * kvh * hd + 64) * 4)  # int8 q|k|v and o, row scales
     assert est.dense_cpu_bytes == embed_norms + head + attention
     fp32 = place_bytes(shape, ctx=32, vram_budget=0, ram_budget=1 << 40, predictor_rank=8,
                        bytes_model=BytesModel(cold_quant="fp32"))
     assert fp32.dense_cpu_bytes == (embed_norms // 4 + 100 * 64 + L * (64 * 64 * 2 + 2 * 64 * kvh * hd)) * 4
-    assert est.predictor_cpu_bytes == L * 8 * (d + f) * 4
+    assert est.predictor_cpu_bytes == L * (8 * (d + f) + (8 + f) * 4)  # int8 rows of fc1 and fc2, fp32 scales
+    assert fp32.predictor_cpu_bytes == L * 8 * (d + f) * 4
     assert est.kv_cpu_bytes == L * 2 * 32 * kvh * hd * 4
     assert est.cold_ffn_bytes == L * f * (3 * (d + 4) + 8)  # int8 rows, fp32 scales, int64 ids
     assert est.vram_bytes == 0 and est.hot_neurons == 0 and est.verdict == VERDICT_HYBRID
@@ -135,7 +136,7 @@ def test_real_predictor_sizes_are_read_from_the_safetensors_header(tmp_path):
     save_file(tensors, str(path), metadata={"thresholds": json.dumps([0.0] * 3), "source": "thermocline"})
     assert predictor_params_from_file(path) == [r * (64 + 160) for r in (4, 8, 16)]
     est = estimate_fit(tiny(), ctx=16, vram_budget=0, ram_budget=1 << 40, model_dir=tmp_path)
-    assert est.predictor_cpu_bytes == sum(r * 224 for r in (4, 8, 16)) * 4
+    assert est.predictor_cpu_bytes == sum(r * 224 + (r + 160) * 4 for r in (4, 8, 16))  # int8 + row scales
 
 
 def _machine(vram_free, ram_available):

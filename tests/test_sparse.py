@@ -175,6 +175,25 @@ def test_int8_cpu_tier_holds_attention_and_head_as_int8_rows(tiny_models, dense_
     assert engine.memory()["tiers"] == engine.sparse.plan.tier_bytes
 
 
+def test_int8_cpu_tier_runs_int8_predictors(tmp_path, llama_dir):
+    """Predictors of CPU-tier layers are int8 rows too; they pick nearly the same neurons
+    as the fp32 ones, and the bytes held are the plan's."""
+    model = tmp_path / "m"
+    shutil.copytree(llama_dir, model)
+    config = Engine.load(model).config
+    random_predictors(config).save(model)
+    int8 = Engine.load(model, mode="sparse", ram_budget=RAM, cold_quant="int8")
+    fp32 = Engine.load(model, mode="sparse", ram_budget=RAM, cold_quant="fp32")
+    assert all(isinstance(w, Int8Matrix) for w in int8.sparse.predictors.fc1 + int8.sparse.predictors.fc2)
+    assert not any(isinstance(w, Int8Matrix) for w in fp32.sparse.predictors.fc1)
+    x = torch.randn(len(PROMPT), config.hidden_size, generator=torch.Generator().manual_seed(0))
+    for layer in range(config.num_layers):
+        same = int8.sparse.predictors.predict(layer, x) == fp32.sparse.predictors.predict(layer, x)
+        assert same.float().mean() > 0.97
+    assert int8.memory()["tiers"] == int8.sparse.plan.tier_bytes
+    assert int8.memory()["ram_bytes"] < fp32.memory()["ram_bytes"]
+
+
 def test_powerinfer_predictor_import_orders_layers_by_number(tmp_path):
     model = mf.llama_relu(tmp_path / "m", layers=12, hidden=32, heads=4, kv_heads=2, ff=48)
     src = tmp_path / "powerinfer"
