@@ -43,8 +43,10 @@ def test_hybrid_oracle_on_cuda_matches_dense(tiny_models, family, fraction):
     assert (steps.cpu() - ref).abs().max().item() < 2e-2
 
 
-def test_budget_moves_layers_between_gpu_and_cpu_mid_generation(llama_dir):
-    engine = Engine.load(llama_dir, mode="oracle", device="cuda", vram_budget=0, ram_budget=RAM, cold_quant="fp32")
+@pytest.mark.parametrize("cold_quant", ["fp32", "int8"])  # int8: layers move between int8 rows and fp16
+def test_budget_moves_layers_between_gpu_and_cpu_mid_generation(llama_dir, cold_quant):
+    engine = Engine.load(llama_dir, mode="oracle", device="cuda", vram_budget=0, ram_budget=RAM,
+                         cold_quant=cold_quant)
     engine.eos_ids = set()
     full = vram_for(engine, 1.0)
     devices = []
