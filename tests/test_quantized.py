@@ -10,7 +10,7 @@ from engine.model import linear
 from engine.quantized import Int8Matrix, matrix_nbytes
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 7])
+@pytest.mark.parametrize("tokens", [1, 2, 7, 20])  # 20: the converted-block path
 def test_linear_equals_the_dequantized_product(tokens):
     g = torch.Generator().manual_seed(tokens)
     w = torch.randn(2500, 96, generator=g)  # more rows than one dequantized block
