@@ -44,14 +44,20 @@ class Norm:
         return _nbytes(self.weight, self.bias)
 
 
+# Up to this many tokens on the CPU, one matrix-vector product per token beats torch's
+# matrix product, which reads the weights at a fraction of the bandwidth at small T
+# (32000 x 4096 fp32 on 2 cores: 2 tokens 38 vs 64 ms, 4 tokens 72 vs 106 ms).
+_PER_TOKEN_MAX = 4
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor | Int8Matrix, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, d] @ weight[n, d]^T (+ bias). One token on the CPU goes through our own
+    """x [T, d] @ weight[n, d]^T (+ bias). A few tokens on the CPU go through our own
     matrix-vector kernel, which streams the weights about twice as fast as torch's; int8
     matrices (the CPU tier's, see engine.quantized) through their own product."""
     if isinstance(weight, Int8Matrix):
         out = weight.linear(x)
-    elif x.shape[0] == 1 and x.device.type == "cpu" and x.dtype == torch.float32:
-        out = cpu_kernels.matvec(x[0], weight)[None]
+    elif x.shape[0] <= _PER_TOKEN_MAX and x.device.type == "cpu" and x.dtype == torch.float32:
+        out = torch.stack([cpu_kernels.matvec(row, weight) for row in x])
     else:
         return F.linear(x, weight, bias)
     return out + bias if bias is not None else out
