@@ -78,7 +78,8 @@ def test_download_list_remove_a_catalogue_model(hub, env, capsys):
                             "--json")
         config = tiny_llama_config()  # the fit now reads the downloaded config and the real predictor ranks
         rank8 = 8 * (config["hidden_size"] + config["intermediate_size"])
-        assert json.loads(out)["predictor_cpu_bytes"] == config["num_hidden_layers"] * rank8 * 4
+        scales = (8 + config["intermediate_size"]) * 4  # int8 rows of fc1 and fc2, an fp32 scale each
+        assert json.loads(out)["predictor_cpu_bytes"] == config["num_hidden_layers"] * (rank8 + scales)
 
     code, out, _ = _run(capsys, "models", "list", "--json")
     listing = {m["id"]: m for m in json.loads(out)["models"]}
