@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .kernels import cpu as cpu_kernels
+from .kernels.cpu_quant import dequantize_rows_int8
 from .model import activate
 
 _PREFILL_CHUNK = 4096  # rows dequantized at a time when a prefill reads int8 cold rows
@@ -146,8 +147,12 @@ class HybridFfn:
             hi = min(lo + _PREFILL_CHUNK, len(self.cold))
             if rows.quant == "fp32":
                 gate, up, down_t = rows.gate[lo:hi] if self.gated else None, rows.up[lo:hi], rows.down_t[lo:hi]
-            else:
-                gate, up, down_t = rows.select(torch.arange(lo, hi)).dequantized()
+            else:  # a slice of the rows is contiguous: dequantize it in place of a copy
+                def block(q, scale):
+                    return None if q is None else dequantize_rows_int8(q[lo:hi], scale[lo:hi])
+
+                gate, up, down_t = (block(rows.gate, rows.gate_scale), block(rows.up, rows.up_scale),
+                                    block(rows.down_t, rows.down_scale))
             yield self.cold.ids[lo:hi], gate, up, down_t
 
     def _tier_activations(self, x: torch.Tensor) -> torch.Tensor:
