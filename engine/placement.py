@@ -77,7 +77,7 @@ class ModelBytes:
 
 
 COLD_INT8 = "int8"  # CPU weights as int8 rows with one fp32 scale per row
-CPU_BYTES = 4       # fp32: norms, biases, predictors, KV cache, and fp32 weights on the CPU
+CPU_BYTES = 4       # fp32 on the CPU: embeddings, norms, biases, KV cache, and weights stored as fp32
 INDEX_BYTES = 8     # the int64 id kept with every hot and cold neuron
 
 
