@@ -1,7 +1,7 @@
 """Dense weight matrices kept in int8 on the CPU tier.
 
-A decode step reads every weight of the attention projections and the output head once,
-so on the CPU their bytes set the speed. Stored as int8 rows with one fp32 scale per row
+A decode step reads every weight of the attention projections, the output head and the
+predictors once, so on the CPU their bytes set the speed. Stored as int8 rows with one fp32 scale per row
 (the format of the cold FFN rows, `engine.kernels.cpu_quant`), they take a quarter of the
 RAM and of the time of fp32. A few tokens go through the int8 matrix-vector kernel, one
 token at a time; many (a long prefill) through torch on a block of rows converted at a time.
