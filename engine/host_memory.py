@@ -33,7 +33,7 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tens
     if nbytes < MIN_BYTES or not _SUPPORTED:
         return torch.empty(shape, dtype=dtype)
     try:
-        # one page of slack to start the tensor on a huge-page boundary
+        # one huge page of slack to start the tensor on a huge-page boundary
         region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError:
         return torch.empty(shape, dtype=dtype)

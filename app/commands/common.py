@@ -29,7 +29,8 @@ def add_model_options(parser: argparse.ArgumentParser, *, sampling: bool = True)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     parser.add_argument("--cpu-weights", default="int8", choices=("int8", "fp32"),
                         help="format of the weights on the CPU tier in sparse and hybrid modes: cold FFN "
-                             "rows, attention, untied output head (int8: 4x fewer bytes; fp32: exact)")
+                             "rows, attention, untied output head, predictors (int8: 4x fewer bytes; "
+                             "fp32: exact)")
     if sampling:
         parser.add_argument("--max-new-tokens", type=int, default=256)
         parser.add_argument("--temperature", type=float, default=None, help="0 = greedy")
