@@ -86,25 +86,28 @@ def _prefetch_row(typingctx, rows, i, j):
     return sig, codegen
 
 
+@_njit(inline="always")
+def _prefetch_span(w, i, lo, hi):
+    """Prefetch the lines of w[i, lo:hi] (nothing when i < 0)."""
+    if i >= 0:
+        for j in range(lo, hi, _CACHE_LINE // w.itemsize):
+            _prefetch_row(w, i, j)
+
+
 @_njit(inline="always", fastmath=True)
 def _row_dot(w, i, x, ahead):
     """w[i] . x in fp32; prefetches row `ahead` (if >= 0) at the same offsets meanwhile."""
     d = x.shape[0]
-    step = _CACHE_LINE // w.itemsize
     nfull = d // _BLOCK
     s = np.float32(0.0)
     for b in range(nfull):
         jb = b * _BLOCK
-        if ahead >= 0:
-            for jp in range(0, _BLOCK, step):
-                _prefetch_row(w, ahead, jb + jp)
+        _prefetch_span(w, ahead, jb, jb + _BLOCK)
         p = np.float32(0.0)
         for j in range(_BLOCK):
             p += np.float32(w[i, jb + j]) * x[jb + j]
         s += p
-    if ahead >= 0:
-        for jp in range(nfull * _BLOCK, d, step):
-            _prefetch_row(w, ahead, jp)
+    _prefetch_span(w, ahead, nfull * _BLOCK, d)
     for j in range(nfull * _BLOCK, d):
         s += np.float32(w[i, j]) * x[j]
     return s
@@ -114,26 +117,15 @@ def _row_dot(w, i, x, ahead):
 def _row_axpy(part, c, a, w, i, ahead):
     """part[c] += a * w[i]; prefetches row `ahead` (if >= 0) meanwhile."""
     d = part.shape[1]
-    step = _CACHE_LINE // w.itemsize
     nfull = d // _BLOCK
     for b in range(nfull):
         jb = b * _BLOCK
-        if ahead >= 0:
-            for jp in range(0, _BLOCK, step):
-                _prefetch_row(w, ahead, jb + jp)
+        _prefetch_span(w, ahead, jb, jb + _BLOCK)
         for j in range(_BLOCK):
             part[c, jb + j] += a * np.float32(w[i, jb + j])
-    if ahead >= 0:
-        for jp in range(nfull * _BLOCK, d, step):
-            _prefetch_row(w, ahead, jp)
+    _prefetch_span(w, ahead, nfull * _BLOCK, d)
     for j in range(nfull * _BLOCK, d):
         part[c, j] += a * np.float32(w[i, j])
-
-
-@_njit(inline="always")
-def _prefetch_whole_row(w, i):
-    for j in range(0, w.shape[1], _CACHE_LINE // w.itemsize):
-        _prefetch_row(w, i, j)
 
 
 @_njit(inline="always")
@@ -184,7 +176,7 @@ def _rows_pass(kind, w, w_s, scaled, idx, use_idx, acts, lo, hi, x, part, c, cod
     for _ in range(_rows_ahead(w)):
         if ahead >= hi:
             break
-        _prefetch_whole_row(w, idx[ahead] if use_idx else ahead)
+        _prefetch_span(w, idx[ahead] if use_idx else ahead, 0, w.shape[1])
         ahead = _next_live(acts, ahead + 1, hi)
     while t < hi:
         i = idx[t] if use_idx else t
