@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .confine import check_relative_name
 from .errors import ModelFormatError
 
 
@@ -25,8 +26,14 @@ class WeightSource:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (OSError, ValueError, KeyError) as exc:
+            except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise ModelFormatError(f"cannot read {index}: {exc!r}") from None
+            if not isinstance(weight_map, dict):
+                raise ModelFormatError(f"{index.name}: weight_map is not an object of tensor -> file")
+            # The index is downloaded text: a shard name must be a file inside this folder.
+            # (Links the user made on disk, e.g. a Hugging Face cache snapshot, are theirs.)
+            for filename in set(weight_map.values()):
+                check_relative_name(filename, f"{index.name} in {self.model_dir}")
             self._where = dict(weight_map)
         else:
             files = sorted(self.model_dir.glob("*.safetensors"))

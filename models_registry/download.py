@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from engine.confine import confined
 from engine.errors import UserError
 from engine.units import format_size
 
@@ -197,7 +198,9 @@ def download_model(
     endpoint = hub_endpoint(endpoint)
     token = token or get_token()
     control = control or DownloadControl()
-    model_dir = Path(root or models_dir()) / repo_folder_name(repo)
+    if not is_repo_id(repo):  # a catalogue entry's repo becomes a folder name too
+        raise UserError(f"the catalogue's repo {repo!r} for {name} is not an org/name repo id")
+    model_dir = confined(Path(root or models_dir()), repo_folder_name(repo), "the catalogue")
     state = read_state(model_dir) or {}
 
     if is_offline(offline):
@@ -245,6 +248,8 @@ def download_model(
         jobs += [(pred_plan, f"{SIDECAR}/{PREDICTOR_SUBDIR}/{f.name}", f) for f in pred_plan.files]
     # config.json first: the architecture is checked before any weights move.
     jobs.sort(key=lambda job: (job[1] != "config.json", job[1]))
+    for repo_plan, rel, _ in jobs:  # every target checked before the first byte is written
+        confined(model_dir, rel, f"the Hub's listing of {repo_plan.repo}")
 
     state.update(status="downloading", repo=repo, revision=plan.commit, endpoint=endpoint,
                  catalogue_id=entry.id if entry else None, started=state.get("started") or time.time())

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from urllib.parse import quote
 
+from engine.confine import check_relative_name
 from engine.errors import UserError
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -119,6 +120,12 @@ def fetch_plan(repo: str, revision: str | None, patterns: tuple[str, ...], *, en
     siblings = {s.rfilename: s for s in (info.siblings or [])}
     files = []
     for name in select_files(sorted(siblings), patterns):
+        # Names from the listing become paths on disk: one that leads out of the model folder
+        # (or into our own sidecar) stops the whole download before anything is written.
+        check_relative_name(name, f"the Hub's listing of {repo}")
+        if name.split("/", 1)[0] == "thermocline":
+            raise UserError(f"the Hub's listing of {repo} names {name!r}, inside Thermocline's own "
+                            "sidecar folder; refusing to download it")
         s = siblings[name]
         size = s.lfs.size if s.lfs else s.size
         if size is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,11 +175,15 @@ def remove_model(name: str, root: Path | None = None) -> int:
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
+    """Hard-link (same filesystem: no second copy of the weights) or copy the file `src`
+    points at: a symlink (a Hugging Face cache snapshot is all relative links into
+    `../../blobs`) is resolved first, or the link made here would dangle."""
+    real = src.resolve(strict=True)
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
-        os.link(src, dst)  # same filesystem: no second copy of the weights
+        os.link(real, dst, follow_symlinks=False)
     except OSError:
-        shutil.copy2(src, dst)
+        shutil.copy2(real, dst)
 
 
 def import_model(src: str | os.PathLike, name: str | None = None, *, root: Path | None = None,
@@ -187,20 +192,26 @@ def import_model(src: str | os.PathLike, name: str | None = None, *, root: Path 
     """Add a local Hugging Face-layout folder to the models folder as `local/<name>`.
 
     The architecture is checked first. Files are hard-linked when the folder is on the same
-    filesystem, else copied. A PowerInfer predictor folder (`model_N.pt`) can come along.
+    filesystem, else copied; symlinks are followed. A PowerInfer predictor folder (`model_N.pt`,
+    with its config.json's `sparse_threshold`) can come along. The import is built in a hidden
+    folder and renamed into place at the end: a failure (a refused predictor, a full disk)
+    leaves nothing behind, and the same command can be run again.
     """
     src = Path(src).expanduser()
     if not (src / "config.json").is_file():
         raise UserError(f"{src} is not a model folder: it has no config.json")
     try:
         config = json.loads((src / "config.json").read_text(encoding="utf-8"))
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         raise UserError(f"{src}/config.json is not valid JSON: {exc}") from exc
     detect_architecture(config)
     weights = [p for p in src.iterdir() if p.suffix == ".safetensors" or
                (p.name.startswith("pytorch_model") and p.suffix == ".bin")]
     if not weights:
         raise UserError(f"{src} has no weights (*.safetensors or pytorch_model*.bin)")
+    for path in weights:
+        if not path.exists():
+            raise UserError(f"{path} is a broken link; the model folder is incomplete")
     name = (name or src.resolve().name).strip()
     if not is_repo_id(f"{LOCAL_ORG}/{name}"):
         raise UserError(f"cannot use {name!r} as a model name: use letters, digits, '-', '_' and '.'")
@@ -210,6 +221,22 @@ def import_model(src: str | os.PathLike, name: str | None = None, *, root: Path 
     target = root / repo_folder_name(f"{LOCAL_ORG}/{name}")
     if target.exists():
         raise UserError(f"a model named {LOCAL_ORG}/{name} already exists; remove it first or pick another --name")
+    root.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=".import-", dir=root))  # no "--": never listed as a model
+    try:
+        _import_into(src, building, predictors_dir, on_predictors)
+        try:
+            os.rename(building, target)  # refuses (ENOTEMPTY/EEXIST) if another import won the race
+        except OSError:
+            raise UserError(f"a model named {LOCAL_ORG}/{name} appeared meanwhile; "
+                            "remove it first or pick another --name") from None
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        raise
+    return target
+
+
+def _import_into(src: Path, target: Path, predictors_dir, on_predictors) -> None:
     files = {}
     for path in sorted(src.rglob("*")):
         rel = path.relative_to(src)
@@ -217,19 +244,20 @@ def import_model(src: str | os.PathLike, name: str | None = None, *, root: Path 
             continue
         if rel.parts[0] == SIDECAR and not (len(rel.parts) == 2 and rel.name in KEPT_SIDECAR_FILES):
             continue
+        if not path.exists():
+            raise UserError(f"{path} is a broken link; the model folder is incomplete")
         _link_or_copy(path, target / rel)
         files[rel.as_posix()] = {"size": path.stat().st_size, "hash": None, "verified": False}
     state = {"status": "ready", "source": "local", "origin": str(src.resolve()), "files": files,
              "size_bytes": sum(f["size"] for f in files.values()), "finished": time.time()}
-    write_state(target, state)
     if predictors_dir is not None:
         dest = target / SIDECAR / PREDICTOR_SUBDIR
-        for path in sorted(Path(predictors_dir).glob("model_*.pt")):
+        wanted = sorted(Path(predictors_dir).glob("model_*.pt"))
+        config = Path(predictors_dir) / "config.json"  # PowerInfer's sparse_threshold lives here
+        for path in wanted + ([config] if config.is_file() else []):
             _link_or_copy(path, dest / path.name)
         state["predictors"] = "downloaded"
-        write_state(target, state)
         if on_predictors is not None:
             on_predictors(dest, target)
             state["predictors"] = "imported"
-            write_state(target, state)
-    return target
+    write_state(target, state)
