@@ -13,9 +13,9 @@ from datetime import datetime
 from pathlib import Path
 
 from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import ModelFormatError, UserError
+from .template_sandbox import OUTPUT_CAP, BoundedSandbox, TemplateLimitError
 
 PLAIN_TEMPLATE = (
     "{% if bos_token %}{{ bos_token }}{% endif %}"
@@ -71,14 +71,19 @@ class Tokenizer:
         if isinstance(template, list):  # named templates: take "default"
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default") or next(iter(named.values()), None)
+        self.template_name = f"the chat template of {model_dir.name} (tokenizer_config.json)"
+        if template is not None and not isinstance(template, str):
+            raise ModelFormatError(f"{self.template_name} is a {type(template).__name__}, not text; "
+                                   "fix or remove chat_template")
         self.has_chat_template = bool(template)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self._env = env
         try:
             self._template = env.from_string(template or PLAIN_TEMPLATE)
-        except TemplateError as exc:
-            raise ModelFormatError(f"the model's chat template does not parse: {exc}") from None
+        except (TemplateError, RecursionError, MemoryError) as exc:
+            raise ModelFormatError(f"{self.template_name} does not parse: {exc}") from None
 
     def _special_ids(self) -> set[int]:
         ids = {i for i in (self.bos_id, self.eos_id) if i is not None}
@@ -119,13 +124,22 @@ class Tokenizer:
         return self._sp.DecodeIds(list(ids))
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        # Bounded in time and size (engine.template_sandbox); the cap leaves room for the
+        # conversation itself, which a template legitimately repeats once.
+        given = sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, dict))
         try:
-            return self._template.render(
+            return self._env.render(
+                self._template, cap=OUTPUT_CAP + 2 * given,
                 messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "",
             )
+        except TemplateLimitError as exc:
+            raise UserError(f"{self.template_name} was stopped: {exc}; the template is broken or "
+                            "hostile: replace it") from None
         except TemplateError as exc:
-            raise UserError(f"the model's chat template refused this conversation: {exc}") from None
+            raise UserError(f"{self.template_name} refused this conversation: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - a template's own bug (a TypeError, a KeyError)
+            raise UserError(f"{self.template_name} failed: {exc.__class__.__name__}: {exc}") from None
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         # The template writes BOS itself where the model wants it.
