@@ -8,6 +8,7 @@ returning an exit code. With no subcommand the window opens.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
@@ -67,6 +68,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except OSError as exc:
+        if args.debug or exc.errno not in _DISK_FULL:
+            raise
+        # Downloads, profiles and predictor training keep what they finished: a rerun resumes.
+        where = f" ({exc.filename})" if exc.filename else ""
+        sys.stderr.write(f"error: the disk is full{where}; free some space and run the same command "
+                         "again: work already done is kept and resumes\n")
+        return 2
+
+
+_DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
 if __name__ == "__main__":

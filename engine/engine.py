@@ -18,11 +18,12 @@ from typing import Iterator
 import torch
 
 from .config import ModelConfig
-from .errors import ContextFullError, UserError
+from .errors import ContextFullError, ModelFormatError, UserError
 from .kv_cache import KVCache
 from .loader import Progress, load_transformer, resolve_model_dir
 from .sampling import Sampler, SamplingParams
 from .tokenizer import StreamDecoder, Tokenizer
+from .validation import check_ctx, check_kv_fits, check_text, check_threads, resolve_device
 
 MODES = ("dense", "sparse", "hybrid", "oracle")
 DEFAULT_CTX = 2048
@@ -95,6 +96,8 @@ class Engine:
         # budget change can tell whether a generation is running.
         self._lock = sparse.lock if sparse is not None else threading.RLock()
         self._cached_ids: list[int] = []
+        self.warnings: list[str] = []
+        self._logits_checked = False  # NaN/Inf weights are caught on the first token after a load
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -104,13 +107,20 @@ class Engine:
              progress: Progress | None = None) -> "Engine":
         if mode not in MODES:
             raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+        ctx, threads = check_ctx(ctx), check_threads(threads)
+        device = str(resolve_device(device)) if device is not None else None
         if threads:
             torch.set_num_threads(threads)
         model_dir = resolve_model_dir(model)
         config = ModelConfig.from_dir(model_dir)
-        ctx = ctx or min(DEFAULT_CTX, config.max_positions)  # no longer than the model was trained for
-        if ctx < 8:
-            raise UserError(f"context length {ctx} is too small (at least 8)")
+        if ctx is None:
+            ctx = min(DEFAULT_CTX, config.max_positions)  # no longer than the model was trained for
+        check_ctx(ctx)
+        check_kv_fits(config, ctx, device)
+        notes = []
+        if ctx > config.max_positions:
+            notes.append(f"context {ctx} is longer than the {config.max_positions} positions {model_dir.name} "
+                         f"was trained on; text past {config.max_positions} tokens may come out garbled")
         tokenizer = Tokenizer(model_dir)
         # Load the CPU kernels' machine code now (numba's disk cache), not in the first token.
         from .kernels import cpu as cpu_kernels
@@ -119,13 +129,17 @@ class Engine:
         if mode in ("sparse", "hybrid", "oracle"):
             from .sparse import build_sparse_engine
 
-            return build_sparse_engine(cls, model_dir, config, tokenizer, mode, ctx, vram_budget, ram_budget,
-                                       device, progress, cold_quant)
-        dev = torch.device(device or "cpu")
-        model_obj = load_transformer(model_dir, config, [dev] * config.num_layers, dev, ctx, progress)
-        cache = cls.make_cache(config, ctx, [dev] * config.num_layers, [model_obj.layers[0].dtype] * config.num_layers)
-        return cls(model_dir, config, tokenizer, model_obj, cache, mode, ctx,
-                   cls.eos_from(model_dir, config, tokenizer), cls.defaults_from(model_dir))
+            engine = build_sparse_engine(cls, model_dir, config, tokenizer, mode, ctx, vram_budget, ram_budget,
+                                         device, progress, cold_quant)
+        else:
+            dev = torch.device(device or "cpu")
+            model_obj = load_transformer(model_dir, config, [dev] * config.num_layers, dev, ctx, progress)
+            cache = cls.make_cache(config, ctx, [dev] * config.num_layers,
+                                   [model_obj.layers[0].dtype] * config.num_layers)
+            engine = cls(model_dir, config, tokenizer, model_obj, cache, mode, ctx,
+                         cls.eos_from(model_dir, config, tokenizer), cls.defaults_from(model_dir))
+        engine.warnings = notes  # things the user should hear about, not errors (the CLI prints them)
+        return engine
 
     @staticmethod
     def make_cache(config: ModelConfig, ctx: int, devices: list[torch.device], dtypes: list[torch.dtype]) -> KVCache:
@@ -160,8 +174,10 @@ class Engine:
     # --------------------------------------------------------------- generation
     def encode_prompt(self, prompt: str | list[dict] | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(check_text(prompt, "the prompt"))
         elif prompt and isinstance(prompt[0], dict):
+            for m in prompt:
+                check_text(m.get("content") if isinstance(m, dict) else m, "a message")
             ids = self.tokenizer.encode_chat(prompt)
         else:
             ids = [int(i) for i in prompt]
@@ -203,6 +219,7 @@ class Engine:
         stats.cached_tokens = reuse
         start = time.perf_counter()
         logits = self.model.forward(torch.tensor(ids[reuse:]), reuse, self.cache)
+        self._check_finite(logits[-1])
         self._cached_ids = list(ids)
         prefill_done = time.perf_counter()
         stats.ttft_s = prefill_done - start
@@ -261,6 +278,19 @@ class Engine:
             self.last_text = emitted
             self.last_token_ids = generated
 
+    def _check_finite(self, logits: torch.Tensor) -> None:
+        """Once per load: weights holding NaN or Inf (a damaged or badly converted checkpoint)
+        give NaN logits, which would sample garbage or nothing at all without a word."""
+        if self._logits_checked:
+            return
+        if not bool(torch.isfinite(logits).all()):
+            self.cache.reset(0)
+            self._cached_ids = []
+            raise ModelFormatError(
+                f"{self.model_dir.name} computed NaN or infinite scores on its first token: its weights are "
+                "broken (NaN/Inf values, or a failed conversion); download or convert the model again")
+        self._logits_checked = True
+
     def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None,
                  cancel: threading.Event | None = None) -> GenerationResult:
         text = "".join(event.text for event in self.stream(prompt, params, cancel))
@@ -295,9 +325,12 @@ class Engine:
             if mode == "dense" or self.sparse is None:
                 if mode != "dense":
                     raise UserError(f"mode {mode} needs the engine loaded in a sparse mode")
-                return self.model.forward(ids, 0, self.cache, all_logits=True)
-            with self.sparse.scoring(mode):
-                return self.model.forward(ids, 0, self.cache, all_logits=True)
+                logits = self.model.forward(ids, 0, self.cache, all_logits=True)
+            else:
+                with self.sparse.scoring(mode):
+                    logits = self.model.forward(ids, 0, self.cache, all_logits=True)
+            self._check_finite(logits)
+            return logits
 
     def set_budgets(self, vram: int | None = None, ram: int | None = None):
         if self.sparse is None:

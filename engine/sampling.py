@@ -19,18 +19,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
-        from .errors import UserError
+        """Raise UserError for any value out of range (NaN, negative, a seed past 2**64...);
+        the one check the command line, the window and the server all use."""
+        from .validation import check_sampling
 
-        if self.max_new_tokens < 1:
-            raise UserError("max new tokens must be at least 1")
-        if self.temperature < 0:
-            raise UserError("temperature must be >= 0 (0 means greedy)")
-        if not 0 < self.top_p <= 1:
-            raise UserError("top-p must be in (0, 1]")
-        if not 0 <= self.min_p < 1:
-            raise UserError("min-p must be in [0, 1)")
-        if self.repetition_penalty <= 0:
-            raise UserError("repetition penalty must be > 0")
+        check_sampling(self)
 
 
 class Sampler:

@@ -36,10 +36,9 @@ COLD_QUANTS = ("int8", "fp32")
 
 def pick_fast_device(device: str | None) -> torch.device:
     if device:
-        dev = torch.device(device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise UserError(f"device {device} was asked for but this torch build sees no CUDA GPU")
-        return dev
+        from .validation import resolve_device
+
+        return resolve_device(device)
     return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
 
 

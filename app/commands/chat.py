@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import threading
 
-from engine.errors import ContextFullError
+from engine.errors import ContextFullError, ModelFormatError, UserError
 
 from .common import add_model_options, load_engine, sampling_params
 
@@ -20,6 +20,12 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    from app.single_instance import window_pid
+
+    pid = window_pid()
+    if pid is not None:
+        sys.stderr.write(f"note: the Thermocline window (process {pid}) is open and holds a model in memory too; "
+                         "this chat loads its own copy. Close the window to free that memory.\n")
     engine = load_engine(args)
     params = sampling_params(args, engine)
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
@@ -30,6 +36,9 @@ def run(args) -> int:
         except (EOFError, KeyboardInterrupt):
             print()
             return 0
+        except UnicodeDecodeError:  # bytes that are not UTF-8: this line is lost, the chat goes on
+            print("(that line was not valid UTF-8 and was ignored; check the terminal's encoding)")
+            continue
         text = line.strip()
         if not text:
             continue
@@ -55,6 +64,12 @@ def run(args) -> int:
         except ContextFullError as exc:
             messages.pop()
             print(f"\n(context full: {exc}; type /reset)")
+            continue
+        except UserError as exc:  # this message cannot be answered (e.g. the template refused it)
+            if isinstance(exc, ModelFormatError):
+                raise  # the model itself is broken: no other message will do better
+            messages.pop()
+            print(f"\n(error: {exc})")
             continue
         messages.append({"role": "assistant", "content": "".join(answer).strip()})
         s = engine.last_stats

@@ -42,19 +42,49 @@ def add_model_options(parser: argparse.ArgumentParser, *, sampling: bool = True)
         parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """Every option checked before the model loads (seconds): a bad value is one `error:` line.
+    The checks are the engine's own (engine.validation), which the window and server use too."""
+    from engine.validation import check_ctx, check_text, check_threads, resolve_device
+
+    check_ctx(getattr(args, "ctx", None), "--ctx")
+    check_threads(getattr(args, "threads", None), "--threads")
+    resolve_device(getattr(args, "device", None))
+    if getattr(args, "mode", None) == "dense" and (args.vram_budget is not None or args.ram_budget is not None):
+        raise UserError("budgets apply to the sparse and hybrid modes, where neurons are placed; dense mode "
+                        "keeps every weight on one device: drop --vram-budget/--ram-budget or use --mode "
+                        "sparse or hybrid")
+    if getattr(args, "prompt", None) is not None:
+        check_text(args.prompt, "--prompt")
+    if hasattr(args, "max_new_tokens"):
+        _given_sampling(args, {}).validate()
+
+
 def load_engine(args: argparse.Namespace):
+    import sys
+
     from engine import Engine
 
-    return Engine.load(args.model, mode=args.mode, ctx=args.ctx, vram_budget=args.vram_budget,
-                       ram_budget=args.ram_budget, device=args.device, threads=args.threads,
-                       cold_quant=args.cpu_weights)
+    check_options(args)
+    engine = Engine.load(args.model, mode=args.mode, ctx=args.ctx, vram_budget=args.vram_budget,
+                         ram_budget=args.ram_budget, device=args.device, threads=args.threads,
+                         cold_quant=args.cpu_weights)
+    for note in getattr(engine, "warnings", ()):
+        sys.stderr.write(f"warning: {note}\n")
+    return engine
 
 
 def sampling_params(args: argparse.Namespace, engine):
     """Command-line values over the model's generation_config.json over our defaults."""
+    params = _given_sampling(args, engine.generation_defaults)
+    params.validate()  # the model's generation_config.json is outside text too
+    return params
+
+
+def _given_sampling(args: argparse.Namespace, defaults: dict):
     from engine import SamplingParams
 
-    values = dict(engine.generation_defaults)
+    values = dict(defaults)
     for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)

@@ -68,8 +68,9 @@ def cmd_list(args) -> int:
     from models_registry.manage import list_models
     from models_registry.paths import models_dir
 
-    if args.ctx <= 0:
-        raise UserError("--ctx must be a positive number of tokens")
+    from engine.validation import check_ctx
+
+    check_ctx(args.ctx, "--ctx")
     listings = list_models(hardware=probe_hardware(), ctx=args.ctx)
     if args.json:
         print(json.dumps({"models_dir": str(models_dir()), "ctx": args.ctx,
@@ -209,8 +210,9 @@ def cmd_fit(args) -> int:
     from models_registry.hardware import probe_hardware
     from models_registry.resolve import resolve_model
 
-    if args.ctx <= 0:
-        raise UserError("--ctx must be a positive number of tokens")
+    from engine.validation import check_ctx
+
+    check_ctx(args.ctx, "--ctx")
     entry = find_entry(args.model)
     folder = None
     try:

@@ -27,6 +27,9 @@ def run(args) -> int:
     from engine.placement import solve
     from engine.sparse import pick_fast_device, problem_for_model
 
+    from engine.validation import check_ctx
+
+    check_ctx(args.ctx, "--ctx")
     model_dir = resolve_model_dir(args.model)
     config = ModelConfig.from_dir(model_dir)
     fast = pick_fast_device(args.device)

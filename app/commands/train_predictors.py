@@ -46,7 +46,12 @@ def run(args) -> int:
         raise UserError(str(exc)) from None
     if args.epochs < 1:
         raise UserError("--epochs must be at least 1")
-    if args.threads:
+    if not 0 < args.target_recall <= 1:  # also refuses nan
+        raise UserError(f"--target-recall must be in (0, 1], not {args.target_recall}")
+    from engine.validation import check_threads, resolve_device
+
+    resolve_device(args.device)
+    if check_threads(args.threads, "--threads"):
         torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model)
     settings = TrainSettings(target_recall=args.target_recall, rank=rank, epochs=args.epochs,
