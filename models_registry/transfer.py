@@ -23,6 +23,13 @@ class TransferError(UserError):
     """A file could not be fetched after all retries."""
 
 
+class RangeIgnoredError(TransferError):
+    """The server keeps answering a resume with the whole file and never finishes it."""
+
+
+MAX_RESTARTS = 3  # times a server that ignores Range may send us back to byte 0
+
+
 class Hasher:
     """sha256 of the content (LFS files) or git's blob sha1 (regular files)."""
 
@@ -67,8 +74,12 @@ def _retryable(exc: Exception) -> bool:
 
 def fetch_file(url: str, part: Path, remote: RemoteFile, *, headers: dict, meter: ProgressMeter,
                control: DownloadControl, stall_timeout: float = 30.0, max_retries: int = 5,
-               retry_delay: float = 1.0) -> str:
-    """Bring `part` to the full content of `remote`; return its hex digest (not yet checked)."""
+               retry_delay: float = 1.0, max_restarts: int = MAX_RESTARTS) -> str:
+    """Bring `part` to the full content of `remote`; return its hex digest (not yet checked).
+
+    An attempt counts as progress only if it got past the furthest byte reached before (a
+    server that ignores Range sends the same first bytes again and again), and a server that
+    ignores Range restarts the file from zero at most `max_restarts` times."""
     import httpx2
     from huggingface_hub.utils import get_session, hf_raise_for_status
 
@@ -84,6 +95,8 @@ def fetch_file(url: str, part: Path, remote: RemoteFile, *, headers: dict, meter
     session = get_session()
     timeout = httpx2.Timeout(stall_timeout, connect=stall_timeout)
     failures = 0
+    restarts = 0
+    furthest = pos  # the furthest byte this run has reached
 
     def on_pause():
         meter.flush()
@@ -107,6 +120,12 @@ def fetch_file(url: str, part: Path, remote: RemoteFile, *, headers: dict, meter
                     hf_raise_for_status(response)
                 if pos and response.status_code == 200:
                     # The server ignored Range: what it sends starts at byte 0.
+                    restarts += 1
+                    if restarts > max_restarts:
+                        raise RangeIgnoredError(
+                            f"the server ignores resume requests (Range) for {remote.name} and its transfers "
+                            f"keep breaking off: restarted from zero {max_restarts} times; giving up. The partial "
+                            "file is kept; try again later or from another mirror (HF_ENDPOINT)")
                     meter.discard(pos)
                     pos, hasher = 0, Hasher(kind, remote.size)
                     part.write_bytes(b"")
@@ -124,11 +143,15 @@ def fetch_file(url: str, part: Path, remote: RemoteFile, *, headers: dict, meter
                         progressed = True
                         if pos >= remote.size or control.should_stop_stream():
                             break
-            if pos < remote.size and not control.should_stop_stream() and not progressed:
-                raise TransferError(f"the server sent no data for {remote.name}")
+            if pos < remote.size and not control.should_stop_stream():
+                if pos <= furthest:  # ended cleanly but short, without getting any further
+                    raise TransferError(f"the server sent no new data for {remote.name}")
+                furthest, failures = pos, 0
         except Exception as exc:  # noqa: BLE001 - sorted into retryable and not below
-            if not (_retryable(exc) or isinstance(exc, TransferError)):
+            if isinstance(exc, RangeIgnoredError) or not (_retryable(exc) or isinstance(exc, TransferError)):
                 raise
+            progressed = pos > furthest  # net progress, not bytes received again
+            furthest = max(furthest, pos)
             failures = 0 if progressed else failures + 1
             if failures > max_retries:
                 raise TransferError(
