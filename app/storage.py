@@ -90,6 +90,11 @@ class Message:
         return {"role": self.role, "content": self.content}
 
 
+# A write that failed for a reason outside the program: a full disk, an I/O error, a folder
+# made read-only. The window keeps the text in memory and writes it again later.
+WRITE_ERRORS = (sqlite3.OperationalError, OSError)
+
+
 class Storage:
     """All reads and writes of the conversation database (one connection, one thread)."""
 
@@ -109,9 +114,16 @@ class Storage:
             )
         self._db.executescript(_SCHEMA)
         self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        self._pending: dict[int, dict] = {}  # message id -> fields a failed write still owes the disk
+        self.last_write_error: Exception | None = None
 
     def close(self) -> None:
-        self._db.close()
+        """Last try to write what is owed, then close; never raises (quitting must work)."""
+        try:
+            self.retry_pending()
+            self._db.close()
+        except (sqlite3.Error, OSError):
+            pass
 
     # -- conversations -------------------------------------------------------------------
     def create_conversation(self, title: str = "New chat", system_prompt: str = "",
@@ -203,15 +215,46 @@ class Storage:
             values.append(message_id)
             self._db.execute(f"UPDATE messages SET {', '.join(fields)} WHERE id = ?", values)
 
+    def save_message(self, message_id: int, *, content: str | None = None, status: str | None = None,
+                     stats: dict | None = None) -> bool:
+        """`update_message` for the streaming answer, which never raises for a failed write:
+        the fields wait in memory (newest wins) and go out with the next save or `retry_pending`.
+        Returns whether everything owed is now on disk."""
+        fields = {k: v for k, v in (("content", content), ("status", status), ("stats", stats)) if v is not None}
+        self._pending.setdefault(message_id, {}).update(fields)
+        return self.retry_pending()
+
+    def retry_pending(self) -> bool:
+        """Write what earlier saves could not; True when nothing is owed any more."""
+        for message_id in list(self._pending):
+            try:
+                self.update_message(message_id, **self._pending[message_id])
+            except WRITE_ERRORS as exc:
+                self.last_write_error = exc
+                return False
+            del self._pending[message_id]
+        self.last_write_error = None
+        return True
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
     def message(self, message_id: int) -> Message | None:
         row = self._db.execute("SELECT * FROM messages WHERE id = ?", (message_id,)).fetchone()
-        return _message(row) if row else None
+        return self._with_pending(_message(row)) if row else None
 
     def messages(self, conversation_id: int) -> list[Message]:
         rows = self._db.execute(
             "SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,)
         )
-        return [_message(row) for row in rows]
+        return [self._with_pending(_message(row)) for row in rows]
+
+    def _with_pending(self, message: Message) -> Message:
+        """What the disk will hold once the owed writes succeed (the window shows that)."""
+        for key, value in self._pending.get(message.id, {}).items():
+            setattr(message, key, value)
+        return message
 
     def delete_messages_from(self, conversation_id: int, message_id: int) -> None:
         """Delete a message and everything after it (edit-and-resend, regenerate)."""

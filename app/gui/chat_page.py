@@ -17,7 +17,7 @@ from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QProgressBar, QPushB
                                QVBoxLayout, QWidget)
 
 from app.settings import Settings
-from app.storage import COMPLETE, FAILED, STOPPED, STREAMING, Conversation, Storage
+from app.storage import COMPLETE, FAILED, STOPPED, STREAMING, WRITE_ERRORS, Conversation, Storage
 
 from . import formatting as fmt
 from .chat_view import ChatView
@@ -31,6 +31,7 @@ FLUSH_MS = 40
 SHOWN_MESSAGES = 60  # a long conversation opens with its latest messages; older ones on request
 TITLE_CHARS = 48
 CONTEXT_WARN = 0.85
+SAVE_RETRY_MS = 3000  # a failed save (full disk) is tried again this often until it succeeds
 
 
 def title_from(text: str) -> str:
@@ -144,6 +145,9 @@ class ChatPage(QWidget):
 
         self._flush_timer = QTimer(self, singleShot=True, interval=FLUSH_MS)
         self._flush_timer.timeout.connect(self._flush)
+        self._save_warned = False  # the user was told saving fails; once, until it works again
+        self._save_retry = QTimer(self, interval=SAVE_RETRY_MS)
+        self._save_retry.timeout.connect(self._retry_saves)
         w = client.worker
         w.token.connect(self._on_token)
         w.live_stats.connect(self._on_live_stats)
@@ -258,6 +262,16 @@ class ChatPage(QWidget):
     def send(self, text: str) -> None:
         if self.client.busy:
             return
+        try:
+            self._send(text)
+        except WRITE_ERRORS as exc:  # nothing was sent: the text goes back to the box
+            log.warning("could not save the message: %s", exc)
+            if not self.input.edit.toPlainText():
+                self.input.edit.setPlainText(text)
+            self._save_failed(exc, "Nothing was sent; your message is back in the box. Free some disk "
+                                   "space, then send it again.")
+
+    def _send(self, text: str) -> None:
         conv = self._ensure_conversation(text)
         if self._editing_id is not None:
             self.storage.delete_messages_from(conv.id, self._editing_id)
@@ -279,11 +293,14 @@ class ChatPage(QWidget):
         last = self.view.last()
         if last is None or last.message_id != message_id:
             return
-        if last.role == "assistant":
-            self.storage.delete_messages_from(self.conversation.id, message_id)
-            self._reload_view()
-        self.banner.hide()
-        self._start_answer()
+        try:
+            if last.role == "assistant":
+                self.storage.delete_messages_from(self.conversation.id, message_id)
+                self._reload_view()
+            self.banner.hide()
+            self._start_answer()
+        except WRITE_ERRORS as exc:
+            self._save_failed(exc, "Nothing was changed. Free some disk space, then try again.")
 
     def begin_edit(self, message_id: int) -> None:
         if self.client.busy or self.conversation is None:
@@ -313,10 +330,10 @@ class ChatPage(QWidget):
         """The window is closing: stop, and keep the partial answer as stopped, not interrupted."""
         self.stop()
         if self._answer_id is not None:
-            self._dirty = True
-            self._flush()
-            self.storage.update_message(self._answer_id, status=STOPPED)
+            # No dialog now: Storage.close tries once more, and quitting must work.
+            self.storage.save_message(self._answer_id, content=self._answer_text, status=STOPPED)
             self._detach_answer()
+        self._save_retry.stop()
 
     def _chat_messages(self) -> list[dict]:
         conv = self.conversation
@@ -357,10 +374,43 @@ class ChatPage(QWidget):
         if not self._dirty or self._answer_id is None:
             return
         self._dirty = False
-        self.storage.update_message(self._answer_id, content=self._answer_text)
-        w = self.view.last()
+        w = self.view.last()  # the screen first: a failed save must not stop the answer showing
         if w is not None and w.message_id == self._answer_id:
             w.set_text(self._answer_text)
+        self._save(self._answer_id, content=self._answer_text)
+
+    # -- saving when the disk fails ------------------------------------------------------
+    def _save(self, message_id: int, **fields) -> None:
+        """Write an answer's fields; on failure they stay in memory, are retried, and the user
+        hears about it once."""
+        if not self.storage.save_message(message_id, **fields):
+            self._save_failed(self.storage.last_write_error,
+                              "The answer stays on screen and in memory; Thermocline saves it by itself "
+                              "as soon as there is room again. Free some disk space.")
+
+    def _save_failed(self, exc, todo: str) -> None:
+        if self.storage.has_pending and not self._save_retry.isActive():
+            self._save_retry.start()
+        if self._save_warned:
+            return
+        self._save_warned = True
+        log.warning("saving the conversation failed: %s", exc)
+        self.save_error = show_error(self.window(), "Could not save the conversation",
+                                     f"Writing to {self.storage.path} failed: {exc}", todo)
+
+    def _retry_saves(self) -> None:
+        if self.storage.retry_pending():
+            self._save_retry.stop()
+            self._save_warned = False  # a later failure is news again
+            log.info("the conversation is saved again")
+
+    def _try_write(self, write, *args) -> bool:
+        try:
+            write(*args)
+            return True
+        except WRITE_ERRORS as exc:
+            self._save_failed(exc, "Free some disk space; the conversation on screen is kept.")
+            return False
 
     def _on_live_stats(self, request_id: int, stats: dict) -> None:
         if request_id == self._request:
@@ -376,7 +426,7 @@ class ChatPage(QWidget):
         reason = stats.get("finish_reason", "stop")
         if not self._answer_text and reason == "context_full":
             # Nothing could be said: drop the empty answer, explain in the banner.
-            self.storage.delete_messages_from(self.conversation.id, self._answer_id)
+            self._try_write(self.storage.delete_messages_from, self.conversation.id, self._answer_id)
             self._detach_answer()
             self._reload_view()
             self._show_context_full()
@@ -395,19 +445,19 @@ class ChatPage(QWidget):
             self._end_answer(FAILED, None)
         else:  # nothing was said: do not keep an empty answer around
             if self._answer_id is not None and self.conversation is not None:
-                self.storage.delete_messages_from(self.conversation.id, self._answer_id)
+                self._try_write(self.storage.delete_messages_from, self.conversation.id, self._answer_id)
             self._detach_answer()
             self._reload_view()
         self._set_readout_idle()
         show_error(self.window(), "Could not answer", what, todo)
 
     def _end_answer(self, status: str, stats: dict | None) -> None:
-        self.storage.update_message(self._answer_id, content=self._answer_text, status=status, stats=stats)
         w = self.view.last()
         if w is not None and w.message_id == self._answer_id:
             w.set_text(self._answer_text)
             w.set_status(status)
             w.set_stats(stats)
+        self._save(self._answer_id, content=self._answer_text, status=status, stats=stats)
         if self.conversation is not None:
             self.conversations_changed.emit(self.conversation.id)
         self._detach_answer()
