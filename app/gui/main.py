@@ -99,6 +99,13 @@ def preload_engine() -> None:
 def run_window(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = make_application(argv)
+    from app.single_instance import SingleInstance
+
+    instance = SingleInstance()
+    if not instance.acquire():
+        # Two windows over one database would take each other's live answers for crashes.
+        sys.stderr.write("Thermocline is already open: its window was brought forward\n")
+        return 0
     splash = _splash()
     app.processEvents()
     preload_engine()
@@ -112,12 +119,21 @@ def run_window(argv: list[str] | None = None) -> int:
         QMessageBox.critical(None, "Thermocline cannot start",
                              f"{exc}\n\nCheck that the data folder is writable, or set THERMOCLINE_DATA_DIR "
                              "to another folder.")
+        instance.release()
         return 1
     window.show()
     splash.finish(window)
+
+    def bring_forward() -> None:
+        window.showNormal()
+        window.raise_()
+        window.activateWindow()
+
+    instance.on_activate = bring_forward
     window.start()
     code = app.exec()
     window.storage.close()
+    instance.release()
     if not getattr(window, "engine_stopped", True):
         # Closed mid-load: everything is saved, but Engine.load cannot be interrupted and Qt
         # aborts if a running QThread is destroyed; leave without tearing it down.
