@@ -79,10 +79,10 @@ def check_threads(threads, name: str = "the thread count") -> int | None:
 
 def resolve_device(name: str | None):
     """`cpu`, `cuda` or `cuda:N` as a torch.device this build and machine can use."""
-    import torch
-
     if name is None:
         return None
+    import torch
+
     try:
         dev = torch.device(str(name).strip().lower())
     except (RuntimeError, ValueError):

@@ -42,6 +42,9 @@ def run(args) -> int:
         text = line.strip()
         if not text:
             continue
+        if not _is_utf8(text):  # a pipe's bytes arrive as lone surrogates instead of an exception
+            print("(that line was not valid UTF-8 and was ignored; check the terminal's encoding)")
+            continue
         if text in ("/quit", "/exit"):
             return 0
         if text == "/reset":
@@ -74,3 +77,11 @@ def run(args) -> int:
         messages.append({"role": "assistant", "content": "".join(answer).strip()})
         s = engine.last_stats
         sys.stdout.write(f"\n  [{s.decode_tok_s:.1f} tok/s, ttft {s.ttft_s * 1000:.0f} ms]\n")
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

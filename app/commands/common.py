@@ -57,15 +57,20 @@ def check_options(args: argparse.Namespace) -> None:
     if getattr(args, "prompt", None) is not None:
         check_text(args.prompt, "--prompt")
     if hasattr(args, "max_new_tokens"):
-        _given_sampling(args, {}).validate()
+        from types import SimpleNamespace
+
+        from engine.validation import check_sampling
+
+        defaults = dict(temperature=0.7, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0)
+        check_sampling(SimpleNamespace(**_sampling_fields(args, defaults)))  # no torch import yet
 
 
 def load_engine(args: argparse.Namespace):
     import sys
 
+    check_options(args)  # before importing the engine (torch): a bad option fails in a blink
     from engine import Engine
 
-    check_options(args)
     engine = Engine.load(args.model, mode=args.mode, ctx=args.ctx, vram_budget=args.vram_budget,
                          ram_budget=args.ram_budget, device=args.device, threads=args.threads,
                          cold_quant=args.cpu_weights)
@@ -81,11 +86,15 @@ def sampling_params(args: argparse.Namespace, engine):
     return params
 
 
-def _given_sampling(args: argparse.Namespace, defaults: dict):
-    from engine import SamplingParams
-
+def _sampling_fields(args: argparse.Namespace, defaults: dict) -> dict:
     values = dict(defaults)
     for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
-    return SamplingParams(max_new_tokens=args.max_new_tokens, seed=args.seed, stop=list(args.stop), **values)
+    return dict(values, max_new_tokens=args.max_new_tokens, seed=args.seed, stop=list(args.stop))
+
+
+def _given_sampling(args: argparse.Namespace, defaults: dict):
+    from engine import SamplingParams
+
+    return SamplingParams(**_sampling_fields(args, defaults))
