@@ -68,17 +68,32 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-    except OSError as exc:
-        if args.debug or exc.errno not in _DISK_FULL:
+    except Exception as exc:  # noqa: BLE001 - only a full disk is handled; the rest keeps its traceback
+        if args.debug or not is_disk_full(exc):
             raise
         # Downloads, profiles and predictor training keep what they finished: a rerun resumes.
-        where = f" ({exc.filename})" if exc.filename else ""
+        where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
         sys.stderr.write(f"error: the disk is full{where}; free some space and run the same command "
                          "again: work already done is kept and resumes\n")
         return 2
 
 
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+# Libraries that write through their own I/O (safetensors' Rust writer, SQLite) report a full
+# disk in their own exception types; their messages carry the OS's words.
+_DISK_FULL_WORDS = ("no space left on device", "os error 28", "database or disk is full", "disk quota exceeded")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether `exc` (or an exception it came from) is the disk running out of space."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+            return True
+        if any(word in str(exc).lower() for word in _DISK_FULL_WORDS):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 if __name__ == "__main__":

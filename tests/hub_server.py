@@ -10,6 +10,12 @@ Faults, each applied once per file: `cut_after[file] = n` closes the connection 
 n; `corrupt_once.add(file)` flips a byte; `stall_once[file] = (n, seconds)` goes silent
 after byte n. Every request is logged in `server.log`.
 
+Hostile servers (tests/test_hostile.py), applied to every response: `ignore_range` (a set
+of files) answers every request with the whole file and status 200; `stall_every[file] =
+(n, seconds)` goes silent after n bytes of each response, then closes it;
+`midway[file] = (n, callback)` calls callback() once after byte n (to fill the disk). A
+listing may name files that are not safe paths (`../../x`): the server lists them as given.
+
 Other tests (the window's download page) can use the fixtures at the end:
 `from hub_server import local_hub, registry_env  # noqa: F401` makes them available.
 """
@@ -77,6 +83,9 @@ class HubServer:
         self.cut_after: dict[str, int] = {}
         self.corrupt_once: set[str] = set()
         self.stall_once: dict[str, tuple[int, float]] = {}
+        self.ignore_range: set[str] = set()
+        self.stall_every: dict[str, tuple[int, float]] = {}
+        self.midway: dict[str, tuple[int, object]] = {}
         self._lock = threading.Lock()
         # Two origins, as on the Hub: the API and /resolve/ on one, LFS content (the "CDN") on
         # another, so clients stop at the 302 for metadata and drop credentials on redirect.
@@ -259,6 +268,8 @@ def _make_handler(server: HubServer):
         def _serve_bytes(self, repo: HubRepo, filename: str, data: bytes, headers: dict, head: bool):
             start, status = 0, 200
             rng = self.headers.get("Range")
+            if filename in server.ignore_range:
+                rng = None  # a server (or proxy) that does not do ranges: always the whole file
             if rng and rng.startswith("bytes="):
                 first, _, last = rng[len("bytes="):].partition("-")
                 start = int(first or 0)
@@ -280,7 +291,16 @@ def _make_handler(server: HubServer):
                 flip = len(body) // 2
                 body = body[:flip] + bytes([body[flip] ^ 0xFF]) + body[flip + 1:]
             cut = server.take_fault(server.cut_after, filename)
-            stall = server.take_fault(server.stall_once, filename)
+            stall = server.take_fault(server.stall_once, filename) or server.stall_every.get(filename)
+            hook = server.take_fault(server.midway, filename)
+            if hook is not None:
+                at = max(hook[0] - start, 0)
+                self.wfile.write(body[:at])
+                self.wfile.flush()
+                hook[1]()
+                self.entry["sent"] = len(body)
+                self.wfile.write(body[at:])
+                return
             stop_at = None
             if cut is not None:
                 stop_at = max(cut - start, 0)
