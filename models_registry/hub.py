@@ -128,8 +128,8 @@ def fetch_plan(repo: str, revision: str | None, patterns: tuple[str, ...], *, en
                             "sidecar folder; refusing to download it")
         s = siblings[name]
         size = s.lfs.size if s.lfs else s.size
-        if size is None:
-            raise UserError(f"the Hub listed {repo}/{name} without its size; cannot check the download")
+        if size is None or int(size) < 0:
+            raise UserError(f"the Hub listed {repo}/{name} without a valid size; cannot check the download")
         files.append(RemoteFile(name, int(size), s.lfs.sha256 if s.lfs else None, s.blob_id))
     return RepoPlan(repo=repo, commit=info.sha, files=tuple(files), gated=bool(info.gated))
 
