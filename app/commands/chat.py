@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import threading
 
-from engine.errors import ContextFullError
+from engine.errors import ContextFullError, RemoteError
 
 from .common import add_model_options, load_engine, sampling_params
 
@@ -56,6 +56,12 @@ def run(args) -> int:
             messages.pop()
             print(f"\n(context full: {exc}; type /reset)")
             continue
+        except RemoteError as exc:  # a remote model's server failed: say why, keep what arrived
+            if not answer:
+                messages.pop()
+                print(f"\n(error: {exc})")
+                continue
+            sys.stdout.write(f" [interrupted: {exc}]")
         messages.append({"role": "assistant", "content": "".join(answer).strip()})
         s = engine.last_stats
         sys.stdout.write(f"\n  [{s.decode_tok_s:.1f} tok/s, ttft {s.ttft_s * 1000:.0f} ms]\n")
