@@ -241,6 +241,40 @@ def test_disconnect_cancels_the_generation(server, engine, monkeypatch):
     assert stats.new_tokens < engine.ctx - stats.prompt_tokens - 1
 
 
+def test_disconnect_cancels_a_whole_answer_too(server, engine, monkeypatch):
+    monkeypatch.setattr(engine, "eos_ids", set())
+    body = {"model": "demo", "messages": CHAT, "max_tokens": engine.ctx}
+    with engine._lock:  # the request waits for the engine; its client gives up meanwhile
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/chat/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+        time.sleep(1.0)  # the server hears the hang-up
+    wait_idle(server)
+    assert engine.last_stats.finish_reason == "cancelled" and engine.last_stats.new_tokens <= 1
+
+
+def test_the_serve_command_serves_until_interrupted(tmp_path):
+    import os
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--model", "demo", "--port", "0"],
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "THERMOCLINE_API_KEY": ""})
+    try:
+        line = proc.stderr.readline()
+        assert line.startswith("serving demo (dense mode, context 256) at http://127.0.0.1:"), line
+        url = line.split(" at ")[1].split()[0]
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        resp = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=3)
+        assert resp.usage.completion_tokens <= 3
+        log = proc.stderr.readline()  # one line per request, with its status and tokens
+        assert "POST /v1/chat/completions 200" in log and "tokens" in log
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130  # Ctrl-C: a clean shutdown, the shell's code for an interrupt
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_api_key_required_when_set(engine):
     srv = ServerThread(lambda: engine, lambda: "demo", port=0, api_key="s3cret").start()
     lines: list[str] = []
