@@ -26,6 +26,7 @@ CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 300.0  # a long prefill on a big remote model may take minutes before the first token
 
 __all__ = ["RemoteEngine", "RemoteError", "RemoteInterrupted"]
+EXTENSIONS = ("top_k", "min_p", "repetition_penalty")  # sampling fields beyond OpenAI's own
 
 
 class RemoteEngine:
@@ -48,7 +49,8 @@ class RemoteEngine:
         self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout, connect=CONNECT_TIMEOUT_S))
         self.last_stats = GenerationStats(mode=self.mode, device="remote")
         self.last_text, self.last_token_ids = "", []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered by the one retry without extensions
+        self._plain = False  # True once the server refused our sampling extensions
 
     def __repr__(self) -> str:  # never the key
         return f"RemoteEngine({self.spec} at {self.url})"
@@ -140,12 +142,15 @@ class RemoteEngine:
             body["seed"] = params.seed
         if params.stop:
             body["stop"] = list(params.stop)[:4]
-        # Extensions that vLLM, llama.cpp and Thermocline accept; sent only when they change anything.
-        if params.top_k:
+        # Extensions that vLLM, llama.cpp and Thermocline accept; sent only when they change anything,
+        # and no more once a server has refused them (OpenAI's own API rejects unknown fields).
+        if self._plain:
+            pass
+        elif params.top_k:
             body["top_k"] = params.top_k
-        if params.min_p:
+        if params.min_p and not self._plain:
             body["min_p"] = params.min_p
-        if params.repetition_penalty != 1.0:
+        if params.repetition_penalty != 1.0 and not self._plain:
             body["repetition_penalty"] = params.repetition_penalty
         if isinstance(prompt, str) or (prompt and not isinstance(prompt[0], dict)):
             body["prompt"] = prompt
@@ -175,6 +180,13 @@ class RemoteEngine:
         with self._lock:
             try:
                 with self._http.stream("POST", self.url + path, json=body) as response:
+                    if response.status_code == 400 and not self._plain and set(body) & set(EXTENSIONS):
+                        detail = self._detail(response.read())
+                        if any(name in detail for name in EXTENSIONS):
+                            self._plain = True  # ask again with OpenAI's own fields only
+                            response.close()
+                            yield from self.stream(prompt, params, cancel)
+                            return
                     if response.status_code >= 400:
                         raise RemoteError(self._what_to_do(response.status_code, self._detail(response.read())))
                     done = False
@@ -227,7 +239,8 @@ class RemoteEngine:
                 stats.new_tokens = stats.new_tokens or chunks
                 if first is not None and end > first and stats.new_tokens > 1:
                     stats.decode_tok_s = (stats.new_tokens - 1) / (end - first)
-                self.last_text = "".join(text)
+                if self.last_stats is stats:  # not when a retry took over
+                    self.last_text = "".join(text)
 
     def generate(self, prompt, params: SamplingParams | None = None,
                  cancel: threading.Event | None = None) -> GenerationResult:

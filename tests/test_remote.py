@@ -142,11 +142,11 @@ def test_unknown_model_and_unreachable_host(capsys, monkeypatch, served):
 
 
 # -- a server that fails ---------------------------------------------------------------------
-FAKE_MODELS = ["fail", "cut", "abort", "garbled"]
+FAKE_MODELS = ["fail", "cut", "abort", "garbled", "strict"]
 
 
-def failing_app(require_key: str | None = None) -> Starlette:
-    """A real HTTP server that fails like broken remotes do."""
+def failing_app(require_key: str | None = None, seen: list | None = None) -> Starlette:
+    """A real HTTP server that fails like broken remotes do ("strict" refuses fields beyond OpenAI's)."""
 
     def denied(request) -> bool:
         return require_key is not None and request.headers.get("authorization") != f"Bearer {require_key}"
@@ -162,6 +162,20 @@ def failing_app(require_key: str | None = None) -> Starlette:
     async def chat(request):
         body = await request.json()
         model = body["model"]
+        if seen is not None:
+            seen.append(body)
+        if model == "strict":
+            extra = [k for k in ("top_k", "min_p", "repetition_penalty") if k in body]
+            if extra:
+                return JSONResponse({"error": {"message": f"Unrecognized request argument supplied: {extra[0]}"}},
+                                    status_code=400)
+
+            async def fine():
+                yield chunk("Hello")
+                yield b"data: " + json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(fine(), media_type="text/event-stream")
         if model == "fail":
             return JSONResponse({"error": {"message": "CUDA out of memory", "type": "server_error"}}, status_code=500)
 
@@ -242,3 +256,14 @@ def test_key_comes_from_env_and_is_never_stored(capsys, monkeypatch, served, tmp
         if path.is_file():
             assert b"remote-key" not in path.read_bytes()
     assert "remote-key" not in out + err
+
+
+def test_a_server_that_refuses_extensions_gets_openai_fields_only(capsys, failing_server):
+    seen: list[dict] = []
+    url = failing_server(failing_app(seen=seen))
+    run_cli(capsys, "models", "add-remote", "strict", "--url", url, "--model", "strict")
+    code, out, err = run_cli(capsys, "generate", "--model", "remote/strict", "--prompt", "hi", "--chat", "--json",
+                             "--top-k", "40", "--temperature", "0.5")
+    assert code == 0, err
+    assert json.loads(out)["text"] == "Hello" and json.loads(out)["finish_reason"] == "stop"
+    assert [("top_k" in b) for b in seen] == [True, False]

@@ -252,6 +252,27 @@ def test_disconnect_cancels_a_whole_answer_too(server, engine, monkeypatch):
     assert engine.last_stats.finish_reason == "cancelled" and engine.last_stats.new_tokens <= 1
 
 
+def test_a_request_dropped_while_queued_never_runs(server, engine, monkeypatch):
+    lines: list[str] = []
+    monkeypatch.setattr(server.state, "on_request", lines.append)
+    first: dict = {}
+    with engine._lock:  # A waits for the engine, B queues behind A
+        a = threading.Thread(target=_stream_text, args=(openai.OpenAI(base_url=server.url, api_key="x",
+                                                                      max_retries=0), "first", first, 0))
+        a.start()
+        while server.state.gate.outstanding < 1:
+            time.sleep(0.01)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/completions", json={"model": "demo", "prompt": "second", "max_tokens": 50},
+                       timeout=httpx.Timeout(60, read=0.5))
+        time.sleep(1.0)
+    a.join(60)
+    wait_idle(server)
+    assert isinstance(first[0], str)
+    assert any(" 499 " in line for line in lines), lines  # B was dropped, A answered
+    assert engine.last_stats.prompt_tokens == len(engine.encode_prompt("first"))
+
+
 def test_the_serve_command_serves_until_interrupted(tmp_path):
     import os
     import signal

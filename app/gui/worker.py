@@ -145,7 +145,9 @@ class EngineWorker(QObject):
                     self._budgets = (None, None)
                     eng = Engine.load(spec, mode=mode, **kwargs)
             except Exception as exc:  # noqa: BLE001
-                if mode == "dense":
+                from engine.errors import RemoteError
+
+                if mode == "dense" or isinstance(exc, RemoteError):  # a remote model has no modes to fall back on
                     raise
                 # No predictors, or no sparse runtime in this build: run dense and say why.
                 log.warning("loading %s in %s mode failed (%s); trying dense", spec, mode, exc)

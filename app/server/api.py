@@ -28,6 +28,7 @@ from .protocol import ApiError, GenerationRequest, bad_request, parse_chat, pars
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection first"; only the log sees it
 FINISH_REASONS = {"stop": "stop", "length": "length", "context_full": "length", "cancelled": "stop"}
 # Our figures, added to each response next to OpenAI's `usage`.
 FIGURES = ("ttft_s", "prefill_tok_s", "decode_tok_s", "ffn_active_fraction", "hot_hit_fraction", "mode",
@@ -193,6 +194,9 @@ async def _serve(state: ServerState, request: Request, req: GenerationRequest, k
         job.cancel.set()
         watcher.cancel()
         raise
+    if first[0] == "cancelled":  # the client hung up while it waited; nobody reads this answer
+        watcher.cancel()
+        return Response(status_code=CLIENT_CLOSED)
     if first[0] == "error":
         watcher.cancel()
         raise _engine_error(first[1])

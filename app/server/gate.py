@@ -42,7 +42,7 @@ class GenerationGate:
     """Runs jobs one after another on a thread; at most `max_waiting` wait behind the running one.
 
     Events posted to a job: ("token", text), then ("done", {"stats": dict, "token_ids": list})
-    or ("error", exception). The first event of a job that cannot start (prompt too long, bad
+    or ("error", exception); a job cancelled before it ran gets ("cancelled", None) alone. The first event of a job that cannot start (prompt too long, bad
     sampling values) is its error, before any token.
     """
 
@@ -75,7 +75,9 @@ class GenerationGate:
             if job is None:
                 return
             try:
-                if not job.cancel.is_set():
+                if job.cancel.is_set():  # its client left while it waited: never run it
+                    job.post("cancelled")
+                else:
                     self._generate(job)
             finally:
                 with self._count_lock:
