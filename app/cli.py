@@ -16,7 +16,8 @@ import sys
 from engine.errors import UserError
 
 # Module names under app.commands, in the order `--help` lists them.
-COMMANDS = ("chat", "generate", "place", "profile", "train_predictors", "eval", "models", "hw")
+COMMANDS = ("chat", "generate", "place", "profile", "train_predictors", "eval", "models", "hw",
+            "serve")
 
 
 class _Parser(argparse.ArgumentParser):

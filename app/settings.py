@@ -102,6 +102,9 @@ SCHEMA: tuple[Option, ...] = (
            minimum=0.5, maximum=3.0),
     Option("chat.max_new_tokens", int, 512, "Longest answer in tokens.", minimum=1, maximum=32768),
     Option("models.custom", list, [], "Models added by hand: Hugging Face repo ids and local folders."),
+    # The window's local OpenAI-compatible server (its key is never saved).
+    Option("server.host", str, "127.0.0.1", "Address the local server listens on; not loopback needs a key."),
+    Option("server.port", int, 8080, "Port of the local server.", minimum=1, maximum=65535),
     # Window state.
     Option("ui.geometry", str, "", "Saved window geometry (base64)."),
     Option("ui.splitter", str, "", "Saved splitter sizes (base64)."),

@@ -105,6 +105,10 @@ class Engine:
              vram_budget: int | None = None, ram_budget: int | None = None,
              device: str | None = None, threads: int | None = None, cold_quant: str = "int8",
              progress: Progress | None = None) -> "Engine":
+        if str(model).startswith("remote/"):  # a model served elsewhere (models add-remote)
+            from .remote import RemoteEngine
+
+            return RemoteEngine.load(str(model), ctx=ctx)
         if mode not in MODES:
             raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
         ctx, threads = check_ctx(ctx), check_threads(threads)

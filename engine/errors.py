@@ -20,3 +20,15 @@ class BudgetError(UserError):
 
 class ContextFullError(UserError):
     """The conversation no longer fits the context window."""
+
+
+class RemoteError(UserError):
+    """A remote model's server could not answer (models add-remote); the message says why and what to do."""
+
+
+class RemoteInterrupted(RemoteError):
+    """A remote answer broke off midway; `partial` is the text that arrived before."""
+
+    def __init__(self, message: str, partial: str = ""):
+        super().__init__(message)
+        self.partial = partial

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import threading
 
-from engine.errors import ContextFullError, ModelFormatError, UserError
+from engine.errors import ContextFullError, ModelFormatError, RemoteError, UserError
 
 from .common import add_model_options, load_engine, sampling_params
 
@@ -68,6 +68,12 @@ def run(args) -> int:
             messages.pop()
             print(f"\n(context full: {exc}; type /reset)")
             continue
+        except RemoteError as exc:  # a remote model's server failed: say why, keep what arrived
+            if not answer:
+                messages.pop()
+                print(f"\n(error: {exc})")
+                continue
+            sys.stdout.write(f" [interrupted: {exc}]")
         except UserError as exc:  # this message cannot be answered (e.g. the template refused it)
             if isinstance(exc, ModelFormatError):
                 raise  # the model itself is broken: no other message will do better

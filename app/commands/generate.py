@@ -22,7 +22,13 @@ def run(args) -> int:
     params = sampling_params(args, engine)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     if args.json:
-        result = engine.generate(prompt, params)
+        from engine.errors import RemoteInterrupted
+
+        try:
+            result = engine.generate(prompt, params)
+        except RemoteInterrupted as exc:  # a remote stream broke off: report what arrived, then the error
+            print(json.dumps({"text": exc.partial, "token_ids": [], **engine.last_stats.to_dict(), "error": str(exc)}))
+            raise
         report = {"text": result.text, "token_ids": result.token_ids, **result.stats.to_dict()}
         print(json.dumps(report))
         return 0

@@ -1,4 +1,4 @@
-"""`thermocline models list|download|remove|import|verify|fit [--json]`: the models folder.
+"""`thermocline models list|download|remove|import|add-remote|verify|fit [--json]`: the models folder.
 
 Downloads report progress on stderr (one redrawn line on a terminal, a line every few
 seconds otherwise); Ctrl-C keeps the partial files and the next download resumes them.
@@ -48,6 +48,16 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_import)
 
+    p = sub.add_parser("add-remote", help="use a model on any OpenAI-compatible server as remote/NAME")
+    p.add_argument("name", help="the name after remote/")
+    p.add_argument("--url", required=True, help="the server's OpenAI API base, e.g. http://gpu-box:8000/v1")
+    p.add_argument("--model", default=None, metavar="REMOTE_ID", help="the model id on that server "
+                   "(default: the first it lists)")
+    p.add_argument("--api-key-env", default=None, metavar="VAR", help="environment variable that holds the "
+                   "API key (the key itself is never stored; without it the OS keyring is asked)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=cmd_add_remote)
+
     p = sub.add_parser("verify", help="re-check a downloaded model's files against the Hub's hashes")
     p.add_argument("model", help="catalogue id or org/name")
     p.add_argument("--json", action="store_true")
@@ -67,20 +77,37 @@ def cmd_list(args) -> int:
     from models_registry.hardware import probe_hardware
     from models_registry.manage import list_models
     from models_registry.paths import models_dir
+    from models_registry.remotes import list_remotes
 
     from engine.validation import check_ctx
 
     check_ctx(args.ctx, "--ctx")
     listings = list_models(hardware=probe_hardware(), ctx=args.ctx)
+    remotes = list_remotes()
     if args.json:
         print(json.dumps({"models_dir": str(models_dir()), "ctx": args.ctx,
-                          "models": [m.to_dict() for m in listings]}, indent=2))
+                          "models": [m.to_dict() for m in listings],
+                          "remotes": [r.to_dict() for r in remotes]}, indent=2))
         return 0
     print(f"models folder: {models_dir()}")
     for m in listings:
         size = format_size(m.size_bytes) if m.size_bytes else "?"
         fit = m.fit["verdict"] if m.fit else "-"
         print(f"{m.id:24} {m.status:15} {size:>11}  {fit:30} {m.repo or ''}")
+    for r in remotes:
+        print(f"{r.id:24} {'remote':15} {'':>11}  {'runs elsewhere':30} {r.url} {r.model or ''}")
+    return 0
+
+
+def cmd_add_remote(args) -> int:
+    from models_registry.remotes import add_remote
+
+    remote = add_remote(args.name, args.url, args.model, args.api_key_env)
+    if args.json:
+        print(json.dumps(remote.to_dict()))
+    else:
+        print(f"added {remote.id} -> {remote.url}" + (f" (model {remote.model})" if remote.model else "")
+              + (f", key from ${remote.api_key_env}" if remote.api_key_env else ""))
     return 0
 
 
@@ -162,6 +189,12 @@ def cmd_download(args) -> int:
 # -- remove / import -------------------------------------------------------------------------
 def cmd_remove(args) -> int:
     from models_registry.manage import model_folder, remove_model
+    from models_registry.remotes import is_remote, remove_remote
+
+    if is_remote(args.model):  # only the entry goes; nothing of the server's is touched
+        remote = remove_remote(args.model)
+        print(json.dumps({"removed": remote.id}) if args.json else f"removed {remote.id}")
+        return 0
 
     folder = model_folder(args.model)
     freed = remove_model(args.model)

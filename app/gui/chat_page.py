@@ -17,7 +17,8 @@ from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QProgressBar, QPushB
                                QVBoxLayout, QWidget)
 
 from app.settings import Settings
-from app.storage import COMPLETE, FAILED, STOPPED, STREAMING, WRITE_ERRORS, Conversation, Storage
+from app.storage import (COMPLETE, FAILED, INTERRUPTED, STOPPED, STREAMING, WRITE_ERRORS, Conversation,
+                         Storage)
 
 from . import formatting as fmt
 from .chat_view import ChatView
@@ -431,9 +432,12 @@ class ChatPage(QWidget):
             self._reload_view()
             self._show_context_full()
             return
-        status = STOPPED if reason == "cancelled" else COMPLETE
+        status = STOPPED if reason == "cancelled" else INTERRUPTED if reason == "interrupted" else COMPLETE
         self._end_answer(status, stats)
         self.readout.setText(self.live_text(stats, final=True))
+        if reason == "interrupted":  # a remote stream broke off: the partial answer stays
+            show_error(self.window(), "The answer was interrupted", stats.get("error", ""),
+                       "The partial answer is kept. Check the remote server, then regenerate.")
         if reason == "context_full":
             self._show_context_full()
 

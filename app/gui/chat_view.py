@@ -23,7 +23,7 @@ COLUMN_MAX_WIDTH = 860
 _STATUS_TEXT = {
     STREAMING: ("generating…", "streaming"),
     STOPPED: ("stopped", "stopped"),
-    INTERRUPTED: ("interrupted: the app closed before this answer finished", "interrupted"),
+    INTERRUPTED: ("interrupted: this answer did not finish", "interrupted"),
     FAILED: ("failed", "failed"),
 }
 

@@ -107,6 +107,9 @@ class MainWindow(QMainWindow):
         self.statusBar().addPermanentWidget(self.build_status)
         self.statusBar().addPermanentWidget(self.load_bar)
         self.statusBar().addPermanentWidget(self.panel_button)
+        from .server_panel import install_server_panel
+
+        self.server_panel = install_server_panel(self)
 
         # Wiring.
         self.chat_tab.clicked.connect(lambda: self.show_page("chat"))
@@ -292,6 +295,7 @@ class MainWindow(QMainWindow):
         self.settings["ui.geometry"] = bytes(self.saveGeometry().toBase64()).decode()
         self.settings["ui.splitter"] = bytes(self.splitter.saveState().toBase64()).decode()
         self.chat.close_out()
+        self.server_panel.shutdown()
         self.models.shutdown()
         self.engine_stopped = self.client.shutdown()
         super().closeEvent(event)

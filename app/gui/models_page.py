@@ -97,6 +97,15 @@ def scan_models(custom: list[str], ctx: int, active: str = "") -> dict:
         folder = demo_model_dir() if entry.repo is None else downloaded_model_dir(entry.repo)
         rows.append(row(entry.id, folder, title=entry.id, repo=entry.repo, entry=entry))
         seen.update({entry.id.lower(), (entry.repo or "").lower()})
+    from models_registry.remotes import list_remotes
+
+    for remote in list_remotes():  # models served elsewhere (Add remote…, models add-remote)
+        seen.add(remote.id.lower())
+        rows.append({"spec": remote.id, "title": remote.id, "repo": None, "folder": remote.url, "status": "ready",
+                     "size": None, "license": "see the server", "params": "", "sparsity": None,
+                     "description": f"Runs elsewhere: {remote.model or 'the first model'} at {remote.url}",
+                     "verdict": "runs elsewhere", "reason": "", "custom": True, "local": False,
+                     "downloadable": False, "remote": True})
     # The active model is listed even when it was chosen by path rather than added here.
     extra = custom + ([active] if active and Path(active).expanduser().is_absolute() else [])
     for spec in extra:
@@ -347,7 +356,11 @@ class ModelsPage(QWidget):
         self.open_dir_button = QPushButton("Models folder", header)
         self.open_dir_button.setToolTip("Open the folder where downloads are kept")
         self.open_dir_button.clicked.connect(self._open_models_dir)
-        for b in (self.add_repo_button, self.add_folder_button, self.open_dir_button):
+        self.add_remote_button = QPushButton("Add remote…", header)
+        self.add_remote_button.setToolTip("Use a model served by another machine (vLLM, llama.cpp, Ollama, "
+                                          "Thermocline) over the OpenAI API")
+        self.add_remote_button.clicked.connect(self.add_remote)
+        for b in (self.add_repo_button, self.add_folder_button, self.add_remote_button, self.open_dir_button):
             top.addWidget(b)
         hl.addLayout(top)
         self.machine_label = QLabel("Looking at this machine…", header)
@@ -510,7 +523,20 @@ class ModelsPage(QWidget):
             self.settings["models.custom"] = custom
         self.refresh()
 
+    def add_remote(self) -> None:
+        from .remote_dialog import AddRemoteDialog
+
+        dlg = AddRemoteDialog(self)
+        dlg.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose, True)
+        dlg.added.connect(lambda _spec: self.refresh())
+        dlg.open()
+        self.remote_dialog = dlg
+
     def remove_custom(self, spec: str) -> None:
+        if spec.startswith("remote/"):
+            from models_registry.remotes import remove_remote
+
+            remove_remote(spec)
         self.settings["models.custom"] = [s for s in self.settings["models.custom"] if s != spec]
         self.refresh()
 

@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 LIVE_STATS_INTERVAL_S = 0.25
 DENSE_NOTE = ("Dense mode: every neuron is computed on one device, so there is nothing to place. "
               "Hybrid mode splits hot and cold neurons.")
+REMOTE_NOTE = ("This model runs elsewhere, on the server at {url}: its memory and speed are that "
+               "machine's, so the budgets here do not apply to it.")
 
 
 def to_plain(obj: Any) -> Any:
@@ -66,6 +68,12 @@ def explain_error(exc: BaseException, doing: str) -> tuple[str, str]:
     if isinstance(exc, ContextFullError):
         return (f"Could not {doing}: {text}",
                 "Start a new chat, or raise the context length in the panel.")
+    from engine.errors import RemoteError
+
+    if isinstance(exc, RemoteError):
+        return (f"Could not {doing}: {text}",
+                "The model runs on another server: check that it is running and reachable, its URL "
+                "and the API key (Models page), then try again.")
     if isinstance(exc, UserError):
         return f"Could not {doing}: {text}", "Check the model and settings, then try again."
     if isinstance(exc, MemoryError) or "out of memory" in text.lower():
@@ -137,7 +145,9 @@ class EngineWorker(QObject):
                     self._budgets = (None, None)
                     eng = Engine.load(spec, mode=mode, **kwargs)
             except Exception as exc:  # noqa: BLE001
-                if mode == "dense":
+                from engine.errors import RemoteError
+
+                if mode == "dense" or isinstance(exc, RemoteError):  # a remote model has no modes to fall back on
                     raise
                 # No predictors, or no sparse runtime in this build: run dense and say why.
                 log.warning("loading %s in %s mode failed (%s); trying dense", spec, mode, exc)
@@ -166,7 +176,9 @@ class EngineWorker(QObject):
 
     def _initial_placement(self, note: str) -> None:
         eng = self.engine
-        if not hasattr(eng, "set_budgets"):
+        if getattr(eng, "remote", False):
+            self.placement_unavailable.emit(REMOTE_NOTE.format(url=getattr(eng, "url", "another machine")))
+        elif not hasattr(eng, "set_budgets"):
             self.placement_unavailable.emit("This engine build cannot re-place neurons live yet.")
         elif self._dense():
             self.placement_unavailable.emit(note or DENSE_NOTE)
@@ -191,6 +203,9 @@ class EngineWorker(QObject):
                 self._budgets = pending  # remembered for the next load
             return
         self._budgets = pending
+        if getattr(self.engine, "remote", False):
+            self.placement_unavailable.emit(REMOTE_NOTE.format(url=getattr(self.engine, "url", "another machine")))
+            return
         if not hasattr(self.engine, "set_budgets"):
             self.placement_unavailable.emit("This engine build cannot re-place neurons live yet.")
             return
@@ -225,8 +240,8 @@ class EngineWorker(QObject):
     # -- generation ----------------------------------------------------------------------
     @Slot(int, list)
     def count_tokens(self, tag: int, messages: list) -> None:
-        if self.engine is None:
-            return
+        if self.engine is None or getattr(self.engine, "remote", False):
+            return  # a remote model's tokenizer is on its server
         try:
             tok = self.engine.tokenizer
             n = len(tok.encode(tok.render_chat(messages))) if messages else 0
@@ -269,6 +284,14 @@ class EngineWorker(QObject):
 
             if isinstance(exc, ContextFullError):
                 final = {**stats, "finish_reason": "context_full", "error": str(exc)}
+                self.finished.emit(request_id, final)
+                return
+            from engine.errors import RemoteInterrupted
+
+            if isinstance(exc, RemoteInterrupted) and stats["new_tokens"]:
+                # A remote stream broke off: keep what arrived, marked interrupted, and say why.
+                final = {**(to_plain(getattr(eng, "last_stats", None)) or {}), **stats,
+                         "finish_reason": "interrupted", "error": str(exc)}
                 self.finished.emit(request_id, final)
                 return
             log.exception("generation failed")

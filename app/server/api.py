@@ -1,0 +1,344 @@
+"""The OpenAI-compatible HTTP API on Starlette: models, chat and text completions, health.
+
+Every answer that is not a success is an OpenAI-style error body
+(`{"error": {"message", "type", "param", "code"}}`), including malformed JSON, unknown
+routes and bugs: nothing a client sends brings the server down. With an API key set, every
+request must carry `Authorization: Bearer KEY`; the key is never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .gate import GateFull, GenerationGate, Job
+from .protocol import ApiError, GenerationRequest, bad_request, parse_chat, parse_completion
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection first"; only the log sees it
+FINISH_REASONS = {"stop": "stop", "length": "length", "context_full": "length", "cancelled": "stop"}
+# Our figures, added to each response next to OpenAI's `usage`.
+FIGURES = ("ttft_s", "prefill_tok_s", "decode_tok_s", "ffn_active_fraction", "hot_hit_fraction", "mode",
+           "cached_tokens", "device")
+
+
+def error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+class ServerState:
+    """What the routes share: the engine (through a getter: the window swaps models), the gate."""
+
+    def __init__(self, get_engine: Callable[[], Any], get_model_id: Callable[[], str | None], *,
+                 api_key: str | None = None, max_waiting: int = 8,
+                 on_request: Callable[[str], None] | None = None):
+        self.get_engine, self.get_model_id = get_engine, get_model_id
+        self.api_key = api_key or None
+        self.gate = GenerationGate(get_engine, max_waiting)
+        self.on_request = on_request
+        self.created = int(time.time())
+
+
+def build_app(get_engine: Callable[[], Any], get_model_id: Callable[[], str | None], *,
+              api_key: str | None = None, max_waiting: int = 8,
+              on_request: Callable[[str], None] | None = None) -> Starlette:
+    """The ASGI application. `on_request` receives one log line per call (never the key)."""
+    state = ServerState(get_engine, get_model_id, api_key=api_key, max_waiting=max_waiting, on_request=on_request)
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": state.get_model_id(),
+                             "loaded": state.get_engine() is not None, "queued": state.gate.outstanding})
+
+    async def list_models(request: Request) -> Response:
+        model_id = state.get_model_id()
+        engine = state.get_engine()
+        data = [_model_card(model_id, state.created, engine)] if model_id and engine is not None else []
+        return JSONResponse({"object": "list", "data": data})
+
+    async def get_model(request: Request) -> Response:
+        wanted = request.path_params["model_id"]
+        engine = state.get_engine()
+        if wanted != state.get_model_id() or engine is None:
+            raise _model_not_found(wanted, state.get_model_id())
+        return JSONResponse(_model_card(wanted, state.created, engine))
+
+    async def chat(request: Request) -> Response:
+        return await _serve(state, request, parse_chat(await _json_body(request)), "chat")
+
+    async def completions(request: Request) -> Response:
+        return await _serve(state, request, parse_completion(await _json_body(request)), "text")
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/health", health, methods=["GET"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ]
+
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        return error_response(exc)
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(ApiError(exc.status_code, message, type=kind))
+
+    async def crash(request: Request, exc: Exception) -> Response:
+        log.exception("request %s %s failed", request.method, request.url.path)
+        return error_response(ApiError(500, f"internal error: {exc.__class__.__name__}: {exc}", type="server_error"))
+
+    app = Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error,
+                                                       Exception: crash})
+    return _Middleware(app, state)
+
+
+def _model_card(model_id: str, created: int, engine) -> dict:
+    # max_model_len: vLLM's field for the context length; remote clients (ours too) read it.
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "thermocline",
+            "max_model_len": int(getattr(engine, "ctx", 0) or 0) or None}
+
+
+def _model_not_found(wanted: str, served: str | None) -> ApiError:
+    return ApiError(404, f"the model '{wanted}' does not exist here; this server runs '{served}'",
+                    param="model", code="model_not_found", type="not_found_error")
+
+
+async def _json_body(request: Request) -> Any:
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+async def _watch_disconnect(request: Request, cancel) -> None:
+    """Set `cancel` when the client goes away (the body is read already: the next message is that)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            cancel.set()
+            return
+
+
+def _sampling(engine, req: GenerationRequest):
+    from engine import SamplingParams, UserError
+
+    values = {**getattr(engine, "generation_defaults", {}), **req.sampling_values()}
+    # No max_tokens on a chat: answer until the model stops or the context is full.
+    max_new = req.max_tokens if req.max_tokens is not None else int(getattr(engine, "ctx", 2048))
+    params = SamplingParams(max_new_tokens=max_new, seed=req.seed, stop=list(req.stop), **values)
+    try:
+        params.validate()
+    except UserError as exc:
+        raise bad_request(str(exc)) from None
+    return params
+
+
+def _engine_error(exc: BaseException) -> ApiError:
+    from engine.errors import ContextFullError, UserError
+
+    if isinstance(exc, ContextFullError):
+        return ApiError(400, str(exc), param="messages", code="context_length_exceeded")
+    if isinstance(exc, UserError):
+        return bad_request(str(exc))
+    if isinstance(exc, RuntimeError) and str(exc) == "no model is loaded":
+        return ApiError(503, "no model is loaded; load one in the window first", type="server_error")
+    return ApiError(500, f"generation failed: {exc.__class__.__name__}: {exc}", type="server_error")
+
+
+def _usage(stats: dict) -> dict:
+    prompt, new = int(stats.get("prompt_tokens", 0)), int(stats.get("new_tokens", 0))
+    return {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new}
+
+
+def _figures(stats: dict, queue_s: float) -> dict:
+    figures = {k: stats[k] for k in FIGURES if k in stats}
+    figures["queue_s"] = queue_s
+    return figures
+
+
+async def _serve(state: ServerState, request: Request, req: GenerationRequest, kind: str) -> Response:
+    engine, model_id = state.get_engine(), state.get_model_id()
+    if engine is None:
+        raise ApiError(503, "no model is loaded; load one in the window first", type="server_error")
+    if req.model is not None and req.model != model_id:
+        raise _model_not_found(req.model, model_id)
+    params = _sampling(engine, req)
+    arrived = time.perf_counter()
+    job = Job(req.prompt, params, asyncio.get_running_loop())
+    try:
+        state.gate.submit(job)
+    except GateFull as exc:
+        raise ApiError(429, f"{exc}; retry shortly", type="requests", code="rate_limit_exceeded") from None
+    watcher = asyncio.create_task(_watch_disconnect(request, job.cancel))
+    try:
+        first = await job.events.get()
+    except BaseException:
+        job.cancel.set()
+        watcher.cancel()
+        raise
+    if first[0] == "cancelled":  # the client hung up while it waited; nobody reads this answer
+        watcher.cancel()
+        return Response(status_code=CLIENT_CLOSED)
+    if first[0] == "error":
+        watcher.cancel()
+        raise _engine_error(first[1])
+    queue_s = time.perf_counter() - arrived
+    reply = _Reply(kind, model_id, request.scope)
+    if req.stream:
+        watcher.cancel()  # from here the streaming response notices the disconnect itself
+        return StreamingResponse(_sse(job, first, reply, req, queue_s), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        text, event = [], first
+        while event[0] == "token":
+            text.append(event[1])
+            event = await job.events.get()
+    finally:
+        job.cancel.set()  # a no-op once done; stops the engine if this request is torn down
+        watcher.cancel()
+    if event[0] == "error":
+        raise _engine_error(event[1])
+    stats = event[1]["stats"]
+    reply.note(stats, stream=False)
+    return JSONResponse(reply.whole("".join(text), stats, queue_s))
+
+
+class _Reply:
+    """Builds the chat or text completion bodies of one request, whole or as chunks."""
+
+    def __init__(self, kind: str, model_id: str | None, scope: dict):
+        self.kind, self.model, self.scope = kind, model_id, scope
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def note(self, stats: dict, stream: bool) -> None:
+        """What the request log line says about this call."""
+        self.scope.setdefault("state", {})["thermocline_log"] = (
+            f"{stats.get('prompt_tokens', 0)}+{stats.get('new_tokens', 0)} tokens "
+            f"{stats.get('finish_reason', '')}{' stream' if stream else ''}")
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, stats: dict, queue_s: float) -> dict:
+        finish = FINISH_REASONS.get(stats.get("finish_reason"), "stop")
+        if self.kind == "chat":
+            body = self._head("chat.completion")
+            body["choices"] = [{"index": 0, "message": {"role": "assistant", "content": text},
+                                "logprobs": None, "finish_reason": finish}]
+        else:
+            body = self._head("text_completion")
+            body["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+        body["usage"] = _usage(stats)
+        body["thermocline"] = _figures(stats, queue_s)
+        return body
+
+    def chunk(self, text: str | None, finish: str | None, *, first: bool = False, usage: bool = False) -> dict:
+        if self.kind == "chat":
+            body = self._head("chat.completion.chunk")
+            delta = {} if text is None else {"content": text}
+            if first:
+                delta["role"] = "assistant"
+            body["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        else:
+            body = self._head("text_completion")
+            body["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
+        if usage:
+            body["usage"] = None
+        return body
+
+
+def _data(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _sse(job: Job, first: tuple, reply: _Reply, req: GenerationRequest, queue_s: float) -> AsyncIterator[bytes]:
+    usage = req.include_usage
+    try:
+        if reply.kind == "chat":  # OpenAI opens a chat stream with the role
+            yield _data(reply.chunk("", None, first=True, usage=usage))
+        event = first
+        while event[0] == "token":
+            yield _data(reply.chunk(event[1], None, usage=usage))
+            event = await job.events.get()
+        if event[0] == "error":
+            yield _data(_engine_error(event[1]).body())
+            return
+        stats = event[1]["stats"]
+        reply.note(stats, stream=True)
+        finish = FINISH_REASONS.get(stats.get("finish_reason"), "stop")
+        yield _data(reply.chunk(None, finish, usage=usage))
+        if usage:
+            tail = reply.chunk(None, None)
+            tail["choices"] = []
+            tail["usage"] = _usage(stats)
+            tail["thermocline"] = _figures(stats, queue_s)
+            yield _data(tail)
+        yield b"data: [DONE]\n\n"
+    finally:
+        job.cancel.set()  # the client left (or the stream ended): the engine stops at its next token
+
+
+class _Middleware:
+    """Checks the API key, and writes one log line per call (with the status it got)."""
+
+    def __init__(self, app: Starlette, state: ServerState):
+        self.app, self.state = app, state  # `state`: the gate, the key, the engine getter
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = [0]
+
+        async def send_status(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            if self.state.api_key and not self._authorized(scope):
+                exc = ApiError(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
+                               code="invalid_api_key")
+                await error_response(exc)(scope, receive, send_status)
+                return
+            await self.app(scope, receive, send_status)
+        finally:
+            self._log(scope, status[0], time.perf_counter() - start)
+
+    def _authorized(self, scope) -> bool:
+        headers = dict(scope.get("headers") or [])
+        value = headers.get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = value.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.state.api_key.encode())
+
+    def _log(self, scope, status: int, elapsed: float) -> None:
+        detail = (scope.get("state") or {}).get("thermocline_log", "")
+        client = scope.get("client") or ("?", 0)
+        line = (f"{time.strftime('%H:%M:%S')} {client[0]} {scope.get('method')} {scope.get('path')} "
+                f"{status or 'closed'} {elapsed:.2f}s {detail}").rstrip()
+        log.info("%s", line)
+        if self.state.on_request is not None:
+            try:
+                self.state.on_request(line)
+            except Exception:  # noqa: BLE001 - a log sink must never fail a request
+                log.exception("request log sink failed")
