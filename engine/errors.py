@@ -20,3 +20,7 @@ class BudgetError(UserError):
 
 class ContextFullError(UserError):
     """The conversation no longer fits the context window."""
+
+
+class UnsafePickleError(UserError):
+    """A PyTorch pickle that would run code (or is no state dict of tensors) was refused."""

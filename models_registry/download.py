@@ -30,6 +30,7 @@ from .hub import (
     RemoteFile, RepoPlan, auth_headers, check_access, fetch_plan, file_url, hub_endpoint, hub_error, is_offline,
 )
 from .paths import models_dir, repo_folder_name
+from .pickles import convert_pickles, is_pickle_weight
 from .progress import DownloadControl, ProgressMeter
 from .resolve import DEMO_ID, is_repo_id
 from .state import SIDECAR, read_state, write_state
@@ -181,6 +182,7 @@ def download_model(
     offline: bool | None = None,
     with_predictors: bool = True,
     on_predictors_downloaded: Callable[[Path, Path], None] | None = None,
+    convert_pickles: Callable[[Path], dict] | None = None,
     root: Path | None = None,
     stall_timeout: float = 30.0,
     max_retries: int = 5,
@@ -258,6 +260,8 @@ def download_model(
     remaining = sum(f.size - job.already_have(rel, f) for _, rel, f in jobs)
     # The predictor import writes predictors.safetensors next to the downloaded model_N.pt.
     imported_copy = pred_plan.total_bytes if pred_plan is not None and on_predictors_downloaded else 0
+    # pytorch_model*.bin shards become safetensors one at a time: one shard's copy at once.
+    imported_copy += max((f.size for f in plan.files if is_pickle_weight(f.name)), default=0)
     need = remaining + imported_copy + max(DISK_MARGIN_MIN, int(DISK_MARGIN_FRACTION * remaining))
     disk_path, free = free_disk(model_dir)
     if free is not None and need > free:
@@ -268,7 +272,7 @@ def download_model(
     meter.emit("plan", message=f"{len(jobs)} files, {format_size(total)}, {format_size(remaining)} to fetch")
     with _DownloadLock(model_dir):
         _fetch_all(job, jobs, entry, created, model_dir, endpoint, token)
-    return _finish(job, plan, pred_plan, predictors, on_predictors_downloaded, meter, names, jobs)
+    return _finish(job, plan, pred_plan, predictors, on_predictors_downloaded, meter, names, jobs, convert_pickles)
 
 
 def _fetch_all(job: _Job, jobs: list, entry: CatalogueEntry | None, created: bool, model_dir: Path,
@@ -291,7 +295,7 @@ def _fetch_all(job: _Job, jobs: list, entry: CatalogueEntry | None, created: boo
 
 
 def _finish(job: _Job, plan: RepoPlan, pred_plan: RepoPlan | None, predictors: str, on_predictors_downloaded,
-            meter: ProgressMeter, names: list[str], jobs: list) -> DownloadResult:
+            meter: ProgressMeter, names: list[str], jobs: list, convert=None) -> DownloadResult:
     """Mark the model ready, then hand the predictor folder over for import."""
     state, model_dir = job.state, job.model_dir
     wanted = {rel for _, rel, _ in jobs}  # forget files of an earlier revision that are gone
@@ -299,6 +303,9 @@ def _finish(job: _Job, plan: RepoPlan, pred_plan: RepoPlan | None, predictors: s
     state["status"] = "ready"
     state["size_bytes"] = plan.total_bytes
     state["weights_format"] = "safetensors" if any(n.endswith(".safetensors") for n in names) else "pytorch-bin"
+    if any(is_pickle_weight(n) for n in names):
+        meter.emit("convert", message="converting the PyTorch checkpoint to safetensors")
+        convert_pickles(model_dir, state, convert, origin=plan.repo)  # refused: the folder is gone
     state["finished"] = time.time()
     if pred_plan is not None:
         state["predictors"] = "downloaded"

@@ -21,6 +21,8 @@ from .arch import detect_architecture
 from .catalogue import CatalogueEntry, find_entry, load_catalogue
 from .download import PREDICTOR_SUBDIR
 from .paths import models_dir, repo_folder_name
+from .pickles import convert_pickles as _convert_pickles
+from .pickles import has_pickle_weights
 from .resolve import DEMO_ID, demo_model_dir, is_repo_id
 from .state import SIDECAR, read_state, write_state
 
@@ -183,11 +185,14 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 def import_model(src: str | os.PathLike, name: str | None = None, *, root: Path | None = None,
                  predictors_dir: str | os.PathLike | None = None,
-                 on_predictors: Callable[[Path, Path], None] | None = None) -> Path:
+                 on_predictors: Callable[[Path, Path], None] | None = None,
+                 convert_pickles: Callable[[Path], dict] | None = None) -> Path:
     """Add a local Hugging Face-layout folder to the models folder as `local/<name>`.
 
     The architecture is checked first. Files are hard-linked when the folder is on the same
     filesystem, else copied. A PowerInfer predictor folder (`model_N.pt`) can come along.
+    PyTorch pickles (`pytorch_model*.bin`) become safetensors in the new folder (the user's
+    folder is left as it is); a pickle that would run code is refused and nothing is kept.
     """
     src = Path(src).expanduser()
     if not (src / "config.json").is_file():
@@ -221,6 +226,18 @@ def import_model(src: str | os.PathLike, name: str | None = None, *, root: Path 
         files[rel.as_posix()] = {"size": path.stat().st_size, "hash": None, "verified": False}
     state = {"status": "ready", "source": "local", "origin": str(src.resolve()), "files": files,
              "size_bytes": sum(f["size"] for f in files.values()), "finished": time.time()}
+    if has_pickle_weights(target):
+        state["status"] = "converting"
+        write_state(target, state)
+        # Hard links: deleting a converted pickle here leaves the user's own file alone; on
+        # any failure the new folder goes (it holds only links or copies of the user's files).
+        try:
+            _convert_pickles(target, state, convert_pickles, origin=str(src))
+        except BaseException:
+            shutil.rmtree(target, ignore_errors=True)
+            raise
+        state["status"] = "ready"
+        state["size_bytes"] = sum(f["size"] for f in files.values())
     write_state(target, state)
     if predictors_dir is not None:
         dest = target / SIDECAR / PREDICTOR_SUBDIR

@@ -320,12 +320,15 @@ def test_pickled_weights_only_when_there_are_no_safetensors(hub, env):
     assert WEIGHTS in result.files and "pytorch_model.bin" not in result.files
     assert read_state(result.model_dir)["weights_format"] == "safetensors"
 
+    # Pickles alone are fetched, then converted (tests/test_checkpoint_convert.py has more);
+    # bytes that are no plain state dict are refused and nothing of the model is kept.
     only_bin = tiny_model_files()
     only_bin["pytorch_model.bin"] = only_bin.pop(WEIGHTS)
     hub.add_repo(HubRepo("tiny/old-format", only_bin))
-    result = download_model("tiny/old-format", retry_delay=0)
-    assert "pytorch_model.bin" in result.files
-    assert read_state(result.model_dir)["weights_format"] == "pytorch-bin"
+    with pytest.raises(UserError, match="pytorch_model.bin was refused"):
+        download_model("tiny/old-format", retry_delay=0)
+    assert not (env / "models" / "tiny--old-format").exists()
+    assert any("pytorch_model.bin" in r["path"] for r in hub.requests("GET"))
 
 
 def test_local_server_speaks_what_huggingface_hub_expects(hub, env):
