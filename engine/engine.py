@@ -134,7 +134,7 @@ class Engine:
 
     @staticmethod
     def eos_from(model_dir: Path, config: ModelConfig, tokenizer: Tokenizer) -> set[int]:
-        eos = set(config.eos_token_ids)
+        eos = set(config.eos_token_ids) | set(tokenizer.stop_ids)  # + the template's end of turn
         if tokenizer.eos_id is not None:
             eos.add(tokenizer.eos_id)
         gen = model_dir / "generation_config.json"

@@ -9,12 +9,14 @@ get a plain User/Assistant template.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from . import chat_formats
 from .errors import ModelFormatError, UserError
 
 PLAIN_TEMPLATE = (
@@ -26,6 +28,14 @@ PLAIN_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _token_text(value) -> str | None:
@@ -61,8 +71,9 @@ class Tokenizer:
         else:
             raise ModelFormatError(f"{model_dir} has neither tokenizer.json nor tokenizer.model")
 
-        self.bos_token = _token_text(self.config.get("bos_token"))
-        self.eos_token = _token_text(self.config.get("eos_token"))
+        special_map = _read_json(model_dir / "special_tokens_map.json")  # some repos name eos only there
+        self.bos_token = _token_text(self.config.get("bos_token") or special_map.get("bos_token"))
+        self.eos_token = _token_text(self.config.get("eos_token") or special_map.get("eos_token"))
         self.add_bos = bool(self.config.get("add_bos_token", self._sp is not None))
         self.bos_id = self.token_id(self.bos_token) if self.bos_token else None
         self.eos_id = self.token_id(self.eos_token) if self.eos_token else None
@@ -71,7 +82,13 @@ class Tokenizer:
         if isinstance(template, list):  # named templates: take "default"
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default") or next(iter(named.values()), None)
+        # No template of its own: the built-in format the catalogue named (engine/chat_formats.py).
+        builtin = None if template else chat_formats.recorded_format(model_dir)
+        template = template or (builtin.template if builtin else None)
         self.has_chat_template = bool(template)
+        self.chat_format = builtin.name if builtin else ("model" if template else None)
+        self.is_chat_model = builtin.is_chat if builtin else None  # None: not known
+        self.stop_ids = {i for i in map(self.token_id, chat_formats.stop_tokens(template or "")) if i is not None}
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -105,11 +122,24 @@ class Tokenizer:
             ids = self._hf.encode(text, add_special_tokens=add_special_tokens).ids
             has_bos = bool(ids) and ids[0] == self.bos_id
         else:
-            ids = self._sp.EncodeAsIds(text)
+            ids = self._sp_encode(text)
             has_bos = False
         if add_special_tokens and self.add_bos and self.bos_id is not None and not has_bos:
             ids = [self.bos_id] + ids
         return list(ids)
+
+    def _sp_encode(self, text: str) -> list[int]:
+        """sentencepiece reads `<s>`/`</s>` in text as letters; a template writes them as tokens."""
+        marks = {t: i for t, i in ((self.bos_token, self.bos_id), (self.eos_token, self.eos_id)) if t and i is not None}
+        if not marks or not any(t in text for t in marks):
+            return list(self._sp.EncodeAsIds(text))
+        ids: list[int] = []
+        for piece in re.split("(" + "|".join(map(re.escape, marks)) + ")", text):
+            if piece in marks:
+                ids.append(marks[piece])
+            elif piece:
+                ids.extend(self._sp.EncodeAsIds(piece))
+        return ids
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         if skip_special:

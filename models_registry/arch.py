@@ -18,7 +18,9 @@ SUPPORTED_TEXT = (
     "model_type llama or mistral with hidden_act relu, relu2 or fatrelu; "
     "Bamboo/TurboSparse (BambooForCausalLM, dReLU); falcon with relu"
 )
-_LLAMA_TYPES = {"llama", "mistral"}
+_LLAMA_TYPES = {"llama", "mistral", "sparsellama", "minicpm"}
+# Configs without model_type (MiniCPM-S-1B-sft) are known by their class name.
+_TYPE_OF_ARCH = {"MiniCPMForCausalLM": "minicpm", "SparseLlamaForCausalLM": "sparsellama"}
 _FALCON_TYPES = {"falcon", "RefinedWeb", "RefinedWebModel"}
 _BAMBOO_ARCHS = {"BambooForCausalLM"}
 _RELU_NAMES = {"relu": "relu", "relu2": "relu2", "relu_squared": "relu2", "squared_relu": "relu2",
@@ -41,8 +43,8 @@ def detect_architecture(config: dict, known_activation: str | None = None) -> Ar
     """
     if not isinstance(config, dict):
         raise ModelFormatError("config.json is not a JSON object")
-    model_type = str(config.get("model_type", ""))
     archs = set(config.get("architectures") or ())
+    model_type = str(config.get("model_type") or next((_TYPE_OF_ARCH[a] for a in archs if a in _TYPE_OF_ARCH), ""))
     act_field = config.get("hidden_act") or config.get("activation")
     act = _RELU_NAMES.get(str(act_field).lower()) if act_field is not None else None
 

@@ -252,7 +252,10 @@ def download_model(
                  catalogue_id=entry.id if entry else None, started=state.get("started") or time.time())
     if pred_plan is not None:
         state["predictor"] = {"repo": pred_plan.repo, "revision": pred_plan.commit}
+    if entry is not None and entry.chat_format:  # the tokenizer's template when the repo has none
+        state.update(chat_format=entry.chat_format, chat_model=entry.chat)
     total = sum(f.size for _, _, f in jobs)
+    state["size_bytes"] = plan.total_bytes  # the Hub's listing, known before any byte moves
     meter = ProgressMeter(repo, total, progress)
     job = _Job(model_dir, endpoint, token, meter, control, state,
                dict(stall_timeout=stall_timeout, max_retries=max_retries, retry_delay=retry_delay))
@@ -269,10 +272,24 @@ def download_model(
                         f"{disk_path} has {format_size(free)} free; free some space or choose another "
                         "models folder (Settings, or THERMOCLINE_MODELS_DIR)")
 
+    job.save_state()  # the listing shows the Hub's size from now on
     meter.emit("plan", message=f"{len(jobs)} files, {format_size(total)}, {format_size(remaining)} to fetch")
     with _DownloadLock(model_dir):
         _fetch_all(job, jobs, entry, created, model_dir, endpoint, token)
     return _finish(job, plan, pred_plan, predictors, on_predictors_downloaded, meter, names, jobs, convert_pickles)
+
+
+def planned_size(name: str, *, endpoint: str | None = None, token: str | None = None,
+                 with_predictors: bool = True) -> int:
+    """Bytes a download of `name` would fetch, from the Hub's file listing (nothing is fetched)."""
+    repo, entry = _entry_for(name.strip())
+    endpoint, token = hub_endpoint(endpoint), token or get_token()
+    total = fetch_plan(repo, entry.revision if entry else None, entry.files if entry else DEFAULT_MODEL_FILES,
+                       endpoint=endpoint, token=token).total_bytes
+    if with_predictors and entry is not None and entry.predictor.repo and entry.predictor.source == "powerinfer":
+        total += fetch_plan(entry.predictor.repo, entry.predictor.revision, entry.predictor.files,
+                            endpoint=endpoint, token=token).total_bytes
+    return total
 
 
 def _fetch_all(job: _Job, jobs: list, entry: CatalogueEntry | None, created: bool, model_dir: Path,
@@ -428,4 +445,4 @@ def verify_model(model_dir: Path) -> list[str]:
     return bad
 
 
-__all__ = ["DownloadResult", "IntegrityError", "download_model", "verify_model"]
+__all__ = ["DownloadResult", "IntegrityError", "download_model", "planned_size", "verify_model"]

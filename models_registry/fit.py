@@ -123,7 +123,8 @@ def shape_from_config(config: dict, arch: ArchInfo | None = None) -> ModelShape:
         family="llama", d=d, n_ff=int(config["intermediate_size"]), n_layers=n_layers,
         n_heads=n_heads, n_kv_heads=int(_first(config, "num_key_value_heads", default=n_heads)),
         head_dim=head_dim, vocab=vocab,
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)), gated=True,
+        # MiniCPM's config has no tie_word_embeddings key and its class defaults to a tied head.
+        tied_embeddings=bool(config.get("tie_word_embeddings", arch.model_type == "minicpm")), gated=True,
         attn_bias=bool(config.get("attention_bias", False)), norm_params_per_layer=2 * d,
         final_norm_params=d,
     )

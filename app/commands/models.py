@@ -79,7 +79,8 @@ def cmd_list(args) -> int:
     for m in listings:
         size = format_size(m.size_bytes) if m.size_bytes else "?"
         fit = m.fit["verdict"] if m.fit else "-"
-        print(f"{m.id:24} {m.status:15} {size:>11}  {fit:30} {m.repo or ''}")
+        kind = (m.entry or {}).get("kind_note", "")
+        print(f"{m.id:24} {m.status:15} {size:>11}  {fit:30} {m.repo or '':40} {kind}".rstrip())
     return 0
 
 
