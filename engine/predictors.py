@@ -138,6 +138,11 @@ def import_powerinfer_predictors(src_dir: Path, model_dir: Path) -> Path:
     """PowerInfer's `model_{N}.pt` files (+ optional config.json sparse_threshold) -> our sidecar."""
     src_dir = Path(src_dir)
     files = {int(m.group(1)): p for p in src_dir.iterdir() if (m := _POWERINFER_FILE.match(p.name))}
+    ggufs = sorted(src_dir.glob("*.gguf"))
+    if not files and ggufs:  # PowerInfer's GGUF carries them as blk.N.fc1/fc2
+        from .gguf_predictors import import_gguf_predictors
+
+        return import_gguf_predictors(ggufs[0], model_dir)
     if not files:
         raise ModelFormatError(f"{src_dir} has no model_N.pt predictor files")
     threshold = 0.0

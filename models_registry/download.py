@@ -29,6 +29,7 @@ from .hardware import free_disk
 from .hub import (
     RemoteFile, RepoPlan, auth_headers, check_access, fetch_plan, file_url, hub_endpoint, hub_error, is_offline,
 )
+from .gguf_fetch import choose_gguf, fetch_gguf_predictors
 from .paths import models_dir, repo_folder_name
 from .pickles import convert_pickles, is_pickle_weight
 from .progress import DownloadControl, ProgressMeter
@@ -38,6 +39,7 @@ from .token import get_token
 from .transfer import fetch_file, hash_file
 
 PREDICTOR_SUBDIR = "powerinfer-predictor"
+GGUF_SUBDIR = "gguf-predictor"  # a sparse working copy of a PowerInfer GGUF, gone after the import
 PARTIAL_SUBDIR = "partial"
 DISK_MARGIN_MIN = 64 * 1024**2  # room for the state file, the imported predictors, the filesystem
 DISK_MARGIN_FRACTION = 0.01
@@ -210,7 +212,9 @@ def download_model(
                         "turn offline mode off (HF_HUB_OFFLINE / Settings) to download it")
     if state.get("status") == "ready" and _files_intact(model_dir, state) and (
             revision is None or revision == state.get("revision")) and not (
-            with_predictors and state.get("predictors") == "downloaded" and on_predictors_downloaded):
+            with_predictors and state.get("predictors") == "downloaded" and on_predictors_downloaded) and not (
+            with_predictors and entry is not None and entry.predictor.source == "gguf"
+            and state.get("predictors") != "imported"):
         ProgressMeter(repo, 0, progress).emit("done", message="already downloaded")
         return _result_from_state(model_dir, repo, state, from_cache=True)
 
@@ -241,10 +245,20 @@ def download_model(
         check_access(pred_plan, endpoint=endpoint, token=token)
         if not any(n.startswith("model_") and n.endswith(".pt") for n in pred_plan.names()):
             raise UserError(f"{entry.predictor.repo} has no model_N.pt predictor files")
+    gguf_plan = None
+    if with_predictors and entry is not None and entry.predictor.source == "gguf":
+        # Only the predictor tensors of this GGUF are fetched, after the model (gguf_fetch.py).
+        gguf_plan = fetch_plan(entry.predictor.repo, entry.predictor.revision, entry.predictor.files,
+                               endpoint=endpoint, token=token)
+        check_access(gguf_plan, endpoint=endpoint, token=token)
+        choose_gguf(gguf_plan)  # refuse a repo without one before any weights move
 
     jobs = [(plan, f.name, f) for f in plan.files]
     if pred_plan is not None:
         jobs += [(pred_plan, f"{SIDECAR}/{PREDICTOR_SUBDIR}/{f.name}", f) for f in pred_plan.files]
+    # Pickles converted by an earlier run are not fetched again.
+    converted = state.get("converted") or {}
+    jobs = [j for j in jobs if not (j[1] in converted and (model_dir / converted[j[1]]).is_file())]
     # config.json first: the architecture is checked before any weights move.
     jobs.sort(key=lambda job: (job[1] != "config.json", job[1]))
 
@@ -276,7 +290,47 @@ def download_model(
     meter.emit("plan", message=f"{len(jobs)} files, {format_size(total)}, {format_size(remaining)} to fetch")
     with _DownloadLock(model_dir):
         _fetch_all(job, jobs, entry, created, model_dir, endpoint, token)
-    return _finish(job, plan, pred_plan, predictors, on_predictors_downloaded, meter, names, jobs, convert_pickles)
+    result = _finish(job, plan, pred_plan, predictors, on_predictors_downloaded, meter, names, jobs, convert_pickles)
+    if gguf_plan is not None:
+        _gguf_predictors(job, gguf_plan, on_predictors_downloaded, progress, control)
+        result.predictors = job.state["predictors"]
+    return result
+
+
+def _gguf_predictors(job: _Job, plan: RepoPlan, importer, progress, control: DownloadControl) -> None:
+    """Range-read the predictor tensors of a PowerInfer GGUF, import them, drop the working copy."""
+    model_dir = job.model_dir
+    remote = choose_gguf(plan)
+    folder = model_dir / SIDECAR / GGUF_SUBDIR
+    meter = ProgressMeter(plan.repo, remote.size, progress)
+    meter.emit("predictors", remote.name, message=f"reading the predictors out of {plan.repo}/{remote.name}")
+    try:
+        info = fetch_gguf_predictors(job.endpoint, plan, remote, folder / remote.name, headers=job.headers,
+                                     meter=meter, control=control)
+        (importer or _import_in_subprocess)(folder, model_dir)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    job.state["predictors"] = "imported"
+    job.state["predictor"] = {"repo": plan.repo, "revision": plan.commit, "file": remote.name,
+                              "bytes_fetched": info["bytes_fetched"]}
+    job.save_state()
+    meter.emit("predictors", remote.name, message=(
+        f"imported predictors from {plan.repo}/{remote.name} ({format_size(info['bytes_fetched'])} of "
+        f"{format_size(remote.size)} read)"))
+
+
+def _import_in_subprocess(src: Path, model_dir: Path) -> None:
+    """engine.gguf_predictors in a child process: this package does not import torch."""
+    import subprocess
+    import sys
+
+    gguf = sorted(Path(src).glob("*.gguf"))
+    proc = subprocess.run([sys.executable, "-m", "engine.gguf_predictors", str(gguf[0]), str(model_dir)],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+        raise UserError(lines[-1][len("error: "):] if lines else f"importing the GGUF predictors failed: "
+                        f"{proc.stderr.strip()[-300:]}")
 
 
 def planned_size(name: str, *, endpoint: str | None = None, token: str | None = None,
@@ -316,10 +370,12 @@ def _finish(job: _Job, plan: RepoPlan, pred_plan: RepoPlan | None, predictors: s
     """Mark the model ready, then hand the predictor folder over for import."""
     state, model_dir = job.state, job.model_dir
     wanted = {rel for _, rel, _ in jobs}  # forget files of an earlier revision that are gone
-    state["files"] = {rel: meta for rel, meta in state.get("files", {}).items() if rel in wanted}
+    state["files"] = {rel: meta for rel, meta in state.get("files", {}).items()
+                      if rel in wanted or meta.get("converted")}
     state["status"] = "ready"
     state["size_bytes"] = plan.total_bytes
-    state["weights_format"] = "safetensors" if any(n.endswith(".safetensors") for n in names) else "pytorch-bin"
+    state["weights_format"] = "safetensors" if any(n.endswith(".safetensors") for n in names) else (
+        "safetensors (converted from pytorch-bin)" if state.get("converted") else "pytorch-bin")
     if any(is_pickle_weight(n) for n in names):
         meter.emit("convert", message="converting the PyTorch checkpoint to safetensors")
         convert_pickles(model_dir, state, convert, origin=plan.repo)  # refused: the folder is gone

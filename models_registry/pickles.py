@@ -65,5 +65,6 @@ def convert_pickles(model_dir: Path, state: dict, converter: Converter | None, *
     for rel in list(result.get("converted", {}).values()) + ([result["index"]] if result.get("index") else []):
         files[rel] = {"size": (model_dir / rel).stat().st_size, "hash": None, "verified": False,
                       "converted": True}
+    state.setdefault("converted", {}).update(result.get("converted", {}))
     state["weights_format"] = "safetensors (converted from pytorch-bin)"
     return result
