@@ -154,3 +154,18 @@ def test_base_models_say_so_in_the_cli(registry_env, capsys):
         assert lines[model_id].endswith(BASE_MODEL_NOTE)
     assert lines["minicpm-s-1b"].endswith("chat model")
     assert list(lines)[0] == "minicpm-s-1b"
+
+
+def test_terminal_chat_says_when_a_model_is_a_base_model(tmp_path, capsys, monkeypatch):
+    import io
+
+    folder = tmp_path / "base"
+    _chatml_model(folder)
+    (folder / "thermocline").mkdir()
+    (folder / "thermocline" / "download.json").write_text(json.dumps({"status": "ready", "chat_format": "plain"}))
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # the user leaves at once
+    assert main(["chat", "--model", str(folder)]) == 0
+    assert f"note: {BASE_MODEL_NOTE}" in capsys.readouterr().out
+    (folder / "thermocline" / "download.json").write_text(json.dumps({"status": "ready", "chat_format": "chatml"}))
+    assert main(["chat", "--model", str(folder)]) == 0
+    assert BASE_MODEL_NOTE not in capsys.readouterr().out
