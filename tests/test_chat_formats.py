@@ -169,3 +169,24 @@ def test_terminal_chat_says_when_a_model_is_a_base_model(tmp_path, capsys, monke
     (folder / "thermocline" / "download.json").write_text(json.dumps({"status": "ready", "chat_format": "chatml"}))
     assert main(["chat", "--model", str(folder)]) == 0
     assert BASE_MODEL_NOTE not in capsys.readouterr().out
+
+
+def test_sentencepiece_only_tokenizer_gets_template_specials_as_single_ids(tmp_path):
+    """Bamboo ships tokenizer.model only, names bos/eos in special_tokens_map.json, and its DPO
+    model's format (Vicuna) writes <s> and </s> as text: they must be one id each."""
+    import sentencepiece as spm
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join([" ".join(WORDS)] * 50 + ["USER: ASSISTANT: a b c"] * 20))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "tokenizer"), vocab_size=60,
+                                   model_type="bpe", bos_id=1, eos_id=2, unk_id=0, pad_id=-1)
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": {"content": "<s>"}, "eos_token": {"content": "</s>"}, "unk_token": "<unk>"}))
+    (tmp_path / "thermocline").mkdir()
+    (tmp_path / "thermocline" / "download.json").write_text(json.dumps({"chat_format": "vicuna"}))
+    tok = Tokenizer(tmp_path)
+    assert (tok.bos_id, tok.eos_id) == (1, 2)
+    ids = tok.encode_chat([{"role": "user", "content": "the fox"}, {"role": "assistant", "content": "a dog"},
+                           {"role": "user", "content": "the dog"}])
+    assert ids[0] == 1 and ids.count(2) == 1 and ids.count(1) == 1
+    assert tok.decode(ids).endswith("USER: the dog ASSISTANT:")
