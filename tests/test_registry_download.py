@@ -404,3 +404,21 @@ def test_one_download_per_model_at_a_time(hub, env):
         other.kill()
         other.wait()
     assert download_model("tiny/second", retry_delay=0).files  # the owner is gone now
+
+
+def test_the_download_size_comes_from_the_hubs_listing_before_any_transfer(hub, env):
+    from models_registry.download import planned_size
+
+    files = tiny_model_files(weight_bytes=123_456)
+    hub.add_repo(HubRepo(REPO, files))
+    expected = sum(len(v) for k, v in files.items() if k != "README.md")
+    assert planned_size(REPO) == expected
+    assert not hub.requests("GET", "/resolve/")  # the listing only: no file was fetched
+    seen = []
+
+    def progress(ev):
+        if ev.kind == "plan":  # the state file already says how big the model is
+            seen.append(read_state(env / "models" / REPO.replace("/", "--"))["size_bytes"])
+
+    download_model(REPO, progress=progress, retry_delay=0)
+    assert seen == [expected]
