@@ -43,7 +43,8 @@ class Predictor:
     """Where a model's activation predictors come from."""
 
     # "powerinfer" (a repo of model_N.pt) | "gguf" (blk.N.fc1/fc2 of PowerInfer's GGUF, read by
-    # range requests) | "train" (trained locally) | "bundled"
+    # range requests) | "checkpoint" (carried in the weights: TurboSparse) | "train" (trained
+    # locally) | "bundled"
     source: str
     repo: str | None = None
     revision: str | None = None

@@ -236,8 +236,8 @@ def download_model(
 
     pred_plan = None
     predictors = "none"
-    if entry is not None and entry.predictor.source == "train":
-        predictors = "train"
+    if entry is not None and entry.predictor.source in ("train", "checkpoint"):
+        predictors = entry.predictor.source  # checkpoint: the engine copies them out at the first load
     if with_predictors and entry is not None and entry.predictor.source == "powerinfer":
         pinned_pred = (state.get("predictor") or {}).get("revision") or entry.predictor.revision
         pred_plan = fetch_plan(entry.predictor.repo, pinned_pred, entry.predictor.files,

@@ -46,7 +46,7 @@ def test_catalogue_lists_the_supported_models_with_their_predictor_repos():
             assert {"config.json", "*.safetensors", "tokenizer.json", "tokenizer.model"} <= set(entry.files)
         if predictor_repo:
             assert ("model_*.pt" if entry.predictor.source == "powerinfer" else "*.gguf") in entry.predictor.files
-    assert entries["turbosparse-mistral"].predictor.source == "train"
+    assert entries["turbosparse-mistral"].predictor.source == "checkpoint"
     assert get_entry("SparseLLM/ReluLLaMA-7B").id == "relullama-7b"  # repo ids work too
 
 
