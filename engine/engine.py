@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-from .config import ModelConfig
+from .config import DEFAULT_CTX, ModelConfig  # noqa: F401 (DEFAULT_CTX: older imports)
 from .errors import ContextFullError, ModelFormatError, UserError
 from .kv_cache import KVCache
 from .loader import Progress, load_transformer, resolve_model_dir
@@ -26,7 +26,6 @@ from .tokenizer import StreamDecoder, Tokenizer
 from .validation import check_ctx, check_kv_fits, check_text, check_threads, resolve_device
 
 MODES = ("dense", "sparse", "hybrid", "oracle")
-DEFAULT_CTX = 2048
 
 
 @dataclass
@@ -98,6 +97,8 @@ class Engine:
         self._cached_ids: list[int] = []
         self.warnings: list[str] = []
         self._logits_checked = False  # NaN/Inf weights are caught on the first token after a load
+        # Rows of the head past the tokenizer's vocabulary (padding) are never sampled.
+        self.sampled_vocab = tokenizer.vocab_size if tokenizer.vocab_size < config.vocab_size else None
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -117,14 +118,13 @@ class Engine:
             torch.set_num_threads(threads)
         model_dir = resolve_model_dir(model)
         config = ModelConfig.from_dir(model_dir)
-        if ctx is None:
-            ctx = min(DEFAULT_CTX, config.max_positions)  # no longer than the model was trained for
         check_ctx(ctx)
-        check_kv_fits(config, ctx, device)
         notes = []
-        if ctx > config.max_positions:
-            notes.append(f"context {ctx} is longer than the {config.max_positions} positions {model_dir.name} "
-                         f"was trained on; text past {config.max_positions} tokens may come out garbled")
+        if ctx is not None and ctx > config.max_positions:
+            notes.append(f"context {ctx} is capped at the {config.max_positions} positions {model_dir.name} "
+                         f"was trained on")
+        ctx = config.context_length(ctx)  # no longer than the model was trained for (as place/fit count)
+        check_kv_fits(config, ctx, device)
         tokenizer = Tokenizer(model_dir)
         # Load the CPU kernels' machine code now (numba's disk cache), not in the first token.
         from .kernels import cpu as cpu_kernels
@@ -152,7 +152,7 @@ class Engine:
 
     @staticmethod
     def eos_from(model_dir: Path, config: ModelConfig, tokenizer: Tokenizer) -> set[int]:
-        eos = set(config.eos_token_ids)
+        eos = set(config.eos_token_ids) | set(tokenizer.stop_ids)  # + the template's end of turn
         if tokenizer.eos_id is not None:
             eos.add(tokenizer.eos_id)
         gen = model_dir / "generation_config.json"
@@ -213,7 +213,7 @@ class Engine:
     def _generate(self, ids: list[int], params: SamplingParams, cancel: threading.Event | None):
         stats = GenerationStats(prompt_tokens=len(ids), mode=self.mode)
         self.last_stats = stats
-        sampler = Sampler(params)
+        sampler = Sampler(params, self.sampled_vocab)
         decoder = StreamDecoder(self.tokenizer)
         if self.sparse is not None:
             self.sparse.begin_generation()

@@ -32,3 +32,5 @@ class RemoteInterrupted(RemoteError):
     def __init__(self, message: str, partial: str = ""):
         super().__init__(message)
         self.partial = partial
+class UnsafePickleError(UserError):
+    """A PyTorch pickle that would run code (or is no state dict of tensors) was refused."""

@@ -31,7 +31,10 @@ DEFAULT_MODEL_FILES = (
     "tokenizer.model",
     "tokenizer_config.json",
     "special_tokens_map.json",
+    "added_tokens.json",
 )
+BASE_MODEL_NOTE = "base model: continues text, not an assistant"
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 DEFAULT_PREDICTOR_FILES = ("model_*.pt", "config.json")
 
 
@@ -39,7 +42,10 @@ DEFAULT_PREDICTOR_FILES = ("model_*.pt", "config.json")
 class Predictor:
     """Where a model's activation predictors come from."""
 
-    source: str  # "powerinfer" (a predictor repo) | "train" (trained locally) | "bundled"
+    # "powerinfer" (a repo of model_N.pt) | "gguf" (blk.N.fc1/fc2 of PowerInfer's GGUF, read by
+    # range requests) | "checkpoint" (carried in the weights: TurboSparse) | "train" (trained
+    # locally) | "bundled"
+    source: str
     repo: str | None = None
     revision: str | None = None
     files: tuple[str, ...] = DEFAULT_PREDICTOR_FILES
@@ -63,6 +69,16 @@ class CatalogueEntry:
     description: str
     unverified: tuple[str, ...] = field(default_factory=tuple)
     config: dict | None = None  # the config.json fields that size the model (fit before download)
+    dtype: str = "float16"  # of the published weights
+    chat: bool = False  # instruction-tuned; False: a base model that continues text
+    chat_format: str | None = None  # built-in template when tokenizer_config.json has none
+    recommended: bool = False  # the first download we suggest on every machine
+    weights_format: str = "safetensors"
+
+    @property
+    def kind_note(self) -> str:
+        """What the model is for, in words a user reads next to it."""
+        return "chat model" if self.chat else BASE_MODEL_NOTE
 
     def to_dict(self) -> dict:
         return {
@@ -87,6 +103,12 @@ class CatalogueEntry:
             "description": self.description,
             "unverified": list(self.unverified),
             "config": dict(self.config) if self.config else None,
+            "dtype": self.dtype,
+            "chat": self.chat,
+            "chat_format": self.chat_format,
+            "recommended": self.recommended,
+            "weights_format": self.weights_format,
+            "kind_note": self.kind_note,
         }
 
 
@@ -114,6 +136,11 @@ def _parse_entry(raw: dict) -> CatalogueEntry:
         description=raw.get("description", ""),
         unverified=tuple(raw.get("unverified", ())),
         config=raw.get("config"),
+        dtype=raw.get("dtype", "float16"),
+        chat=bool(raw.get("chat", False)),
+        chat_format=raw.get("chat_format"),
+        recommended=bool(raw.get("recommended", False)),
+        weights_format=raw.get("weights_format", "safetensors"),
     )
 
 
@@ -135,6 +162,11 @@ def find_entry(name: str, path: Path | None = None) -> CatalogueEntry | None:
         if entry.id.lower() == key or (entry.repo and entry.repo.lower() == key):
             return entry
     return None
+
+
+def recommended_entry() -> CatalogueEntry | None:
+    """The model suggested as the first download (small, a chat model, runs everywhere)."""
+    return next((e for e in load_catalogue() if e.recommended), None)
 
 
 def get_entry(name: str) -> CatalogueEntry:

@@ -30,7 +30,9 @@ from .hardware import free_disk
 from .hub import (
     RemoteFile, RepoPlan, auth_headers, check_access, fetch_plan, file_url, hub_endpoint, hub_error, is_offline,
 )
+from .gguf_fetch import choose_gguf, fetch_gguf_predictors
 from .paths import models_dir, repo_folder_name
+from .pickles import convert_pickles, is_pickle_weight
 from .progress import DownloadControl, ProgressMeter
 from .resolve import DEMO_ID, is_repo_id
 from .state import SIDECAR, read_state, write_state
@@ -38,6 +40,7 @@ from .token import get_token
 from .transfer import fetch_file, hash_file
 
 PREDICTOR_SUBDIR = "powerinfer-predictor"
+GGUF_SUBDIR = "gguf-predictor"  # a sparse working copy of a PowerInfer GGUF, gone after the import
 PARTIAL_SUBDIR = "partial"
 DISK_MARGIN_MIN = 64 * 1024**2  # room for the state file, the imported predictors, the filesystem
 DISK_MARGIN_FRACTION = 0.01
@@ -182,6 +185,7 @@ def download_model(
     offline: bool | None = None,
     with_predictors: bool = True,
     on_predictors_downloaded: Callable[[Path, Path], None] | None = None,
+    convert_pickles: Callable[[Path], dict] | None = None,
     root: Path | None = None,
     stall_timeout: float = 30.0,
     max_retries: int = 5,
@@ -211,7 +215,9 @@ def download_model(
                         "turn offline mode off (HF_HUB_OFFLINE / Settings) to download it")
     if state.get("status") == "ready" and _files_intact(model_dir, state) and (
             revision is None or revision == state.get("revision")) and not (
-            with_predictors and state.get("predictors") == "downloaded" and on_predictors_downloaded):
+            with_predictors and state.get("predictors") == "downloaded" and on_predictors_downloaded) and not (
+            with_predictors and entry is not None and entry.predictor.source == "gguf"
+            and state.get("predictors") != "imported"):
         ProgressMeter(repo, 0, progress).emit("done", message="already downloaded")
         return _result_from_state(model_dir, repo, state, from_cache=True)
 
@@ -233,8 +239,8 @@ def download_model(
 
     pred_plan = None
     predictors = "none"
-    if entry is not None and entry.predictor.source == "train":
-        predictors = "train"
+    if entry is not None and entry.predictor.source in ("train", "checkpoint"):
+        predictors = entry.predictor.source  # checkpoint: the engine copies them out at the first load
     if with_predictors and entry is not None and entry.predictor.source == "powerinfer":
         pinned_pred = (state.get("predictor") or {}).get("revision") or entry.predictor.revision
         pred_plan = fetch_plan(entry.predictor.repo, pinned_pred, entry.predictor.files,
@@ -242,10 +248,20 @@ def download_model(
         check_access(pred_plan, endpoint=endpoint, token=token)
         if not any(n.startswith("model_") and n.endswith(".pt") for n in pred_plan.names()):
             raise UserError(f"{entry.predictor.repo} has no model_N.pt predictor files")
+    gguf_plan = None
+    if with_predictors and entry is not None and entry.predictor.source == "gguf":
+        # Only the predictor tensors of this GGUF are fetched, after the model (gguf_fetch.py).
+        gguf_plan = fetch_plan(entry.predictor.repo, entry.predictor.revision, entry.predictor.files,
+                               endpoint=endpoint, token=token)
+        check_access(gguf_plan, endpoint=endpoint, token=token)
+        choose_gguf(gguf_plan)  # refuse a repo without one before any weights move
 
     jobs = [(plan, f.name, f) for f in plan.files]
     if pred_plan is not None:
         jobs += [(pred_plan, f"{SIDECAR}/{PREDICTOR_SUBDIR}/{f.name}", f) for f in pred_plan.files]
+    # Pickles converted by an earlier run are not fetched again.
+    converted = state.get("converted") or {}
+    jobs = [j for j in jobs if not (j[1] in converted and (model_dir / converted[j[1]]).is_file())]
     # config.json first: the architecture is checked before any weights move.
     jobs.sort(key=lambda job: (job[1] != "config.json", job[1]))
     for repo_plan, rel, _ in jobs:  # every target checked before the first byte is written
@@ -255,7 +271,10 @@ def download_model(
                  catalogue_id=entry.id if entry else None, started=state.get("started") or time.time())
     if pred_plan is not None:
         state["predictor"] = {"repo": pred_plan.repo, "revision": pred_plan.commit}
+    if entry is not None and entry.chat_format:  # the tokenizer's template when the repo has none
+        state.update(chat_format=entry.chat_format, chat_model=entry.chat)
     total = sum(f.size for _, _, f in jobs)
+    state["size_bytes"] = plan.total_bytes  # the Hub's listing, known before any byte moves
     meter = ProgressMeter(repo, total, progress)
     job = _Job(model_dir, endpoint, token, meter, control, state,
                dict(stall_timeout=stall_timeout, max_retries=max_retries, retry_delay=retry_delay))
@@ -263,6 +282,8 @@ def download_model(
     remaining = sum(f.size - job.already_have(rel, f) for _, rel, f in jobs)
     # The predictor import writes predictors.safetensors next to the downloaded model_N.pt.
     imported_copy = pred_plan.total_bytes if pred_plan is not None and on_predictors_downloaded else 0
+    # pytorch_model*.bin shards become safetensors one at a time: one shard's copy at once.
+    imported_copy += max((f.size for f in plan.files if is_pickle_weight(f.name)), default=0)
     need = remaining + imported_copy + max(DISK_MARGIN_MIN, int(DISK_MARGIN_FRACTION * remaining))
     disk_path, free = free_disk(model_dir)
     if free is not None and need > free:
@@ -270,10 +291,64 @@ def download_model(
                         f"{disk_path} has {format_size(free)} free; free some space or choose another "
                         "models folder (Settings, or THERMOCLINE_MODELS_DIR)")
 
+    job.save_state()  # the listing shows the Hub's size from now on
     meter.emit("plan", message=f"{len(jobs)} files, {format_size(total)}, {format_size(remaining)} to fetch")
     with _DownloadLock(model_dir):
         _fetch_all(job, jobs, entry, created, model_dir, endpoint, token)
-    return _finish(job, plan, pred_plan, predictors, on_predictors_downloaded, meter, names, jobs)
+    result = _finish(job, plan, pred_plan, predictors, on_predictors_downloaded, meter, names, jobs, convert_pickles)
+    if gguf_plan is not None:
+        _gguf_predictors(job, gguf_plan, on_predictors_downloaded, progress, control)
+        result.predictors = job.state["predictors"]
+    return result
+
+
+def _gguf_predictors(job: _Job, plan: RepoPlan, importer, progress, control: DownloadControl) -> None:
+    """Range-read the predictor tensors of a PowerInfer GGUF, import them, drop the working copy."""
+    model_dir = job.model_dir
+    remote = choose_gguf(plan)
+    folder = model_dir / SIDECAR / GGUF_SUBDIR
+    meter = ProgressMeter(plan.repo, remote.size, progress)
+    meter.emit("predictors", remote.name, message=f"reading the predictors out of {plan.repo}/{remote.name}")
+    try:
+        info = fetch_gguf_predictors(job.endpoint, plan, remote, folder / remote.name, headers=job.headers,
+                                     meter=meter, control=control)
+        (importer or _import_in_subprocess)(folder, model_dir)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    job.state["predictors"] = "imported"
+    job.state["predictor"] = {"repo": plan.repo, "revision": plan.commit, "file": remote.name,
+                              "bytes_fetched": info["bytes_fetched"]}
+    job.save_state()
+    meter.emit("predictors", remote.name, message=(
+        f"imported predictors from {plan.repo}/{remote.name} ({format_size(info['bytes_fetched'])} of "
+        f"{format_size(remote.size)} read)"))
+
+
+def _import_in_subprocess(src: Path, model_dir: Path) -> None:
+    """engine.gguf_predictors in a child process: this package does not import torch."""
+    import subprocess
+    import sys
+
+    gguf = sorted(Path(src).glob("*.gguf"))
+    proc = subprocess.run([sys.executable, "-m", "engine.gguf_predictors", str(gguf[0]), str(model_dir)],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+        raise UserError(lines[-1][len("error: "):] if lines else f"importing the GGUF predictors failed: "
+                        f"{proc.stderr.strip()[-300:]}")
+
+
+def planned_size(name: str, *, endpoint: str | None = None, token: str | None = None,
+                 with_predictors: bool = True) -> int:
+    """Bytes a download of `name` would fetch, from the Hub's file listing (nothing is fetched)."""
+    repo, entry = _entry_for(name.strip())
+    endpoint, token = hub_endpoint(endpoint), token or get_token()
+    total = fetch_plan(repo, entry.revision if entry else None, entry.files if entry else DEFAULT_MODEL_FILES,
+                       endpoint=endpoint, token=token).total_bytes
+    if with_predictors and entry is not None and entry.predictor.repo and entry.predictor.source == "powerinfer":
+        total += fetch_plan(entry.predictor.repo, entry.predictor.revision, entry.predictor.files,
+                            endpoint=endpoint, token=token).total_bytes
+    return total
 
 
 def _fetch_all(job: _Job, jobs: list, entry: CatalogueEntry | None, created: bool, model_dir: Path,
@@ -296,14 +371,19 @@ def _fetch_all(job: _Job, jobs: list, entry: CatalogueEntry | None, created: boo
 
 
 def _finish(job: _Job, plan: RepoPlan, pred_plan: RepoPlan | None, predictors: str, on_predictors_downloaded,
-            meter: ProgressMeter, names: list[str], jobs: list) -> DownloadResult:
+            meter: ProgressMeter, names: list[str], jobs: list, convert=None) -> DownloadResult:
     """Mark the model ready, then hand the predictor folder over for import."""
     state, model_dir = job.state, job.model_dir
     wanted = {rel for _, rel, _ in jobs}  # forget files of an earlier revision that are gone
-    state["files"] = {rel: meta for rel, meta in state.get("files", {}).items() if rel in wanted}
+    state["files"] = {rel: meta for rel, meta in state.get("files", {}).items()
+                      if rel in wanted or meta.get("converted")}
     state["status"] = "ready"
     state["size_bytes"] = plan.total_bytes
-    state["weights_format"] = "safetensors" if any(n.endswith(".safetensors") for n in names) else "pytorch-bin"
+    state["weights_format"] = "safetensors" if any(n.endswith(".safetensors") for n in names) else (
+        "safetensors (converted from pytorch-bin)" if state.get("converted") else "pytorch-bin")
+    if any(is_pickle_weight(n) for n in names):
+        meter.emit("convert", message="converting the PyTorch checkpoint to safetensors")
+        convert_pickles(model_dir, state, convert, origin=plan.repo)  # refused: the folder is gone
     state["finished"] = time.time()
     if pred_plan is not None:
         state["predictors"] = "downloaded"
@@ -426,4 +506,4 @@ def verify_model(model_dir: Path) -> list[str]:
     return bad
 
 
-__all__ = ["DownloadResult", "IntegrityError", "download_model", "verify_model"]
+__all__ = ["DownloadResult", "IntegrityError", "download_model", "planned_size", "verify_model"]

@@ -74,8 +74,9 @@ def auth_headers(token: str | None) -> dict:
 
 def select_files(names: list[str], patterns: tuple[str, ...]) -> list[str]:
     """Files matching `patterns`, minus duplicates of the weights in other formats."""
+    excluded = [x for x in EXCLUDED_FILES if x not in patterns]  # asked for by name (*.gguf): kept
     chosen = [n for n in names if any(fnmatch.fnmatch(n, p) for p in patterns)
-              and not any(fnmatch.fnmatch(n, x) for x in EXCLUDED_FILES)]
+              and not any(fnmatch.fnmatch(n, x) for x in excluded)]
     if any(n.endswith(".safetensors") for n in chosen):
         chosen = [n for n in chosen if not (n.startswith("pytorch_model") and
                                            (n.endswith(".bin") or n.endswith(".bin.index.json")))]

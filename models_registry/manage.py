@@ -22,6 +22,8 @@ from .arch import detect_architecture
 from .catalogue import CatalogueEntry, find_entry, load_catalogue
 from .download import PREDICTOR_SUBDIR
 from .paths import models_dir, repo_folder_name
+from .pickles import convert_pickles as _convert_pickles
+from .pickles import has_pickle_weights
 from .resolve import DEMO_ID, demo_model_dir, is_repo_id
 from .state import SIDECAR, read_state, write_state
 
@@ -188,14 +190,17 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 def import_model(src: str | os.PathLike, name: str | None = None, *, root: Path | None = None,
                  predictors_dir: str | os.PathLike | None = None,
-                 on_predictors: Callable[[Path, Path], None] | None = None) -> Path:
+                 on_predictors: Callable[[Path, Path], None] | None = None,
+                 convert_pickles: Callable[[Path], dict] | None = None) -> Path:
     """Add a local Hugging Face-layout folder to the models folder as `local/<name>`.
 
     The architecture is checked first. Files are hard-linked when the folder is on the same
     filesystem, else copied; symlinks are followed. A PowerInfer predictor folder (`model_N.pt`,
-    with its config.json's `sparse_threshold`) can come along. The import is built in a hidden
-    folder and renamed into place at the end: a failure (a refused predictor, a full disk)
-    leaves nothing behind, and the same command can be run again.
+    with its config.json's `sparse_threshold`) can come along. PyTorch pickles
+    (`pytorch_model*.bin`) become safetensors in the new folder (the user's folder is left as it
+    is); a pickle that would run code is refused. The import is built in a hidden folder and
+    renamed into place at the end: a failure (a refused pickle or predictor, a full disk) leaves
+    nothing behind, and the same command can be run again.
     """
     src = Path(src).expanduser()
     if not (src / "config.json").is_file():
@@ -224,7 +229,7 @@ def import_model(src: str | os.PathLike, name: str | None = None, *, root: Path 
     root.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=".import-", dir=root))  # no "--": never listed as a model
     try:
-        _import_into(src, building, predictors_dir, on_predictors)
+        _import_into(src, building, predictors_dir, on_predictors, convert_pickles)
         try:
             os.rename(building, target)  # refuses (ENOTEMPTY/EEXIST) if another import won the race
         except OSError:
@@ -236,7 +241,7 @@ def import_model(src: str | os.PathLike, name: str | None = None, *, root: Path 
     return target
 
 
-def _import_into(src: Path, target: Path, predictors_dir, on_predictors) -> None:
+def _import_into(src: Path, target: Path, predictors_dir, on_predictors, convert_pickles) -> None:
     files = {}
     for path in sorted(src.rglob("*")):
         rel = path.relative_to(src)
@@ -250,6 +255,11 @@ def _import_into(src: Path, target: Path, predictors_dir, on_predictors) -> None
         files[rel.as_posix()] = {"size": path.stat().st_size, "hash": None, "verified": False}
     state = {"status": "ready", "source": "local", "origin": str(src.resolve()), "files": files,
              "size_bytes": sum(f["size"] for f in files.values()), "finished": time.time()}
+    if has_pickle_weights(target):
+        # Hard links: deleting a converted pickle here leaves the user's own file alone; on any
+        # failure the caller removes the hidden folder (only links or copies of the user's files).
+        _convert_pickles(target, state, convert_pickles, origin=str(src))
+        state["size_bytes"] = sum(f["size"] for f in files.values())
     if predictors_dir is not None:
         dest = target / SIDECAR / PREDICTOR_SUBDIR
         wanted = sorted(Path(predictors_dir).glob("model_*.pt"))

@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass
 
 from engine.errors import UserError
 
-# kinds: plan, file_start, progress, file_done, retry, corrupt, paused, resumed, predictors, done
+# kinds: plan, file_start, progress, file_done, retry, corrupt, paused, resumed, predictors, convert, done
 EVENT_KINDS = ("plan", "file_start", "progress", "file_done", "retry", "corrupt", "paused", "resumed",
-               "predictors", "done")
+               "predictors", "convert", "done")
 
 
 @dataclass(frozen=True)

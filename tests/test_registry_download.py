@@ -265,7 +265,7 @@ def test_saved_token_is_used(hub, env):
 
 def test_unsupported_architecture_is_refused_before_the_weights(hub, env):
     hub.add_repo(HubRepo("tiny/silu-llama", tiny_model_files(hidden_act="silu")))
-    with pytest.raises(UserError, match="hidden_act relu, relu2 or fatrelu"):
+    with pytest.raises(UserError, match="not sparse: Thermocline needs a ReLU-family model"):
         download_model("tiny/silu-llama")
     assert not _get(hub, WEIGHTS)
     assert not (env / "models" / "tiny--silu-llama").exists()
@@ -320,12 +320,15 @@ def test_pickled_weights_only_when_there_are_no_safetensors(hub, env):
     assert WEIGHTS in result.files and "pytorch_model.bin" not in result.files
     assert read_state(result.model_dir)["weights_format"] == "safetensors"
 
+    # Pickles alone are fetched, then converted (tests/test_checkpoint_convert.py has more);
+    # bytes that are no plain state dict are refused and nothing of the model is kept.
     only_bin = tiny_model_files()
     only_bin["pytorch_model.bin"] = only_bin.pop(WEIGHTS)
     hub.add_repo(HubRepo("tiny/old-format", only_bin))
-    result = download_model("tiny/old-format", retry_delay=0)
-    assert "pytorch_model.bin" in result.files
-    assert read_state(result.model_dir)["weights_format"] == "pytorch-bin"
+    with pytest.raises(UserError, match="pytorch_model.bin was refused"):
+        download_model("tiny/old-format", retry_delay=0)
+    assert not (env / "models" / "tiny--old-format").exists()
+    assert any("pytorch_model.bin" in r["path"] for r in hub.requests("GET"))
 
 
 def test_local_server_speaks_what_huggingface_hub_expects(hub, env):
@@ -401,3 +404,21 @@ def test_one_download_per_model_at_a_time(hub, env):
         other.kill()
         other.wait()
     assert download_model("tiny/second", retry_delay=0).files  # the owner is gone now
+
+
+def test_the_download_size_comes_from_the_hubs_listing_before_any_transfer(hub, env):
+    from models_registry.download import planned_size
+
+    files = tiny_model_files(weight_bytes=123_456)
+    hub.add_repo(HubRepo(REPO, files))
+    expected = sum(len(v) for k, v in files.items() if k != "README.md")
+    assert planned_size(REPO) == expected
+    assert not hub.requests("GET", "/resolve/")  # the listing only: no file was fetched
+    seen = []
+
+    def progress(ev):
+        if ev.kind == "plan":  # the state file already says how big the model is
+            seen.append(read_state(env / "models" / REPO.replace("/", "--"))["size_bytes"])
+
+    download_model(REPO, progress=progress, retry_delay=0)
+    assert seen == [expected]

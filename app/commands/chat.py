@@ -30,6 +30,10 @@ def run(args) -> int:
     params = sampling_params(args, engine)
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     print(f"Thermocline chat · {engine.model_dir.name} · {engine.mode} · context {engine.ctx}. {HELP}")
+    if engine.tokenizer.is_chat_model is False:
+        from engine.chat_formats import BASE_MODEL_NOTE
+
+        print(f"note: {BASE_MODEL_NOTE}")
     while True:
         try:
             line = input("\nyou> ")

@@ -93,7 +93,8 @@ def cmd_list(args) -> int:
     for m in listings:
         size = format_size(m.size_bytes) if m.size_bytes else "?"
         fit = m.fit["verdict"] if m.fit else "-"
-        print(f"{m.id:24} {m.status:15} {size:>11}  {fit:30} {m.repo or ''}")
+        kind = (m.entry or {}).get("kind_note", "")
+        print(f"{m.id:24} {m.status:15} {size:>11}  {fit:30} {m.repo or '':40} {kind}".rstrip())
     for r in remotes:
         print(f"{r.id:24} {'remote':15} {'':>11}  {'runs elsewhere':30} {r.url} {r.model or ''}")
     return 0
@@ -138,7 +139,7 @@ class _Printer:
             line = (f"{ev.repo} {pct:5.1f}% {format_size(ev.done)}/{format_size(ev.total)} "
                     f"{format_size(ev.speed_bps)}/s ETA {_eta(ev.eta_s)} {ev.filename}")
             self.stream.write("\r" + line + "\033[K" if self.tty else line + "\n")
-        elif ev.kind in ("plan", "retry", "corrupt", "paused", "resumed", "predictors", "done"):
+        elif ev.kind in ("plan", "retry", "corrupt", "paused", "resumed", "predictors", "convert", "done"):
             prefix = "\n" if self.tty and ev.kind != "plan" else ""
             self.stream.write(f"{prefix}{ev.kind}: {ev.message or ev.filename or ''}\n")
         self.stream.flush()
@@ -159,6 +160,13 @@ def _predictor_importer():
     return import_powerinfer_predictors
 
 
+def _pickle_converter():
+    """engine.checkpoint_convert in this process (the registry would start a child process)."""
+    from engine.checkpoint_convert import convert_pytorch_checkpoint
+
+    return convert_pytorch_checkpoint
+
+
 def cmd_download(args) -> int:
     from models_registry.download import download_model
     from models_registry.token import save_token
@@ -171,7 +179,8 @@ def cmd_download(args) -> int:
     try:
         result = download_model(args.model, revision=args.revision, endpoint=args.endpoint, token=args.token,
                                 progress=_Printer(), offline=args.offline,
-                                with_predictors=not args.no_predictors, on_predictors_downloaded=importer)
+                                with_predictors=not args.no_predictors, on_predictors_downloaded=importer,
+                                convert_pickles=_pickle_converter())
     except KeyboardInterrupt:
         sys.stderr.write("\ninterrupted: partial files are kept; run the same command to resume\n")
         return 130
@@ -209,7 +218,8 @@ def cmd_import(args) -> int:
     from models_registry.manage import LOCAL_ORG, import_model
 
     importer = _predictor_importer() if args.predictors else None
-    target = import_model(args.folder, args.name, predictors_dir=args.predictors, on_predictors=importer)
+    target = import_model(args.folder, args.name, predictors_dir=args.predictors, on_predictors=importer,
+                          convert_pickles=_pickle_converter())
     model_id = f"{LOCAL_ORG}/{target.name.split('--', 1)[1]}"
     if args.json:
         print(json.dumps({"id": model_id, "path": str(target)}))
@@ -261,7 +271,7 @@ def cmd_fit(args) -> int:
     if args.json:
         print(json.dumps(dict(est.to_dict(), model=args.model), indent=2))
         return 0
-    print(f"{args.model} at ctx {args.ctx}: {est.verdict} ({est.reason})")
+    print(f"{args.model} at ctx {est.ctx}: {est.verdict} ({est.reason})")
     print(f"  budgets: VRAM {format_size(est.vram_budget)}, RAM {format_size(est.ram_budget)}; suggested for "
           f"this machine: VRAM {format_size(est.suggested_vram_budget or 0)}, "
           f"RAM {format_size(est.suggested_ram_budget or 0)}")

@@ -74,7 +74,7 @@ def scan_models(custom: list[str], ctx: int, active: str = "") -> dict:
             status = "partial"
         else:
             status = "absent"
-        size = (entry.size_bytes if entry else None) or state.get("size_bytes")
+        size = state.get("size_bytes") or (entry.size_bytes if entry else None)  # the Hub's listing once known
         if status == "ready" and not size:
             size = _folder_size(folder)
         verdict, reason = _rough_fit(size, hw)
@@ -95,7 +95,8 @@ def scan_models(custom: list[str], ctx: int, active: str = "") -> dict:
 
     for entry in load_catalogue():
         folder = demo_model_dir() if entry.repo is None else downloaded_model_dir(entry.repo)
-        rows.append(row(entry.id, folder, title=entry.id, repo=entry.repo, entry=entry))
+        title = f"{entry.id} · recommended first download" if entry.recommended else entry.id
+        rows.append(row(entry.id, folder, title=title, repo=entry.repo, entry=entry))
         seen.update({entry.id.lower(), (entry.repo or "").lower()})
     from models_registry.remotes import list_remotes
 
