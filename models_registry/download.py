@@ -30,7 +30,7 @@ from .hardware import free_disk
 from .hub import (
     RemoteFile, RepoPlan, auth_headers, check_access, fetch_plan, file_url, hub_endpoint, hub_error, is_offline,
 )
-from .gguf_fetch import choose_gguf, fetch_gguf_predictors
+from .gguf_fetch import choose_gguf, import_gguf_predictors_from_hub
 from .paths import models_dir, repo_folder_name
 from .pickles import convert_pickles, is_pickle_weight
 from .progress import DownloadControl, ProgressMeter
@@ -40,7 +40,6 @@ from .token import get_token
 from .transfer import fetch_file, hash_file
 
 PREDICTOR_SUBDIR = "powerinfer-predictor"
-GGUF_SUBDIR = "gguf-predictor"  # a sparse working copy of a PowerInfer GGUF, gone after the import
 PARTIAL_SUBDIR = "partial"
 DISK_MARGIN_MIN = 64 * 1024**2  # room for the state file, the imported predictors, the filesystem
 DISK_MARGIN_FRACTION = 0.01
@@ -297,45 +296,12 @@ def download_model(
         _fetch_all(job, jobs, entry, created, model_dir, endpoint, token)
     result = _finish(job, plan, pred_plan, predictors, on_predictors_downloaded, meter, names, jobs, convert_pickles)
     if gguf_plan is not None:
-        _gguf_predictors(job, gguf_plan, on_predictors_downloaded, progress, control)
-        result.predictors = job.state["predictors"]
+        info = import_gguf_predictors_from_hub(job.endpoint, gguf_plan, model_dir, headers=job.headers,
+                                               importer=on_predictors_downloaded, progress=progress, control=control)
+        job.state.update(predictors="imported", predictor=info)
+        job.save_state()
+        result.predictors = "imported"
     return result
-
-
-def _gguf_predictors(job: _Job, plan: RepoPlan, importer, progress, control: DownloadControl) -> None:
-    """Range-read the predictor tensors of a PowerInfer GGUF, import them, drop the working copy."""
-    model_dir = job.model_dir
-    remote = choose_gguf(plan)
-    folder = model_dir / SIDECAR / GGUF_SUBDIR
-    meter = ProgressMeter(plan.repo, remote.size, progress)
-    meter.emit("predictors", remote.name, message=f"reading the predictors out of {plan.repo}/{remote.name}")
-    try:
-        info = fetch_gguf_predictors(job.endpoint, plan, remote, folder / remote.name, headers=job.headers,
-                                     meter=meter, control=control)
-        (importer or _import_in_subprocess)(folder, model_dir)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    job.state["predictors"] = "imported"
-    job.state["predictor"] = {"repo": plan.repo, "revision": plan.commit, "file": remote.name,
-                              "bytes_fetched": info["bytes_fetched"]}
-    job.save_state()
-    meter.emit("predictors", remote.name, message=(
-        f"imported predictors from {plan.repo}/{remote.name} ({format_size(info['bytes_fetched'])} of "
-        f"{format_size(remote.size)} read)"))
-
-
-def _import_in_subprocess(src: Path, model_dir: Path) -> None:
-    """engine.gguf_predictors in a child process: this package does not import torch."""
-    import subprocess
-    import sys
-
-    gguf = sorted(Path(src).glob("*.gguf"))
-    proc = subprocess.run([sys.executable, "-m", "engine.gguf_predictors", str(gguf[0]), str(model_dir)],
-                          capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
-        raise UserError(lines[-1][len("error: "):] if lines else f"importing the GGUF predictors failed: "
-                        f"{proc.stderr.strip()[-300:]}")
 
 
 def planned_size(name: str, *, endpoint: str | None = None, token: str | None = None,

@@ -13,18 +13,26 @@ checked against the Hub's hash.
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+from typing import Callable
 
 from engine.errors import UserError
 
+from engine.units import format_size
+
 from .hub import RemoteFile, RepoPlan, file_url
 from .progress import DownloadControl, ProgressMeter
+from .state import SIDECAR
 from .transfer import fetch_file
 
 PREDICTOR_TENSOR = re.compile(r"^blk\.(\d+)\.fc([12])(?:\.weight)?$")
 MAGICS = (b"GGUF", b"PWRI")
 FIRST_HEADER_BYTES = 1 << 20
 MAX_HEADER_BYTES = 256 << 20  # a vocabulary of a few hundred thousand tokens fits well below
+GGUF_SUBDIR = "gguf-predictor"  # <model>/thermocline/: the sparse working copy, gone after the import
 
 
 def choose_gguf(plan: RepoPlan) -> RemoteFile:
@@ -142,3 +150,36 @@ def _fetch_whole(url: str, dest: Path, remote: RemoteFile, headers: dict, meter:
     part.replace(dest)
     return {"file": remote.name, "bytes_fetched": remote.size, "file_size": remote.size,
             "magic": magic.decode("ascii", "replace"), "ranged": False}
+
+
+def import_gguf_predictors_from_hub(endpoint: str, plan: RepoPlan, model_dir: Path, *, headers: dict,
+                                    importer: Callable[[Path, Path], None] | None, progress=None,
+                                    control: DownloadControl | None = None) -> dict:
+    """Range-read the predictors of the repo's GGUF into a working copy, hand its folder to
+    `importer(folder, model_dir)` (default: the engine in a child process), drop the copy.
+    Returns what the download state records about it."""
+    remote = choose_gguf(plan)
+    folder = Path(model_dir) / SIDECAR / GGUF_SUBDIR
+    meter = ProgressMeter(plan.repo, remote.size, progress)
+    meter.emit("predictors", remote.name, message=f"reading the predictors out of {plan.repo}/{remote.name}")
+    try:
+        info = fetch_gguf_predictors(endpoint, plan, remote, folder / remote.name, headers=headers,
+                                     meter=meter, control=control or DownloadControl())
+        (importer or _import_in_subprocess)(folder, Path(model_dir))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    meter.emit("predictors", remote.name, message=(
+        f"imported predictors from {plan.repo}/{remote.name} ({format_size(info['bytes_fetched'])} of "
+        f"{format_size(remote.size)} read)"))
+    return {"repo": plan.repo, "revision": plan.commit, "file": remote.name, "bytes_fetched": info["bytes_fetched"]}
+
+
+def _import_in_subprocess(src: Path, model_dir: Path) -> None:
+    """engine.gguf_predictors in a child process: this package does not import torch."""
+    gguf = sorted(Path(src).glob("*.gguf"))
+    proc = subprocess.run([sys.executable, "-m", "engine.gguf_predictors", str(gguf[0]), str(model_dir)],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+        raise UserError(lines[-1][len("error: "):] if lines else
+                        f"importing the GGUF predictors failed: {proc.stderr.strip()[-300:]}")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.errors import ModelFormatError
+from engine.errors import ModelFormatError, UserError
 from engine.gguf_predictors import import_gguf_predictors, read_gguf_predictors
 from engine.predictors import PredictorSet
 from gguf_factory import powerinfer_gguf
@@ -103,3 +103,22 @@ def test_the_fp16_gguf_is_chosen():
     files = tuple(RemoteFile(n, 1, "0" * 64, None) for n in
                   ("MiniCPM-S-1B-sft.Q4_0.powerinfer.gguf", "MiniCPM-S-1B-sft.fp16.powerinfer.gguf"))
     assert gguf_fetch.choose_gguf(RepoPlan("r", "c", files)).name == "MiniCPM-S-1B-sft.fp16.powerinfer.gguf"
+
+
+def test_without_an_importer_the_engine_imports_in_a_child_process(local_hub, tmp_path):
+    """What the window's downloads do: the registry (no torch) runs engine.gguf_predictors."""
+    model = llama_relu(tmp_path / "m", hidden=64, ff=160, layers=2)
+    src = tmp_path / "m.powerinfer.gguf"
+    expected = powerinfer_gguf(src, layers=2, d=64, n_ff=160, tokens=100)
+    local_hub.add_repo(HubRepo("someone/m-gguf", {src.name: src.read_bytes()}))
+    plan = fetch_plan("someone/m-gguf", None, ("*.gguf",), endpoint=local_hub.url, token=None)
+    info = gguf_fetch.import_gguf_predictors_from_hub(local_hub.url, plan, model, headers={}, importer=None)
+    assert info["file"] == src.name and info["bytes_fetched"] > 0
+    _same(PredictorSet.load(model, 2, 64, 160), expected)
+    assert not (model / "thermocline" / gguf_fetch.GGUF_SUBDIR).exists()
+    bad = tmp_path / "bad.gguf"
+    powerinfer_gguf(bad, layers=3, d=64, n_ff=160, tokens=100)
+    local_hub.add_repo(HubRepo("someone/bad-gguf", {bad.name: bad.read_bytes()}))
+    plan = fetch_plan("someone/bad-gguf", None, ("*.gguf",), endpoint=local_hub.url, token=None)
+    with pytest.raises(UserError, match="3 layers"):
+        gguf_fetch.import_gguf_predictors_from_hub(local_hub.url, plan, model, headers={}, importer=None)
