@@ -1,9 +1,10 @@
 """The OpenAI server against the engine it drives: throughput, time to first token, overhead.
 
-The embedded demo model (EOS disabled, so every answer is exactly --max-tokens long). For one
-client, rounds alternate between calling `Engine.stream` directly and the same requests
-streamed over HTTP from `thermocline serve` (uvicorn on 127.0.0.1, raw SSE read with httpx);
-the overhead is the median over rounds of (server time / direct time - 1), goal <= 5%.
+The embedded demo model, greedy, so a request does the same work on both paths. For one
+client, each request runs twice back to back: through `Engine.stream` directly and streamed
+over HTTP from the server (by default `thermocline serve` in its own process on 127.0.0.1, as
+a client meets it; raw SSE read with httpx);
+the overhead is the median over those pairs of (server time / direct time - 1), goal <= 5%.
 Then N concurrent clients: requests per second and TTFT p50/p99 as the clients see it (with
 N > 1 that includes the wait for the engine: one generation runs at a time).
 The last line is one JSON object.
@@ -56,6 +57,27 @@ def served_request(http, url: str, prompt: str, max_tokens: int) -> tuple[float,
     return (first or end) - start, end - start
 
 
+class ServeProcess:
+    """`thermocline serve` in a child process on a free port; its request log is drained."""
+
+    def __init__(self, mode: str, queue: int):
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--model", "demo", "--mode", mode,
+                                      "--port", "0", "--queue", str(queue)], stderr=subprocess.PIPE, text=True)
+        line = self.proc.stderr.readline()
+        if " at http" not in line:
+            self.proc.kill()
+            raise SystemExit(f"serve did not start: {line}")
+        self.url = line.split(" at ")[1].split()[0]
+        threading.Thread(target=lambda: [None for _ in self.proc.stderr], daemon=True).start()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", action="store_true")
@@ -64,6 +86,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="alternating direct/server rounds at one client")
     parser.add_argument("--clients", default="1,4,16", help="concurrent client counts")
     parser.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
+    parser.add_argument("--server", default="process", choices=("process", "thread"),
+                        help="process: `thermocline serve` in its own process, as clients meet it (default); "
+                             "thread: in this process, sharing its interpreter with the clients")
     args = parser.parse_args(argv)
 
     import httpx
@@ -72,22 +97,31 @@ def main(argv=None) -> int:
     from engine import Engine
 
     engine = Engine.load("demo", mode=args.mode)
-    engine.eos_ids = set()  # every answer is max_tokens long: equal work on both paths
-    server = ServerThread(lambda: engine, lambda: "demo", port=0, max_waiting=max(64, args.requests)).start()
+    if args.server == "thread":
+        engine.eos_ids = set()  # every answer is max_tokens long (the same engine serves both paths)
+        server = ServerThread(lambda: engine, lambda: "demo", port=0, max_waiting=max(64, args.requests)).start()
+    else:  # greedy answers end at the same EOS on both paths, so each pair does equal work
+        server = ServeProcess(args.mode, max(64, args.requests))
     http = httpx.Client(timeout=600)
     try:
         direct_request(engine, PROMPTS[0], 4)  # warm-up both paths
         served_request(http, server.url, PROMPTS[0], 4)
+        # Pairs close in time see the same machine load: the same request direct, then served
+        # (the order flips every pair), and the overhead is the median of the pairs' ratios.
         ratios, direct_s, served_s, direct_ttft, served_ttft = [], [], [], [], []
-        for _ in range(args.rounds):
-            d = [direct_request(engine, p, args.max_tokens) for p in PROMPTS[:8]]
-            s = [served_request(http, server.url, p, args.max_tokens) for p in PROMPTS[:8]]
-            d_total, s_total = sum(x[1] for x in d), sum(x[1] for x in s)
-            ratios.append(s_total / d_total - 1)
-            direct_s.append(d_total / len(d))
-            served_s.append(s_total / len(s))
-            direct_ttft += [x[0] for x in d]
-            served_ttft += [x[0] for x in s]
+        for r in range(args.rounds):
+            for i, p in enumerate(PROMPTS[:8]):
+                if (r + i) % 2:
+                    s = served_request(http, server.url, p, args.max_tokens)
+                    d = direct_request(engine, p, args.max_tokens)
+                else:
+                    d = direct_request(engine, p, args.max_tokens)
+                    s = served_request(http, server.url, p, args.max_tokens)
+                ratios.append(s[1] / d[1] - 1)
+                direct_s.append(d[1])
+                served_s.append(s[1])
+                direct_ttft.append(d[0])
+                served_ttft.append(s[0])
 
         levels = []
         for n in [int(c) for c in args.clients.split(",") if c.strip()]:
@@ -115,7 +149,6 @@ def main(argv=None) -> int:
             wall = time.perf_counter() - start
             ttfts = [r[0] for r in results]
             levels.append({"clients": n, "requests": len(results), "requests_per_s": round(len(results) / wall, 2),
-                           "tokens_per_s": round(len(results) * args.max_tokens / wall, 1),
                            "ttft_p50_s": round(percentile(ttfts, 50), 4), "ttft_p99_s": round(percentile(ttfts, 99), 4),
                            "latency_p50_s": round(percentile([r[1] for r in results], 50), 4)})
     finally:
@@ -123,13 +156,15 @@ def main(argv=None) -> int:
         server.stop()
 
     result = {
-        "model": "demo", "mode": args.mode, "max_tokens": args.max_tokens, "rounds": args.rounds,
+        "model": "demo", "mode": args.mode, "server": args.server, "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
         "direct_request_s": round(statistics.median(direct_s), 4),
         "served_request_s": round(statistics.median(served_s), 4),
         "direct_ttft_p50_s": round(percentile(direct_ttft, 50), 4),
         "served_ttft_p50_s": round(percentile(served_ttft, 50), 4),
         "overhead_one_client": round(statistics.median(ratios), 4),
-        "overhead_per_round": [round(r, 4) for r in ratios],
+        "overhead_p25_p75": [round(percentile(ratios, 25), 4), round(percentile(ratios, 75), 4)],
+        "pairs": len(ratios),
         "overhead_goal": 0.05,
         "concurrency": levels,
         "load_average": [round(x, 2) for x in os.getloadavg()],

@@ -126,6 +126,16 @@ def test_remote_model_in_the_window(qtbot, tmp_path, monkeypatch, remote_server)
         stats = w.storage.messages(w.chat.conversation.id)[-1].stats
         assert stats["ttft_s"] > 0 and stats["mode"] == "remote"
 
+        # Regenerate asks the remote again and replaces the answer (greedy: the same text).
+        first_id = last.message_id
+        from PySide6.QtCore import Qt
+
+        qtbot.mouseClick(last.regen_button, Qt.MouseButton.LeftButton)
+        wait_idle(qtbot, w)
+        stored = w.storage.messages(w.chat.conversation.id)
+        assert [m.role for m in stored] == ["user", "assistant"]
+        assert stored[-1].id != first_id and stored[-1].content == expected
+
         # The Models page lists it, as running elsewhere.
         w.show_page("models")
         qtbot.waitUntil(lambda: "remote/box" in w.models.cards, timeout=30_000)
