@@ -287,7 +287,10 @@ class Engine:
         give NaN logits, which would sample garbage or nothing at all without a word."""
         if self._logits_checked:
             return
-        if not bool(torch.isfinite(logits).all()):
+        # -inf for a token can be a deliberate mask; NaN, +inf or no finite score at all cannot.
+        broken = bool(torch.isnan(logits).any() or torch.isposinf(logits).any()
+                      or not torch.isfinite(logits).any(dim=-1).all())
+        if broken:
             self.cache.reset(0)
             self._cached_ids = []
             raise ModelFormatError(
