@@ -71,10 +71,26 @@ class ModelConfig:
     qkv_layout: str = "separate"  # separate | falcon_grouped | falcon_mq | falcon_interleaved
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (SmallThinker): `num_experts` ReGLU experts of `intermediate_size`
+    # neurons each, `experts_per_token` chosen by a router; 0 experts means a dense FFN.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    router_softmax: bool = False  # softmax over the chosen logits, else sigmoid renormalised
+    # Per-layer attention layouts (SmallThinker's rope_layout / sliding_window_layout):
+    # () = every layer alike (RoPE, and `sliding_window` for all). `window_layers[i]` True:
+    # layer i attends over the last `layer_window` positions only.
+    rope_layers: tuple[bool, ...] = ()
+    window_layers: tuple[bool, ...] = ()
+    layer_window: int | None = None
 
     @property
     def n_ff(self) -> int:
-        return self.intermediate_size
+        """Units per layer that are profiled and placed: FFN neurons, or experts of a mixture."""
+        return self.num_experts or self.intermediate_size
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "ModelConfig":
@@ -137,6 +153,10 @@ def _activation(name: str | None, model_type: str) -> str:
 def _parse(raw: dict) -> ModelConfig:
     model_type = str(raw.get("model_type", "")).lower()
     architectures = [a.lower() for a in raw.get("architectures") or []]
+    if model_type == "smallthinker" or "smallthinkerforcausallm" in architectures:
+        from .arch import smallthinker
+
+        return smallthinker.parse_raw(raw, _rope(raw, int(raw.get("max_position_embeddings", 4096))), _eos_ids(raw))
     if model_type in ("falcon", "refinedweb", "refinedwebmodel") or any("falcon" in a or "rw" == a for a in architectures):
         return _parse_falcon(raw)
     is_bamboo = model_type in ("bamboo", "turbosparse") or any("bamboo" in a for a in architectures)

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from .arch import falcon, llama
+from .arch import falcon, llama, smallthinker
 from .arch.common import Converter, Placement
 from .config import ModelConfig
 from .errors import UserError
@@ -17,7 +17,7 @@ from .weights import WeightSource
 
 Progress = Callable[[float, str], None]
 
-_FAMILIES = {"llama": llama, "falcon": falcon}
+_FAMILIES = {"llama": llama, "falcon": falcon, "smallthinker": smallthinker}
 
 
 def resolve_model_dir(model: str | Path) -> Path:
