@@ -211,6 +211,9 @@ class Transformer:
         if layer.router is not None:  # the experts are known before attention runs
             cfg = self.config
             routing = route(layer.router, x, cfg.experts_per_token, cfg.router_softmax)
+            before_attention = getattr(layer.ffn, "before_attention", None)
+            if before_attention is not None:  # where cold experts beyond RAM would start loading
+                before_attention(routing)
         h_attn = layer.attn_norm(x)
         attn = self._attention(index, layer, h_attn, start, cache, mask)
         if layer.parallel:
