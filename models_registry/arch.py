@@ -16,7 +16,8 @@ from engine.errors import ModelFormatError
 
 SUPPORTED_TEXT = (
     "model_type llama or mistral with hidden_act relu, relu2 or fatrelu; "
-    "Bamboo/TurboSparse (BambooForCausalLM, dReLU); falcon with relu"
+    "Bamboo/TurboSparse (BambooForCausalLM, dReLU); falcon with relu; "
+    "smallthinker (SmallThinkerForCausalLM, ReGLU experts)"
 )
 _LLAMA_TYPES = {"llama", "mistral"}
 _FALCON_TYPES = {"falcon", "RefinedWeb", "RefinedWebModel"}
@@ -27,7 +28,7 @@ _RELU_NAMES = {"relu": "relu", "relu2": "relu2", "relu_squared": "relu2", "squar
 
 @dataclass(frozen=True)
 class ArchInfo:
-    family: str  # "llama" (gated: llama, mistral, bamboo) | "falcon" (ungated)
+    family: str  # "llama" (gated: llama, mistral, bamboo) | "falcon" (ungated) | "smallthinker" (ReGLU experts)
     model_type: str
     activation: str  # relu | relu2 | fatrelu | drelu
     gated: bool
@@ -46,6 +47,8 @@ def detect_architecture(config: dict, known_activation: str | None = None) -> Ar
     act_field = config.get("hidden_act") or config.get("activation")
     act = _RELU_NAMES.get(str(act_field).lower()) if act_field is not None else None
 
+    if "SmallThinkerForCausalLM" in archs or model_type.lower() == "smallthinker":
+        return ArchInfo("smallthinker", "smallthinker", "relu", True)  # experts: relu(gate) * up
     if archs & _BAMBOO_ARCHS or model_type.lower() in {"bamboo", "turbosparse"}:
         # Bamboo's config says hidden_act "relu"; its MLP applies it to gate and up (dReLU).
         if act_field is not None and act is None:

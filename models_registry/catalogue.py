@@ -39,7 +39,7 @@ DEFAULT_PREDICTOR_FILES = ("model_*.pt", "config.json")
 class Predictor:
     """Where a model's activation predictors come from."""
 
-    source: str  # "powerinfer" (a predictor repo) | "train" (trained locally) | "bundled"
+    source: str  # "powerinfer" (a predictor repo) | "train" (trained locally) | "bundled" | "router" (experts chosen by the model's router: no predictors)
     repo: str | None = None
     revision: str | None = None
     files: tuple[str, ...] = DEFAULT_PREDICTOR_FILES
@@ -63,6 +63,7 @@ class CatalogueEntry:
     description: str
     unverified: tuple[str, ...] = field(default_factory=tuple)
     config: dict | None = None  # the config.json fields that size the model (fit before download)
+    mirrors: tuple[str, ...] = ()  # other repo ids publishing the same files (found by find_entry too)
 
     def to_dict(self) -> dict:
         return {
@@ -87,6 +88,7 @@ class CatalogueEntry:
             "description": self.description,
             "unverified": list(self.unverified),
             "config": dict(self.config) if self.config else None,
+            "mirrors": list(self.mirrors),
         }
 
 
@@ -114,6 +116,7 @@ def _parse_entry(raw: dict) -> CatalogueEntry:
         description=raw.get("description", ""),
         unverified=tuple(raw.get("unverified", ())),
         config=raw.get("config"),
+        mirrors=tuple(raw.get("mirrors", ())),
     )
 
 
@@ -132,7 +135,8 @@ def find_entry(name: str, path: Path | None = None) -> CatalogueEntry | None:
     """The entry whose id or repo id is `name` (case-insensitive), or None."""
     key = name.strip().lower()
     for entry in load_catalogue(path):
-        if entry.id.lower() == key or (entry.repo and entry.repo.lower() == key):
+        if entry.id.lower() == key or (entry.repo and entry.repo.lower() == key) \
+                or any(m.lower() == key for m in entry.mirrors):
             return entry
     return None
 

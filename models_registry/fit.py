@@ -51,17 +51,25 @@ class ModelShape:
     attn_bias: bool = False
     norm_params_per_layer: int = 0
     final_norm_params: int = 0
+    # A mixture of experts (SmallThinker): n_ff counts experts of `expert_ff` neurons each,
+    # the placed unit; every layer also has a router [n_ff, d]. 0: a dense FFN.
+    expert_ff: int = 0
 
     @property
     def ffn_matrices(self) -> int:
-        return 3 if self.gated else 2
+        """Rows of d per placed unit: a neuron's gate, up, down (or up, down), or an expert's."""
+        return 3 * self.expert_ff if self.expert_ff else (3 if self.gated else 2)
+
+    @property
+    def router_params_per_layer(self) -> int:
+        return self.n_ff * self.d if self.expert_ff else 0
 
     @property
     def attention_params_per_layer(self) -> int:
         q = self.d * self.n_heads * self.head_dim
         kv = 2 * self.d * self.n_kv_heads * self.head_dim
         o = self.n_heads * self.head_dim * self.d
-        return q + kv + o + self.attention_bias_params_per_layer
+        return q + kv + o + self.attention_bias_params_per_layer + self.router_params_per_layer
 
     @property
     def attention_bias_params_per_layer(self) -> int:
@@ -97,6 +105,16 @@ def _first(config: dict, *keys, default=None):
 def shape_from_config(config: dict, arch: ArchInfo | None = None) -> ModelShape:
     """Read the memory-relevant numbers (Llama/Mistral/Bamboo or Falcon field names)."""
     arch = arch or detect_architecture(config)
+    if arch.family == "smallthinker":
+        d, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        return ModelShape(
+            family="smallthinker", d=d, n_ff=int(config["moe_num_primary_experts"]),
+            n_layers=int(config["num_hidden_layers"]), n_heads=heads,
+            n_kv_heads=int(_first(config, "num_key_value_heads", default=heads)),
+            head_dim=int(_first(config, "head_dim", default=d // heads)), vocab=int(config["vocab_size"]),
+            tied_embeddings=bool(config.get("tie_word_embeddings", True)), gated=True,
+            norm_params_per_layer=2 * d, final_norm_params=d, expert_ff=int(config["moe_ffn_hidden_size"]),
+        )
     d = int(_first(config, "hidden_size", "n_embd", "d_model"))
     n_layers = int(_first(config, "num_hidden_layers", "n_layer", "num_layers"))
     n_heads = int(_first(config, "num_attention_heads", "n_head"))
@@ -215,10 +233,12 @@ def placement_bytes(shape: ModelShape) -> ModelBytes:
     return ModelBytes(
         d=shape.d, n_ff=shape.n_ff, n_layers=shape.n_layers, vocab=shape.vocab,
         attention_params=shape.attention_params_per_layer, norm_params=shape.norm_params_per_layer,
-        attention_rows=(shape.n_heads + 2 * shape.n_kv_heads) * shape.head_dim + shape.d,
+        attention_rows=(shape.n_heads + 2 * shape.n_kv_heads) * shape.head_dim + shape.d
+        + (shape.n_ff if shape.expert_ff else 0),  # a router's rows
         attention_bias_params=shape.attention_bias_params_per_layer,
         final_norm_params=shape.final_norm_params, kv_per_position=2 * shape.n_kv_heads * shape.head_dim,
         ffn_matrices=shape.ffn_matrices, tied_embeddings=shape.tied_embeddings,
+        unit="experts" if shape.expert_ff else "neurons",
     )
 
 
@@ -229,7 +249,9 @@ def place_bytes(shape: ModelShape, *, ctx: int, vram_budget: int, ram_budget: in
     if ctx <= 0:
         raise ValueError("ctx must be positive")
     bm = bytes_model
-    if predictor_params is None or len(predictor_params) != shape.n_layers:
+    if shape.expert_ff:  # the router chooses the experts: no predictors
+        predictor_params = [0] * shape.n_layers
+    elif predictor_params is None or len(predictor_params) != shape.n_layers:
         predictor_params = [predictor_rank * (shape.d + shape.n_ff)] * shape.n_layers
     # Which neurons are hot does not change any byte count: uniform frequencies will do.
     frequencies = [np.ones(shape.n_ff, dtype=np.float32) for _ in range(shape.n_layers)]
