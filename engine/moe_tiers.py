@@ -36,6 +36,7 @@ from .kernels import cpu as cpu_kernels
 from .loader import compute_dtype, load_transformer
 from .moe import DenseMoe, Routing, experts_by_token, reglu
 from .placement import COLD_INT8, INDEX_BYTES
+from .quantized import Int8Matrix
 from .sparse import SparseRuntime, default_budgets, pick_fast_device, problem_for_model
 from .weights import WeightSource
 
@@ -247,6 +248,13 @@ class MoeRuntime(SparseRuntime):
         for e in range(dense.num_experts):
             (hot if e in hot_set else cold).add(e, *dense.expert(e))
         return TieredMoe(layer, dense.num_experts, dense.n_ff, hot, cold, self)
+
+    def _head_weights(self, on_fast: bool):
+        """A tied head on an int8 CPU tier is an int8 copy of the embeddings (counted by the
+        placement, ModelBytes.int8_head_copy): it is most of a token's bytes otherwise."""
+        if not on_fast and self.config.tie_word_embeddings and self.cold_quant == COLD_INT8:
+            return Int8Matrix.quantize(self.model.embed)
+        return super()._head_weights(on_fast)
 
     def convert_layer_dense(self, layer, on_fast: bool) -> None:
         super().convert_layer_dense(layer, on_fast)

@@ -239,6 +239,7 @@ def placement_bytes(shape: ModelShape) -> ModelBytes:
         final_norm_params=shape.final_norm_params, kv_per_position=2 * shape.n_kv_heads * shape.head_dim,
         ffn_matrices=shape.ffn_matrices, tied_embeddings=shape.tied_embeddings,
         unit="experts" if shape.expert_ff else "neurons",
+        int8_head_copy=bool(shape.expert_ff) and shape.tied_embeddings,
     )
 
 
