@@ -134,6 +134,11 @@ class ColdExperts:
         return sum(r.nbytes for r in self.rows.values()) + INDEX_BYTES * len(self.rows)
 
 
+# Up to this many tokens per expert, a prefill computes the expert with the CPU kernel
+# (rows read once, quiet neurons skipped); more, with a dense matmul over its rows.
+_KERNEL_TOKENS = 8
+
+
 def _row_bytes(rows: cpu_kernels.CpuFfnRows) -> int:
     """Bytes of one neuron's row in one matrix (with its scale for int8)."""
     return rows.dim * rows.up.element_size() + (4 if rows.quant == COLD_INT8 else 0)
@@ -214,7 +219,13 @@ class TieredMoe:
             else:
                 device, dtype = torch.device("cpu"), torch.float32
             xs = x[tokens.to(x.device)].to(device, dtype)
-            y = reglu(xs, *self._expert_rows(e, device, dtype)).float()
+            if device.type == "cpu" and len(tokens) <= _KERNEL_TOKENS:
+                # few tokens chose this expert: the CPU kernel reads each row once for all of
+                # them (and skips quiet neurons' rows), no dequantized copy of the expert
+                rows = self.hot.cpu_rows[e] if e in self.hot else self.cold.rows[e]
+                y = cpu_kernels.sparse_ffn_batch(xs.contiguous(), rows, None, "relu")
+            else:
+                y = reglu(xs, *self._expert_rows(e, device, dtype)).float()
             out.index_add_(0, tokens.to(x.device), y.to(x.device) * weights.to(x.device)[:, None])
         return out.to(x.dtype)
 
