@@ -1,26 +1,37 @@
-"""Model configuration parsed from a Hugging Face `config.json`.
+"""Model configuration: one reading of a Hugging Face `config.json`, shared by everyone.
 
-One dataclass covers the three families we run (Llama, Mistral/Bamboo, Falcon): the
-fields are what the engine needs, read from whichever names each family uses, and
-unknown keys are ignored (mlx-lm style). Unsupported models are refused here, with a
-message naming what is supported.
+The engine, `thermocline place` and the model registry (fit estimates, download and
+import checks) all call `parse_config`, so they agree on what is loadable. This module
+and the per-architecture parsers in `engine/arch/` are torch-free for that reason.
+
+`parse_config` picks the architecture module (engine/arch/__init__.py says how) and lets
+it fill a `ModelConfig`; the fields are what the engine needs, read from whichever names
+each family uses, and unknown keys are ignored (mlx-lm style). Every value is checked as
+it is read (`ConfigFields`): a config that is not an object, a zero size, a NaN or a
+string where a number belongs is a `ModelFormatError` naming the key.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ModelFormatError
+from .errors import ModelFormatError, UserError
 
 SUPPORTED = (
-    "Llama with ReLU/FATReLU/ReLU² (ReluLLaMA, ProSparse), Mistral/Bamboo with dReLU "
-    "(Bamboo, TurboSparse), Falcon with ReLU (ReluFalcon)"
+    "Llama with ReLU/FATReLU/ReLU² (ReluLLaMA, ProSparse), MiniCPM with FATReLU (MiniCPM-S), "
+    "Mistral/Bamboo with dReLU (Bamboo, TurboSparse), Falcon with ReLU (ReluFalcon), "
+    "SmallThinker mixtures of ReGLU experts"
 )
 
+# Context length when none is asked for: short enough to keep the KV cache small, and never
+# longer than the model was trained for (`ModelConfig.context_length`).
+DEFAULT_CTX = 2048
+
 # Activation names as configs spell them -> our four kernels' names.
-_ACTIVATIONS = {
+ACTIVATIONS = {
     "relu": "relu",
     "fatrelu": "fatrelu",
     "relu2": "relu2",
@@ -45,7 +56,7 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str  # "llama" (Llama and Mistral/Bamboo layout) or "falcon"
+    family: str  # tensor layout: "llama" (Llama, Mistral, Bamboo, MiniCPM) or "falcon"
     model_type: str
     hidden_size: int
     intermediate_size: int
@@ -71,6 +82,14 @@ class ModelConfig:
     qkv_layout: str = "separate"  # separate | falcon_grouped | falcon_mq | falcon_interleaved
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # The engine/arch module that parsed this config and loads its tensors.
+    arch: str = "llama"
+    # muP-style scales (MiniCPM); 1.0 means none. The embeddings are multiplied by
+    # `embedding_scale`, each residual branch (attention output, FFN output) by
+    # `residual_scale` before its add, the final hidden state by `logit_scale` before the head.
+    embedding_scale: float = 1.0
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0
     # Mixture of experts (SmallThinker): `num_experts` ReGLU experts of `intermediate_size`
     # neurons each, `experts_per_token` chosen by a router; 0 experts means a dense FFN.
     num_experts: int = 0
@@ -92,8 +111,15 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    def context_length(self, requested: int | None = None) -> int:
+        """The context the engine allocates, and `place`/`models fit` count: the requested
+        length (default DEFAULT_CTX) capped at the positions the model was trained for."""
+        if requested is not None and requested < 8:
+            raise UserError(f"context length {requested} is too small (at least 8)")
+        return min(requested or DEFAULT_CTX, self.max_positions)
+
     @classmethod
-    def from_dir(cls, model_dir: Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: Path, activation_hint: str | None = None) -> "ModelConfig":
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ModelFormatError(f"{model_dir} has no config.json: is it a Hugging Face model folder?")
@@ -101,142 +127,165 @@ class ModelConfig:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise ModelFormatError(f"cannot read {path}: {exc}") from None
-        return cls.from_dict(raw)
+        return parse_config(raw, activation_hint or _catalogue_activation(Path(model_dir)))
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "ModelConfig":
-        try:
-            return _parse(raw)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ModelFormatError(f"config.json is incomplete or malformed ({exc!r}); supported: {SUPPORTED}") from None
+    def from_dict(cls, raw: dict, activation_hint: str | None = None) -> "ModelConfig":
+        return parse_config(raw, activation_hint)
 
 
-def _eos_ids(raw: dict) -> tuple[int, ...]:
-    eos = raw.get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+def parse_config(raw, activation_hint: str | None = None) -> ModelConfig:
+    """config.json (already decoded) -> ModelConfig, or a ModelFormatError saying why not.
+
+    `activation_hint` names the activation of a catalogue model whose config.json does not
+    (Falcon configs before transformers 4.36 have no activation key); it never overrides one.
+    """
+    from .arch import module_for
+
+    if not isinstance(raw, dict):
+        raise ModelFormatError(f"config.json must be a JSON object, not a {type(raw).__name__}")
+    module = module_for(raw)
+    config = module.parse(ConfigFields(raw, module.NAME), activation_hint)
+    _check(config)
+    return config
 
 
-def _rope(raw: dict, default_max: int) -> RopeConfig:
-    # transformers >= 5 writes `rope_parameters`; released checkpoints use rope_theta + rope_scaling.
-    params = dict(raw.get("rope_parameters") or {})
-    scaling = dict(raw.get("rope_scaling") or {})
-    params.update({k: v for k, v in scaling.items() if v is not None})
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind not in ("default", "linear", "dynamic", "llama3", "yarn"):
-        raise ModelFormatError(f"unsupported RoPE scaling {kind!r}: supported are linear, dynamic, llama3, yarn")
-    return RopeConfig(
-        theta=theta,
-        kind=kind,
-        factor=float(params.get("factor", 1.0) or 1.0),
-        original_max_positions=params.get("original_max_position_embeddings") or default_max,
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        beta_fast=float(params.get("beta_fast") or 32.0),
-        beta_slow=float(params.get("beta_slow") or 1.0),
-        attention_factor=params.get("attention_factor"),
-    )
-
-
-def _activation(name: str | None, model_type: str) -> str:
-    act = _ACTIVATIONS.get((name or "").lower())
-    if act is None:
+def _check(cfg: ModelConfig) -> None:
+    """Consistency between fields (each field alone was checked as it was read)."""
+    if cfg.num_heads % cfg.num_kv_heads:
         raise ModelFormatError(
-            f"activation {name!r} of this {model_type} model is not sparse: Thermocline needs a ReLU-family "
-            f"model; supported: {SUPPORTED}"
+            f"config.json: {cfg.num_heads} attention heads cannot share {cfg.num_kv_heads} key/value heads evenly"
         )
-    return act
+    if cfg.activation == "fatrelu" and cfg.activation_threshold < 0:
+        raise ModelFormatError(f"config.json: the FATReLU threshold must be >= 0, not {cfg.activation_threshold}")
+    for name in ("embedding_scale", "residual_scale", "logit_scale"):
+        value = getattr(cfg, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ModelFormatError(f"config.json gives a {name.replace('_', ' ')} of {value}; it must be a positive number")
 
 
-def _parse(raw: dict) -> ModelConfig:
-    model_type = str(raw.get("model_type", "")).lower()
-    architectures = [a.lower() for a in raw.get("architectures") or []]
-    if model_type == "smallthinker" or "smallthinkerforcausallm" in architectures:
-        from .arch import smallthinker
-
-        return smallthinker.parse_raw(raw, _rope(raw, int(raw.get("max_position_embeddings", 4096))), _eos_ids(raw))
-    if model_type in ("falcon", "refinedweb", "refinedwebmodel") or any("falcon" in a or "rw" == a for a in architectures):
-        return _parse_falcon(raw)
-    is_bamboo = model_type in ("bamboo", "turbosparse") or any("bamboo" in a for a in architectures)
-    if model_type not in ("llama", "mistral") and not is_bamboo:
-        raise ModelFormatError(f"unknown model_type {model_type or '(none)'!r}; supported: {SUPPORTED}")
-
-    hidden = int(raw["hidden_size"])
-    heads = int(raw["num_attention_heads"])
-    act_name = raw.get("hidden_act", raw.get("hidden_activation"))
-    activation = "drelu" if is_bamboo and (act_name or "relu") == "relu" else _activation(act_name, model_type)
-    threshold = float(raw.get("hidden_act_param", 0.0) or 0.0) if activation == "fatrelu" else 0.0
-    max_pos = int(raw.get("max_position_embeddings", 4096))
-    window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
-    return ModelConfig(
-        family="llama",
-        model_type=model_type or "bamboo",
-        hidden_size=hidden,
-        intermediate_size=int(raw["intermediate_size"]),
-        num_layers=int(raw["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or hidden // heads),
-        vocab_size=int(raw["vocab_size"]),
-        activation=activation,
-        activation_threshold=threshold,
-        gated=True,
-        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        norm_kind="rms",
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        max_positions=max_pos,
-        sliding_window=int(window) if window else None,
-        rope=_rope(raw, max_pos),
-        attention_bias=bool(raw.get("attention_bias", False)),
-        mlp_bias=bool(raw.get("mlp_bias", False)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=_eos_ids(raw),
-    )
+def _catalogue_activation(model_dir: Path) -> str | None:
+    """The catalogue's activation for a model downloaded from it (see `parse_config`), so the
+    engine reads such a folder as the registry's download check did."""
+    try:
+        from models_registry.catalogue import find_entry
+        from models_registry.state import read_state
+    except ImportError:
+        return None
+    repo = (read_state(model_dir) or {}).get("repo")
+    entry = find_entry(repo) if isinstance(repo, str) else None
+    return entry.activation if entry is not None else None
 
 
-def _parse_falcon(raw: dict) -> ModelConfig:
-    hidden = int(raw.get("hidden_size", raw.get("n_embed", 0)))
-    heads = int(raw.get("num_attention_heads", raw.get("n_head", 0)))
-    if raw.get("alibi"):
-        raise ModelFormatError("Falcon with ALiBi positions is not supported; only rotary Falcon models are")
-    new_arch = bool(raw.get("new_decoder_architecture", False))
-    multi_query = bool(raw.get("multi_query", True))
-    if new_arch:
-        kv_heads = int(raw.get("num_kv_heads") or raw.get("n_head_kv") or heads)
-        layout = "falcon_grouped"
-    elif multi_query:
-        kv_heads, layout = 1, "falcon_mq"
-    else:
-        kv_heads, layout = heads, "falcon_interleaved"
-    parallel = bool(raw.get("parallel_attn", True)) or new_arch
-    n_ln = raw.get("num_ln_in_parallel_attn")
-    if n_ln is None:
-        n_ln = 2 if new_arch else 1
-    max_pos = int(raw.get("max_position_embeddings", 2048))
-    return ModelConfig(
-        family="falcon",
-        model_type="falcon",
-        hidden_size=hidden,
-        intermediate_size=int(raw.get("ffn_hidden_size") or 4 * hidden),
-        num_layers=int(raw.get("num_hidden_layers", raw.get("n_layer", 0))),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=hidden // heads,
-        vocab_size=int(raw["vocab_size"]),
-        activation=_activation(raw.get("activation", "gelu"), "falcon"),
-        gated=False,
-        norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
-        norm_kind="layer",
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
-        max_positions=max_pos,
-        rope=_rope(raw, max_pos),
-        attention_bias=bool(raw.get("bias", False)),
-        mlp_bias=bool(raw.get("bias", False)),
-        parallel_attn=parallel,
-        num_ln_in_parallel_attn=int(n_ln) if parallel else 1,
-        qkv_layout=layout,
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=_eos_ids(raw),
-    )
+# --------------------------------------------------------------------------- reading
+_REQUIRED = object()
+
+
+class ConfigFields:
+    """Checked reads of config.json keys. A key may have aliases (Falcon's `n_head`); the
+    first one present (and not null) is read. Every failure names the key and the value."""
+
+    def __init__(self, raw: dict, arch: str):
+        self.raw, self.arch = raw, arch
+
+    def has(self, key: str) -> bool:
+        return self.raw.get(key) is not None
+
+    def _lookup(self, keys: tuple[str, ...], default):
+        for key in keys:
+            if self.raw.get(key) is not None:
+                return key, self.raw[key]
+        if default is _REQUIRED:
+            raise ModelFormatError(f"config.json of this {self.arch} model has no {keys[0]!r}")
+        return None, default
+
+    def _bad(self, key: str, value, what: str) -> ModelFormatError:
+        return ModelFormatError(f"config.json: {key} must be {what}, not {value!r}")
+
+    def int(self, *keys: str, default=_REQUIRED, minimum: int = 1) -> int:
+        key, value = self._lookup(keys, default)
+        if key is None:
+            return value
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self._bad(key, value, f"an integer >= {minimum}")
+        return value
+
+    def float(self, *keys: str, default=_REQUIRED, positive: bool = False) -> float:
+        key, value = self._lookup(keys, default)
+        if key is None:
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or (positive and value <= 0):
+            raise self._bad(key, value, "a positive number" if positive else "a finite number")
+        return float(value)
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.raw.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self._bad(key, value, "true or false")
+        return value
+
+    def str(self, *keys: str, default=_REQUIRED) -> str:
+        key, value = self._lookup(keys, default)
+        if key is not None and not isinstance(value, str):
+            raise self._bad(key, value, "a string")
+        return value
+
+    def activation(self, *keys: str, default: str | None = None, hint: str | None = None) -> str:
+        """The FFN activation, as one of our kernels' names; a non-sparse one is refused."""
+        key, value = self._lookup(keys, None)
+        if key is None:
+            value = hint or default
+        name = ACTIVATIONS.get(value.lower()) if isinstance(value, str) else None
+        if name is None:
+            raise ModelFormatError(
+                f"activation {value!r} of this {self.arch} model is not sparse: Thermocline needs a ReLU-family "
+                f"model; supported: {SUPPORTED}"
+            )
+        return name
+
+    def eos_ids(self) -> tuple[int, ...]:
+        eos = self.raw.get("eos_token_id")
+        if eos is None:
+            return ()
+        values = eos if isinstance(eos, list) else [eos]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            raise self._bad("eos_token_id", eos, "a token id or a list of them")
+        return tuple(values)
+
+    def token_id(self, key: str) -> int | None:
+        return self.int(key, default=None, minimum=0)
+
+    def sliding_window(self) -> int | None:
+        if not self.bool("use_sliding_window", True):
+            return None
+        return self.int("sliding_window", default=None)
+
+    def rope(self, max_positions: int) -> RopeConfig:
+        # transformers >= 5 writes `rope_parameters`; released checkpoints use rope_theta + rope_scaling.
+        params, scaling = self.raw.get("rope_parameters") or {}, self.raw.get("rope_scaling") or {}
+        for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+            if not isinstance(value, dict):
+                raise self._bad(key, value, "an object")
+        theta = self.float("rope_theta", default=None, positive=True)  # checked even where params override it
+        merged = {"rope_theta": theta, **params}
+        merged.update({k: v for k, v in scaling.items() if v is not None})
+        read = ConfigFields(merged, self.arch)
+        kind = read.str("rope_type", "type", default="default")
+        if kind not in ("default", "linear", "dynamic", "llama3", "yarn"):
+            raise ModelFormatError(f"unsupported RoPE scaling {kind!r}: supported are linear, dynamic, llama3, yarn")
+        return RopeConfig(
+            theta=read.float("rope_theta", default=10000.0, positive=True),
+            kind=kind,
+            factor=read.float("factor", default=1.0, positive=True),
+            original_max_positions=read.int("original_max_position_embeddings", default=max_positions),
+            low_freq_factor=read.float("low_freq_factor", default=1.0, positive=True),
+            high_freq_factor=read.float("high_freq_factor", default=4.0, positive=True),
+            beta_fast=read.float("beta_fast", default=32.0, positive=True),
+            beta_slow=read.float("beta_slow", default=1.0, positive=True),
+            attention_factor=read.float("attention_factor", default=None, positive=True),
+        )

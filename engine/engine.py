@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-from .config import ModelConfig
+from .config import DEFAULT_CTX, ModelConfig  # noqa: F401 (DEFAULT_CTX: older imports)
 from .errors import ContextFullError, UserError
 from .kv_cache import KVCache
 from .loader import Progress, load_transformer, resolve_model_dir
@@ -25,7 +25,6 @@ from .sampling import Sampler, SamplingParams
 from .tokenizer import StreamDecoder, Tokenizer
 
 MODES = ("dense", "sparse", "hybrid", "oracle")
-DEFAULT_CTX = 2048
 
 
 @dataclass
@@ -95,6 +94,8 @@ class Engine:
         # budget change can tell whether a generation is running.
         self._lock = sparse.lock if sparse is not None else threading.RLock()
         self._cached_ids: list[int] = []
+        # Rows of the head past the tokenizer's vocabulary (padding) are never sampled.
+        self.sampled_vocab = tokenizer.vocab_size if tokenizer.vocab_size < config.vocab_size else None
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -108,7 +109,7 @@ class Engine:
             torch.set_num_threads(threads)
         model_dir = resolve_model_dir(model)
         config = ModelConfig.from_dir(model_dir)
-        ctx = ctx or min(DEFAULT_CTX, config.max_positions)  # no longer than the model was trained for
+        ctx = config.context_length(ctx)  # no longer than the model was trained for (as place/fit count)
         if ctx < 8:
             raise UserError(f"context length {ctx} is too small (at least 8)")
         tokenizer = Tokenizer(model_dir)
@@ -193,7 +194,7 @@ class Engine:
     def _generate(self, ids: list[int], params: SamplingParams, cancel: threading.Event | None):
         stats = GenerationStats(prompt_tokens=len(ids), mode=self.mode)
         self.last_stats = stats
-        sampler = Sampler(params)
+        sampler = Sampler(params, self.sampled_vocab)
         decoder = StreamDecoder(self.tokenizer)
         if self.sparse is not None:
             self.sparse.begin_generation()

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from .arch import falcon, llama, smallthinker
+from .arch import arch_module
 from .arch.common import Converter, Placement
 from .config import ModelConfig
 from .errors import UserError
@@ -16,8 +16,6 @@ from .rope import RotaryTable
 from .weights import WeightSource
 
 Progress = Callable[[float, str], None]
-
-_FAMILIES = {"llama": llama, "falcon": falcon, "smallthinker": smallthinker}
 
 
 def resolve_model_dir(model: str | Path) -> Path:
@@ -50,16 +48,16 @@ def load_transformer(model_dir: Path, config: ModelConfig, layer_devices: list[t
     source = WeightSource(model_dir)
     storage = source.dtype()
     conv = Converter(source, config)
-    family = _FAMILIES[config.family]
+    arch = arch_module(config.arch)
     cpu = Placement(torch.device("cpu"), compute_dtype(torch.device("cpu"), storage))
     head = Placement(head_device, compute_dtype(head_device, storage))
-    embed, final_norm, lm_head = family.load_globals(conv, cpu, head)
+    embed, final_norm, lm_head = arch.load_globals(conv, cpu, head)
     layers = []
     for i, device in enumerate(layer_devices):
         if progress:
             progress(i / config.num_layers, f"loading layer {i + 1} of {config.num_layers}")
         where = Placement(device, compute_dtype(device, storage))
-        layer = family.load_layer(conv, i, where, cpu if ffn_builder else None)
+        layer = arch.load_layer(conv, i, where, cpu if ffn_builder else None)
         if ffn_builder is not None:
             layer.ffn = ffn_builder(i, layer.ffn)
         if on_layer is not None:

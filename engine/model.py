@@ -172,6 +172,10 @@ class Transformer:
         self.scale = config.head_dim ** -0.5
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
+        # muP scales (MiniCPM, engine/arch/minicpm.py); None where the architecture has none.
+        self.embedding_scale = config.embedding_scale if config.embedding_scale != 1.0 else None
+        self.residual_scale = config.residual_scale if config.residual_scale != 1.0 else None
+        self.logit_scale = config.logit_scale if config.logit_scale != 1.0 else None
 
     @property
     def head_device(self) -> torch.device:
@@ -189,6 +193,8 @@ class Transformer:
         count = ids.shape[0]
         cache.prepare(start, count)
         x = self.embed[ids.to(self.embed.device)]
+        if self.embedding_scale is not None:
+            x = x * self.embedding_scale
         mask = cache.mask(start, count)
         window_masks: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.layers):
@@ -203,6 +209,8 @@ class Transformer:
         if not all_logits:
             x = x[-1:]
         x = self.final_norm(x.to(self.final_norm.weight.device, self.final_norm.weight.dtype))
+        if self.logit_scale is not None:
+            x = x * self.logit_scale
         return linear(x, self.lm_head).float()
 
     def _layer(self, index: int, layer: Layer, x: torch.Tensor, start: int, cache: KVCache,
@@ -216,11 +224,13 @@ class Transformer:
                 before_attention(routing)
         h_attn = layer.attn_norm(x)
         attn = self._attention(index, layer, h_attn, start, cache, mask)
+        scale = self.residual_scale
         if layer.parallel:
             h_mlp = layer.mlp_norm(x) if layer.mlp_norm is not None else h_attn
             return x + attn + layer.ffn(h_mlp, x, index, self.ffn_observer)
-        h = x + attn
-        return h + layer.ffn(layer.mlp_norm(h), h if routing is None else routing, index, self.ffn_observer)
+        h = x + (attn if scale is None else attn * scale)
+        ffn = layer.ffn(layer.mlp_norm(h), h if routing is None else routing, index, self.ffn_observer)
+        return h + (ffn if scale is None else ffn * scale)
 
     def _attention(self, index: int, layer: Layer, x: torch.Tensor, start: int, cache: KVCache,
                    mask: torch.Tensor | None) -> torch.Tensor:

@@ -3,7 +3,8 @@ active when its logit >= the layer's threshold.
 
 Ours are stored as safetensors in the sidecar folder; PowerInfer's published ones
 (`model_{N}.pt` state dicts, one per layer) are imported with `weights_only=True` and
-ordered by layer number, never as strings.
+ordered by layer number, never as strings; those a checkpoint carries (TurboSparse,
+found by the names its architecture module lists) are copied from it.
 """
 
 from __future__ import annotations
@@ -162,4 +163,35 @@ def import_powerinfer_predictors(src_dir: Path, model_dir: Path) -> Path:
 
         cfg = ModelConfig.from_dir(model_dir)
         predictors.check(cfg.num_layers, cfg.hidden_size, cfg.intermediate_size)
+    return predictors.save(model_dir)
+
+
+def import_checkpoint_predictors(model_dir: Path, config) -> Path | None:
+    """Predictors carried inside the checkpoint -> our sidecar (its path), unless there is
+    one already. None when the architecture or this checkpoint carries none.
+
+    The names come from the architecture module's `PREDICTOR_TENSORS` (engine/arch); every
+    layer must have both, with shapes that fit the model. They are read with the threshold
+    0: TurboSparse fires a neuron when sigmoid(logit) > 0.5, i.e. logit > 0 (equality has
+    measure zero).
+    """
+    from .arch import arch_module
+    from .weights import WeightSource
+
+    names = getattr(arch_module(config.arch), "PREDICTOR_TENSORS", None)
+    if names is None or PredictorSet.exists(model_dir):
+        return None
+    source = WeightSource(model_dir)
+    fc1_name, fc2_name = names
+    layers = range(config.num_layers)
+    present = [source.has(fc1_name.format(i=i)) and source.has(fc2_name.format(i=i)) for i in layers]
+    if not any(present):
+        return None
+    if not all(present):
+        missing = [i for i in layers if not present[i]]
+        raise ModelFormatError(f"the checkpoint carries predictors for some layers only (none for {missing[:8]})")
+    fc1 = [source.get(fc1_name.format(i=i)).float() for i in layers]
+    fc2 = [source.get(fc2_name.format(i=i)).float() for i in layers]
+    predictors = PredictorSet(fc1, fc2, [0.0] * config.num_layers, source="checkpoint")
+    predictors.check(config.num_layers, config.hidden_size, config.intermediate_size)
     return predictors.save(model_dir)

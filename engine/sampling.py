@@ -34,8 +34,11 @@ class SamplingParams:
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, vocab_limit: int | None = None):
         self.params = params
+        # Ids at or past this are rows the tokenizer has no token for (a config vocabulary
+        # padded beyond it, TurboSparse 32064 vs 32002): they are never sampled.
+        self.vocab_limit = vocab_limit
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -44,6 +47,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
         p = self.params
+        if self.vocab_limit is not None:
+            logits = logits[..., : self.vocab_limit]
         logits = logits.float().cpu().clone()  # our own copy: the model's is an inference tensor
         if p.repetition_penalty != 1.0 and history:
             seen = torch.tensor(sorted(set(history)), dtype=torch.long)

@@ -26,7 +26,7 @@ from .kernels import cpu as cpu_kernels
 from .loader import compute_dtype, load_transformer
 from .model import DenseFfn, Transformer
 from .placement import COLD_INT8, ModelBytes, Placement, PlacementProblem, build_problem, solve
-from .predictors import PredictorSet
+from .predictors import PredictorSet, import_checkpoint_predictors
 from .quantized import Int8Matrix
 from .units import format_size
 from .weights import WeightSource
@@ -361,6 +361,7 @@ def _concat_rows(parts: list) -> cpu_kernels.CpuFfnRows:
 def problem_for_model(model_dir: Path, config: ModelConfig, ctx: int, fast: torch.device, cold_quant: str,
                       predictors: PredictorSet | None = None, storage: torch.dtype | None = None) -> PlacementProblem:
     """The placement problem of a model folder, from its config, predictors and statistics."""
+    import_checkpoint_predictors(model_dir, config)  # those a checkpoint carries count too
     if predictors is None and PredictorSet.exists(model_dir):
         predictors = PredictorSet.load(model_dir, config.num_layers, config.hidden_size, config.intermediate_size)
     if ActivationStats.exists(model_dir):
@@ -391,6 +392,7 @@ def build_sparse_engine(engine_cls, model_dir: Path, config: ModelConfig, tokeni
     vram = default_vram if vram_budget is None else vram_budget
     ram = default_ram if ram_budget is None else ram_budget
     predictors = None
+    import_checkpoint_predictors(model_dir, config)  # TurboSparse: the checkpoint's own, once
     if mode != "oracle" or PredictorSet.exists(model_dir):
         predictors = PredictorSet.load(model_dir, config.num_layers, config.hidden_size, config.intermediate_size)
     storage = WeightSource(model_dir).dtype()

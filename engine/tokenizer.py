@@ -1,7 +1,9 @@
 """Tokenizers and chat templates.
 
 `tokenizer.json` goes through the `tokenizers` library, a bare `tokenizer.model`
-through sentencepiece. Chat templates from `tokenizer_config.json` are rendered in a
+through sentencepiece (Bamboo ships only that), with the added tokens of
+`added_tokens.json` / `tokenizer_config.json` (TurboSparse's ChatML markers) and the
+special tokens of `special_tokens_map.json` when `tokenizer_config.json` is missing. Chat templates from `tokenizer_config.json` are rendered in a
 jinja2 sandbox (they are untrusted text from the internet); base models without one
 get a plain User/Assistant template.
 """
@@ -9,6 +11,7 @@ get a plain User/Assistant template.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -38,11 +41,16 @@ class Tokenizer:
     def __init__(self, model_dir: Path):
         model_dir = Path(model_dir)
         config_path = model_dir / "tokenizer_config.json"
-        try:
-            self.config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
-        except (OSError, ValueError) as exc:
-            raise ModelFormatError(f"cannot read {config_path}: {exc}") from None
+        self.config = _read_json(config_path)
+        if not isinstance(self.config, dict):
+            raise ModelFormatError(f"{config_path} is not a JSON object")
+        special_map = _read_json(model_dir / "special_tokens_map.json")
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):  # the config's own win
+            if isinstance(special_map, dict) and self.config.get(key) is None and special_map.get(key) is not None:
+                self.config[key] = special_map[key]
         self._hf = self._sp = None
+        self._added: dict[str, int] = {}  # sentencepiece only: tokens beyond the model's pieces
+        self._added_split = None
         if (model_dir / "tokenizer.json").is_file():
             from tokenizers import Tokenizer as HFTokenizer
 
@@ -58,11 +66,17 @@ class Tokenizer:
                 self._sp.Load(str(model_dir / "tokenizer.model"))
             except (OSError, RuntimeError) as exc:
                 raise ModelFormatError(f"cannot read tokenizer.model: {exc}") from None
+            self._load_added_tokens(model_dir)
         else:
             raise ModelFormatError(f"{model_dir} has neither tokenizer.json nor tokenizer.model")
 
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
+        if self._sp is not None:  # no config naming them: the sentencepiece model's own
+            if self.bos_token is None and self._sp.bos_id() >= 0:
+                self.bos_token = self._sp.IdToPiece(self._sp.bos_id())
+            if self.eos_token is None and self._sp.eos_id() >= 0:
+                self.eos_token = self._sp.IdToPiece(self._sp.eos_id())
         self.add_bos = bool(self.config.get("add_bos_token", self._sp is not None))
         self.bos_id = self.token_id(self.bos_token) if self.bos_token else None
         self.eos_id = self.token_id(self.eos_token) if self.eos_token else None
@@ -80,6 +94,27 @@ class Tokenizer:
         except TemplateError as exc:
             raise ModelFormatError(f"the model's chat template does not parse: {exc}") from None
 
+    def _load_added_tokens(self, model_dir: Path) -> None:
+        """Tokens added beside a sentencepiece model (ids past its pieces, or replacing one)."""
+        added = _read_json(model_dir / "added_tokens.json")
+        decoder = self.config.get("added_tokens_decoder")
+        entries = dict(added) if isinstance(added, dict) else {}
+        if isinstance(decoder, dict):
+            entries.update({v.get("content"): k for k, v in decoder.items() if isinstance(v, dict)})
+        for text, value in entries.items():
+            try:
+                token_id = int(value)
+            except (TypeError, ValueError):
+                raise ModelFormatError(f"added token {text!r} has no integer id ({value!r})") from None
+            if isinstance(text, str) and text and token_id >= 0:
+                if token_id < self._sp.GetPieceSize() and self._sp.IdToPiece(token_id) == text:
+                    continue  # one of the model's own pieces
+                self._added[text] = token_id
+        if self._added:
+            self._added_ids = {i: t for t, i in self._added.items()}
+            pattern = "|".join(re.escape(t) for t in sorted(self._added, key=len, reverse=True))
+            self._added_split = re.compile(f"({pattern})")
+
     def _special_ids(self) -> set[int]:
         ids = {i for i in (self.bos_id, self.eos_id) if i is not None}
         if self._hf is not None:
@@ -88,15 +123,22 @@ class Tokenizer:
                     ids.add(self._hf.token_to_id(token.content))
         elif self._sp is not None:
             ids.update(i for i in range(self._sp.GetPieceSize()) if self._sp.IsControl(i))
+            ids.update(self._added.values())
         return ids
 
     @property
     def vocab_size(self) -> int:
-        return self._hf.get_vocab_size() if self._hf is not None else self._sp.GetPieceSize()
+        """Ids this tokenizer can produce and decode (a model's vocabulary may be larger:
+        rows past this one are padding and are never sampled)."""
+        if self._hf is not None:
+            return self._hf.get_vocab_size()
+        return max([self._sp.GetPieceSize(), *(i + 1 for i in self._added.values())])
 
     def token_id(self, token: str) -> int | None:
         if self._hf is not None:
             return self._hf.token_to_id(token)
+        if token in self._added:
+            return self._added[token]
         pid = self._sp.PieceToId(token)
         return pid if self._sp.IdToPiece(pid) == token else None
 
@@ -105,7 +147,7 @@ class Tokenizer:
             ids = self._hf.encode(text, add_special_tokens=add_special_tokens).ids
             has_bos = bool(ids) and ids[0] == self.bos_id
         else:
-            ids = self._sp.EncodeAsIds(text)
+            ids = self._sp_encode(text)
             has_bos = False
         if add_special_tokens and self.add_bos and self.bos_id is not None and not has_bos:
             ids = [self.bos_id] + ids
@@ -116,7 +158,30 @@ class Tokenizer:
             ids = [i for i in ids if i not in self.special_ids]
         if self._hf is not None:
             return self._hf.decode(ids, skip_special_tokens=False)
-        return self._sp.DecodeIds(list(ids))
+        return self._sp_decode(list(ids))
+
+    def _sp_encode(self, text: str) -> list[int]:
+        if self._added_split is None:
+            return self._sp.EncodeAsIds(text)
+        ids: list[int] = []
+        for part in self._added_split.split(text):  # odd parts are added tokens
+            if part in self._added:
+                ids.append(self._added[part])
+            elif part:
+                ids += self._sp.EncodeAsIds(part)
+        return ids
+
+    def _sp_decode(self, ids: list[int]) -> str:
+        if not self._added:
+            return self._sp.DecodeIds(ids)
+        out, run = [], []
+        for i in ids:
+            if i in self._added_ids:
+                out += [self._sp.DecodeIds(run), self._added_ids[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join(out + [self._sp.DecodeIds(run)])
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         try:
@@ -130,6 +195,16 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         # The template writes BOS itself where the model wants it.
         return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+
+def _read_json(path: Path):
+    """A tokenizer side file: {} when absent, a ModelFormatError when unreadable."""
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelFormatError(f"cannot read {path}: {exc}") from None
 
 
 def _raise_template_error(message: str):

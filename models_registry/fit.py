@@ -54,6 +54,7 @@ class ModelShape:
     # A mixture of experts (SmallThinker): n_ff counts experts of `expert_ff` neurons each,
     # the placed unit; every layer also has a router [n_ff, d]. 0: a dense FFN.
     expert_ff: int = 0
+    max_positions: int | None = None  # the context cap (ModelConfig.context_length)
 
     @property
     def ffn_matrices(self) -> int:
@@ -95,55 +96,23 @@ class ModelShape:
                 + self.n_layers * per_layer)
 
 
-def _first(config: dict, *keys, default=None):
-    for key in keys:
-        if config.get(key) is not None:
-            return config[key]
-    return default
-
-
 def shape_from_config(config: dict, arch: ArchInfo | None = None) -> ModelShape:
-    """Read the memory-relevant numbers (Llama/Mistral/Bamboo or Falcon field names)."""
+    """Read the memory-relevant numbers through the engine's parser (engine.config)."""
     arch = arch or detect_architecture(config)
-    if arch.family == "smallthinker":
-        d, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-        return ModelShape(
-            family="smallthinker", d=d, n_ff=int(config["moe_num_primary_experts"]),
-            n_layers=int(config["num_hidden_layers"]), n_heads=heads,
-            n_kv_heads=int(_first(config, "num_key_value_heads", default=heads)),
-            head_dim=int(_first(config, "head_dim", default=d // heads)), vocab=int(config["vocab_size"]),
-            tied_embeddings=bool(config.get("tie_word_embeddings", True)), gated=True,
-            norm_params_per_layer=2 * d, final_norm_params=d, expert_ff=int(config["moe_ffn_hidden_size"]),
-        )
-    d = int(_first(config, "hidden_size", "n_embd", "d_model"))
-    n_layers = int(_first(config, "num_hidden_layers", "n_layer", "num_layers"))
-    n_heads = int(_first(config, "num_attention_heads", "n_head"))
-    vocab = int(config["vocab_size"])
-    head_dim = int(_first(config, "head_dim", default=d // n_heads))
-    if arch.family == "falcon":
-        new_arch = bool(config.get("new_decoder_architecture"))
-        if new_arch:
-            n_kv = int(_first(config, "num_kv_heads", "n_head_kv", default=n_heads))
-        else:
-            n_kv = 1 if config.get("multi_query", True) else n_heads
-        parallel = bool(config.get("parallel_attn", True)) or new_arch
-        n_ln = int(_first(config, "num_ln_in_parallel_attn", default=2 if new_arch else 1)) if parallel else 2
-        norms = 2 * d * (1 if n_ln == 1 else 2)  # LayerNorm: weight + bias
-        n_ff = int(_first(config, "ffn_hidden_size", default=4 * d))
-        return ModelShape(
-            family="falcon", d=d, n_ff=n_ff, n_layers=n_layers, n_heads=n_heads,
-            n_kv_heads=n_kv, head_dim=head_dim, vocab=vocab,
-            tied_embeddings=bool(config.get("tie_word_embeddings", True)), gated=False,
-            attn_bias=bool(config.get("bias", False)), norm_params_per_layer=norms,
-            final_norm_params=2 * d,
-        )
+    cfg = arch.config or detect_architecture(config).config
+    d = cfg.hidden_size
+    if cfg.family == "falcon":
+        parallel_lns = cfg.num_ln_in_parallel_attn if cfg.parallel_attn else 2
+        norms = 2 * d * (1 if parallel_lns == 1 else 2)  # LayerNorm: weight + bias
+        final_norm = 2 * d
+    else:
+        norms, final_norm = 2 * d, d
     return ModelShape(
-        family="llama", d=d, n_ff=int(config["intermediate_size"]), n_layers=n_layers,
-        n_heads=n_heads, n_kv_heads=int(_first(config, "num_key_value_heads", default=n_heads)),
-        head_dim=head_dim, vocab=vocab,
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)), gated=True,
-        attn_bias=bool(config.get("attention_bias", False)), norm_params_per_layer=2 * d,
-        final_norm_params=d,
+        family=cfg.family, d=d, n_ff=cfg.n_ff, n_layers=cfg.num_layers, n_heads=cfg.num_heads,
+        n_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab=cfg.vocab_size,
+        tied_embeddings=cfg.tie_word_embeddings, gated=cfg.gated, attn_bias=cfg.attention_bias,
+        norm_params_per_layer=norms, final_norm_params=final_norm, max_positions=cfg.max_positions,
+        expert_ff=cfg.intermediate_size if cfg.num_experts else 0,
     )
 
 
@@ -249,6 +218,8 @@ def place_bytes(shape: ModelShape, *, ctx: int, vram_budget: int, ram_budget: in
     """Where the engine's own placement rules (engine.placement) put one shape's bytes."""
     if ctx <= 0:
         raise ValueError("ctx must be positive")
+    if shape.max_positions:  # the engine's cap (ModelConfig.context_length): no longer than trained
+        ctx = min(ctx, shape.max_positions)
     bm = bytes_model
     if shape.expert_ff:  # the router chooses the experts: no predictors
         predictor_params = [0] * shape.n_layers

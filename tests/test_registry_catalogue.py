@@ -50,6 +50,11 @@ def test_catalogue_shapes_are_supported_and_agree_with_the_listed_size():
         assert entry.size_bytes == 2 * shape_from_config(entry.config, arch).total_params
 
 
+# The sizes every config needs (the registry reads them with the engine's parser).
+SIZES = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "vocab_size": 300}
+
+
 @pytest.mark.parametrize("config, family, activation", [
     ({"model_type": "llama", "hidden_act": "relu"}, "llama", "relu"),
     ({"model_type": "llama", "hidden_act": "fatrelu"}, "llama", "fatrelu"),
@@ -59,7 +64,7 @@ def test_catalogue_shapes_are_supported_and_agree_with_the_listed_size():
     ({"model_type": "RefinedWeb", "hidden_act": "relu"}, "falcon", "relu"),
 ])
 def test_supported_architectures(config, family, activation):
-    arch = detect_architecture(config)
+    arch = detect_architecture({**SIZES, **config})
     assert (arch.family, arch.activation, arch.gated) == (family, activation, family == "llama")
 
 
@@ -77,4 +82,4 @@ def test_unsupported_architectures_are_refused_naming_what_is_supported(config):
 
 
 def test_falcon_without_activation_field_is_accepted_when_the_catalogue_says_relu():
-    assert detect_architecture({"model_type": "falcon"}, known_activation="relu").activation == "relu"
+    assert detect_architecture({**SIZES, "model_type": "falcon"}, known_activation="relu").activation == "relu"

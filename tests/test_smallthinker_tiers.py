@@ -201,3 +201,11 @@ def test_place_cli_reports_experts_per_tier(model, capsys):
     assert main(["place", "--model", str(model), "--vram-budget", str(vram), "--ram-budget", "1GiB",
                  "--device", "cpu", "--ctx", "512"]) == 0
     assert "experts" in capsys.readouterr().out
+
+
+def test_train_predictors_explains_a_mixture_needs_none(model):
+    from engine.errors import UserError
+    from engine.predictor_training import train_predictors
+
+    with pytest.raises(UserError, match="mixture of experts"):
+        train_predictors(model)

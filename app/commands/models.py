@@ -226,7 +226,7 @@ def cmd_fit(args) -> int:
     if args.json:
         print(json.dumps(dict(est.to_dict(), model=args.model), indent=2))
         return 0
-    print(f"{args.model} at ctx {args.ctx}: {est.verdict} ({est.reason})")
+    print(f"{args.model} at ctx {est.ctx}: {est.verdict} ({est.reason})")
     print(f"  budgets: VRAM {format_size(est.vram_budget)}, RAM {format_size(est.ram_budget)}; suggested for "
           f"this machine: VRAM {format_size(est.suggested_vram_budget or 0)}, "
           f"RAM {format_size(est.suggested_ram_budget or 0)}")

@@ -14,7 +14,8 @@ def register(subparsers) -> None:
     parser.add_argument("--model", default="demo")
     parser.add_argument("--vram-budget", type=size_arg, required=True, metavar="SIZE")
     parser.add_argument("--ram-budget", type=size_arg, required=True, metavar="SIZE")
-    parser.add_argument("--ctx", type=int, default=2048)
+    parser.add_argument("--ctx", type=int, default=None,
+                        help="context length (default: the engine's, capped at the model's positions)")
     parser.add_argument("--device", default=None, help="fast device (default: cuda:0 if present, else the CPU)")
     parser.add_argument("--cpu-weights", default="int8", choices=("int8", "fp32"))
     parser.add_argument("--json", action="store_true")
@@ -30,7 +31,7 @@ def run(args) -> int:
     model_dir = resolve_model_dir(args.model)
     config = ModelConfig.from_dir(model_dir)
     fast = pick_fast_device(args.device)
-    problem = problem_for_model(model_dir, config, args.ctx, fast, args.cpu_weights)
+    problem = problem_for_model(model_dir, config, config.context_length(args.ctx), fast, args.cpu_weights)
     plan = solve(problem, args.vram_budget, args.ram_budget)
     summary = plan.summary()
     summary["min_ram_bytes_at_full_vram"] = solve(problem, 1 << 62, 1 << 62).ram_bytes

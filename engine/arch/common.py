@@ -1,4 +1,5 @@
-"""What the per-family loaders share: tensor conversion and the FFN row layout."""
+"""What the per-architecture loaders share (torch): tensor conversion, the FFN row layout,
+and the loader of the Llama layout, which several architecture modules name."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
-from ..model import DenseFfn
+from ..model import DenseFfn, Layer, Norm
 from ..weights import WeightSource
 
 
@@ -40,14 +41,15 @@ class Converter:
             offset += p.shape[0]
         return out
 
-    def output_head(self, embed: torch.Tensor, cpu: Placement, head: Placement) -> torch.Tensor:
-        """The output head: its own tensor, or the embeddings when tied (shared where the
-        two tiers agree in device and dtype)."""
+    def output_head(self, embed: torch.Tensor, cpu: Placement, head: Placement,
+                    name: str = "lm_head.weight") -> torch.Tensor:
+        """The output head: its own tensor, or the embeddings when tied or when the
+        checkpoint has no head (shared where the two tiers agree in device and dtype)."""
         cfg = self.config
-        if cfg.tie_word_embeddings or not self.source.has("lm_head.weight"):
+        if cfg.tie_word_embeddings or not self.source.has(name):
             same = head.device == cpu.device and head.dtype == cpu.dtype
             return embed if same else embed.to(head.device, head.dtype)
-        return self.get("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), head)
+        return self.get(name, (cfg.vocab_size, cfg.hidden_size), head)
 
     def ffn(self, gate_name: str | None, up_name: str, down_name: str, where: Placement,
             up_bias_name: str | None = None, down_bias_name: str | None = None) -> DenseFfn:
@@ -61,3 +63,46 @@ class Converter:
         down_bias = self.maybe(down_bias_name, (d,), where) if down_bias_name else None
         return DenseFfn(gate_up, down_t, gate_name is not None, cfg.activation, cfg.activation_threshold,
                         up_bias, down_bias)
+
+
+def load_gated_globals(conv: Converter, names, cpu: Placement, head: Placement):
+    """Embeddings (on the CPU), final RMSNorm and output head of a Llama-layout checkpoint;
+    `names` is an engine.arch.llama.GatedTensors."""
+    cfg = conv.config
+    d, vocab = cfg.hidden_size, cfg.vocab_size
+    embed = conv.get(names.embed, (vocab, d), cpu)
+    norm = Norm(conv.get(names.final_norm, (d,), head), None, cfg.norm_eps)
+    return embed, norm, conv.output_head(embed, cpu, head, names.lm_head)
+
+
+def load_gated_layer(conv: Converter, names, i: int, where: Placement, ffn_where: Placement | None = None) -> Layer:
+    """One Llama-layout layer: separate q/k/v/o projections (optional biases), two RMSNorms,
+    a gated FFN."""
+    cfg = conv.config
+    d, hd = cfg.hidden_size, cfg.head_dim
+    p = names.layer.format(i=i)
+    q_rows, kv_rows = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    src = conv.source
+    qkv = conv.stack_rows([
+        src.get(p + names.q + ".weight", (q_rows, d)),
+        src.get(p + names.k + ".weight", (kv_rows, d)),
+        src.get(p + names.v + ".weight", (kv_rows, d)),
+    ], where)
+    qkv_bias = None
+    if src.has(p + names.q + ".bias"):
+        qkv_bias = torch.cat([
+            conv.get(p + names.q + ".bias", (q_rows,), where),
+            conv.get(p + names.k + ".bias", (kv_rows,), where),
+            conv.get(p + names.v + ".bias", (kv_rows,), where),
+        ])
+    return Layer(
+        attn_norm=Norm(conv.get(p + names.attn_norm, (d,), where), None, cfg.norm_eps),
+        mlp_norm=Norm(conv.get(p + names.mlp_norm, (d,), where), None, cfg.norm_eps),
+        qkv=qkv,
+        qkv_bias=qkv_bias,
+        out=conv.get(p + names.o + ".weight", (d, q_rows), where),
+        out_bias=conv.maybe(p + names.o + ".bias", (d,), where),
+        ffn=conv.ffn(p + names.gate, p + names.up, p + names.down, ffn_where or where),
+        parallel=False,
+        device=where.device,
+    )

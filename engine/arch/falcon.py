@@ -1,20 +1,77 @@
-"""Falcon checkpoints (`transformer.h.{i}.*`): fused QKV in three layouts, ungated ReLU MLP."""
+"""Falcon checkpoints (`transformer.h.{i}.*`): fused QKV in three layouts, ungated ReLU MLP.
+
+Torch-free at import (the registry parses configs through `parse`); the loaders import
+torch inside.
+"""
 
 from __future__ import annotations
 
-import torch
+from ..config import ConfigFields, ModelConfig
+from ..errors import ModelFormatError
 
-from ..model import Layer, Norm
-from .common import Converter, Placement
+NAME = "Falcon"
+ARCHITECTURES = ("FalconForCausalLM", "RWForCausalLM")
+MODEL_TYPES = ("falcon", "refinedweb", "refinedwebmodel")
 
 
-def _layer_norm(conv: Converter, prefix: str, where: Placement) -> Norm:
+def parse(read: ConfigFields, activation_hint: str | None = None) -> ModelConfig:
+    # Falcon's default is GELU: a config without an activation key is refused unless
+    # the catalogue says what its model uses.
+    activation = read.activation("activation", "hidden_act", default="gelu", hint=activation_hint)
+    hidden = read.int("hidden_size", "n_embed")
+    heads = read.int("num_attention_heads", "n_head")
+    if hidden % heads:
+        raise read._bad("hidden_size", hidden, f"a multiple of num_attention_heads ({heads})")
+    if read.bool("alibi", False):
+        raise ModelFormatError("Falcon with ALiBi positions is not supported; only rotary Falcon models are")
+    new_arch = read.bool("new_decoder_architecture", False)
+    if new_arch:
+        kv_heads, layout = read.int("num_kv_heads", "n_head_kv", default=heads), "falcon_grouped"
+    elif read.bool("multi_query", True):
+        kv_heads, layout = 1, "falcon_mq"
+    else:
+        kv_heads, layout = heads, "falcon_interleaved"
+    parallel = read.bool("parallel_attn", True) or new_arch
+    n_ln = read.int("num_ln_in_parallel_attn", default=2 if new_arch else 1)
+    max_pos = read.int("max_position_embeddings", default=2048)
+    bias = read.bool("bias", False)
+    return ModelConfig(
+        family="falcon",
+        arch="falcon",
+        model_type="falcon",
+        hidden_size=hidden,
+        intermediate_size=read.int("ffn_hidden_size", default=4 * hidden),
+        num_layers=read.int("num_hidden_layers", "n_layer"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=hidden // heads,
+        vocab_size=read.int("vocab_size"),
+        activation=activation,
+        gated=False,
+        norm_eps=read.float("layer_norm_epsilon", default=1e-5, positive=True),
+        norm_kind="layer",
+        tie_word_embeddings=read.bool("tie_word_embeddings", True),
+        max_positions=max_pos,
+        rope=read.rope(max_pos),
+        attention_bias=bias,
+        mlp_bias=bias,
+        parallel_attn=parallel,
+        num_ln_in_parallel_attn=n_ln if parallel else 1,
+        qkv_layout=layout,
+        bos_token_id=read.token_id("bos_token_id"),
+        eos_token_ids=read.eos_ids(),
+    )
+
+
+def _layer_norm(conv, prefix: str, where):
+    from ..model import Norm
+
     d = conv.config.hidden_size
     return Norm(conv.get(prefix + ".weight", (d,), where), conv.get(prefix + ".bias", (d,), where),
                 conv.config.norm_eps)
 
 
-def _split_qkv(fused: torch.Tensor, layout: str, heads: int, kv_heads: int, hd: int):
+def _split_qkv(fused, layout: str, heads: int, kv_heads: int, hd: int):
     """Falcon's fused rows -> (q, k, v) row blocks in head order."""
     rest = fused.shape[1:]
     if layout == "falcon_grouped":  # [kv_groups, heads/kv + 2, hd]: queries of a group, then its k, v
@@ -27,7 +84,7 @@ def _split_qkv(fused: torch.Tensor, layout: str, heads: int, kv_heads: int, hd: 
     return g[:, 0].reshape(heads * hd, *rest), g[:, 1].reshape(heads * hd, *rest), g[:, 2].reshape(heads * hd, *rest)
 
 
-def load_globals(conv: Converter, cpu: Placement, head: Placement):
+def load_globals(conv, cpu, head):
     cfg = conv.config
     d, vocab = cfg.hidden_size, cfg.vocab_size
     embed = conv.get("transformer.word_embeddings.weight", (vocab, d), cpu)
@@ -35,7 +92,11 @@ def load_globals(conv: Converter, cpu: Placement, head: Placement):
     return embed, norm, conv.output_head(embed, cpu, head)
 
 
-def load_layer(conv: Converter, i: int, where: Placement, ffn_where: Placement | None = None) -> Layer:
+def load_layer(conv, i: int, where, ffn_where=None):
+    import torch
+
+    from ..model import Layer
+
     cfg = conv.config
     d, hd, heads, kv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     p = f"transformer.h.{i}."

@@ -16,87 +16,82 @@ Config parsing is torch-free; the loaders import torch when called.
 
 from __future__ import annotations
 
-from ..config import ModelConfig, RopeConfig
+from ..config import ConfigFields, ModelConfig
 from ..errors import ModelFormatError
+from .llama import GatedTensors
 
 NAME = "SmallThinker"
 ARCHITECTURES = ("SmallThinkerForCausalLM",)
 MODEL_TYPES = ("smallthinker",)
 
-# Tensor names ("{i}" = layer, "{e}" = expert).
+# Attention, norms, embeddings: the Llama names. The MoE ("{i}" = layer, "{e}" = expert):
+TENSORS = GatedTensors(gate="", up="", down="")
 ROUTER = "model.layers.{i}.block_sparse_moe.primary_router.weight"
 EXPERT = "model.layers.{i}.block_sparse_moe.experts.{e}.{part}.weight"  # part: gate | up | down
 
 
-def _layout(raw: dict, key: str, layers: int, default: int) -> tuple[bool, ...]:
-    values = raw.get(key)
+def _layout(read: ConfigFields, key: str, layers: int, default: int) -> tuple[bool, ...]:
+    values = read.raw.get(key)
     if values is None:
         return tuple(bool(default) for _ in range(layers))
-    if not isinstance(values, list) or len(values) != layers or any(v not in (0, 1) for v in values):
+    if not isinstance(values, list) or len(values) != layers \
+            or any(isinstance(v, bool) or v not in (0, 1) for v in values):
         raise ModelFormatError(f"config.json: {key} must be a list of {layers} zeros and ones (one per layer)")
     return tuple(bool(v) for v in values)
 
 
-def _positive_int(raw: dict, key: str, default=None) -> int:
-    value = raw.get(key, default)
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ModelFormatError(f"config.json of this SmallThinker model: {key} must be an integer >= 1, not {value!r}")
-    return value
-
-
-def parse_raw(raw: dict, rope: RopeConfig, eos_ids: tuple[int, ...]) -> ModelConfig:
-    """config.json (a dict) -> ModelConfig; `rope` and `eos_ids` read by the shared parser."""
-    hidden = _positive_int(raw, "hidden_size")
-    heads = _positive_int(raw, "num_attention_heads")
-    layers = _positive_int(raw, "num_hidden_layers")
-    experts = _positive_int(raw, "moe_num_primary_experts")
-    active = _positive_int(raw, "moe_num_active_primary_experts")
+def parse(read: ConfigFields, activation_hint: str | None = None) -> ModelConfig:
+    """config.json -> ModelConfig (torch-free). The experts are ReGLU whatever the config
+    says: the modeling code hard-codes relu on the gate."""
+    hidden = read.int("hidden_size")
+    heads = read.int("num_attention_heads")
+    layers = read.int("num_hidden_layers")
+    experts = read.int("moe_num_primary_experts")
+    active = read.int("moe_num_active_primary_experts")
     if active > experts:
         raise ModelFormatError(f"config.json: {active} active experts out of {experts}")
-    windows = _layout(raw, "sliding_window_layout", layers, 0)
-    window = _positive_int(raw, "sliding_window_size", 4096) if any(windows) else None
-    if raw.get("moe_num_shared_experts") or raw.get("moe_num_secondary_experts"):
+    if read.raw.get("moe_num_shared_experts") or read.raw.get("moe_num_secondary_experts"):
         raise ModelFormatError("SmallThinker with shared or secondary experts is not supported")
+    head_dim = read.int("head_dim", default=0, minimum=0) or hidden // heads
+    if head_dim == 0:
+        raise read._bad("hidden_size", hidden, f"a multiple of num_attention_heads ({heads})")
+    windows = _layout(read, "sliding_window_layout", layers, 0)
+    max_pos = read.int("max_position_embeddings", default=4096)
     return ModelConfig(
         family="smallthinker",
+        arch="smallthinker",
         model_type="smallthinker",
         hidden_size=hidden,
-        intermediate_size=_positive_int(raw, "moe_ffn_hidden_size"),
+        intermediate_size=read.int("moe_ffn_hidden_size"),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=_positive_int(raw, "num_key_value_heads", heads),
-        head_dim=_positive_int(raw, "head_dim", hidden // heads),
-        vocab_size=_positive_int(raw, "vocab_size"),
+        num_kv_heads=read.int("num_key_value_heads", default=heads),
+        head_dim=head_dim,
+        vocab_size=read.int("vocab_size"),
         activation="relu",  # ReGLU: relu on the gate, times up
         gated=True,
-        norm_eps=float(raw.get("rms_norm_eps") or 1e-6),
+        norm_eps=read.float("rms_norm_eps", default=1e-6, positive=True),
         norm_kind="rms",
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
-        max_positions=_positive_int(raw, "max_position_embeddings", 4096),
+        tie_word_embeddings=read.bool("tie_word_embeddings", True),
+        max_positions=max_pos,
         sliding_window=None,  # per layer (window_layers); the cache keeps every position
-        rope=rope,
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=eos_ids,
+        rope=read.rope(max_pos),
+        bos_token_id=read.token_id("bos_token_id"),
+        eos_token_ids=read.eos_ids(),
         num_experts=experts,
         experts_per_token=active,
-        router_softmax=bool(raw.get("moe_primary_router_apply_softmax", False)),
-        rope_layers=_layout(raw, "rope_layout", layers, 1),
+        router_softmax=read.bool("moe_primary_router_apply_softmax", False),
+        rope_layers=_layout(read, "rope_layout", layers, 1),
         window_layers=windows,
-        layer_window=window,
+        layer_window=read.int("sliding_window_size", default=4096) if any(windows) else None,
     )
 
 
 # ------------------------------------------------------------------------ tensors
 def load_globals(conv, cpu, head):
-    cfg = conv.config
-    d, vocab = cfg.hidden_size, cfg.vocab_size
-    from ..model import Norm
+    from .common import load_gated_globals
 
-    embed = conv.get("model.embed_tokens.weight", (vocab, d), cpu)
-    norm = Norm(conv.get("model.norm.weight", (d,), head), None, cfg.norm_eps)
-    return embed, norm, conv.output_head(embed, cpu, head)
+    return load_gated_globals(conv, TENSORS, cpu, head)
 
 
 def load_experts(conv, i: int, where):
@@ -121,19 +116,20 @@ def load_layer(conv, i: int, where, ffn_where=None):
     cfg = conv.config
     d, hd = cfg.hidden_size, cfg.head_dim
     q_rows, kv_rows = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    p = f"model.layers.{i}."
+    names = TENSORS
+    p = names.layer.format(i=i)
     src = conv.source
     qkv = conv.stack_rows([
-        src.get(p + "self_attn.q_proj.weight", (q_rows, d)),
-        src.get(p + "self_attn.k_proj.weight", (kv_rows, d)),
-        src.get(p + "self_attn.v_proj.weight", (kv_rows, d)),
+        src.get(p + names.q + ".weight", (q_rows, d)),
+        src.get(p + names.k + ".weight", (kv_rows, d)),
+        src.get(p + names.v + ".weight", (kv_rows, d)),
     ], where)
     return Layer(
-        attn_norm=Norm(conv.get(p + "input_layernorm.weight", (d,), where), None, cfg.norm_eps),
-        mlp_norm=Norm(conv.get(p + "post_attention_layernorm.weight", (d,), where), None, cfg.norm_eps),
+        attn_norm=Norm(conv.get(p + names.attn_norm, (d,), where), None, cfg.norm_eps),
+        mlp_norm=Norm(conv.get(p + names.mlp_norm, (d,), where), None, cfg.norm_eps),
         qkv=qkv,
         qkv_bias=None,
-        out=conv.get(p + "self_attn.o_proj.weight", (d, q_rows), where),
+        out=conv.get(p + names.o + ".weight", (d, q_rows), where),
         out_bias=None,
         ffn=DenseMoe(*load_experts(conv, i, ffn_where or where)),
         parallel=False,
