@@ -209,3 +209,20 @@ def test_train_predictors_explains_a_mixture_needs_none(model):
 
     with pytest.raises(UserError, match="mixture of experts"):
         train_predictors(model)
+
+
+def test_eval_of_a_mixture_scores_sparse_as_dense_and_counts_experts(model, tmp_path, one_torch_thread):
+    """No predictors: the router's choice is the sparse set; with fp32 CPU rows the sparse
+    and oracle perplexities equal the dense one, and sparsity is 1 - k/E per layer."""
+    from model_factory import WORDS
+
+    from engine.evaluation import EvalSettings, evaluate
+
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text(" ".join(WORDS[::-1] * 3))
+    engine = Engine.load(model, mode="sparse", ram_budget=BIG, cold_quant="fp32", ctx=64)
+    report = evaluate(engine, [heldout], EvalSettings(max_tokens=80, window=32))
+    assert report["predictor_source"] == "router"
+    assert report["ppl_sparse"] == pytest.approx(report["ppl_dense"], rel=1e-5)
+    assert report["ppl_oracle"] == pytest.approx(report["ppl_dense"], rel=1e-5)
+    assert report["sparsity"] == pytest.approx(1 - 2 / 8) and report["recall"] == 1.0
