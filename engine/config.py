@@ -22,7 +22,8 @@ from .errors import ModelFormatError, UserError
 
 SUPPORTED = (
     "Llama with ReLU/FATReLU/ReLU² (ReluLLaMA, ProSparse), MiniCPM with FATReLU (MiniCPM-S), "
-    "Mistral/Bamboo with dReLU (Bamboo, TurboSparse), Falcon with ReLU (ReluFalcon)"
+    "Mistral/Bamboo with dReLU (Bamboo, TurboSparse), Falcon with ReLU (ReluFalcon), "
+    "SmallThinker mixtures of ReGLU experts"
 )
 
 # Context length when none is asked for: short enough to keep the KV cache small, and never
@@ -89,10 +90,26 @@ class ModelConfig:
     embedding_scale: float = 1.0
     residual_scale: float = 1.0
     logit_scale: float = 1.0
+    # Mixture of experts (SmallThinker): `num_experts` ReGLU experts of `intermediate_size`
+    # neurons each, `experts_per_token` chosen by a router; 0 experts means a dense FFN.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    router_softmax: bool = False  # softmax over the chosen logits, else sigmoid renormalised
+    # Per-layer attention layouts (SmallThinker's rope_layout / sliding_window_layout):
+    # () = every layer alike (RoPE, and `sliding_window` for all). `window_layers[i]` True:
+    # layer i attends over the last `layer_window` positions only.
+    rope_layers: tuple[bool, ...] = ()
+    window_layers: tuple[bool, ...] = ()
+    layer_window: int | None = None
 
     @property
     def n_ff(self) -> int:
-        return self.intermediate_size
+        """Units per layer that are profiled and placed: FFN neurons, or experts of a mixture."""
+        return self.num_experts or self.intermediate_size
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def context_length(self, requested: int | None = None) -> int:
         """The context the engine allocates, and `place`/`models fit` count: the requested

@@ -82,11 +82,15 @@ def evaluate(engine, corpus: list[str | Path] | None = None, settings: EvalSetti
     windows = corpus_windows(engine.tokenizer, text, min(settings.window, engine.ctx),
                              settings.max_tokens)
     predictors = engine.sparse.predictors  # as the engine runs them (int8 on an int8 CPU tier)
-    if predictors is None:
+    if predictors is None and not engine.config.is_moe:
         predictors = PredictorSet.load(model_dir)
     tallies = [_LayerTally() for _ in range(engine.config.num_layers)]
 
     def observe(layer: int, pred_input: torch.Tensor, act: torch.Tensor) -> None:
+        if predictors is None:  # a mixture of experts: the router chooses, exactly (act = experts)
+            fired = (act != 0).cpu()
+            tallies[layer].add(fired, fired)
+            return
         logits = predictors.logits(layer, pred_input.to(predictors.fc1[layer].device))
         tallies[layer].add((logits >= predictors.thresholds[layer]).cpu(), (act != 0).cpu())
 
@@ -108,7 +112,7 @@ def evaluate(engine, corpus: list[str | Path] | None = None, settings: EvalSetti
                 progress((i + 1) / len(windows), f"{scored} tokens scored")
     finally:
         engine.model.ffn_observer = previous
-    per_layer = [{"layer": i, "threshold": float(predictors.thresholds[i]), **t.figures()}
+    per_layer = [{"layer": i, "threshold": float(predictors.thresholds[i]) if predictors else 0.0, **t.figures()}
                  for i, t in enumerate(tallies)]
     mean = lambda key: sum(layer[key] for layer in per_layer) / len(per_layer)  # noqa: E731
     ppl = {m: math.exp(nll[m] / scored) for m in MODES}
@@ -125,7 +129,7 @@ def evaluate(engine, corpus: list[str | Path] | None = None, settings: EvalSetti
         "recall": mean("recall"),
         "precision": mean("precision"),
         "predicted_sparsity": mean("predicted_sparsity"),
-        "predictor_source": predictors.source,
+        "predictor_source": predictors.source if predictors else "router",
         "cpu_weights": engine.sparse.cold_quant,
         "per_layer": per_layer,
     }

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from .config import ModelConfig
 from .kernels import cpu as cpu_kernels
 from .kv_cache import KVCache
+from .moe import route
 from .quantized import Int8Matrix, matrix_nbytes
 from .rope import RotaryTable, apply_rotary
 
@@ -143,6 +144,11 @@ class Layer:
     ffn: object            # DenseFfn or a sparse FFN with the same call signature
     parallel: bool         # Falcon: attention and MLP both read the layer input
     device: torch.device
+    # Mixture of experts (engine/moe.py): the router reads the layer input before attention,
+    # and `ffn` then takes the routing in place of the predictor input.
+    router: torch.Tensor | Int8Matrix | None = None
+    rope: bool = True          # False: this layer's attention has no positions (NoPE)
+    window: int | None = None  # attend over the last `window` positions only
 
     @property
     def dtype(self) -> torch.dtype:
@@ -153,7 +159,7 @@ class Layer:
     def dense_nbytes(self) -> int:
         """Bytes of everything but the FFN rows."""
         norms = self.attn_norm.nbytes + (self.mlp_norm.nbytes if self.mlp_norm else 0)
-        return norms + _nbytes(self.qkv, self.qkv_bias, self.out, self.out_bias)
+        return norms + _nbytes(self.qkv, self.qkv_bias, self.out, self.out_bias, self.router)
 
 
 class Transformer:
@@ -190,10 +196,16 @@ class Transformer:
         if self.embedding_scale is not None:
             x = x * self.embedding_scale
         mask = cache.mask(start, count)
+        window_masks: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.layers):
             if x.device != layer.device or x.dtype != layer.dtype:  # the hidden state crosses tiers
                 x = x.to(layer.device, layer.dtype)
-            x = self._layer(index, layer, x, start, cache, mask)
+            layer_mask = mask
+            if layer.window is not None:  # a windowed layer among full ones (SmallThinker)
+                if layer.window not in window_masks:
+                    window_masks[layer.window] = _window_mask(cache, start, count, layer.window)
+                layer_mask = window_masks[layer.window]
+            x = self._layer(index, layer, x, start, cache, layer_mask)
         if not all_logits:
             x = x[-1:]
         x = self.final_norm(x.to(self.final_norm.weight.device, self.final_norm.weight.dtype))
@@ -203,6 +215,13 @@ class Transformer:
 
     def _layer(self, index: int, layer: Layer, x: torch.Tensor, start: int, cache: KVCache,
                mask: torch.Tensor | None) -> torch.Tensor:
+        routing = None
+        if layer.router is not None:  # the experts are known before attention runs
+            cfg = self.config
+            routing = route(layer.router, x, cfg.experts_per_token, cfg.router_softmax)
+            before_attention = getattr(layer.ffn, "before_attention", None)
+            if before_attention is not None:  # where cold experts beyond RAM would start loading
+                before_attention(routing)
         h_attn = layer.attn_norm(x)
         attn = self._attention(index, layer, h_attn, start, cache, mask)
         scale = self.residual_scale
@@ -210,7 +229,7 @@ class Transformer:
             h_mlp = layer.mlp_norm(x) if layer.mlp_norm is not None else h_attn
             return x + attn + layer.ffn(h_mlp, x, index, self.ffn_observer)
         h = x + (attn if scale is None else attn * scale)
-        ffn = layer.ffn(layer.mlp_norm(h), h, index, self.ffn_observer)
+        ffn = layer.ffn(layer.mlp_norm(h), h if routing is None else routing, index, self.ffn_observer)
         return h + (ffn if scale is None else ffn * scale)
 
     def _attention(self, index: int, layer: Layer, x: torch.Tensor, start: int, cache: KVCache,
@@ -221,9 +240,10 @@ class Transformer:
         q = qkv[:, : self.q_size].view(count, cfg.num_heads, cfg.head_dim).transpose(0, 1)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(count, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
         v = qkv[:, self.q_size + self.kv_size :].view(count, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
-        cos, sin = self.rotary[layer.device].at(start, count)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        if layer.rope:
+            cos, sin = self.rotary[layer.device].at(start, count)
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
         cache.write(index, k, v, start)
         keys, values = cache.keys_values(index, start + count)
         if count == 1 and mask is None:
@@ -240,3 +260,11 @@ class Transformer:
             )[0]
             out = out.transpose(0, 1).reshape(count, self.q_size)
         return linear(out, layer.out, layer.out_bias)
+
+
+def _window_mask(cache: KVCache, start: int, count: int, window: int) -> torch.Tensor:
+    """[count, keys] mask of a windowed layer in a cache shared with full-attention layers
+    (which never rolls): each query sees itself and the window - 1 positions before it."""
+    query_pos = torch.arange(start, start + count)[:, None]
+    key_pos = torch.arange(start + count)[None, :]
+    return (key_pos <= query_pos) & (key_pos > query_pos - window)

@@ -38,6 +38,7 @@ class PlacementProblem:
     head_cpu: int     # ... on the CPU (0 extra for the head when tied to the embeddings)
     embed_cpu: int    # token embeddings always stay on the CPU (a lookup)
     fast_device: str = "cuda:0"
+    unit: str = "neurons"  # what is placed: FFN neurons, or whole experts of a mixture (engine/moe_tiers.py)
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,16 @@ class ModelBytes:
     kv_per_position: int   # per layer: 2 (k, v) * kv_heads * head_dim
     ffn_matrices: int      # rows per neuron: gate, up, down (3) or up, down (2)
     tied_embeddings: bool
+    unit: str = "neurons"  # "experts": one placed unit is a whole expert (ffn_matrices rows)
+    # A tied head gets its own int8 copy on an int8 CPU tier (the embeddings stay fp32 for the
+    # lookup): a quarter of the bytes per token. A mixture reads few FFN bytes per token,
+    # so there the fp32 head would be most of them.
+    int8_head_copy: bool = False
 
     @classmethod
     def from_config(cls, config: ModelConfig) -> "ModelBytes":
+        if config.num_experts:
+            return cls.for_experts(config)
         d, hd = config.hidden_size, config.head_dim
         layer_norm = config.norm_kind == "layer"  # LayerNorm has a bias
         one_norm = config.parallel_attn and config.num_ln_in_parallel_attn == 1
@@ -73,6 +81,25 @@ class ModelBytes:
             kv_per_position=2 * config.num_kv_heads * hd,
             ffn_matrices=3 if config.gated else 2,
             tied_embeddings=config.tie_word_embeddings,
+        )
+
+    @classmethod
+    def for_experts(cls, config: ModelConfig) -> "ModelBytes":
+        """A mixture of experts placed expert by expert: the unit is one expert (its gate,
+        up and down rows, 3 x moe_ffn rows of d), and the router [E, d] is a dense matrix
+        of the layer like attention (it reads the layer input, on the layer's device)."""
+        d, hd, experts = config.hidden_size, config.head_dim, config.num_experts
+        q_kv_rows = (config.num_heads + 2 * config.num_kv_heads) * hd
+        return cls(
+            d=d, n_ff=experts, n_layers=config.num_layers, vocab=config.vocab_size,
+            attention_params=q_kv_rows * d + d * config.num_heads * hd + experts * d,
+            attention_rows=q_kv_rows + d + experts, attention_bias_params=0,
+            norm_params=2 * d, final_norm_params=d,
+            kv_per_position=2 * config.num_kv_heads * hd,
+            ffn_matrices=3 * config.intermediate_size,
+            tied_embeddings=config.tie_word_embeddings,
+            unit="experts",
+            int8_head_copy=config.tie_word_embeddings,
         )
 
 
@@ -116,7 +143,8 @@ def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: l
         layers.append(LayerCost(dense * fast_weight_bytes, dense_cpu, kv * fast_kv_bytes, kv * CPU_BYTES))
     rows = model.ffn_matrices
     head = model.vocab * model.d
-    head_cpu = 0 if model.tied_embeddings else cpu_matrix_bytes(head, model.vocab, cold_quant)
+    shares_embeddings = model.tied_embeddings and not (model.int8_head_copy and cold_quant == COLD_INT8)
+    head_cpu = 0 if shares_embeddings else cpu_matrix_bytes(head, model.vocab, cold_quant)
     return PlacementProblem(
         layers=layers,
         frequencies=frequencies,
@@ -126,6 +154,7 @@ def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: l
         head_cpu=model.final_norm_params * CPU_BYTES + head_cpu,
         embed_cpu=head * CPU_BYTES,
         fast_device=fast_device,
+        unit=model.unit,
     )
 
 
@@ -144,9 +173,11 @@ class Placement:
     solve_s: float
     device: str
     hot_fraction_per_layer: list[float] = field(default_factory=list)
+    unit: str = "neurons"
+    total_units: int = 0  # neurons (or experts) of all layers
 
     def summary(self) -> dict:
-        return {
+        out = {
             "device": self.device,
             "fits": self.fits,
             "verdict": self.verdict,
@@ -163,6 +194,13 @@ class Placement:
             ],
             "solve_s": self.solve_s,
         }
+        if self.unit == "experts":  # a mixture of experts: say it per tier and per layer
+            hot = sum(len(ids) for ids in self.hot_ids)
+            out["unit"] = "experts"
+            out["experts_per_tier"] = {"fast": hot, "cpu": self.total_units - hot}
+            for layer, ids in zip(out["layers"], self.hot_ids):
+                layer["hot_experts"] = int(len(ids))
+        return out
 
 
 def _top_neurons(frequencies: list[np.ndarray], count: int) -> list[np.ndarray]:
@@ -244,4 +282,6 @@ def solve(problem: PlacementProblem, vram_budget: int, ram_budget: int) -> Place
         solve_s=time.perf_counter() - start,
         device=problem.fast_device,
         hot_fraction_per_layer=[len(ids) / max(len(f), 1) for ids, f in zip(hot_ids, problem.frequencies)],
+        unit=problem.unit,
+        total_units=sum(len(f) for f in problem.frequencies),
     )

@@ -214,6 +214,9 @@ def train_predictors(model_dir: str | Path, settings: TrainSettings | None = Non
         raise UserError("--device cuda was asked for but no CUDA device is available")
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
+    if cfg.is_moe:
+        raise UserError(f"{model_dir.name} is a mixture of experts: its router chooses the experts and the "
+                        "kernels skip the neurons that do not fire, so it needs no predictors")
     state = read_profile_state(model_dir)
     if state is None or not state.get("complete"):
         raise UserError(f"{model_dir} has no finished profile: run "

@@ -365,10 +365,10 @@ def problem_for_model(model_dir: Path, config: ModelConfig, ctx: int, fast: torc
         predictors = PredictorSet.load(model_dir, config.num_layers, config.hidden_size, config.intermediate_size)
     if ActivationStats.exists(model_dir):
         frequencies = [f.numpy() for f in ActivationStats.load(model_dir).frequencies()]
-        if len(frequencies) != config.num_layers or any(len(f) != config.intermediate_size for f in frequencies):
+        if len(frequencies) != config.num_layers or any(len(f) != config.n_ff for f in frequencies):
             raise UserError(f"activation statistics of {model_dir} do not match the model; profile it again")
     else:  # no profile yet: every neuron alike, placement by neuron order
-        frequencies = [np.ones(config.intermediate_size) for _ in range(config.num_layers)]
+        frequencies = [np.ones(config.n_ff) for _ in range(config.num_layers)]
     ranks = predictors.ranks if predictors else [0] * config.num_layers
     storage = storage or WeightSource(model_dir).dtype()
     return placement_problem(config, ranks, frequencies, ctx, fast, storage, cold_quant)
@@ -379,6 +379,11 @@ def build_sparse_engine(engine_cls, model_dir: Path, config: ModelConfig, tokeni
                         cold_quant: str = "int8"):
     if cold_quant not in COLD_QUANTS:
         raise UserError(f"unknown CPU weight format {cold_quant!r}: choose int8 or fp32")
+    if config.is_moe:  # placed expert by expert, routed by the model's own router
+        from .moe_tiers import build_moe_engine
+
+        return build_moe_engine(engine_cls, model_dir, config, tokenizer, mode, ctx, vram_budget, ram_budget,
+                                device, progress, cold_quant)
     if config.mlp_bias:
         raise UserError("sparse modes do not support FFN biases yet; use --mode dense for this model")
     fast = pick_fast_device(device)

@@ -20,7 +20,7 @@ __all__ = ["SUPPORTED_TEXT", "ArchInfo", "detect_architecture"]
 
 @dataclass(frozen=True)
 class ArchInfo:
-    family: str  # "llama" (gated: llama, mistral, bamboo, minicpm) | "falcon" (ungated)
+    family: str  # "llama" (gated: llama, mistral, bamboo, minicpm) | "falcon" (ungated) | "smallthinker" (ReGLU experts)
     model_type: str
     activation: str  # relu | relu2 | fatrelu | drelu
     gated: bool

@@ -44,7 +44,7 @@ class Predictor:
 
     # "powerinfer" (a repo of model_N.pt) | "gguf" (blk.N.fc1/fc2 of PowerInfer's GGUF, read by
     # range requests) | "checkpoint" (carried in the weights: TurboSparse) | "train" (trained
-    # locally) | "bundled"
+    # locally) | "bundled" | "router" (experts chosen by the model's router: no predictors)
     source: str
     repo: str | None = None
     revision: str | None = None
@@ -79,6 +79,7 @@ class CatalogueEntry:
     def kind_note(self) -> str:
         """What the model is for, in words a user reads next to it."""
         return "chat model" if self.chat else BASE_MODEL_NOTE
+    mirrors: tuple[str, ...] = ()  # other repo ids publishing the same files (found by find_entry too)
 
     def to_dict(self) -> dict:
         return {
@@ -109,6 +110,7 @@ class CatalogueEntry:
             "recommended": self.recommended,
             "weights_format": self.weights_format,
             "kind_note": self.kind_note,
+            "mirrors": list(self.mirrors),
         }
 
 
@@ -141,6 +143,7 @@ def _parse_entry(raw: dict) -> CatalogueEntry:
         chat_format=raw.get("chat_format"),
         recommended=bool(raw.get("recommended", False)),
         weights_format=raw.get("weights_format", "safetensors"),
+        mirrors=tuple(raw.get("mirrors", ())),
     )
 
 
@@ -159,7 +162,8 @@ def find_entry(name: str, path: Path | None = None) -> CatalogueEntry | None:
     """The entry whose id or repo id is `name` (case-insensitive), or None."""
     key = name.strip().lower()
     for entry in load_catalogue(path):
-        if entry.id.lower() == key or (entry.repo and entry.repo.lower() == key):
+        if entry.id.lower() == key or (entry.repo and entry.repo.lower() == key) \
+                or any(m.lower() == key for m in entry.mirrors):
             return entry
     return None
 

@@ -51,18 +51,26 @@ class ModelShape:
     attn_bias: bool = False
     norm_params_per_layer: int = 0
     final_norm_params: int = 0
+    # A mixture of experts (SmallThinker): n_ff counts experts of `expert_ff` neurons each,
+    # the placed unit; every layer also has a router [n_ff, d]. 0: a dense FFN.
+    expert_ff: int = 0
     max_positions: int | None = None  # the context cap (ModelConfig.context_length)
 
     @property
     def ffn_matrices(self) -> int:
-        return 3 if self.gated else 2
+        """Rows of d per placed unit: a neuron's gate, up, down (or up, down), or an expert's."""
+        return 3 * self.expert_ff if self.expert_ff else (3 if self.gated else 2)
+
+    @property
+    def router_params_per_layer(self) -> int:
+        return self.n_ff * self.d if self.expert_ff else 0
 
     @property
     def attention_params_per_layer(self) -> int:
         q = self.d * self.n_heads * self.head_dim
         kv = 2 * self.d * self.n_kv_heads * self.head_dim
         o = self.n_heads * self.head_dim * self.d
-        return q + kv + o + self.attention_bias_params_per_layer
+        return q + kv + o + self.attention_bias_params_per_layer + self.router_params_per_layer
 
     @property
     def attention_bias_params_per_layer(self) -> int:
@@ -100,10 +108,11 @@ def shape_from_config(config: dict, arch: ArchInfo | None = None) -> ModelShape:
     else:
         norms, final_norm = 2 * d, d
     return ModelShape(
-        family=cfg.family, d=d, n_ff=cfg.intermediate_size, n_layers=cfg.num_layers, n_heads=cfg.num_heads,
+        family=cfg.family, d=d, n_ff=cfg.n_ff, n_layers=cfg.num_layers, n_heads=cfg.num_heads,
         n_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab=cfg.vocab_size,
         tied_embeddings=cfg.tie_word_embeddings, gated=cfg.gated, attn_bias=cfg.attention_bias,
         norm_params_per_layer=norms, final_norm_params=final_norm, max_positions=cfg.max_positions,
+        expert_ff=cfg.intermediate_size if cfg.num_experts else 0,
     )
 
 
@@ -193,10 +202,13 @@ def placement_bytes(shape: ModelShape) -> ModelBytes:
     return ModelBytes(
         d=shape.d, n_ff=shape.n_ff, n_layers=shape.n_layers, vocab=shape.vocab,
         attention_params=shape.attention_params_per_layer, norm_params=shape.norm_params_per_layer,
-        attention_rows=(shape.n_heads + 2 * shape.n_kv_heads) * shape.head_dim + shape.d,
+        attention_rows=(shape.n_heads + 2 * shape.n_kv_heads) * shape.head_dim + shape.d
+        + (shape.n_ff if shape.expert_ff else 0),  # a router's rows
         attention_bias_params=shape.attention_bias_params_per_layer,
         final_norm_params=shape.final_norm_params, kv_per_position=2 * shape.n_kv_heads * shape.head_dim,
         ffn_matrices=shape.ffn_matrices, tied_embeddings=shape.tied_embeddings,
+        unit="experts" if shape.expert_ff else "neurons",
+        int8_head_copy=bool(shape.expert_ff) and shape.tied_embeddings,
     )
 
 
@@ -209,7 +221,9 @@ def place_bytes(shape: ModelShape, *, ctx: int, vram_budget: int, ram_budget: in
     if shape.max_positions:  # the engine's cap (ModelConfig.context_length): no longer than trained
         ctx = min(ctx, shape.max_positions)
     bm = bytes_model
-    if predictor_params is None or len(predictor_params) != shape.n_layers:
+    if shape.expert_ff:  # the router chooses the experts: no predictors
+        predictor_params = [0] * shape.n_layers
+    elif predictor_params is None or len(predictor_params) != shape.n_layers:
         predictor_params = [predictor_rank * (shape.d + shape.n_ff)] * shape.n_layers
     # Which neurons are hot does not change any byte count: uniform frequencies will do.
     frequencies = [np.ones(shape.n_ff, dtype=np.float32) for _ in range(shape.n_layers)]

@@ -41,7 +41,6 @@ EXPECTED = {
 }
 # name -> (the architecture module that would read it, why it is skipped while there is none)
 NOT_YET = {
-    "smallthinker-4b": ("smallthinker", "SmallThinker (sparse MoE) gets its own architecture module"),
     "turbosparse-mixtral": ("turbosparsemixtral", "TurboSparse-Mixtral is a MoE with per-expert predictors; "
                                                   "not in the catalogue"),
 }
@@ -68,6 +67,19 @@ def test_every_published_config_is_read_with_its_facts(name):
     assert cfg.num_layers == raw["num_hidden_layers"] and cfg.intermediate_size == raw["intermediate_size"]
     assert cfg.sliding_window == raw.get("sliding_window")
     # The registry's download/import/fit checks read the very same thing.
+    assert detect_architecture(raw).config == cfg
+
+
+def test_smallthinker_4b_is_read_as_a_mixture_of_experts():
+    """SmallThinker's own tests (tests/test_smallthinker*.py) build tiny models from a copy of
+    this config in tests/data; the copy is the published one."""
+    import smallthinker_factory as sf
+
+    raw = rc.real_config("smallthinker-4b")
+    assert raw == sf.real_config()
+    cfg = parse_config(raw)
+    assert (cfg.arch, cfg.activation, cfg.num_experts, cfg.experts_per_token) == ("smallthinker", "relu", 32, 4)
+    assert (cfg.intermediate_size, cfg.max_positions, cfg.vocab_size, cfg.tie_word_embeddings) == (768, 32768, 151936, True)
     assert detect_architecture(raw).config == cfg
 
 

@@ -47,9 +47,14 @@ def run(args) -> int:
           f"expected hot hit fraction {plan.hot_hit_fraction:.1%} · solved in {plan.solve_s * 1000:.1f} ms")
     for tier, size in plan.tier_bytes.items():
         print(f"  {tier:10s} {format_size(size)}")
+    unit = summary.get("unit", "neurons")
+    if unit == "experts":
+        tiers = summary["experts_per_tier"]
+        print(f"  experts    {tiers['fast']} on the fast device, {tiers['cpu']} on the CPU")
     for layer in summary["layers"]:
         where = "fast" if layer["dense_on_fast"] else "cpu "
-        print(f"  layer {layer['layer']:3d}  dense on {where}  hot {layer['hot_neurons']:6d} ({layer['hot_fraction']:.0%})")
+        print(f"  layer {layer['layer']:3d}  dense on {where}  hot {layer['hot_neurons']:6d} "
+              f"{'experts ' if unit == 'experts' else ''}({layer['hot_fraction']:.0%})")
     if not plan.fits:
         import sys
 

@@ -30,7 +30,7 @@ from types import ModuleType
 
 from ..errors import ModelFormatError
 
-MODULES = ("llama", "bamboo", "minicpm", "falcon")
+MODULES = ("llama", "bamboo", "minicpm", "falcon", "smallthinker")
 
 
 def modules() -> list[ModuleType]:

@@ -1,0 +1,181 @@
+"""Tiny random SmallThinker models and a plain fp64 reference written from the published
+equations (transformers has no SmallThinker; the Hub's modeling code needs remote code).
+
+The config starts from the exact keys of ../shared/real_configs/smallthinker-4b/config.json
+(a copy is kept in tests/data/ so the suite runs without the shared folder) with sizes
+shrunk; the weights are saved under the tensor names the published checkpoints use.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+REAL_CONFIG = Path(__file__).parent / "data" / "smallthinker-4b-config.json"
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def real_config() -> dict:
+    return json.loads(REAL_CONFIG.read_text())
+
+
+def tiny_config(*, layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, experts=8, active=2, ff=32,
+                vocab=300, rope_layout=None, window_layout=None, window=6, softmax=None) -> dict:
+    """The real config with sizes shrunk; every key of the real one is kept."""
+    cfg = real_config()
+    cfg.update(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+               num_hidden_layers=layers, moe_num_primary_experts=experts, moe_num_active_primary_experts=active,
+               moe_ffn_hidden_size=ff, vocab_size=vocab, max_position_embeddings=512, rope_theta=10000.0,
+               rope_layout=rope_layout or [1] * layers, sliding_window_layout=window_layout or [0] * layers,
+               sliding_window_size=window, bos_token_id=0, eos_token_id=[0, 2])
+    if softmax is not None:
+        cfg["moe_primary_router_apply_softmax"] = softmax
+    return cfg
+
+
+def random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Weights large enough that routing, attention and the head all matter."""
+    g = torch.Generator().manual_seed(seed)
+    d, hd = cfg["hidden_size"], cfg["head_dim"]
+    q_rows, kv_rows = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    n, experts = cfg["moe_ffn_hidden_size"], cfg["moe_num_primary_experts"]
+
+    def w(*shape, scale=None):
+        scale = scale if scale is not None else 1.0 / math.sqrt(shape[-1])
+        return torch.randn(*shape, generator=g) * scale
+
+    def norm():
+        return 1.0 + 0.2 * torch.randn(d, generator=g)
+
+    t = {"model.embed_tokens.weight": w(cfg["vocab_size"], d, scale=1.0), "model.norm.weight": norm()}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = norm()
+        t[p + "post_attention_layernorm.weight"] = norm()
+        t[p + "self_attn.q_proj.weight"] = w(q_rows, d)
+        t[p + "self_attn.k_proj.weight"] = w(kv_rows, d)
+        t[p + "self_attn.v_proj.weight"] = w(kv_rows, d)
+        t[p + "self_attn.o_proj.weight"] = w(d, q_rows)
+        t[p + "block_sparse_moe.primary_router.weight"] = w(experts, d, scale=1.0)
+        for e in range(experts):
+            q = p + f"block_sparse_moe.experts.{e}."
+            t[q + "gate.weight"] = w(n, d)
+            t[q + "up.weight"] = w(n, d)
+            t[q + "down.weight"] = w(d, n)
+    return t
+
+
+def build_tokenizer(out: Path, vocab_size: int) -> None:
+    """A byte-level BPE with Qwen's special tokens and the ChatML template; the end of a
+    turn is `<|im_end|>` (tokenizer config), of a text `<|endoftext|>` (config.json)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from model_factory import WORDS
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))], trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False,
+        "chat_template": CHATML, "tokenizer_class": "Qwen2Tokenizer",
+    }))
+
+
+def save_model(out: Path, cfg: dict, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    weights = {k: v.to(dtype).contiguous() for k, v in random_weights(cfg, seed).items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    build_tokenizer(out, min(cfg["vocab_size"], 300))
+    return out
+
+
+def smallthinker(out: Path, seed: int = 0, **sizes) -> Path:
+    return save_model(out, tiny_config(**sizes), seed)
+
+
+# ------------------------------------------------------------------ the reference
+class Reference:
+    """SmallThinker in plain fp64 torch, from the published equations, no cache."""
+
+    def __init__(self, path: Path):
+        self.cfg = json.loads((Path(path) / "config.json").read_text())
+        self.w = {k: v.double() for k, v in load_file(str(Path(path) / "model.safetensors")).items()}
+
+    def _rms(self, x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg["rms_norm_eps"]) * weight
+
+    def _rope(self, x, positions):
+        hd = x.shape[-1]
+        inv = 1.0 / (self.cfg["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+        ang = positions[:, None].double() * inv[None, :]
+        cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+        rotated = torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1)
+        return x * cos + rotated * sin
+
+    def moe(self, i: int, router_input, h):
+        cfg, w = self.cfg, self.w
+        p = f"model.layers.{i}.block_sparse_moe."
+        logits = router_input @ w[p + "primary_router.weight"].T
+        top, chosen = torch.topk(logits, cfg["moe_num_active_primary_experts"], dim=-1)
+        if cfg.get("moe_primary_router_apply_softmax", False):
+            weights = torch.softmax(top, -1)
+        else:
+            weights = torch.sigmoid(top) / torch.sigmoid(top).sum(-1, keepdim=True)
+        out = torch.zeros_like(h)
+        for t in range(h.shape[0]):
+            for slot in range(chosen.shape[1]):
+                e = int(chosen[t, slot])
+                q = p + f"experts.{e}."
+                act = (h[t] @ w[q + "up.weight"].T) * torch.relu(h[t] @ w[q + "gate.weight"].T)
+                out[t] += weights[t, slot] * (act @ w[q + "down.weight"].T)
+        return out, chosen
+
+    def forward(self, ids: list[int]) -> torch.Tensor:
+        """Logits [T, vocab] (fp64)."""
+        cfg, w = self.cfg, self.w
+        T, hd = len(ids), cfg["head_dim"]
+        heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        pos = torch.arange(T)
+        x = w["model.embed_tokens.weight"][torch.tensor(ids)]
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            router_input = x
+            h = self._rms(x, w[p + "input_layernorm.weight"])
+            q = (h @ w[p + "self_attn.q_proj.weight"].T).view(T, heads, hd).transpose(0, 1)
+            k = (h @ w[p + "self_attn.k_proj.weight"].T).view(T, kv, hd).transpose(0, 1)
+            v = (h @ w[p + "self_attn.v_proj.weight"].T).view(T, kv, hd).transpose(0, 1)
+            if cfg["rope_layout"][i]:
+                q, k = self._rope(q, pos), self._rope(k, pos)
+            k = k.repeat_interleave(heads // kv, 0)
+            v = v.repeat_interleave(heads // kv, 0)
+            allowed = pos[None, :] <= pos[:, None]
+            if cfg["sliding_window_layout"][i]:
+                allowed &= pos[None, :] > pos[:, None] - cfg["sliding_window_size"]
+            scores = (q @ k.transpose(1, 2)) / math.sqrt(hd)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            attn = (torch.softmax(scores, -1) @ v).transpose(0, 1).reshape(T, heads * hd)
+            x = x + attn @ w[p + "self_attn.o_proj.weight"].T
+            moe, _ = self.moe(i, router_input, self._rms(x, w[p + "post_attention_layernorm.weight"]))
+            x = x + moe
+        x = self._rms(x, w["model.norm.weight"])
+        return x @ w["model.embed_tokens.weight"].T  # tied head
+
+    def greedy(self, ids: list[int], steps: int) -> list[int]:
+        ids = list(ids)
+        out = []
+        for _ in range(steps):
+            token = int(self.forward(ids)[-1].argmax())
+            out.append(token)
+            ids.append(token)
+        return out
