@@ -25,13 +25,14 @@ from .hybrid_ffn import ColdRows, FfnCounters, HotRows, HybridFfn
 from .kernels import cpu as cpu_kernels
 from .loader import compute_dtype, load_transformer
 from .model import DenseFfn, Transformer
-from .placement import COLD_INT8, ModelBytes, Placement, PlacementProblem, build_problem, solve
+from .placement import ModelBytes, Placement, PlacementProblem, build_problem, solve
 from .predictors import PredictorSet
-from .quantized import Int8Matrix
+from .kernels import cpu_q4
+from .quantized import QuantMatrix, quantize_matrix
 from .units import format_size
 from .weights import WeightSource
 
-COLD_QUANTS = ("int8", "fp32")
+COLD_QUANTS = ("int4", "int8", "fp32")
 
 
 def pick_fast_device(device: str | None) -> torch.device:
@@ -195,8 +196,8 @@ class SparseRuntime:
             _hot_rows(up[hot_idx], device, dtype), _hot_rows(down_t[hot_idx], device, dtype),
             hot_idx.to(device),
         )
-        cold = ColdRows(cpu_kernels.CpuFfnRows.from_dense(None if gate is None else gate[cold_idx], up[cold_idx],
-                                                          down_t[cold_idx], quant=self.cold_quant), cold_idx)
+        cold = ColdRows(cold_rows_from_dense(None if gate is None else gate[cold_idx], up[cold_idx],
+                                             down_t[cold_idx], self.cold_quant), cold_idx)
         return HybridFfn(layer, gate is not None, self.config.activation, self.config.activation_threshold,
                          dense.n_ff, hot, cold, self)
 
@@ -217,7 +218,7 @@ class SparseRuntime:
                 self._move_neurons(layer.ffn, new_ids)
         self.plan = plan
 
-    def _head_weights(self, on_fast: bool) -> torch.Tensor | Int8Matrix:
+    def _head_weights(self, on_fast: bool) -> torch.Tensor | QuantMatrix:
         """The output head for its tier. A tied head shares the embeddings on the CPU tier;
         on the fast tier it is its own copy, even when the CPU stands in for the GPU, so
         the bytes are those a GPU would hold."""
@@ -227,19 +228,20 @@ class SparseRuntime:
             return self._tier_matrix(model.lm_head, on_fast)
         return model.embed.to(device, dtype, copy=True) if on_fast else model.embed
 
-    def _tier_matrix(self, w: torch.Tensor | Int8Matrix, on_fast: bool) -> torch.Tensor | Int8Matrix:
+    def _tier_matrix(self, w: torch.Tensor | QuantMatrix, on_fast: bool) -> torch.Tensor | QuantMatrix:
         """A dense weight matrix in its tier's storage: the fast tier's dtype, or on the CPU
-        tier fp32, or int8 rows when the CPU weights are int8 (a quarter of the bytes to
-        read per token)."""
-        if not on_fast and self.cold_quant == COLD_INT8:
-            return w if isinstance(w, Int8Matrix) else Int8Matrix.quantize(w)
+        tier fp32, or int8 / 4-bit rows when the CPU weights are int8 / int4 (a quarter /
+        about an eighth of the bytes to read per token)."""
+        if not on_fast and self.cold_quant != "fp32":
+            return quantize_matrix(w, self.cold_quant)
         device, dtype = self._where(on_fast)
-        return w.to_dense(device, dtype) if isinstance(w, Int8Matrix) else w.to(device, dtype)
+        return w.to_dense(device, dtype) if isinstance(w, QuantMatrix) else w.to(device, dtype)
 
     def place_predictor(self, i: int, on_fast: bool) -> None:
         """Layer i's predictor in its tier's storage (int8 rows on an int8 CPU tier)."""
         if self.predictors is not None:
-            self.predictors.to(i, *self._where(on_fast), int8=not on_fast and self.cold_quant == COLD_INT8)
+            quant = self.cold_quant if not on_fast and self.cold_quant != "fp32" else None
+            self.predictors.to(i, *self._where(on_fast), quant=quant)
 
     def convert_layer_dense(self, layer, on_fast: bool) -> None:
         """The attention matrices of a freshly loaded layer into its tier's storage."""
@@ -309,8 +311,7 @@ class SparseRuntime:
         if len(demote_pos):
             g, u, d = ffn.hot.fp32_rows()
             pos = torch.as_tensor(demote_pos)
-            parts.append(cpu_kernels.CpuFfnRows.from_dense(None if g is None else g[pos], u[pos], d[pos],
-                                                           quant=self.cold_quant))
+            parts.append(cold_rows_from_dense(None if g is None else g[pos], u[pos], d[pos], self.cold_quant))
         cold_all = np.concatenate([cold_ids[keep_cold], old_hot_ids[demote_pos]])
         cold_order = torch.as_tensor(np.argsort(cold_all, kind="stable"))
         rows = _concat_rows(parts).select(cold_order) if len(parts) > 1 else kept
@@ -349,7 +350,16 @@ def _hot_rows(rows: torch.Tensor, device: torch.device, dtype: torch.dtype) -> t
     return rows.to(device, dtype).contiguous()
 
 
-def _concat_rows(parts: list) -> cpu_kernels.CpuFfnRows:
+def cold_rows_from_dense(gate, up, down_t, quant: str):
+    """Float rows [n, d] in the CPU kernels' storage for `quant` (int4, int8 or fp32)."""
+    if quant == cpu_q4.QUANT:
+        return cpu_q4.Q4FfnRows.from_dense(gate, up, down_t)
+    return cpu_kernels.CpuFfnRows.from_dense(gate, up, down_t, quant=quant)
+
+
+def _concat_rows(parts: list):
+    if parts[0].quant == cpu_q4.QUANT:
+        return cpu_q4.Q4FfnRows.concat(parts)
     def cat(name):
         tensors = [getattr(p, name) for p in parts]
         return None if tensors[0] is None else torch.cat(tensors)
@@ -378,7 +388,7 @@ def build_sparse_engine(engine_cls, model_dir: Path, config: ModelConfig, tokeni
                         vram_budget: int | None, ram_budget: int | None, device: str | None, progress,
                         cold_quant: str = "int8"):
     if cold_quant not in COLD_QUANTS:
-        raise UserError(f"unknown CPU weight format {cold_quant!r}: choose int8 or fp32")
+        raise UserError(f"unknown CPU weight format {cold_quant!r}: choose int4, int8 or fp32")
     if config.mlp_bias:
         raise UserError("sparse modes do not support FFN biases yet; use --mode dense for this model")
     fast = pick_fast_device(device)
