@@ -10,6 +10,7 @@ token boundary, and the KV cache (the conversation) is kept.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from .units import format_size
 from .weights import WeightSource
 
 COLD_QUANTS = ("int4", "int8", "fp32")
+log = logging.getLogger(__name__)
 
 
 def pick_fast_device(device: str | None) -> torch.device:
@@ -102,6 +104,8 @@ class SparseRuntime:
         self._pending: Placement | None = None
         self._pending_lock = threading.Lock()
         self.override_masks = None  # benchmarks: callable(layer) -> bool mask [n_ff] replacing the threshold
+        self.prepared_path: Path | None = None  # the prepared rows file read or written at load
+        self.prepared_rows = None  # engine.prepared.PreparedRows when this load mapped one
 
     # --------------------------------------------------------------- per token
     def predictor_logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -183,8 +187,10 @@ class SparseRuntime:
         cpu = torch.device("cpu")
         return (self.fast, self.fast_dtype()) if on_fast else (cpu, torch.float32)
 
-    def split_ffn(self, layer: int, dense: DenseFfn, hot_ids: np.ndarray) -> HybridFfn:
-        """Split a freshly loaded fp32 CPU FFN into hot and cold rows."""
+    def split_ffn(self, layer: int, dense: DenseFfn, hot_ids: np.ndarray, all_rows=None) -> HybridFfn:
+        """Split a freshly loaded fp32 CPU FFN into hot and cold rows. `all_rows`: the whole
+        layer already in the CPU format (rows are quantized one by one, so the cold rows
+        are a selection of them)."""
         hot_idx = torch.as_tensor(hot_ids, dtype=torch.long)
         cold_mask = torch.ones(dense.n_ff, dtype=torch.bool)
         cold_mask[hot_idx] = False
@@ -196,10 +202,24 @@ class SparseRuntime:
             _hot_rows(up[hot_idx], device, dtype), _hot_rows(down_t[hot_idx], device, dtype),
             hot_idx.to(device),
         )
-        cold = ColdRows(cold_rows_from_dense(None if gate is None else gate[cold_idx], up[cold_idx],
-                                             down_t[cold_idx], self.cold_quant), cold_idx)
+        if all_rows is not None:
+            rows = all_rows if len(cold_idx) == dense.n_ff else all_rows.select(cold_idx)
+        else:
+            rows = cold_rows_from_dense(None if gate is None else gate[cold_idx], up[cold_idx], down_t[cold_idx],
+                                        self.cold_quant)
+        cold = ColdRows(rows, cold_idx)
         return HybridFfn(layer, gate is not None, self.config.activation, self.config.activation_threshold,
                          dense.n_ff, hot, cold, self)
+
+    def cold_ffn(self, layer: int, rows) -> HybridFfn:
+        """A layer whose neurons all sit on the CPU, from rows already in the CPU format
+        (a prepared file's mapped rows: taken as they are)."""
+        device, dtype = self._where(True)
+        d, n = self.config.hidden_size, self.config.intermediate_size
+        empty = torch.empty(0, d, device=device, dtype=dtype)
+        hot = HotRows(empty if rows.gated else None, empty, empty, torch.empty(0, dtype=torch.long, device=device))
+        return HybridFfn(layer, rows.gated, self.config.activation, self.config.activation_threshold, n, hot,
+                         ColdRows(rows, torch.arange(n)), self)
 
     def apply(self, plan: Placement) -> None:
         """Move what changed tier; called with the engine lock held (or between tokens)."""
@@ -384,6 +404,27 @@ def problem_for_model(model_dir: Path, config: ModelConfig, ctx: int, fast: torc
     return placement_problem(config, ranks, frequencies, ctx, fast, storage, cold_quant)
 
 
+def _prepared_source(model_dir: Path, config: ModelConfig, cold_quant: str):
+    """(mapped prepared rows, None) when a current prepared file exists; else (None, a
+    writer for one) for the int8/int4 formats; (None, None) when preparing is off or the
+    model's folder cannot be written (a read-only install)."""
+    from . import prepared
+
+    if cold_quant not in prepared.FORMATS or not prepared.enabled() or prepared.is_bundled(model_dir):
+        return None, None
+    rows = prepared.PreparedRows.open_if_current(model_dir, cold_quant)
+    if rows is not None:
+        return rows, None
+    try:
+        writer = prepared.PreparedWriter(model_dir, cold_quant, prepared.checkpoint_key(model_dir, cold_quant),
+                                         config.intermediate_size, config.hidden_size, config.gated,
+                                         config.num_layers)
+    except OSError as exc:
+        log.warning("not preparing %s: %s", model_dir, exc)
+        return None, None
+    return None, writer
+
+
 def build_sparse_engine(engine_cls, model_dir: Path, config: ModelConfig, tokenizer, mode: str, ctx: int,
                         vram_budget: int | None, ram_budget: int | None, device: str | None, progress,
                         cold_quant: str = "int8"):
@@ -407,11 +448,41 @@ def build_sparse_engine(engine_cls, model_dir: Path, config: ModelConfig, tokeni
     cpu = torch.device("cpu")
     layer_devices = [fast if on else cpu for on in plan.layer_on_fast]
     head_device = fast if plan.head_on_fast else cpu
-    model = load_transformer(
-        model_dir, config, layer_devices, head_device, ctx, progress,
-        ffn_builder=lambda i, dense: runtime.split_ffn(i, dense, plan.hot_ids[i]),
-        on_layer=lambda i, layer: runtime.convert_layer_dense(layer, plan.layer_on_fast[i]),
-    )
+    prepared_rows, writer = _prepared_source(model_dir, config, cold_quant)
+    runtime.prepared_path = prepared_rows.path if prepared_rows is not None else None
+    runtime.prepared_rows = prepared_rows
+
+    def mapped(i: int) -> bool:  # this layer's FFN comes from the prepared file
+        return prepared_rows is not None and len(plan.hot_ids[i]) == 0 and prepared_rows.has_layer(i)
+
+    def build_ffn(i: int, dense):
+        if dense is None:
+            return runtime.cold_ffn(i, prepared_rows.layer_rows(i, config.hidden_size))
+        all_rows = None
+        if writer is not None:
+            if progress:
+                progress(i / config.num_layers, f"preparing layer {i + 1} of {config.num_layers} "
+                                                f"({cold_quant} rows, first load only)")
+            all_rows = cold_rows_from_dense(dense.gate, dense.up, dense.down_t, cold_quant)
+            writer.add_layer(i, all_rows)
+        return runtime.split_ffn(i, dense, plan.hot_ids[i], all_rows)
+
+    try:
+        model = load_transformer(
+            model_dir, config, layer_devices, head_device, ctx, progress, ffn_builder=build_ffn,
+            on_layer=lambda i, layer: runtime.convert_layer_dense(layer, plan.layer_on_fast[i]),
+            read_ffn=lambda i: not mapped(i),
+        )
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if writer is not None:
+        try:
+            runtime.prepared_path = writer.finish()
+        except OSError as exc:
+            writer.abort()
+            log.warning("could not write the prepared rows of %s: %s", model_dir, exc)
     for i, on_fast in enumerate(plan.layer_on_fast):
         runtime.place_predictor(i, on_fast)
     cache = engine_cls.make_cache(config, ctx, layer_devices, [compute_dtype(d, storage) for d in layer_devices])

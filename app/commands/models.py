@@ -200,7 +200,8 @@ def _import_gguf(args) -> int:
         raise UserError("--predictors is for model folders; a PowerInfer GGUF carries its predictors")
     bar = ProgressBar("import", quiet=args.json)
     target, summary = import_gguf_file(
-        args.folder, args.name, convert=lambda src, dst: import_gguf(src, dst, activation=args.activation, progress=bar))
+        args.folder, args.name,
+        convert=lambda src, dst: import_gguf(src, dst, activation=args.activation, progress=bar))
     bar.done()
     model_id = f"{LOCAL_ORG}/{target.name.split('--', 1)[1]}"
     if args.json:
