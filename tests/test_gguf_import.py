@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from app.cli import main
 from engine import Engine, SamplingParams
 from engine.gguf_import import _reader_class
 from engine.kernels.cpu_q4 import row_bytes
+from engine.prepared import prepared_path
 from engine.predictors import PredictorSet
 from hub_server import registry_env  # noqa: F401
 
@@ -73,8 +75,12 @@ def test_f16_powerinfer_gguf_decodes_as_the_safetensors_model(registry_env, hf_m
     sparse = Engine.load(model, mode="sparse", ram_budget=1 << 30)
     sparse.eos_ids = set()
     assert len(sparse.generate(PROMPT, SamplingParams(max_new_tokens=4, temperature=0)).token_ids) == 4
-    # listed like any import, and removed whole
+    # the sparse load prepared its int8 rows in the model's sidecar; `models remove` takes them too
+    prepared = prepared_path(model, "int8")
+    assert sparse.sparse.prepared_path == prepared and prepared.is_file()
+    del sparse
     assert main(["models", "remove", "local/tiny-F16"]) == 0
+    assert not prepared.exists() and not Path(model).exists()
 
 
 def test_q4_0_gguf_rows_are_the_engines_4bit_rows(registry_env, hf_model, tmp_path, capsys):

@@ -62,6 +62,8 @@ def register(subparsers) -> None:
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--vram-budget", type=size_arg, default=None, metavar="SIZE", help="default: suggested")
     p.add_argument("--ram-budget", type=size_arg, default=None, metavar="SIZE", help="default: suggested")
+    p.add_argument("--cpu-weights", default="int8", choices=("int4", "int8", "fp32"),
+                   help="format of the weights on the CPU tier (as generate/chat --cpu-weights)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_fit)
 
@@ -234,7 +236,7 @@ def cmd_verify(args) -> int:
 # -- fit -------------------------------------------------------------------------------------
 def cmd_fit(args) -> int:
     from models_registry.catalogue import find_entry
-    from models_registry.fit import estimate_fit
+    from models_registry.fit import BytesModel, estimate_fit
     from models_registry.hardware import probe_hardware
     from models_registry.resolve import resolve_model
 
@@ -251,7 +253,8 @@ def cmd_fit(args) -> int:
         config = entry.config  # not downloaded: size it from the catalogue's shape
     hw = probe_hardware()
     est = estimate_fit(config, ctx=args.ctx, vram_budget=args.vram_budget, ram_budget=args.ram_budget,
-                       hardware=hw, model_dir=folder, known_activation=entry.activation if entry else None)
+                       hardware=hw, model_dir=folder, known_activation=entry.activation if entry else None,
+                       bytes_model=BytesModel(cold_quant=args.cpu_weights))
     if args.json:
         print(json.dumps(dict(est.to_dict(), model=args.model), indent=2))
         return 0
