@@ -70,13 +70,22 @@ def quantize_rows_q4(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     n, cols = w.shape
     width = n_blocks(cols) * QK
     q = torch.empty((n, row_bytes(cols)), dtype=torch.uint8) if out is None else out
+    kern = _kernels()
     for lo in range(0, n, _ROWS_PER_STEP):
         hi = min(n, lo + _ROWS_PER_STEP)
         block = np.zeros((hi - lo, width), dtype=np.float32)
         block[:, :cols] = w[lo:hi].detach().to(device="cpu", dtype=torch.float32).numpy()
         if not np.isfinite(block).all():
             raise ValueError("weights hold inf or nan; they cannot be quantized")
-        q[lo:hi] = torch.from_numpy(_quantize_block_rows(block))
+        if kern is None:
+            q[lo:hi] = torch.from_numpy(_quantize_block_rows(block))
+            continue
+        # numba: the nibbles and the fp32 scales in one pass; numpy rounds the scales to fp16
+        rows = np.empty((hi - lo, width // QK * BLOCK_BYTES), dtype=np.uint8)
+        d = kern.quantize_q4_blocks(block, rows)
+        blocks = rows.reshape(hi - lo, width // QK, BLOCK_BYTES)
+        blocks[:, :, :2] = d.astype(np.float16).view(np.uint8).reshape(hi - lo, width // QK, 2)
+        q[lo:hi] = torch.from_numpy(rows)
     return q
 
 
@@ -197,6 +206,37 @@ if numba is not None:
                 q = np.int32(w[i, o + 2 + j])
                 part[c, xb + j] += ad * np.float32((q & 15) - 8)
                 part[c, xb + 16 + j] += ad * np.float32((q >> 4) - 8)
+
+    @_njit(parallel=True)
+    def quantize_q4_blocks(w, out):
+        """ggml's Q4_0 reference rounding (no fastmath: the same fp32 operations as gguf's
+        numpy code, so the bytes agree): per block of 32, the value of largest magnitude
+        (the first such) maps to -8, d = max / -8, q = min(15, trunc(x / d + 8.5)).
+        Fills the nibbles of out uint8 [n, nb * 18]; returns d fp32 [n, nb] (the caller
+        stores it as fp16 in bytes 0-1 of each block)."""
+        n, width = w.shape
+        nb = width // 32
+        d = np.empty((n, nb), dtype=np.float32)
+        for i in prange(n):
+            for b in range(nb):
+                amax = np.float32(0.0)
+                mx = np.float32(0.0)
+                for j in range(32):
+                    v = w[i, b * 32 + j]
+                    if abs(v) > amax:
+                        amax = abs(v)
+                        mx = v
+                db = mx / np.float32(-8.0)
+                d[i, b] = db
+                inv = np.float32(1.0) / db if db != 0 else np.float32(0.0)
+                o = b * 18
+                for j in range(16):
+                    lo = np.int32(np.trunc(w[i, b * 32 + j] * inv + np.float32(8.5)))
+                    hi = np.int32(np.trunc(w[i, b * 32 + 16 + j] * inv + np.float32(8.5)))
+                    lo = min(max(lo, 0), 15)
+                    hi = min(max(hi, 0), 15)
+                    out[i, o + 2 + j] = np.uint8(lo | (hi << 4))
+        return d
 
     @_njit(inline="always", fastmath=True)
     def nonlinearity(g, code, thr):
