@@ -87,6 +87,8 @@ SCHEMA: tuple[Option, ...] = (
     Option("engine.mode", str, "hybrid", "How FFN neurons are computed.",
            choices=("dense", "sparse", "hybrid", "oracle")),
     Option("engine.ctx", int, 2048, "Context length in tokens (prompt plus answer).", minimum=128, maximum=131072),
+    Option("engine.cpu_weights", str, "int8", "Format of the weights kept on the CPU in sparse and hybrid modes "
+           "(int4: llama.cpp's Q4_0 blocks; int8; fp32: exact).", choices=("int4", "int8", "fp32")),
     # Budgets: None means "use the hardware probe's suggestion".
     Option("budget.vram_bytes", int, None, "VRAM budget in bytes; empty for the suggested one.",
            minimum=0, nullable=True),

@@ -129,7 +129,11 @@ class Engine:
         # Load the CPU kernels' machine code now (numba's disk cache), not in the first token.
         from .kernels import cpu as cpu_kernels
 
-        cpu_kernels.warmup(quants=() if mode == "dense" else (cold_quant, "fp32"))
+        cpu_kernels.warmup(quants=() if mode == "dense" else tuple({cold_quant, "fp32"} & set(cpu_kernels.QUANTS)))
+        if mode != "dense" and cold_quant == "int4":
+            from .kernels import cpu_q4
+
+            cpu_q4.warmup()
         if mode in ("sparse", "hybrid", "oracle"):
             from .sparse import build_sparse_engine
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .kernels import cpu as cpu_kernels
+from .kernels import cpu_q4
 from .kernels.cpu_quant import dequantize_rows_int8
 from .model import activate
 
@@ -57,7 +58,7 @@ class HotRows:
 
 
 class ColdRows:
-    """Cold neurons in the CPU kernels' storage (fp32 or int8 rows), with their neuron ids."""
+    """Cold neurons in the CPU kernels' storage (fp32, int8 or 4-bit rows), with their neuron ids."""
 
     def __init__(self, rows: cpu_kernels.CpuFfnRows, ids: torch.Tensor):
         self.rows, self.ids = rows, ids
@@ -133,9 +134,10 @@ class HybridFfn:
     def _cpu_rows(self, x, rows, logits, threshold, ids) -> torch.Tensor:
         """The CPU kernel over a tier's rows: all of them (oracle) or those predicted active,
         selected inside the kernel from the layer's logits."""
+        kernels = cpu_q4 if rows.quant == cpu_q4.QUANT else cpu_kernels
         if logits is None:
-            return cpu_kernels.sparse_ffn(x, rows, None, self.activation, self.threshold)
-        return cpu_kernels.sparse_ffn_predicted(x, rows, logits, threshold, self.activation, self.threshold,
+            return kernels.sparse_ffn(x, rows, None, self.activation, self.threshold)
+        return kernels.sparse_ffn_predicted(x, rows, logits, threshold, self.activation, self.threshold,
                                                 row_ids=ids)
 
     # ------------------------------------------------------------ many tokens
@@ -147,6 +149,8 @@ class HybridFfn:
             hi = min(lo + _PREFILL_CHUNK, len(self.cold))
             if rows.quant == "fp32":
                 gate, up, down_t = rows.gate[lo:hi] if self.gated else None, rows.up[lo:hi], rows.down_t[lo:hi]
+            elif rows.quant == cpu_q4.QUANT:
+                gate, up, down_t = rows.dequantized(lo, hi)
             else:  # a slice of the rows is contiguous: dequantize it in place of a copy
                 def block(q, scale):
                     return None if q is None else dequantize_rows_int8(q[lo:hi], scale[lo:hi])

@@ -40,11 +40,13 @@ def compute_dtype(device: torch.device, storage: torch.dtype) -> torch.dtype:
 def load_transformer(model_dir: Path, config: ModelConfig, layer_devices: list[torch.device],
                      head_device: torch.device, ctx: int, progress: Progress | None = None,
                      ffn_builder: Callable[[int, object], object] | None = None,
-                     on_layer: Callable[[int, Layer], None] | None = None) -> Transformer:
+                     on_layer: Callable[[int, Layer], None] | None = None,
+                     read_ffn: Callable[[int], bool] | None = None) -> Transformer:
     """Load every layer onto its device. With `ffn_builder`, FFN rows are staged on the CPU
     in fp32 and handed over layer by layer (the sparse engine splits them into tiers), so
     the whole dense FFN never sits in memory at once; `on_layer` may then convert the rest
-    of the layer the same way (the sparse engine's int8 CPU tier)."""
+    of the layer the same way (the sparse engine's int8 CPU tier). Where `read_ffn(i)` is
+    False the checkpoint's FFN of layer i is not read: `ffn_builder` gets None (prepared rows)."""
     source = WeightSource(model_dir)
     storage = source.dtype()
     conv = Converter(source, config)
@@ -57,6 +59,7 @@ def load_transformer(model_dir: Path, config: ModelConfig, layer_devices: list[t
         if progress:
             progress(i / config.num_layers, f"loading layer {i + 1} of {config.num_layers}")
         where = Placement(device, compute_dtype(device, storage))
+        conv.skip_ffn = read_ffn is not None and not read_ffn(i)
         layer = arch.load_layer(conv, i, where, cpu if ffn_builder else None)
         if ffn_builder is not None:
             layer.ffn = ffn_builder(i, layer.ffn)

@@ -18,7 +18,7 @@ from .config import ModelConfig
 from .kernels import cpu as cpu_kernels
 from .kv_cache import KVCache
 from .moe import route
-from .quantized import Int8Matrix, matrix_nbytes
+from .quantized import Int8Matrix, QuantMatrix, matrix_nbytes
 from .rope import RotaryTable, apply_rotary
 
 # Called per layer with (layer index, predictor input [T, d], true FFN activations [T, n_ff]).
@@ -55,7 +55,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Int8Matrix, bias: torch.Tenso
     """x [T, d] @ weight[n, d]^T (+ bias). A few tokens on the CPU go through our own
     matrix-vector kernel, which streams the weights about twice as fast as torch's; int8
     matrices (the CPU tier's, see engine.quantized) through their own product."""
-    if isinstance(weight, Int8Matrix):
+    if isinstance(weight, QuantMatrix):
         out = weight.linear(x)
     elif x.shape[0] <= _PER_TOKEN_MAX and x.device.type == "cpu" and x.dtype == torch.float32:
         out = torch.stack([cpu_kernels.matvec(row, weight) for row in x])

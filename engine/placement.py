@@ -104,12 +104,20 @@ class ModelBytes:
 
 
 COLD_INT8 = "int8"  # CPU weights as int8 rows with one fp32 scale per row
+COLD_INT4 = "int4"  # CPU weights as 4-bit rows: ggml's Q4_0 blocks, 18 bytes per 32 weights
 CPU_BYTES = 4       # fp32 on the CPU: embeddings, norms, biases, KV cache, and weights stored as fp32
 INDEX_BYTES = 8     # the int64 id kept with every hot and cold neuron
+Q4_BLOCK, Q4_BLOCK_BYTES = 32, 18  # engine.kernels.cpu_q4 (not imported here: no torch)
 
 
 def cpu_matrix_bytes(params: int, rows: int, cold_quant: str) -> int:
-    """Bytes of weight matrices on the CPU tier: int8 values and an fp32 scale per row, or fp32."""
+    """Bytes of weight matrices on the CPU tier: int8 values and an fp32 scale per row,
+    4-bit rows of whole 32-weight blocks (exact when the rows share one length), or fp32."""
+    if cold_quant == COLD_INT4:
+        if not rows:
+            return 0
+        cols = -(-params // rows)
+        return rows * -(-cols // Q4_BLOCK) * Q4_BLOCK_BYTES
     return params + rows * CPU_BYTES if cold_quant == COLD_INT8 else params * CPU_BYTES
 
 
@@ -117,7 +125,21 @@ def predictor_cpu_bytes(model: "ModelBytes", params: int, cold_quant: str) -> in
     """Bytes of one layer's predictor (fc1 [rank, d], fc2 [n_ff, rank]: params elements) on
     the CPU tier."""
     rank = params // (model.d + model.n_ff)
+    if cold_quant == COLD_INT4:  # rows of two lengths: d (fc1) and rank (fc2)
+        return cpu_matrix_bytes(rank * model.d, rank, cold_quant) + cpu_matrix_bytes(model.n_ff * rank, model.n_ff,
+                                                                                      cold_quant)
     return cpu_matrix_bytes(params, rank + model.n_ff if params else 0, cold_quant)
+
+
+def attention_cpu_bytes(model: "ModelBytes", params: int, cold_quant: str) -> int:
+    """Bytes of one layer's attention matrices (params weights, no biases) on the CPU tier.
+    4-bit rows: q|k|v rows of d weights and d output rows of heads * head_dim counted apart."""
+    if cold_quant != COLD_INT4:
+        return cpu_matrix_bytes(params, model.attention_rows, cold_quant)
+    qkv_rows = model.attention_rows - model.d
+    out_cols = (params - qkv_rows * model.d) // model.d
+    return cpu_matrix_bytes(qkv_rows * model.d, qkv_rows, cold_quant) + cpu_matrix_bytes(model.d * out_cols, model.d,
+                                                                                         cold_quant)
 
 
 def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: list[np.ndarray], ctx: int,
@@ -136,7 +158,7 @@ def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: l
     attention_matrices = model.attention_params - model.attention_bias_params
     for params in predictor_params:
         dense = model.attention_params + model.norm_params + params
-        dense_cpu = (cpu_matrix_bytes(attention_matrices, model.attention_rows, cold_quant)
+        dense_cpu = (attention_cpu_bytes(model, attention_matrices, cold_quant)
                      + predictor_cpu_bytes(model, params, cold_quant)
                      + (model.attention_bias_params + model.norm_params) * CPU_BYTES)
         kv = model.kv_per_position * ctx

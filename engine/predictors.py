@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .errors import ModelFormatError
-from .quantized import Int8Matrix, matrix_nbytes
+from .quantized import QuantMatrix, matrix_nbytes, quantize_matrix
 from .sidecar import group_by_layer, sidecar_dir
 
 FILENAME = "predictors.safetensors"
@@ -49,7 +49,7 @@ class PredictorSet:
         from .model import linear
 
         fc1, fc2 = self.fc1[layer], self.fc2[layer]
-        dtype = torch.float32 if isinstance(fc1, Int8Matrix) else fc1.dtype
+        dtype = torch.float32 if isinstance(fc1, QuantMatrix) else fc1.dtype
         rows = x.to(dtype).reshape(-1, x.shape[-1])
         out = linear(torch.relu(linear(rows, fc1)), fc2)
         return out.reshape(*x.shape[:-1], fc2.shape[0])
@@ -57,12 +57,16 @@ class PredictorSet:
     def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         return self.logits(layer, x) >= self.thresholds[layer]
 
-    def to(self, layer: int, device: torch.device, dtype: torch.dtype, int8: bool = False) -> None:
-        """Move a layer's predictor to a tier: device and dtype, or int8 rows on the CPU."""
+    def to(self, layer: int, device: torch.device, dtype: torch.dtype, int8: bool = False,
+           quant: str | None = None) -> None:
+        """Move a layer's predictor to a tier: device and dtype, or int8 (or `quant`: int4)
+        rows on the CPU."""
+        quant = quant or ("int8" if int8 else None)
+
         def place(w):
-            if int8:
-                return w if isinstance(w, Int8Matrix) else Int8Matrix.quantize(w)
-            return w.to_dense(device, dtype) if isinstance(w, Int8Matrix) else w.to(device, dtype)
+            if quant in ("int8", "int4"):
+                return quantize_matrix(w, quant)
+            return w.to_dense(device, dtype) if isinstance(w, QuantMatrix) else w.to(device, dtype)
 
         self.fc1[layer], self.fc2[layer] = place(self.fc1[layer]), place(self.fc2[layer])
 

@@ -10,6 +10,7 @@ token boundary, and the KV cache (the conversation) is kept.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,15 +24,17 @@ from .config import ModelConfig
 from .errors import BudgetError, UserError
 from .hybrid_ffn import ColdRows, FfnCounters, HotRows, HybridFfn
 from .kernels import cpu as cpu_kernels
+from .kernels import cpu_q4
 from .loader import compute_dtype, load_transformer
 from .model import DenseFfn, Transformer
-from .placement import COLD_INT8, ModelBytes, Placement, PlacementProblem, build_problem, solve
+from .placement import ModelBytes, Placement, PlacementProblem, build_problem, solve
 from .predictors import PredictorSet, import_checkpoint_predictors
-from .quantized import Int8Matrix
+from .quantized import QuantMatrix, quantize_matrix
 from .units import format_size
 from .weights import WeightSource
 
-COLD_QUANTS = ("int8", "fp32")
+COLD_QUANTS = ("int4", "int8", "fp32")
+log = logging.getLogger(__name__)
 
 
 def pick_fast_device(device: str | None) -> torch.device:
@@ -100,6 +103,8 @@ class SparseRuntime:
         self._pending: Placement | None = None
         self._pending_lock = threading.Lock()
         self.override_masks = None  # benchmarks: callable(layer) -> bool mask [n_ff] replacing the threshold
+        self.prepared_path: Path | None = None  # the prepared rows file read or written at load
+        self.prepared_rows = None  # engine.prepared.PreparedRows when this load mapped one
 
     # --------------------------------------------------------------- per token
     def predictor_logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -181,8 +186,10 @@ class SparseRuntime:
         cpu = torch.device("cpu")
         return (self.fast, self.fast_dtype()) if on_fast else (cpu, torch.float32)
 
-    def split_ffn(self, layer: int, dense: DenseFfn, hot_ids: np.ndarray) -> HybridFfn:
-        """Split a freshly loaded fp32 CPU FFN into hot and cold rows."""
+    def split_ffn(self, layer: int, dense: DenseFfn, hot_ids: np.ndarray, all_rows=None) -> HybridFfn:
+        """Split a freshly loaded fp32 CPU FFN into hot and cold rows. `all_rows`: the whole
+        layer already in the CPU format (rows are quantized one by one, so the cold rows
+        are a selection of them)."""
         hot_idx = torch.as_tensor(hot_ids, dtype=torch.long)
         cold_mask = torch.ones(dense.n_ff, dtype=torch.bool)
         cold_mask[hot_idx] = False
@@ -194,10 +201,24 @@ class SparseRuntime:
             _hot_rows(up[hot_idx], device, dtype), _hot_rows(down_t[hot_idx], device, dtype),
             hot_idx.to(device),
         )
-        cold = ColdRows(cpu_kernels.CpuFfnRows.from_dense(None if gate is None else gate[cold_idx], up[cold_idx],
-                                                          down_t[cold_idx], quant=self.cold_quant), cold_idx)
+        if all_rows is not None:
+            rows = all_rows if len(cold_idx) == dense.n_ff else all_rows.select(cold_idx)
+        else:
+            rows = cold_rows_from_dense(None if gate is None else gate[cold_idx], up[cold_idx], down_t[cold_idx],
+                                        self.cold_quant)
+        cold = ColdRows(rows, cold_idx)
         return HybridFfn(layer, gate is not None, self.config.activation, self.config.activation_threshold,
                          dense.n_ff, hot, cold, self)
+
+    def cold_ffn(self, layer: int, rows) -> HybridFfn:
+        """A layer whose neurons all sit on the CPU, from rows already in the CPU format
+        (a prepared file's mapped rows: taken as they are)."""
+        device, dtype = self._where(True)
+        d, n = self.config.hidden_size, self.config.intermediate_size
+        empty = torch.empty(0, d, device=device, dtype=dtype)
+        hot = HotRows(empty if rows.gated else None, empty, empty, torch.empty(0, dtype=torch.long, device=device))
+        return HybridFfn(layer, rows.gated, self.config.activation, self.config.activation_threshold, n, hot,
+                         ColdRows(rows, torch.arange(n)), self)
 
     def apply(self, plan: Placement) -> None:
         """Move what changed tier; called with the engine lock held (or between tokens)."""
@@ -216,7 +237,7 @@ class SparseRuntime:
                 self._move_neurons(layer.ffn, new_ids)
         self.plan = plan
 
-    def _head_weights(self, on_fast: bool) -> torch.Tensor | Int8Matrix:
+    def _head_weights(self, on_fast: bool) -> torch.Tensor | QuantMatrix:
         """The output head for its tier. A tied head shares the embeddings on the CPU tier;
         on the fast tier it is its own copy, even when the CPU stands in for the GPU, so
         the bytes are those a GPU would hold."""
@@ -226,19 +247,20 @@ class SparseRuntime:
             return self._tier_matrix(model.lm_head, on_fast)
         return model.embed.to(device, dtype, copy=True) if on_fast else model.embed
 
-    def _tier_matrix(self, w: torch.Tensor | Int8Matrix, on_fast: bool) -> torch.Tensor | Int8Matrix:
+    def _tier_matrix(self, w: torch.Tensor | QuantMatrix, on_fast: bool) -> torch.Tensor | QuantMatrix:
         """A dense weight matrix in its tier's storage: the fast tier's dtype, or on the CPU
-        tier fp32, or int8 rows when the CPU weights are int8 (a quarter of the bytes to
-        read per token)."""
-        if not on_fast and self.cold_quant == COLD_INT8:
-            return w if isinstance(w, Int8Matrix) else Int8Matrix.quantize(w)
+        tier fp32, or int8 / 4-bit rows when the CPU weights are int8 / int4 (a quarter /
+        about an eighth of the bytes to read per token)."""
+        if not on_fast and self.cold_quant != "fp32":
+            return quantize_matrix(w, self.cold_quant)
         device, dtype = self._where(on_fast)
-        return w.to_dense(device, dtype) if isinstance(w, Int8Matrix) else w.to(device, dtype)
+        return w.to_dense(device, dtype) if isinstance(w, QuantMatrix) else w.to(device, dtype)
 
     def place_predictor(self, i: int, on_fast: bool) -> None:
         """Layer i's predictor in its tier's storage (int8 rows on an int8 CPU tier)."""
         if self.predictors is not None:
-            self.predictors.to(i, *self._where(on_fast), int8=not on_fast and self.cold_quant == COLD_INT8)
+            quant = self.cold_quant if not on_fast and self.cold_quant != "fp32" else None
+            self.predictors.to(i, *self._where(on_fast), quant=quant)
 
     def convert_layer_dense(self, layer, on_fast: bool) -> None:
         """The attention matrices of a freshly loaded layer into its tier's storage."""
@@ -308,8 +330,7 @@ class SparseRuntime:
         if len(demote_pos):
             g, u, d = ffn.hot.fp32_rows()
             pos = torch.as_tensor(demote_pos)
-            parts.append(cpu_kernels.CpuFfnRows.from_dense(None if g is None else g[pos], u[pos], d[pos],
-                                                           quant=self.cold_quant))
+            parts.append(cold_rows_from_dense(None if g is None else g[pos], u[pos], d[pos], self.cold_quant))
         cold_all = np.concatenate([cold_ids[keep_cold], old_hot_ids[demote_pos]])
         cold_order = torch.as_tensor(np.argsort(cold_all, kind="stable"))
         rows = _concat_rows(parts).select(cold_order) if len(parts) > 1 else kept
@@ -348,7 +369,16 @@ def _hot_rows(rows: torch.Tensor, device: torch.device, dtype: torch.dtype) -> t
     return rows.to(device, dtype).contiguous()
 
 
-def _concat_rows(parts: list) -> cpu_kernels.CpuFfnRows:
+def cold_rows_from_dense(gate, up, down_t, quant: str):
+    """Float rows [n, d] in the CPU kernels' storage for `quant` (int4, int8 or fp32)."""
+    if quant == cpu_q4.QUANT:
+        return cpu_q4.Q4FfnRows.from_dense(gate, up, down_t)
+    return cpu_kernels.CpuFfnRows.from_dense(gate, up, down_t, quant=quant)
+
+
+def _concat_rows(parts: list):
+    if parts[0].quant == cpu_q4.QUANT:
+        return cpu_q4.Q4FfnRows.concat(parts)
     def cat(name):
         tensors = [getattr(p, name) for p in parts]
         return None if tensors[0] is None else torch.cat(tensors)
@@ -374,12 +404,35 @@ def problem_for_model(model_dir: Path, config: ModelConfig, ctx: int, fast: torc
     return placement_problem(config, ranks, frequencies, ctx, fast, storage, cold_quant)
 
 
+def _prepared_source(model_dir: Path, config: ModelConfig, cold_quant: str):
+    """(mapped prepared rows, None) when a current prepared file exists; else (None, a
+    writer for one) for the int8/int4 formats; (None, None) when preparing is off or the
+    model's folder cannot be written (a read-only install)."""
+    from . import prepared
+
+    if cold_quant not in prepared.FORMATS or not prepared.enabled() or prepared.is_bundled(model_dir):
+        return None, None
+    rows = prepared.PreparedRows.open_if_current(model_dir, cold_quant)
+    if rows is not None:
+        return rows, None
+    try:
+        writer = prepared.PreparedWriter(model_dir, cold_quant, prepared.checkpoint_key(model_dir, cold_quant),
+                                         config.intermediate_size, config.hidden_size, config.gated,
+                                         config.num_layers)
+    except OSError as exc:
+        log.warning("not preparing %s: %s", model_dir, exc)
+        return None, None
+    return None, writer
+
+
 def build_sparse_engine(engine_cls, model_dir: Path, config: ModelConfig, tokenizer, mode: str, ctx: int,
                         vram_budget: int | None, ram_budget: int | None, device: str | None, progress,
                         cold_quant: str = "int8"):
     if cold_quant not in COLD_QUANTS:
-        raise UserError(f"unknown CPU weight format {cold_quant!r}: choose int8 or fp32")
+        raise UserError(f"unknown CPU weight format {cold_quant!r}: choose int4, int8 or fp32")
     if config.is_moe:  # placed expert by expert, routed by the model's own router
+        if cold_quant == "int4":  # the expert tiers keep CpuFfnRows (int8 or fp32) only so far
+            raise UserError("mixture-of-experts models take --cpu-weights int8 or fp32; int4 experts are not built yet")
         from .moe_tiers import build_moe_engine
 
         return build_moe_engine(engine_cls, model_dir, config, tokenizer, mode, ctx, vram_budget, ram_budget,
@@ -403,11 +456,41 @@ def build_sparse_engine(engine_cls, model_dir: Path, config: ModelConfig, tokeni
     cpu = torch.device("cpu")
     layer_devices = [fast if on else cpu for on in plan.layer_on_fast]
     head_device = fast if plan.head_on_fast else cpu
-    model = load_transformer(
-        model_dir, config, layer_devices, head_device, ctx, progress,
-        ffn_builder=lambda i, dense: runtime.split_ffn(i, dense, plan.hot_ids[i]),
-        on_layer=lambda i, layer: runtime.convert_layer_dense(layer, plan.layer_on_fast[i]),
-    )
+    prepared_rows, writer = _prepared_source(model_dir, config, cold_quant)
+    runtime.prepared_path = prepared_rows.path if prepared_rows is not None else None
+    runtime.prepared_rows = prepared_rows
+
+    def mapped(i: int) -> bool:  # this layer's FFN comes from the prepared file
+        return prepared_rows is not None and len(plan.hot_ids[i]) == 0 and prepared_rows.has_layer(i)
+
+    def build_ffn(i: int, dense):
+        if dense is None:
+            return runtime.cold_ffn(i, prepared_rows.layer_rows(i, config.hidden_size))
+        all_rows = None
+        if writer is not None:
+            if progress:
+                progress(i / config.num_layers, f"preparing layer {i + 1} of {config.num_layers} "
+                                                f"({cold_quant} rows, first load only)")
+            all_rows = cold_rows_from_dense(dense.gate, dense.up, dense.down_t, cold_quant)
+            writer.add_layer(i, all_rows)
+        return runtime.split_ffn(i, dense, plan.hot_ids[i], all_rows)
+
+    try:
+        model = load_transformer(
+            model_dir, config, layer_devices, head_device, ctx, progress, ffn_builder=build_ffn,
+            on_layer=lambda i, layer: runtime.convert_layer_dense(layer, plan.layer_on_fast[i]),
+            read_ffn=lambda i: not mapped(i),
+        )
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if writer is not None:
+        try:
+            runtime.prepared_path = writer.finish()
+        except OSError as exc:
+            writer.abort()
+            log.warning("could not write the prepared rows of %s: %s", model_dir, exc)
     for i, on_fast in enumerate(plan.layer_on_fast):
         runtime.place_predictor(i, on_fast)
     cache = engine_cls.make_cache(config, ctx, layer_devices, [compute_dtype(d, storage) for d in layer_devices])

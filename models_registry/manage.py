@@ -271,3 +271,35 @@ def _import_into(src: Path, target: Path, predictors_dir, on_predictors, convert
             on_predictors(dest, target)
             state["predictors"] = "imported"
     write_state(target, state)
+
+
+def _gguf_model_name(path: Path) -> str:
+    """ReluLLaMA-7B.q4.powerinfer.gguf -> ReluLLaMA-7B.q4 (the name under local/)."""
+    name = path.name[:-len(".gguf")] if path.name.lower().endswith(".gguf") else path.stem
+    return name[:-len(".powerinfer")] if name.lower().endswith(".powerinfer") else name
+
+
+def import_gguf_file(src: str | os.PathLike, name: str | None = None, *, root: Path | None = None,
+                     convert: Callable[[Path, Path], dict]) -> tuple[Path, dict]:
+    """Add a GGUF file to the models folder as `local/<name>`: `convert(src, target)` (the
+    engine's GGUF importer, passed in so this package stays free of the engine) writes the
+    model folder, and removes it again when it fails. Returns (folder, convert's summary)."""
+    src = Path(src).expanduser()
+    if not src.is_file():
+        raise UserError(f"{src} is not a file")
+    name = (name or _gguf_model_name(src)).strip()
+    if not is_repo_id(f"{LOCAL_ORG}/{name}"):
+        raise UserError(f"cannot use {name!r} as a model name: use letters, digits, '-', '_' and '.'")
+    root = Path(root or models_dir())
+    target = root / repo_folder_name(f"{LOCAL_ORG}/{name}")
+    if target.exists():
+        raise UserError(f"a model named {LOCAL_ORG}/{name} already exists; remove it first or pick another --name")
+    root.mkdir(parents=True, exist_ok=True)
+    summary = convert(src, target)
+    files = {p.relative_to(target).as_posix(): {"size": p.stat().st_size, "hash": None, "verified": False}
+             for p in sorted(target.rglob("*")) if p.is_file()}
+    state = {"status": "ready", "source": "gguf", "origin": str(src.resolve()), "files": files,
+             "size_bytes": sum(f["size"] for f in files.values()), "finished": time.time(),
+             "predictors": "imported" if summary.get("predictors") else None}
+    write_state(target, state)
+    return target, summary

@@ -1,11 +1,106 @@
-"""PowerInfer-style GGUF files for tests: the `gguf` package's writer, then PowerInfer's
-post-processing (the first four bytes overwritten with `PWRI`, as its convert.py does)."""
+"""GGUF files written from a tiny Hugging Face model with ggml's `gguf` package, the way
+PowerInfer's convert.py lays them out: q/k rows permuted for ggml's rotary, the down
+projection transposed (`ffn_down_t`), predictors `blk.N.fc1/fc2`, the magic `PWRI` (PowerInfer's post-processing
+overwrites the first four bytes); and `powerinfer_gguf`, a file of predictors around random
+tensors, for the predictor readers."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import gguf
 import numpy as np
+from safetensors.numpy import load_file
+
+GLOBALS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+         "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+         "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+         "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+         "mlp.down_proj.weight": "ffn_down.weight"}
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """convert.py's q/k permutation (HF rotary halves -> ggml's interleaved pairs)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _tensors(hf_dir: Path) -> dict[str, np.ndarray]:
+    out = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def write_gguf(hf_dir: Path, out: Path, *, qtype: str = "F16", powerinfer: bool = True,
+               predictors: tuple[list[np.ndarray], list[np.ndarray]] | None = None,
+               sparse_threshold: float | None = None, arch: str = "llama") -> Path:
+    """Write hf_dir's model (llama layout) as a GGUF. qtype: F16, BF16-less F32, Q8_0 or Q4_0 for
+    the 2-D weights (norms stay F32, as llama.cpp keeps them)."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    w.add_tokenizer_model("gpt2")
+    vocab = tok["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv_: kv_[1])]
+    w.add_token_list(tokens)
+    special = {a["content"] for a in tok["added_tokens"]}
+    w.add_token_types([3 if t in special else 1 for t in tokens])
+    merges = tok["model"]["merges"]
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    w.add_bos_token_id(config["bos_token_id"])
+    w.add_eos_token_id(config["eos_token_id"])
+    w.add_add_bos_token(True)
+    if sparse_threshold is not None:
+        w.add_float32("powerinfer.sparse_threshold", sparse_threshold)
+    kind = gguf.GGMLQuantizationType[qtype]
+
+    def add(name, a):
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        if a.ndim == 1 or qtype == "F32":
+            w.add_tensor(name, a)
+        elif qtype == "F16":
+            w.add_tensor(name, a.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(a, kind), raw_dtype=kind)
+
+    for name, a in sorted(_tensors(hf_dir).items()):
+        a = a.astype(np.float32)
+        if name in GLOBALS:
+            add(GLOBALS[name], a)
+            continue
+        _, _, i, rest = name.split(".", 3)
+        new = LAYER[rest]
+        if new == "attn_q.weight":
+            a = permute(a, heads)
+        elif new == "attn_k.weight":
+            a = permute(a, kv)
+        elif new == "ffn_down.weight" and powerinfer:
+            new, a = "ffn_down_t.weight", a.T
+        add(f"blk.{i}.{new}", a)
+    if predictors is not None:
+        for i, (fc1, fc2) in enumerate(zip(*predictors)):
+            add(f"blk.{i}.fc1.weight", fc1)
+            add(f"blk.{i}.fc2.weight", fc2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    if powerinfer:
+        with open(out, "r+b") as f:
+            f.write(b"PWRI")
+    return out
 
 
 def powerinfer_gguf(path: Path, *, layers: int, d: int, n_ff: int, rank: int = 8, vocab: int = 300,
@@ -13,8 +108,6 @@ def powerinfer_gguf(path: Path, *, layers: int, d: int, n_ff: int, rank: int = 8
                     fc1_f16: bool = True) -> dict[str, np.ndarray]:
     """Write a GGUF with a vocabulary (a header of some size), dense model tensors and per-layer
     predictors `blk.N.fc1.weight` [rank, d] / `blk.N.fc2.weight` [n_ff, rank]; return the predictors."""
-    import gguf
-
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), arch="llama")
     writer.add_block_count(layers)

@@ -35,3 +35,19 @@ def test_fit_estimate_matches_engine_allocations(tmp_path, tiny_models, family, 
     for tier, size in estimate.tier_bytes().items():
         assert size == pytest.approx(real["tiers"][tier], rel=0.05, abs=64), tier
     assert real["vram_bytes"] <= vram
+
+
+@pytest.mark.parametrize("cpu_weights", ["int4", "fp32"])
+def test_fit_estimate_counts_the_cpu_weight_format(tmp_path, tiny_models, cpu_weights):
+    """4-bit and fp32 CPU tiers: the estimate is what the engine allocates (4-bit exactly)."""
+    model = tmp_path / "m"
+    shutil.copytree(tiny_models["llama"], model)
+    config = json.loads((model / "config.json").read_text())
+    cfg = Engine.load(model).config
+    random_predictors(cfg, rank=12).save(model)
+    engine = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=RAM, ctx=256, cold_quant=cpu_weights)
+    real = engine.memory()
+    estimate = estimate_fit(config, ctx=256, vram_budget=0, ram_budget=RAM, model_dir=model,
+                            bytes_model=BytesModel(gpu_weight_bytes=4, gpu_kv_bytes=4, cold_quant=cpu_weights))
+    for tier, size in estimate.tier_bytes().items():
+        assert size == pytest.approx(real["tiers"][tier], rel=0.02, abs=64), tier

@@ -102,3 +102,22 @@ def test_cancel_keeps_partial_and_failure_shows_dialog(qtbot, window, local_hub)
     qtbot.waitUntil(lambda: bool(error_dialogs()), timeout=5_000)
     assert error_dialogs()[0].windowTitle() == "Not a repository id"
     error_dialogs()[0].accept()
+
+
+def test_add_file_imports_a_gguf_and_refuses_junk(qtbot, window, tmp_path, llama_dir):
+    """The Models page's "Add file…": a PowerInfer GGUF becomes a local model card; a file
+    that is not a GGUF gets an error dialog and leaves nothing behind."""
+    import gguf_factory
+
+    path = gguf_factory.write_gguf(llama_dir, tmp_path / "tiny.powerinfer.gguf", qtype="Q8_0")
+    window.models.import_gguf_file(str(path))
+    qtbot.waitUntil(lambda: "local/tiny" in window.models.cards, timeout=60_000)
+    assert not error_dialogs()
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"\0" * 64)
+    window.models.import_gguf_file(str(junk))
+    qtbot.waitUntil(lambda: bool(error_dialogs()), timeout=30_000)
+    assert "not a GGUF" in error_dialogs()[0].text()
+    for dialog in error_dialogs():
+        dialog.close()
+    assert "local/junk" not in window.models.cards

@@ -145,6 +145,13 @@ def test_fit_command_before_download(env, capsys):
     assert code == 0 and "does not fit" in out
     code, _, err = _run(capsys, "models", "fit", "relullama-7b", "--ctx", "0")
     assert code == 2 and "--ctx" in err
+    # 4-bit CPU rows: about half the RAM of int8 rows for the same (CPU-only) placement
+    ram = {}
+    for fmt in ("int4", "int8"):
+        code, out, _ = _run(capsys, "models", "fit", "relullama-7b", "--vram-budget", "0", "--ram-budget", "64GiB",
+                            "--cpu-weights", fmt, "--ctx", "256", "--json")
+        ram[fmt] = json.loads(out)["ram_bytes"]
+    assert 0.5 < ram["int4"] / ram["int8"] < 0.7
 
 
 def test_list_includes_models_added_by_hand(env, tmp_path):

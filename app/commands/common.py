@@ -27,10 +27,10 @@ def add_model_options(parser: argparse.ArgumentParser, *, sampling: bool = True)
                         help="context length in tokens (default: 2048, or less if the model was trained on less)")
     parser.add_argument("--device", default=None, help="fast device (cuda, cuda:1, cpu); default: best found")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    parser.add_argument("--cpu-weights", default="int8", choices=("int8", "fp32"),
+    parser.add_argument("--cpu-weights", default="int8", choices=("int4", "int8", "fp32"),
                         help="format of the weights on the CPU tier in sparse and hybrid modes: cold FFN "
                              "rows, attention, untied output head, predictors (int8: 4x fewer bytes; "
-                             "fp32: exact)")
+                             "int4: llama.cpp's Q4_0 blocks, 7x fewer; fp32: exact)")
     if sampling:
         parser.add_argument("--max-new-tokens", type=int, default=256)
         parser.add_argument("--temperature", type=float, default=None, help="0 = greedy")

@@ -16,9 +16,9 @@ def register(subparsers) -> None:
     parser.add_argument("--window", type=int, default=256, help="tokens per scored window")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cpu)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads")
-    parser.add_argument("--cpu-weights", default="int8", choices=("int8", "fp32"),
+    parser.add_argument("--cpu-weights", default="int8", choices=("int4", "int8", "fp32"),
                         help="format of the weights on the CPU, shared by all three scorings "
-                             "(int8: as chat runs; fp32: the checkpoint's exact weights)")
+                             "(int8: as chat runs by default; int4: 4-bit Q4_0 rows; fp32: the checkpoint's exact weights)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 from engine.errors import UserError
 from engine.units import format_size
@@ -41,8 +42,11 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_remove)
 
-    p = sub.add_parser("import", help="add a local model folder (Hugging Face layout) as local/<name>")
-    p.add_argument("folder")
+    p = sub.add_parser("import", help="add a local model folder (Hugging Face layout) or a .gguf file (llama.cpp's "
+                                      "or PowerInfer's) as local/<name>")
+    p.add_argument("folder", help="model folder or .gguf file")
+    p.add_argument("--activation", default=None, choices=("relu", "fatrelu", "drelu", "relu2"),
+                   help="a plain llama GGUF's activation (GGUFs do not record it; PowerInfer's files are relu)")
     p.add_argument("--name", default=None, help="name under local/ (default: the folder's name)")
     p.add_argument("--predictors", default=None, metavar="DIR", help="PowerInfer predictor folder (model_N.pt)")
     p.add_argument("--json", action="store_true")
@@ -68,6 +72,8 @@ def register(subparsers) -> None:
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--vram-budget", type=size_arg, default=None, metavar="SIZE", help="default: suggested")
     p.add_argument("--ram-budget", type=size_arg, default=None, metavar="SIZE", help="default: suggested")
+    p.add_argument("--cpu-weights", default="int8", choices=("int4", "int8", "fp32"),
+                   help="format of the weights on the CPU tier (as generate/chat --cpu-weights)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler=cmd_fit)
 
@@ -217,6 +223,8 @@ def cmd_remove(args) -> int:
 def cmd_import(args) -> int:
     from models_registry.manage import LOCAL_ORG, import_model
 
+    if Path(args.folder).expanduser().is_file() or args.folder.lower().endswith(".gguf"):
+        return _import_gguf(args)
     importer = _predictor_importer() if args.predictors else None
     target = import_model(args.folder, args.name, predictors_dir=args.predictors, on_predictors=importer,
                           convert_pickles=_pickle_converter())
@@ -225,6 +233,29 @@ def cmd_import(args) -> int:
         print(json.dumps({"id": model_id, "path": str(target)}))
     else:
         print(f"imported as {model_id} at {target}")
+    return 0
+
+
+def _import_gguf(args) -> int:
+    from engine.gguf_import import import_gguf
+    from models_registry.manage import LOCAL_ORG, import_gguf_file
+
+    from .progress_bar import ProgressBar
+
+    if args.predictors:
+        raise UserError("--predictors is for model folders; a PowerInfer GGUF carries its predictors")
+    bar = ProgressBar("import", quiet=args.json)
+    target, summary = import_gguf_file(
+        args.folder, args.name,
+        convert=lambda src, dst: import_gguf(src, dst, activation=args.activation, progress=bar))
+    bar.done()
+    model_id = f"{LOCAL_ORG}/{target.name.split('--', 1)[1]}"
+    if args.json:
+        print(json.dumps({"id": model_id, "path": str(target), **summary}))
+    else:
+        kinds = ", ".join(summary["tensor_types"])
+        extra = " with predictors" if summary["predictors"] else ""
+        print(f"imported {summary['architecture']} GGUF ({kinds}){extra} as {model_id} at {target}")
     return 0
 
 
@@ -249,7 +280,7 @@ def cmd_verify(args) -> int:
 # -- fit -------------------------------------------------------------------------------------
 def cmd_fit(args) -> int:
     from models_registry.catalogue import find_entry
-    from models_registry.fit import estimate_fit
+    from models_registry.fit import BytesModel, estimate_fit
     from models_registry.hardware import probe_hardware
     from models_registry.resolve import resolve_model
 
@@ -267,7 +298,8 @@ def cmd_fit(args) -> int:
         config = entry.config  # not downloaded: size it from the catalogue's shape
     hw = probe_hardware()
     est = estimate_fit(config, ctx=args.ctx, vram_budget=args.vram_budget, ram_budget=args.ram_budget,
-                       hardware=hw, model_dir=folder, known_activation=entry.activation if entry else None)
+                       hardware=hw, model_dir=folder, known_activation=entry.activation if entry else None,
+                       bytes_model=BytesModel(cold_quant=args.cpu_weights))
     if args.json:
         print(json.dumps(dict(est.to_dict(), model=args.model), indent=2))
         return 0

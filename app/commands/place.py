@@ -17,7 +17,7 @@ def register(subparsers) -> None:
     parser.add_argument("--ctx", type=int, default=None,
                         help="context length (default: the engine's, capped at the model's positions)")
     parser.add_argument("--device", default=None, help="fast device (default: cuda:0 if present, else the CPU)")
-    parser.add_argument("--cpu-weights", default="int8", choices=("int8", "fp32"))
+    parser.add_argument("--cpu-weights", default="int8", choices=("int4", "int8", "fp32"))
     parser.add_argument("--json", action="store_true")
     parser.set_defaults(handler=run)
 

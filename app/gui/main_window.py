@@ -240,7 +240,7 @@ class MainWindow(QMainWindow):
             return  # another switch came in meanwhile; its own probe will load it
         vram, ram = self.panel.budgets_for_load()
         self.client.load(spec, mode=self.settings["engine.mode"], ctx=self.panel.ctx_for_load(),
-                         vram_budget=vram, ram_budget=ram)
+                         vram_budget=vram, ram_budget=ram, cpu_weights=self.settings["engine.cpu_weights"])
 
     def switch_model(self, spec: str) -> None:
         """Make `spec` the active model; the conversation stays open."""

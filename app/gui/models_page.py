@@ -354,6 +354,9 @@ class ModelsPage(QWidget):
         self.add_folder_button = QPushButton("Add folder…", header)
         self.add_folder_button.setToolTip("Use a model folder already on this computer")
         self.add_folder_button.clicked.connect(self.add_folder)
+        self.add_file_button = QPushButton("Add file…", header)
+        self.add_file_button.setToolTip("Import a GGUF file (llama.cpp's or PowerInfer's)")
+        self.add_file_button.clicked.connect(self.add_file)
         self.open_dir_button = QPushButton("Models folder", header)
         self.open_dir_button.setToolTip("Open the folder where downloads are kept")
         self.open_dir_button.clicked.connect(self._open_models_dir)
@@ -361,7 +364,8 @@ class ModelsPage(QWidget):
         self.add_remote_button.setToolTip("Use a model served by another machine (vLLM, llama.cpp, Ollama, "
                                           "Thermocline) over the OpenAI API")
         self.add_remote_button.clicked.connect(self.add_remote)
-        for b in (self.add_repo_button, self.add_folder_button, self.add_remote_button, self.open_dir_button):
+        for b in (self.add_repo_button, self.add_folder_button, self.add_file_button,
+                  self.add_remote_button, self.open_dir_button):
             top.addWidget(b)
         hl.addLayout(top)
         self.machine_label = QLabel("Looking at this machine…", header)
@@ -508,6 +512,39 @@ class ModelsPage(QWidget):
         dlg.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose, True)
         dlg.fileSelected.connect(self.add_local_folder)
         dlg.open()
+
+    def add_file(self) -> None:
+        dlg = QFileDialog(self, "Choose a GGUF file", "", "GGUF models (*.gguf)")
+        dlg.setFileMode(QFileDialog.FileMode.ExistingFile)
+        dlg.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose, True)
+        dlg.fileSelected.connect(self.import_gguf_file)
+        dlg.open()
+
+    def import_gguf_file(self, path: str) -> None:
+        """Convert the file into the models folder off the GUI thread, then list it."""
+        def work():
+            from engine.gguf_import import import_gguf
+            from models_registry.manage import import_gguf_file
+
+            return import_gguf_file(path, convert=import_gguf)
+
+        def failed(exc: BaseException) -> None:
+            show_error(self.window(), "Cannot import the file", str(exc),
+                       "Thermocline imports GGUFs of llama and bamboo ReLU-family models in F16, BF16, Q8_0 or "
+                       "Q4_0. A plain llama GGUF needs `thermocline models import FILE --activation relu`.")
+
+        self.add_file_button.setEnabled(False)
+
+        def done(result) -> None:
+            self.add_file_button.setEnabled(True)
+            target, _summary = result
+            self._add_custom(f"local/{Path(target).name.split('--', 1)[1]}")
+
+        def error(exc: BaseException) -> None:
+            self.add_file_button.setEnabled(True)
+            failed(exc)
+
+        run_in_background(work, done, error, owner=self)
 
     def add_local_folder(self, path: str) -> None:
         folder = Path(path).expanduser().resolve()

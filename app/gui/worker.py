@@ -132,7 +132,8 @@ class EngineWorker(QObject):
 
             vram, ram = options.get("vram_budget"), options.get("ram_budget")
             self._budgets = (vram, ram)
-            kwargs = dict(ctx=int(options.get("ctx", 2048)), vram_budget=vram, ram_budget=ram, progress=progress)
+            kwargs = dict(ctx=int(options.get("ctx", 2048)), vram_budget=vram, ram_budget=ram, progress=progress,
+                          cold_quant=options.get("cpu_weights", "int8"))
             try:
                 try:
                     eng = Engine.load(spec, mode=mode, **kwargs)
@@ -380,11 +381,13 @@ class EngineClient(QObject):
     def busy(self) -> bool:
         return self.current_request is not None
 
-    def load(self, spec: str, *, mode: str, ctx: int, vram_budget: int | None, ram_budget: int | None) -> None:
+    def load(self, spec: str, *, mode: str, ctx: int, vram_budget: int | None, ram_budget: int | None,
+             cpu_weights: str = "int8") -> None:
         self.stop()  # a model switch ends the answer in progress first
         self.loading_model = spec
         self.model_info = None
-        self._load.emit(spec, {"mode": mode, "ctx": ctx, "vram_budget": vram_budget, "ram_budget": ram_budget})
+        self._load.emit(spec, {"mode": mode, "ctx": ctx, "vram_budget": vram_budget, "ram_budget": ram_budget,
+                               "cpu_weights": cpu_weights})
 
     def generate(self, messages: list[dict], params: dict) -> int:
         self._next_request += 1

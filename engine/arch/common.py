@@ -24,6 +24,7 @@ class Converter:
 
     def __init__(self, source: WeightSource, config: ModelConfig):
         self.source, self.config = source, config
+        self.skip_ffn = False  # the sparse engine maps this layer's FFN rows from a prepared file
 
     def get(self, name: str, shape: tuple[int, ...], where: Placement) -> torch.Tensor:
         return self.source.get(name, shape).to(device=where.device, dtype=where.dtype)
@@ -53,6 +54,8 @@ class Converter:
 
     def ffn(self, gate_name: str | None, up_name: str, down_name: str, where: Placement,
             up_bias_name: str | None = None, down_bias_name: str | None = None) -> DenseFfn:
+        if self.skip_ffn:
+            return None
         cfg = self.config
         d, n = cfg.hidden_size, cfg.intermediate_size
         up = self.source.get(up_name, (n, d))

@@ -1,0 +1,546 @@
+"""4-bit rows (llama.cpp's Q4_0 blocks) on the CPU: storage, quantisation and kernels.
+
+A row of `cols` weights is stored as ceil(cols / 32) blocks of 18 bytes, byte for byte
+ggml's `block_q4_0`: a little-endian fp16 scale d, then 16 bytes whose low nibbles are
+weights 0..15 of the block and whose high nibbles are weights 16..31; weight = (nibble - 8) * d.
+A row is therefore self-contained (gatherable: one contiguous run of bytes per neuron) and
+a GGUF's Q4_0 rows are these rows unchanged. A row whose length is not a multiple of 32 is
+padded with zero weights; the kernels pad x with zeros to match, so the pad adds nothing.
+
+Quantisation follows ggml's reference (the signed value of largest magnitude maps to -8,
+d = max / -8, q = min(15, trunc(x / d + 8.5))), so our rows equal gguf's `quantize` bit for
+bit. 4.5 bits per weight: 0.56 bytes, against 1.03 for the int8 rows.
+
+Kernels (numba, in this one file for the same disk-cache reason as `cpu_numba`):
+`ffn_rows_q4` is `cpu_numba.ffn_rows` over 4-bit rows (gathered by ids or by predictor
+logits, three passes, thread-private partial sums); `matvec_rows_q4` the dense
+matrix-vector product of a decode step. The fp16 scale is decoded from its bits in
+registers (numba has no fp16 arithmetic on the CPU). Without numba, torch dequantizes the
+rows it needs and computes the same result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine import host_memory
+from engine.kernels import reference
+
+QK = 32            # weights per block
+BLOCK_BYTES = 18   # fp16 scale + 16 bytes of nibbles
+QUANT = "int4"
+
+_ROWS_PER_STEP = 512  # rows converted per step: bounds fp32 temporaries to a few MB
+
+
+def n_blocks(cols: int) -> int:
+    return (cols + QK - 1) // QK
+
+
+def row_bytes(cols: int) -> int:
+    """Bytes of one 4-bit row of `cols` weights."""
+    return n_blocks(cols) * BLOCK_BYTES
+
+
+# ---------------------------------------------------------------- quantisation (numpy/torch)
+def _quantize_block_rows(w: np.ndarray) -> np.ndarray:
+    """fp32 [n, nb * 32] -> uint8 [n, nb * 18] (ggml's reference rounding, vectorised)."""
+    n, cols = w.shape
+    nb = cols // QK
+    blocks = w.reshape(n * nb, QK)
+    imax = np.abs(blocks).argmax(axis=1)[:, None]
+    mx = np.take_along_axis(blocks, imax, axis=1)
+    d = mx / np.float32(-8.0)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0.0), np.float32(1.0) / d).astype(np.float32)
+    q = np.trunc(blocks * inv + np.float32(8.5)).astype(np.int16).clip(0, 15).astype(np.uint8)
+    out = np.empty((n * nb, BLOCK_BYTES), dtype=np.uint8)
+    out[:, :2] = d.astype(np.float16).view(np.uint8).reshape(n * nb, 2)
+    out[:, 2:] = q[:, :16] | (q[:, 16:] << np.uint8(4))
+    return out.reshape(n, nb * BLOCK_BYTES)
+
+
+def quantize_rows_q4(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """w [n, cols] (any float dtype, any device) -> uint8 [n, row_bytes(cols)]."""
+    if w.dim() != 2:
+        raise ValueError(f"expected rows [n, cols], got shape {tuple(w.shape)}")
+    n, cols = w.shape
+    width = n_blocks(cols) * QK
+    q = torch.empty((n, row_bytes(cols)), dtype=torch.uint8) if out is None else out
+    kern = _kernels()
+    for lo in range(0, n, _ROWS_PER_STEP):
+        hi = min(n, lo + _ROWS_PER_STEP)
+        block = np.zeros((hi - lo, width), dtype=np.float32)
+        block[:, :cols] = w[lo:hi].detach().to(device="cpu", dtype=torch.float32).numpy()
+        if not np.isfinite(block).all():
+            raise ValueError("weights hold inf or nan; they cannot be quantized")
+        if kern is None:
+            q[lo:hi] = torch.from_numpy(_quantize_block_rows(block))
+            continue
+        # numba: the nibbles and the fp32 scales in one pass; numpy rounds the scales to fp16
+        rows = np.empty((hi - lo, width // QK * BLOCK_BYTES), dtype=np.uint8)
+        d = kern.quantize_q4_blocks(block, rows)
+        blocks = rows.reshape(hi - lo, width // QK, BLOCK_BYTES)
+        blocks[:, :, :2] = d.astype(np.float16).view(np.uint8).reshape(hi - lo, width // QK, 2)
+        q[lo:hi] = torch.from_numpy(rows)
+    return q
+
+
+def dequantize_rows_q4(q: torch.Tensor, cols: int) -> torch.Tensor:
+    """uint8 [n, row_bytes(cols)] -> fp32 [n, cols]."""
+    n = q.shape[0]
+    nb = n_blocks(cols)
+    blocks = q.reshape(n, nb, BLOCK_BYTES)
+    d = blocks[:, :, :2].contiguous().view(torch.float16).to(torch.float32)  # [n, nb, 1]
+    nib = blocks[:, :, 2:].to(torch.int16)
+    vals = torch.cat([nib & 15, nib >> 4], dim=2).to(torch.float32) - 8.0  # [n, nb, 32]
+    return (vals * d).reshape(n, nb * QK)[:, :cols]
+
+
+def padded(x: torch.Tensor, cols: int) -> torch.Tensor:
+    """x fp32 [..., cols] -> contiguous fp32 [..., nb * 32], the pad zero (the kernels' input)."""
+    width = n_blocks(cols) * QK
+    x = x.detach().to(device="cpu", dtype=torch.float32)
+    if width == cols:
+        return x.contiguous()
+    out = torch.zeros(*x.shape[:-1], width, dtype=torch.float32)
+    out[..., :cols] = x
+    return out
+
+
+# ---------------------------------------------------------------------- numba kernels
+try:
+    import numba
+    from llvmlite import ir
+    from numba import prange, types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+except Exception:  # ImportError, or a broken numba/llvmlite install: torch computes instead
+    numba = None
+
+
+def _kernels():
+    """This module (its jitted kernels), or None (no numba, or THERMOCLINE_NO_NUMBA=1)."""
+    import sys
+
+    from engine.kernels import cpu as cpu_kernels
+
+    if numba is None or cpu_kernels._kernels() is None:
+        return None
+    return sys.modules[__name__]
+
+
+if numba is not None:
+    def _njit(**options):
+        def decorate(fn):
+            try:
+                return numba.njit(cache=True, **options)(fn)
+            except RuntimeError:  # no writable cache directory
+                return numba.njit(cache=False, **options)(fn)
+        return decorate
+
+    # 2^(e - 25) for fp16 exponent e (1..30), 2^-24 for subnormals: value = mantissa * pow2[e]
+    pow2 = np.array([2.0 ** -24] + [2.0 ** (e - 25) for e in range(1, 32)], dtype=np.float32)
+
+    @intrinsic
+    def prefetch(typingctx, rows, i, j):
+        """Prefetch the line holding rows[i, j] into L2 (as cpu_numba's, see there why L2)."""
+        sig = types.void(rows, i, j)
+
+        def codegen(context, builder, signature, args):
+            arrty = signature.args[0]
+            arr = context.make_array(arrty)(context, builder, args[0])
+            ptr = cgutils.get_item_pointer(context, builder, arrty, arr, [args[1], args[2]], wraparound=False)
+            i8p = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+            suffix = "p0" if str(i8p) == "ptr" else "p0i8"
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch." + suffix)
+            builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(2), i32(1)])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @_njit(inline="always")
+    def scale_of(w, i, o):
+        """The fp16 scale at bytes o, o+1 of row i, as fp32 (inf/nan never stored)."""
+        h = np.int32(w[i, o]) | (np.int32(w[i, o + 1]) << 8)
+        e = (h >> 10) & 31
+        m = h & 1023
+        if e != 0:
+            m += 1024
+        v = np.float32(m) * pow2[e]
+        return -v if h & 0x8000 else v
+
+    @_njit(inline="always", fastmath=True)
+    def row_dot(w, i, x, ahead):
+        """Row i . x (x padded to whole blocks); prefetches row `ahead` (>= 0) meanwhile."""
+        nb = x.shape[0] // 32
+        s = np.float32(0.0)
+        for b in range(nb):
+            o = b * 18
+            if ahead >= 0 and (o & 63) < 18:
+                prefetch(w, ahead, o)
+            xb = b * 32
+            p = np.float32(0.0)
+            for j in range(16):
+                q = np.int32(w[i, o + 2 + j])
+                p += np.float32((q & 15) - 8) * x[xb + j] + np.float32((q >> 4) - 8) * x[xb + 16 + j]
+            s += scale_of(w, i, o) * p
+        return s
+
+    @_njit(inline="always", fastmath=True)
+    def row_axpy(part, c, a, w, i, ahead):
+        """part[c] += a * row i (part padded to whole blocks); prefetches row `ahead`."""
+        nb = part.shape[1] // 32
+        for b in range(nb):
+            o = b * 18
+            if ahead >= 0 and (o & 63) < 18:
+                prefetch(w, ahead, o)
+            xb = b * 32
+            ad = a * scale_of(w, i, o)
+            for j in range(16):
+                q = np.int32(w[i, o + 2 + j])
+                part[c, xb + j] += ad * np.float32((q & 15) - 8)
+                part[c, xb + 16 + j] += ad * np.float32((q >> 4) - 8)
+
+    @_njit(parallel=True)
+    def quantize_q4_blocks(w, out):
+        """ggml's Q4_0 reference rounding (no fastmath: the same fp32 operations as gguf's
+        numpy code, so the bytes agree): per block of 32, the value of largest magnitude
+        (the first such) maps to -8, d = max / -8, q = min(15, trunc(x / d + 8.5)).
+        Fills the nibbles of out uint8 [n, nb * 18]; returns d fp32 [n, nb] (the caller
+        stores it as fp16 in bytes 0-1 of each block)."""
+        n, width = w.shape
+        nb = width // 32
+        d = np.empty((n, nb), dtype=np.float32)
+        for i in prange(n):
+            for b in range(nb):
+                amax = np.float32(0.0)
+                mx = np.float32(0.0)
+                for j in range(32):
+                    v = w[i, b * 32 + j]
+                    if abs(v) > amax:
+                        amax = abs(v)
+                        mx = v
+                db = mx / np.float32(-8.0)
+                d[i, b] = db
+                inv = np.float32(1.0) / db if db != 0 else np.float32(0.0)
+                o = b * 18
+                for j in range(16):
+                    lo = np.int32(np.trunc(w[i, b * 32 + j] * inv + np.float32(8.5)))
+                    hi = np.int32(np.trunc(w[i, b * 32 + 16 + j] * inv + np.float32(8.5)))
+                    lo = min(max(lo, 0), 15)
+                    hi = min(max(hi, 0), 15)
+                    out[i, o + 2 + j] = np.uint8(lo | (hi << 4))
+        return d
+
+    @_njit(inline="always", fastmath=True)
+    def nonlinearity(g, code, thr):
+        if code == 1:  # fatrelu
+            return g if g >= thr else np.float32(0.0)
+        r = g if g > 0.0 else np.float32(0.0)
+        if code == 3:  # relu2
+            return r * r
+        return r
+
+    @_njit(inline="always")
+    def next_live(acts, t, hi):
+        while t < hi and acts[t] == 0.0:
+            t += 1
+        return t
+
+    @_njit(inline="always", fastmath=True)
+    def rows_pass(kind, w, idx, use_idx, acts, lo, hi, x, part, c, code, thr):
+        """kind 0: acts[t] = nonlin(row . x); 1: acts[t] *= row . x (dReLU clamps it at 0);
+        2: part[c] += acts[t] * row; over the positions whose acts[t] is nonzero. The row
+        of the next live position is prefetched while this one is computed."""
+        t = next_live(acts, lo, hi)
+        while t < hi:
+            i = idx[t] if use_idx else t
+            t2 = next_live(acts, t + 1, hi)
+            nxt = -1
+            if t2 < hi:
+                nxt = idx[t2] if use_idx else t2
+            if kind == 2:
+                row_axpy(part, c, acts[t], w, i, nxt)
+            else:
+                v = row_dot(w, i, x, nxt)
+                if kind == 0:
+                    acts[t] = nonlinearity(v, code, thr)
+                else:
+                    if code == 2 and v < 0.0:
+                        v = np.float32(0.0)
+                    acts[t] *= v
+            t = t2
+
+    @_njit(parallel=True, fastmath=True)
+    def ffn_rows_q4(x, gate, up, down, idx, use_idx, pred, pred_ids, use_pred, use_pred_ids, pthr,
+                    gated, code, thr, acts, nchunks):
+        """`cpu_numba.ffn_rows` over 4-bit rows: x fp32 [nb * 32] (padded); gate/up/down
+        uint8 [n, nb * 18]; returns y fp32 [nb * 32]."""
+        width = x.shape[0]
+        n = up.shape[0]
+        k = idx.shape[0] if use_idx else n
+        if use_idx:
+            for t in range(k):
+                if idx[t] < 0 or idx[t] >= n:
+                    raise IndexError("active neuron id out of range")
+        if use_pred and use_pred_ids:
+            for t in range(n):
+                if pred_ids[t] < 0 or pred_ids[t] >= pred.shape[0]:
+                    raise IndexError("row id out of range of the predictor logits")
+        thr = np.float32(thr)
+        pthr = np.float32(pthr)
+        part = np.empty((nchunks, width), dtype=np.float32)
+        per = (k + nchunks - 1) // nchunks
+        for c in prange(nchunks):
+            for j in range(width):
+                part[c, j] = 0.0
+            lo = min(k, c * per)
+            hi = min(k, lo + per)
+            for t in range(lo, hi):
+                sel = True
+                if use_pred:
+                    lg = pred[pred_ids[t]] if use_pred_ids else pred[t]
+                    sel = lg >= pthr
+                acts[t] = 1.0 if sel else 0.0
+            if gated:
+                rows_pass(0, gate, idx, use_idx, acts, lo, hi, x, part, c, code, thr)
+                rows_pass(1, up, idx, use_idx, acts, lo, hi, x, part, c, code, thr)
+            else:
+                rows_pass(0, up, idx, use_idx, acts, lo, hi, x, part, c, code, thr)
+            rows_pass(2, down, idx, use_idx, acts, lo, hi, x, part, c, code, thr)
+        y = np.zeros(width, dtype=np.float32)
+        for c in range(nchunks):  # fixed order: the result does not depend on thread timing
+            for j in range(width):
+                y[j] += part[c, j]
+        return y
+
+    @_njit(parallel=True, fastmath=True)
+    def matvec_rows_q4(w, x, nchunks):
+        """y[i] = row i . x for every row of w uint8 [n, nb * 18]; x fp32 [nb * 32]. Two rows
+        per pass over x: two independent sums keep the vector units busy."""
+        n = w.shape[0]
+        nb = x.shape[0] // 32
+        y = np.empty(n, dtype=np.float32)
+        per = (n + nchunks - 1) // nchunks
+        for c in prange(nchunks):
+            lo = c * per
+            hi = min(n, lo + per)
+            i = lo
+            while i + 1 < hi:
+                s0 = np.float32(0.0)
+                s1 = np.float32(0.0)
+                for b in range(nb):
+                    o = b * 18
+                    xb = b * 32
+                    p0 = np.float32(0.0)
+                    p1 = np.float32(0.0)
+                    for j in range(16):
+                        xl = x[xb + j]
+                        xh = x[xb + 16 + j]
+                        q0 = np.int32(w[i, o + 2 + j])
+                        q1 = np.int32(w[i + 1, o + 2 + j])
+                        p0 += np.float32((q0 & 15) - 8) * xl + np.float32((q0 >> 4) - 8) * xh
+                        p1 += np.float32((q1 & 15) - 8) * xl + np.float32((q1 >> 4) - 8) * xh
+                    s0 += scale_of(w, i, o) * p0
+                    s1 += scale_of(w, i + 1, o) * p1
+                y[i] = s0
+                y[i + 1] = s1
+                i += 2
+            if i < hi:
+                y[i] = row_dot(w, i, x, -1)
+        return y
+
+
+
+# ------------------------------------------------------------------------ public calls
+_DENSE_CHUNKS_PER_THREAD = 8
+_DEQUANT_ROWS = 2048
+
+
+def matvec_q4(x: torch.Tensor, q: torch.Tensor, cols: int) -> torch.Tensor:
+    """x fp32 [cols] times every 4-bit row of q uint8 [n, row_bytes(cols)] -> fp32 [n]."""
+    from engine.kernels import cpu as cpu_kernels
+
+    kern = _kernels()
+    xp = padded(x, cols)
+    if kern is None:
+        out = torch.empty(q.shape[0], dtype=torch.float32)
+        for lo in range(0, q.shape[0], _DEQUANT_ROWS):
+            hi = min(lo + _DEQUANT_ROWS, q.shape[0])
+            out[lo:hi] = torch.mv(dequantize_rows_q4(q[lo:hi], cols), xp[:cols])
+        return out
+    with cpu_kernels._lock:
+        threads = cpu_kernels._use_threads(kern)
+        return torch.from_numpy(kern.matvec_rows_q4(q.numpy(), xp.numpy(), _DENSE_CHUNKS_PER_THREAD * threads))
+
+
+@dataclass(eq=False, frozen=True)
+class Q4FfnRows:
+    """One layer's FFN rows (or a subset of its neurons) as 4-bit rows: gate/up/down_t
+    uint8 [n, row_bytes(dim)] (gate None when ungated), contiguous on the CPU. The same
+    interface as `cpu.CpuFfnRows` (quant "int4")."""
+
+    gate: torch.Tensor | None
+    up: torch.Tensor
+    down_t: torch.Tensor
+    dim: int
+    quant: str = QUANT
+
+    def __post_init__(self):
+        n = self.up.shape[0]
+        shape = (n, row_bytes(self.dim))
+        for name in ("gate", "up", "down_t"):
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if tuple(t.shape) != shape or t.dtype != torch.uint8 or not t.is_contiguous() or t.is_cuda:
+                raise ValueError(f"{name}: expected contiguous CPU uint8 {list(shape)}, got {t.dtype} "
+                                 f"{tuple(t.shape)}")
+        object.__setattr__(self, "_np", None)
+
+    @classmethod
+    def from_dense(cls, gate: torch.Tensor | None, up: torch.Tensor, down_t: torch.Tensor) -> "Q4FfnRows":
+        """Quantize float rows [n, d] (any dtype, any device) into 4-bit rows on huge pages."""
+        def quantize(t):
+            if t is None:
+                return None
+            return quantize_rows_q4(t, out=host_memory.empty((t.shape[0], row_bytes(t.shape[1])), torch.uint8))
+
+        return cls(quantize(gate), quantize(up), quantize(down_t), up.shape[1])
+
+    @property
+    def n_neurons(self) -> int:
+        return self.up.shape[0]
+
+    @property
+    def gated(self) -> bool:
+        return self.gate is not None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in (self.gate, self.up, self.down_t) if t is not None)
+
+    def select(self, neuron_ids: torch.Tensor) -> "Q4FfnRows":
+        """Copies of rows `neuron_ids`, in that order (no requantisation: rows are self-contained)."""
+        ids = torch.as_tensor(neuron_ids, dtype=torch.long).reshape(-1)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n_neurons):
+            raise IndexError(f"neuron ids out of range [0, {self.n_neurons})")
+
+        def pick(t):
+            return host_memory.gather_rows(t, ids) if t is not None else None
+
+        return Q4FfnRows(pick(self.gate), pick(self.up), pick(self.down_t), self.dim)
+
+    @staticmethod
+    def concat(parts: list["Q4FfnRows"]) -> "Q4FfnRows":
+        def cat(name):
+            tensors = [getattr(p, name) for p in parts]
+            return None if tensors[0] is None else torch.cat(tensors)
+        return Q4FfnRows(cat("gate"), cat("up"), cat("down_t"), parts[0].dim)
+
+    def dequantized(self, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """(gate, up, down_t) rows lo..hi as fp32 copies."""
+        def deq(t):
+            return None if t is None else dequantize_rows_q4(t[lo:hi], self.dim)
+        return deq(self.gate), deq(self.up), deq(self.down_t)
+
+    def _numpy_views(self):
+        if self._np is None:
+            up = self.up.numpy()
+            object.__setattr__(self, "_np", (self.gate.numpy() if self.gate is not None else up, up,
+                                             self.down_t.numpy()))
+        return self._np
+
+
+_EMPTY_IDS = np.empty(0, dtype=np.int64)
+_EMPTY_F32 = np.empty(0, dtype=np.float32)
+
+
+def _torch_ffn(x, rows: Q4FfnRows, active, activation, act_threshold, out_acts):
+    g, u, d = rows.dequantized()
+    return reference.sparse_ffn(x, g, u, d, active, activation, act_threshold, out_acts)
+
+
+def _launch(kern, x, rows: Q4FfnRows, idx, pred, pred_ids, pthr, activation, act_threshold, acts):
+    from engine.kernels import cpu as cpu_kernels
+
+    xp = padded(x, rows.dim).numpy()
+    gate, up, down = rows._numpy_views()
+    use_idx, use_pred = idx is not None, pred is not None
+    k = idx.shape[0] if use_idx else rows.n_neurons
+    with cpu_kernels._lock:
+        nchunks = max(1, min(cpu_kernels._use_threads(kern), k))
+        y = kern.ffn_rows_q4(xp, gate, up, down, idx if use_idx else _EMPTY_IDS, use_idx,
+                             pred if use_pred else _EMPTY_F32, pred_ids if pred_ids is not None else _EMPTY_IDS,
+                             use_pred, pred_ids is not None, float(pthr), rows.gated,
+                             reference_codes()[activation], float(act_threshold), acts, nchunks)
+    return torch.from_numpy(y[:rows.dim])
+
+
+def reference_codes() -> dict:
+    from engine.kernels import cpu_numba
+
+    return cpu_numba.ACTIVATION_CODES
+
+
+def sparse_ffn(x: torch.Tensor, rows: Q4FfnRows, active: torch.Tensor | None, activation: str,
+               act_threshold: float = 0.0, out_acts: torch.Tensor | None = None) -> torch.Tensor:
+    """`cpu.sparse_ffn` over 4-bit rows: y fp32 [d] over the neurons `active` (or all)."""
+    from engine.kernels import cpu as cpu_kernels
+
+    idx = cpu_kernels._ids("active", active) if active is not None else None
+    k = rows.n_neurons if active is None else idx.shape[0]
+    cpu_kernels._check_call(x, rows, activation, out_acts, k)
+    kern = _kernels()
+    if kern is None:
+        return _torch_ffn(x, rows, active, activation, act_threshold, out_acts)
+    acts = out_acts.numpy() if out_acts is not None else np.empty(k, dtype=np.float32)
+    return _launch(kern, x, rows, idx, None, None, 0.0, activation, act_threshold, acts)
+
+
+def sparse_ffn_predicted(x: torch.Tensor, rows: Q4FfnRows, pred_logits: torch.Tensor, pred_threshold: float,
+                         activation: str, act_threshold: float = 0.0, out_acts: torch.Tensor | None = None,
+                         row_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """`cpu.sparse_ffn_predicted` over 4-bit rows (selection by logits inside the kernel)."""
+    from engine.kernels import cpu as cpu_kernels
+
+    n = rows.n_neurons
+    cpu_kernels._check_call(x, rows, activation, out_acts, n)
+    ids = cpu_kernels._ids("row_ids", row_ids) if row_ids is not None else None
+    if ids is not None and ids.shape[0] != n:
+        raise ValueError(f"row_ids: expected [{n}], got [{ids.shape[0]}]")
+    if pred_logits.dim() != 1 or (ids is None and pred_logits.shape[0] != n):
+        raise ValueError(f"pred_logits: expected [{n}] (or the layer's with row_ids), got {tuple(pred_logits.shape)}")
+    kern = _kernels()
+    if kern is None:
+        logits = pred_logits.detach().to(device="cpu", dtype=torch.float32)
+        if ids is not None:
+            logits = logits[torch.from_numpy(ids)]
+        active = torch.nonzero(logits >= pred_threshold).squeeze(1)
+        acts = torch.empty(active.numel())
+        y = _torch_ffn(x, rows, active, activation, act_threshold, acts)
+        if out_acts is not None:
+            out_acts.zero_().index_copy_(0, active, acts)
+        return y
+    pred = cpu_kernels._numpy(pred_logits, torch.float32)
+    acts = out_acts.numpy() if out_acts is not None else np.empty(n, dtype=np.float32)
+    return _launch(kern, x, rows, None, pred, ids, pred_threshold, activation, act_threshold, acts)
+
+
+def warmup() -> None:
+    """Compile (or load from the disk cache) the 4-bit kernels on tiny inputs."""
+    if _kernels() is None:
+        return
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 8, 32, generator=g)
+    rows = Q4FfnRows.from_dense(w[0], w[1], w[2])
+    x = torch.randn(32, generator=g)
+    sparse_ffn(x, rows, torch.tensor([1, 5]), "relu")
+    sparse_ffn_predicted(x, rows, torch.randn(8, generator=g), 0.0, "relu")
+    matvec_q4(x, rows.up, 32)

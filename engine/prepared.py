@@ -1,0 +1,199 @@
+"""The prepared layout: a model's FFN rows in the CPU tier's format, written once into the
+sidecar (`thermocline/prepared-<format>.safetensors`) and memory-mapped by later loads.
+
+Every load used to read the checkpoint's 16/32-bit FFN tensors, transpose the down
+projections and quantize every row. The first load with a CPU format (int8 or int4) now
+also writes each layer's rows, neuron-major and quantized, into this file (a progress
+line per layer); later loads map it, and a layer whose neurons all sit on the CPU takes
+the mapped rows as its cold rows as they are: no conversion, no copy, only the pages a
+token reads become resident. Layers with hot neurons still read the checkpoint, so the
+fast tier keeps the checkpoint's precision.
+
+The file is keyed by the checkpoint (each weight file's name, size and modification time,
+and config.json's bytes, hashed), the format and `LAYOUT_VERSION`; a different key means
+the file is rebuilt. It lives in the model's folder, so `models remove` deletes it too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .kernels import cpu as cpu_kernels
+from .kernels import cpu_q4
+from .sidecar import sidecar_dir
+
+log = logging.getLogger(__name__)
+
+LAYOUT_VERSION = 1  # bump when the rows' layout or this file's names change
+FORMATS = ("int8", "int4")
+DISABLE_ENV = "THERMOCLINE_NO_PREPARED"  # 1: neither read nor write prepared files
+_DTYPES = {torch.uint8: ("U8", 1), torch.int8: ("I8", 1), torch.float32: ("F32", 4)}
+_NUMPY = {"U8": np.uint8, "I8": np.int8, "F32": np.float32}
+
+
+def enabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip() in ("", "0")
+
+
+def is_bundled(model_dir: Path) -> bool:
+    """A model shipped inside Thermocline (the demo): never written to, it is small anyway."""
+    import resources
+
+    try:
+        Path(model_dir).resolve().relative_to(Path(resources.__file__).resolve().parent)
+    except ValueError:
+        return False
+    return True
+
+
+def prepared_path(model_dir: Path, fmt: str) -> Path:
+    return sidecar_dir(model_dir) / f"prepared-{fmt}.safetensors"
+
+
+def checkpoint_key(model_dir: Path, fmt: str) -> str:
+    """What the prepared rows were made from: the weight files' names, sizes and times,
+    config.json's bytes, the format and the layout version, hashed."""
+    model_dir = Path(model_dir)
+    h = hashlib.sha256(f"{LAYOUT_VERSION}:{fmt}".encode())
+    for path in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.index.json")):
+        st = path.stat()
+        h.update(f"{path.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    config = model_dir / "config.json"
+    if config.is_file():
+        h.update(config.read_bytes())
+    return h.hexdigest()
+
+
+def _names(i: int, gated: bool, fmt: str) -> list[str]:
+    parts = (["gate"] if gated else []) + ["up", "down_t"]
+    names = [f"layers.{i}.{p}" for p in parts]
+    if fmt == "int8":
+        names += [f"layers.{i}.{p}_scale" for p in parts]
+    return names
+
+
+def _layer_tensors(i: int, rows, fmt: str) -> dict[str, torch.Tensor]:
+    out = {f"layers.{i}.up": rows.up, f"layers.{i}.down_t": rows.down_t}
+    if rows.gate is not None:
+        out[f"layers.{i}.gate"] = rows.gate
+    if fmt == "int8":
+        out[f"layers.{i}.up_scale"], out[f"layers.{i}.down_t_scale"] = rows.up_scale, rows.down_scale
+        if rows.gate is not None:
+            out[f"layers.{i}.gate_scale"] = rows.gate_scale
+    return out
+
+
+def _shapes(n: int, d: int, gated: bool, fmt: str, layers: int) -> list[tuple[str, str, tuple[int, ...]]]:
+    entries = []
+    for i in range(layers):
+        for name in _names(i, gated, fmt):
+            if name.endswith("_scale"):
+                entries.append((name, "F32", (n,)))
+            elif fmt == "int4":
+                entries.append((name, "U8", (n, cpu_q4.row_bytes(d))))
+            else:
+                entries.append((name, "I8", (n, d)))
+    return entries
+
+
+class PreparedWriter:
+    """Writes the rows layer by layer, in order, into a temporary file; `finish` renames it
+    into place (a half-written file is never taken for a prepared one)."""
+
+    def __init__(self, model_dir: Path, fmt: str, key: str, n: int, d: int, gated: bool, layers: int):
+        self.path = prepared_path(model_dir, fmt)
+        self.tmp = self.path.with_suffix(".partial")
+        self.fmt, self.gated, self.layers = fmt, gated, layers
+        entries = _shapes(n, d, gated, fmt, layers)
+        header, offset = {"__metadata__": {"key": key, "format": fmt, "layout_version": str(LAYOUT_VERSION)}}, 0
+        for name, dtype, shape in entries:
+            size = math.prod(shape) * (4 if dtype == "F32" else 1)
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self.order = [e[0] for e in sorted(entries, key=lambda e: header[e[0]]["data_offsets"][0])]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = open(self.tmp, "wb")
+        self.f.write(struct.pack("<Q", len(blob)) + blob)
+        self.next = 0
+
+    def add_layer(self, i: int, rows) -> None:
+        tensors = _layer_tensors(i, rows, self.fmt)
+        for name in _names(i, self.gated, self.fmt):
+            if self.order[self.next] != name:
+                raise RuntimeError(f"prepared rows written out of order: {name}")
+            self.f.write(tensors[name].contiguous().numpy().tobytes())
+            self.next += 1
+
+    def finish(self) -> Path:
+        self.f.close()
+        if self.next != len(self.order):
+            raise RuntimeError("prepared file incomplete")
+        self.tmp.replace(self.path)
+        return self.path
+
+    def abort(self) -> None:
+        self.f.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+class PreparedRows:
+    """A prepared file, memory-mapped (copy-on-write, so the tensors are writable views that
+    share the file's pages until written, which the engine never does)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            self.header = json.loads(f.read(length))
+        self.metadata = self.header.pop("__metadata__", {})
+        self.fmt = self.metadata.get("format")
+        self._map = np.memmap(path, mode="c")
+        self._base = 8 + length
+
+    @classmethod
+    def open_if_current(cls, model_dir: Path, fmt: str) -> "PreparedRows | None":
+        """The prepared file of this format when its key matches the checkpoint, else None."""
+        path = prepared_path(model_dir, fmt)
+        if not enabled() or fmt not in FORMATS or not path.is_file():
+            return None
+        try:
+            rows = cls(path)
+        except (OSError, ValueError, struct.error) as exc:
+            log.warning("ignoring unreadable prepared rows %s (%s)", path, exc)
+            return None
+        return rows if rows.metadata.get("key") == checkpoint_key(model_dir, fmt) else None
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """t's memory lies in this mapped file (it was not copied)."""
+        lo = self._map.ctypes.data
+        return lo <= t.data_ptr() < lo + self._map.size
+
+    def tensor(self, name: str) -> torch.Tensor:
+        entry = self.header[name]
+        lo, hi = entry["data_offsets"]
+        array = self._map[self._base + lo:self._base + hi].view(_NUMPY[entry["dtype"]]).reshape(entry["shape"])
+        return torch.from_numpy(array)
+
+    def has_layer(self, i: int) -> bool:
+        return f"layers.{i}.up" in self.header
+
+    def layer_rows(self, i: int, dim: int):
+        """Layer i's rows in the CPU kernels' storage, backed by the mapped file."""
+        gate = self.tensor(f"layers.{i}.gate") if f"layers.{i}.gate" in self.header else None
+        up, down_t = self.tensor(f"layers.{i}.up"), self.tensor(f"layers.{i}.down_t")
+        if self.fmt == "int4":
+            return cpu_q4.Q4FfnRows(gate, up, down_t, dim)
+        scale = {p: self.tensor(f"layers.{i}.{p}_scale") for p in ("up", "down_t")}
+        gate_scale = self.tensor(f"layers.{i}.gate_scale") if gate is not None else None
+        return cpu_kernels.CpuFfnRows(gate, up, down_t, gate_scale, scale["up"], scale["down_t"], quant="int8")

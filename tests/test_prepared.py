@@ -1,0 +1,96 @@
+"""The prepared layout: the first load with a CPU format writes the layer rows into the
+sidecar, later loads map them; a prepared model decodes exactly as an unprepared one, and
+the file is rebuilt when the checkpoint changes."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import Engine, SamplingParams
+from engine.prepared import DISABLE_ENV, prepared_path
+
+from test_sparse import PROMPT, RAM, random_predictors
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0)
+
+
+def _load(model, fmt, **kw):
+    engine = Engine.load(model, mode="sparse", ram_budget=RAM, cold_quant=fmt, **kw)
+    engine.eos_ids = set()
+    return engine
+
+
+def _mapped(engine) -> bool:
+    """Every layer's cold rows are views of the prepared file (not memory of their own)."""
+    mapped = engine.sparse.prepared_rows
+    return mapped is not None and all(mapped.holds(t) for layer in engine.model.layers
+                                      for t in (layer.ffn.cold.rows.up, layer.ffn.cold.rows.down_t))
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_prepared_model_decodes_identically_and_is_rebuilt_on_change(tmp_path, llama_dir, monkeypatch, fmt):
+    model = tmp_path / "m"
+    shutil.copytree(llama_dir, model)
+    random_predictors(Engine.load(model).config, threshold=-0.5).save(model)
+    path = prepared_path(model, fmt)
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    plain = _load(model, fmt)
+    assert plain.sparse.prepared_path is None and not path.exists()
+    ref_ids, ref_logits = plain.generate(PROMPT, GREEDY).token_ids, plain.score(PROMPT, "sparse")
+    monkeypatch.delenv(DISABLE_ENV)
+
+    steps = []
+    first = _load(model, fmt, progress=lambda f, text: steps.append(text))
+    assert first.sparse.prepared_path == path and path.is_file()
+    assert any("preparing layer" in s for s in steps)
+    assert not _mapped(first)  # the first load computed its rows
+    second = _load(model, fmt)
+    assert second.sparse.prepared_path == path and _mapped(second)
+    for engine in (first, second):
+        assert engine.generate(PROMPT, GREEDY).token_ids == ref_ids
+        assert torch.equal(engine.score(PROMPT, "sparse"), ref_logits)
+        assert engine.memory()["tiers"] == engine.sparse.plan.tier_bytes
+
+    # a changed checkpoint: the prepared rows are rebuilt from the new weights
+    weights = load_file(str(model / "model.safetensors"))
+    for name in weights:
+        if "up_proj" in name:
+            weights[name] = weights[name] * -1.5
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    before = path.stat().st_mtime_ns
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    changed = _load(model, fmt)
+    new_ids = changed.generate(PROMPT, GREEDY).token_ids
+    monkeypatch.delenv(DISABLE_ENV)
+    rebuilt = _load(model, fmt)
+    assert path.stat().st_mtime_ns != before and not _mapped(rebuilt)
+    assert rebuilt.generate(PROMPT, GREEDY).token_ids == new_ids
+    assert _mapped(_load(model, fmt))
+
+
+def test_layers_with_hot_neurons_read_the_checkpoint(tmp_path, llama_dir):
+    """Prepared rows serve layers whose neurons all sit on the CPU; the others keep the
+    checkpoint's precision on the fast tier, and their cold rows equal the prepared ones."""
+    model = tmp_path / "m"
+    shutil.copytree(llama_dir, model)
+    Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cold_quant="int4")  # prepares
+    from test_sparse import vram_for
+
+    probe = Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cold_quant="int4")
+    assert _mapped(probe)
+    # neurons by number without statistics: a quarter of them fills half of layer 0
+    hybrid = Engine.load(model, mode="oracle", vram_budget=vram_for(probe, 0.25), ram_budget=RAM, cold_quant="int4")
+    first, second = hybrid.model.layers
+    assert 0 < len(first.ffn.hot) < 160 and len(second.ffn.hot) == 0
+    mapped = hybrid.sparse.prepared_rows
+    assert not mapped.holds(first.ffn.cold.rows.up) and mapped.holds(second.ffn.cold.rows.up)
+    for a, b in zip(hybrid.model.layers, probe.model.layers):
+        assert torch.equal(a.ffn.cold.rows.up, b.ffn.cold.rows.up[a.ffn.cold.ids])
+        assert torch.equal(a.ffn.cold.rows.down_t, b.ffn.cold.rows.down_t[a.ffn.cold.ids])
+    # the hot rows hold the checkpoint's fp32 values: closer to the fp32 model than all-int4
+    dense = Engine.load(model).score(PROMPT)
+    assert (hybrid.score(PROMPT, "oracle") - dense).abs().max() < (probe.score(PROMPT, "oracle") - dense).abs().max()
