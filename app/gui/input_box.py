@@ -69,6 +69,13 @@ class InputBar(QFrame):
         self._busy = busy
         self._sync()
 
+    def set_stopping(self) -> None:
+        """Stop was pressed: say so until the answer has ended (no second click needed)."""
+        if self._busy:
+            self.button.setText("Stopping…")
+            self.button.setEnabled(False)
+            self.button.setToolTip("Stopping: the model finishes the piece it is reading")
+
     def set_ready(self, ready: bool, why: str = "") -> None:
         """Whether a model is loaded; `why` replaces the placeholder when it is not."""
         self._ready = ready
