@@ -91,7 +91,7 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer clearly and concise
 
 SCHEMA: tuple[Option, ...] = (
     # The model and how the engine runs it.
-    Option("model.active", str, "demo", "Model loaded at start: `demo`, a catalogue id, a repo id or a folder.",
+    Option("model.active", str, "demo", "The model loaded at start: demo, a catalogue id, a Hugging Face repo id or a folder.",
            section="Model", label="Model"),
     Option("engine.mode", str, "hybrid", "How the model's neurons are computed.",
            choices=("dense", "sparse", "hybrid", "oracle"), section="Model", label="Mode",

@@ -128,7 +128,7 @@ def test_budget_panel_reports_dense_mode_and_probes_hardware(qtbot, tmp_path, ll
         # The status bar says which torch build runs (this machine: the CPU build).
         qtbot.waitUntil(lambda: w.build_status.text() == "CPU build", timeout=30_000)
         if p.machine["vram_total"] == 0:  # no GPU here: the mode's name does not promise one
-            assert p.mode.itemText(p.mode.findData("hybrid")) == "Hybrid (no GPU: CPU)"
+            assert p.mode.itemText(p.mode.findData("hybrid")) == "Hybrid (CPU only)"
         assert "torch" in w.build_status.toolTip()
         assert "Suggested" in p.suggest_label.text()
         assert "trained on 512 tokens" in p.ctx_hint.text()  # the tiny model's max_position_embeddings

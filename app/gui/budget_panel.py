@@ -304,7 +304,9 @@ class BudgetPanel(QScrollArea):
         self.ram.set_total(machine["ram_total"])
         hybrid = self.mode.findData("hybrid")
         if hybrid >= 0:  # without a GPU the fast tier is the CPU: say so in the mode's name
-            self.mode.setItemText(hybrid, "Hybrid (GPU + CPU)" if machine["vram_total"] else "Hybrid (no GPU: CPU)")
+            self.mode.setItemText(hybrid, "Hybrid (GPU + CPU)" if machine["vram_total"] else "Hybrid (CPU only)")
+        for w in self.vram_use:  # no GPU: no VRAM line under "In use now"
+            w.setVisible(bool(machine["vram_total"]))
         if machine["vram_total"] == 0:
             self.vram.slider.setEnabled(False)
             why = fmt.gpu_note(machine.get("gpu_note"))
@@ -318,7 +320,8 @@ class BudgetPanel(QScrollArea):
             self.vram.note.setVisible(bool(machine.get("gpu_name")))
         sv, sr = machine.get("suggested_vram"), machine.get("suggested_ram")
         if sv is not None and sr is not None:
-            self.suggest_label.setText(f"Suggested for this machine: VRAM {fmt.gib(sv)}, RAM {fmt.gib(sr)}.")
+            self.suggest_label.setText(f"Suggested for this machine: VRAM {fmt.gib(sv)}, RAM {fmt.gib(sr)}."
+                                       if machine["vram_total"] else f"Suggested for this machine: RAM {fmt.gib(sr)}.")
         else:
             why = machine.get("suggest_error") or "unknown model size"
             self.suggest_label.setText("No suggested budgets: the model's size is not known yet.")
@@ -409,7 +412,7 @@ class BudgetPanel(QScrollArea):
             if not trained or n <= trained:
                 self.ctx.addItem(f"{n:,} tokens", n)
         if trained and self.ctx.findData(trained) < 0:
-            self.ctx.addItem(f"{trained:,} tokens (the most it reads)", trained)
+            self.ctx.addItem(f"{trained:,} tokens", trained)
         i = self.ctx.findData(current)
         self.ctx.setCurrentIndex(i if i >= 0 else self.ctx.count() - 1)
         self.ctx.blockSignals(False)
@@ -476,7 +479,8 @@ class BudgetPanel(QScrollArea):
             facts.append(f"Expected share of firing neurons served by the GPU: "
                          f"<b>{fmt.percent(report['hot_hit_fraction'])}</b>")
         if report.get("vram_bytes") is not None:
-            facts.append(f"Placed: VRAM {fmt.gib(report['vram_bytes'])}, RAM {fmt.gib(report.get('ram_bytes'))}")
+            facts.append(f"Placed: VRAM {fmt.gib(report['vram_bytes'])}, RAM {fmt.gib(report.get('ram_bytes'))}"
+                         if on_gpu else f"Placed: RAM {fmt.gib(report.get('ram_bytes'))}")
         solve = report.get("solve_s")
         dev = report.get("device")
         if solve is not None or dev:

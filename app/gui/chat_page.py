@@ -235,6 +235,11 @@ class ChatPage(QWidget):
         row.addWidget(self.more_button)
         return header
 
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt API
+        super().resizeEvent(event)
+        # A narrow chat keeps the title readable: the bar goes, the count stays.
+        self.context_bar.setVisible(self.width() >= 520 and bool(self._ctx_total))
+
     def _export(self, kind: str) -> None:
         if self.conversation is not None:
             self.export_requested.emit(self.conversation.id, kind)
@@ -691,7 +696,7 @@ class ChatPage(QWidget):
             return
         self._ctx_total = total
         used = self._ctx_used
-        self.context_bar.show()
+        self.context_bar.setVisible(self.width() >= 520)  # see resizeEvent
         if used is None:
             self.context_label.setText(f"… / {total:,} tokens")
             self.context_bar.setValue(0)

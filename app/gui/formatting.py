@@ -51,8 +51,8 @@ def count(n: int, word: str) -> str:
     return f"{n:,} {word}" + ("" if n == 1 else "s")
 
 
-MODE_WORDS = {"dense": "every neuron computed", "sparse": "sparse, on the CPU",
-              "hybrid": "sparse, GPU + CPU", "oracle": "exact neurons (checking)"}
+MODE_WORDS = {"dense": "every neuron computed", "sparse": "sparse", "hybrid": "sparse (hybrid)",
+              "oracle": "exact neurons (checking)"}
 
 
 def mode_words(mode: str | None) -> str:

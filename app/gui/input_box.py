@@ -7,6 +7,7 @@ from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
 
 MAX_LINES = 8
+PLACEHOLDER = "Message the model  (Enter sends)"
 
 
 class PromptEdit(QPlainTextEdit):
@@ -52,7 +53,8 @@ class InputBar(QFrame):
         row = QHBoxLayout()
         row.setSpacing(8)
         self.edit = PromptEdit(self)
-        self.edit.setPlaceholderText("Message the model  (Enter to send, Shift+Enter for a new line)")
+        self.edit.setPlaceholderText(PLACEHOLDER)
+        self.edit.setToolTip("Enter sends; Shift+Enter starts a new line")
         self.edit.submitted.connect(self._submit)
         self.button = QPushButton("Send", self)
         self.button.setObjectName("sendButton")
@@ -80,7 +82,7 @@ class InputBar(QFrame):
         """Whether a model is loaded; `why` replaces the placeholder when it is not."""
         self._ready = ready
         self.edit.setPlaceholderText(
-            "Message the model  (Enter to send, Shift+Enter for a new line)" if ready else why)
+            PLACEHOLDER if ready else why)
         self.edit.viewport().update()
         self._sync()
 

@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout,
-                               QGroupBox, QLabel, QLineEdit, QScrollArea, QSpinBox, QVBoxLayout, QWidget)
+                               QGroupBox, QLabel, QLineEdit, QScrollArea, QSizePolicy, QSpinBox, QVBoxLayout,
+                               QWidget)
 
 from app.settings import Option, Settings
 
@@ -40,6 +41,8 @@ class OptionField:
             for choice, text in zip(opt.choices, labels):
                 w.addItem(text, choice)
             w.setCurrentIndex(max(0, w.findData(value)))
+            w.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+            w.setMinimumContentsLength(24)  # long choices shrink with the dialog instead of clipping
             self.get = w.currentData
         elif opt.type is bool:
             w = QCheckBox(opt.label or opt.name, parent)
@@ -52,6 +55,7 @@ class OptionField:
             if opt.minimum == 0 and opt.name == "ui.font_size":
                 w.setSpecialValueText("System size")
                 w.setSuffix(" pt")
+                w.setMinimumWidth(w.fontMetrics().horizontalAdvance("System size") + 48)
             w.setValue(int(value or 0))
             self.get = w.value
         elif opt.type is float:
@@ -62,7 +66,10 @@ class OptionField:
             self.get = w.value
         else:
             w = QLineEdit(str(value or ""), parent)
+            w.setMinimumWidth(160)
             self.get = lambda: w.text().strip()
+        if isinstance(w, (QComboBox, QLineEdit)):
+            w.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
         w.setObjectName(f"pref:{opt.name}")
         w.setToolTip(opt.help)
         self.widget = w
@@ -81,6 +88,7 @@ class PreferencesDialog(QDialog):
         scroll = QScrollArea(self)
         scroll.setWidgetResizable(True)
         scroll.setFrameShape(QScrollArea.Shape.NoFrame)
+        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         inner = QWidget(scroll)
         col = QVBoxLayout(inner)
         sections: dict[str, QFormLayout] = {}
@@ -103,6 +111,7 @@ class PreferencesDialog(QDialog):
             hint = QLabel(opt.help, box)
             hint.setObjectName("hint")
             hint.setWordWrap(True)
+            hint.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
             form.addRow("", hint)
         self.extra: dict[str, QWidget] = {}
         for title, factory in _EXTRA_SECTIONS:
@@ -127,7 +136,7 @@ class PreferencesDialog(QDialog):
         self.buttons.rejected.connect(self.reject)
         self.buttons.button(QDialogButtonBox.StandardButton.Apply).clicked.connect(self.apply)
         outer.addWidget(self.buttons)
-        self.resize(560, 560)
+        self.resize(620, 580)
 
     def field(self, name: str) -> QWidget:
         return self.fields[name].widget
