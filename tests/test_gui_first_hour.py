@@ -118,6 +118,32 @@ def test_stop_while_reading_the_prompt_keeps_no_answer(qtbot, window):
     qtbot.waitUntil(lambda: last.regen_button.isVisible(), timeout=3000)  # "Answer" it later
 
 
+def test_a_new_chat_while_the_prompt_is_read_leaves_the_old_chat_clean(qtbot, window):
+    w = window
+    eng = w.client.worker.engine
+    reading, pressed = threading.Event(), threading.Event()
+    forward = eng.model.forward
+
+    def slow(ids, start, cache, **kw):
+        reading.set()
+        pressed.wait(10)
+        return forward(ids, start, cache, **kw)
+
+    eng.model.forward = slow
+    try:
+        send(qtbot, w, "the quick brown fox jumps over the lazy dog " * 12)
+        old = w.chat.conversation.id
+        qtbot.waitUntil(reading.is_set, timeout=10_000)
+        w.new_chat()  # stops the answer on the way
+        pressed.set()
+        wait_idle(qtbot, w)
+    finally:
+        eng.model.forward = forward
+        pressed.set()
+    assert [m.role for m in w.storage.messages(old)] == ["user"]  # no empty answer left behind
+    assert w.chat.conversation is None and not w.chat.view.messages()
+
+
 # -- 3. a full context -------------------------------------------------------------------
 def small_context_window(qtbot, tmp_path, llama_dir, monkeypatch, policy):
     w = make_window(qtbot, tmp_path, llama_dir, max_new_tokens=16, start=False, monkeypatch=monkeypatch)

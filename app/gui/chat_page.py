@@ -477,6 +477,7 @@ class ChatPage(QWidget):
         answer = self.storage.add_message(conv.id, "assistant", "", status=STREAMING,
                                           stats={"versions": self._earlier} if self._earlier else None)
         self._answer_id, self._answer_text, self._dirty = answer.id, "", False
+        self._answer_conv = conv.id  # the user may open another chat before the answer ends
         self._stopping = self._stopped_before_text = False
         self.view.add_message(answer.id, "assistant", "", STREAMING, None, answer.created_at, self._model_name())
         self._started_at = time.perf_counter()
@@ -551,18 +552,20 @@ class ChatPage(QWidget):
     def _drop_answer(self) -> None:
         """Remove the answer in progress (nothing was said); a regenerated answer falls back to
         the version it was replacing."""
-        if self._answer_id is not None and self.conversation is not None:
-            self.storage.delete_messages_from(self.conversation.id, self._answer_id)
+        conv_id = getattr(self, "_answer_conv", None)
+        if self._answer_id is not None and conv_id is not None:
+            self.storage.delete_messages_from(conv_id, self._answer_id)
             earlier = getattr(self, "_earlier", [])
             if earlier:
                 last = earlier[-1]
                 keep = dict(last.get("stats") or {})
                 if len(earlier) > 1:
                     keep["versions"] = earlier[:-1]
-                self.storage.add_message(self.conversation.id, "assistant", last["content"],
+                self.storage.add_message(conv_id, "assistant", last["content"],
                                          status=last.get("status", COMPLETE), stats=keep or None)
         self._detach_answer()
-        self._reload_view()
+        if self.conversation is not None and self.conversation.id == conv_id:
+            self._reload_view()
 
     def _end_answer(self, status: str, stats: dict | None) -> None:
         self.storage.update_message(self._answer_id, content=self._answer_text, status=status, stats=stats)
