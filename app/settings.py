@@ -7,6 +7,9 @@ file can never put the app into a state it cannot show; bad entries fall back to
 defaults. The file lives in the platform's user config dir (`THERMOCLINE_CONFIG_DIR`
 overrides it, for tests) and is written atomically on every change.
 
+An option with a `section` appears on the Preferences page (app/gui/preferences.py) under
+that heading, with a widget chosen from its type: adding a preference is one `Option` here.
+
 This module does not import Qt: the window wraps the listeners in a Qt signal.
 """
 
@@ -42,6 +45,11 @@ class Option:
     maximum: float | None = None
     choices: tuple | None = None
     nullable: bool = False
+    # Shown on the Preferences page when `section` is set: under that heading, as `label`,
+    # with `choice_labels` (same order as `choices`) as the words for each choice.
+    section: str = ""
+    label: str = ""
+    choice_labels: tuple | None = None
 
     def validate(self, value: Any) -> Any:
         """The value converted to this option's type; ValueError says why not."""
@@ -83,9 +91,14 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer clearly and concise
 
 SCHEMA: tuple[Option, ...] = (
     # The model and how the engine runs it.
-    Option("model.active", str, "demo", "Model loaded at start: `demo`, a catalogue id, a repo id or a folder."),
-    Option("engine.mode", str, "hybrid", "How FFN neurons are computed.",
-           choices=("dense", "sparse", "hybrid", "oracle")),
+    Option("model.active", str, "demo", "The model loaded at start: demo, a catalogue id, a Hugging Face repo id or a folder.",
+           section="Model", label="Model"),
+    Option("engine.mode", str, "hybrid", "How the model's neurons are computed.",
+           choices=("dense", "sparse", "hybrid", "oracle"), section="Model", label="Mode",
+           choice_labels=("Dense: every neuron (slowest, needs nothing extra)",
+                          "Sparse: predicted neurons, all on the CPU",
+                          "Hybrid: predicted neurons, busy ones on the GPU",
+                          "Oracle: exact neurons (for checking; slow)")),
     Option("engine.ctx", int, 2048, "Context length in tokens (prompt plus answer).", minimum=128, maximum=131072),
     Option("engine.cpu_weights", str, "int8", "Format of the weights kept on the CPU in sparse and hybrid modes "
            "(int4: llama.cpp's Q4_0 blocks; int8; fp32: exact).", choices=("int4", "int8", "fp32")),
@@ -103,6 +116,11 @@ SCHEMA: tuple[Option, ...] = (
     Option("chat.repetition_penalty", float, 1.0, "Penalty for repeating tokens; 1 is none.",
            minimum=0.5, maximum=3.0),
     Option("chat.max_new_tokens", int, 512, "Longest answer in tokens.", minimum=1, maximum=32768),
+    Option("chat.context_policy", str, "truncate",
+           "What happens when a conversation no longer fits the model's context window.",
+           choices=("truncate", "stop"), section="Chat", label="When a chat is too long",
+           choice_labels=("Keep chatting: the model forgets the oldest messages",
+                          "Stop and say so: start a new chat to go on")),
     Option("models.custom", list, [], "Models added by hand: Hugging Face repo ids and local folders."),
     # The window's local OpenAI-compatible server (its key is never saved).
     Option("server.host", str, "127.0.0.1", "Address the local server listens on; not loopback needs a key."),
@@ -111,6 +129,12 @@ SCHEMA: tuple[Option, ...] = (
     Option("ui.geometry", str, "", "Saved window geometry (base64)."),
     Option("ui.splitter", str, "", "Saved splitter sizes (base64)."),
     Option("ui.show_panel", bool, True, "Show the budgets and performance panel."),
+    Option("ui.show_sidebar", bool, True, "Show the conversation list."),
+    Option("ui.theme", str, "system", "Light or dark colours; System follows the desktop.",
+           choices=("system", "light", "dark"), section="Appearance", label="Theme",
+           choice_labels=("Same as the system", "Light", "Dark")),
+    Option("ui.font_size", int, 0, "Text size in points; 0 keeps the system's size.", minimum=0, maximum=24,
+           section="Appearance", label="Text size"),
     Option("ui.welcome_shown", bool, False, "The first-start welcome has been shown."),
     Option("ui.last_conversation", int, None, "Conversation open when the app was closed.", nullable=True),
 )

@@ -1,9 +1,9 @@
 """The engine the app and the CLI talk to: load a model, stream tokens, report stats.
 
 One generation runs at a time (a lock); `stream` is a generator meant to run on a
-worker thread, cancellable between tokens through a `threading.Event`. The KV cache
-is kept between calls: a prompt that extends the previous conversation only pays for
-its new tokens.
+worker thread, cancellable through a `threading.Event` between tokens and between chunks
+of the prompt. The KV cache is kept between calls: a prompt that extends the previous
+conversation only pays for its new tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from .tokenizer import StreamDecoder, Tokenizer
 from .validation import check_ctx, check_kv_fits, check_text, check_threads, resolve_device
 
 MODES = ("dense", "sparse", "hybrid", "oracle")
+PREFILL_CHUNK = 128  # prompt tokens per forward: a stop is honoured between chunks
 
 
 @dataclass
@@ -226,9 +227,14 @@ class Engine:
         self._cached_ids = self._cached_ids[:reuse]
         stats.cached_tokens = reuse
         start = time.perf_counter()
-        logits = self.model.forward(torch.tensor(ids[reuse:]), reuse, self.cache)
+        logits = self._prefill(ids, reuse, cancel)
+        if logits is None:  # stopped while reading the prompt: nothing was generated
+            stats.finish_reason = "cancelled"
+            stats.ttft_s = time.perf_counter() - start
+            self._fill_memory_stats(stats)
+            self.last_text, self.last_token_ids = "", []
+            return
         self._check_finite(logits[-1])
-        self._cached_ids = list(ids)
         prefill_done = time.perf_counter()
         stats.ttft_s = prefill_done - start
         stats.prefill_tok_s = (len(ids) - reuse) / max(stats.ttft_s, 1e-9)
@@ -301,6 +307,22 @@ class Engine:
                 f"{self.model_dir.name} computed NaN or infinite scores on its first token: its weights are "
                 "broken (NaN/Inf values, or a failed conversion); download or convert the model again")
         self._logits_checked = True
+
+    def _prefill(self, ids: list[int], reuse: int, cancel: threading.Event | None) -> torch.Tensor | None:
+        """Read the prompt from position `reuse` on, in chunks of about PREFILL_CHUNK tokens so a
+        stop lands between chunks; None when `cancel` was set (the cache keeps what was read)."""
+        new = len(ids) - reuse
+        chunks = max(1, -(-new // PREFILL_CHUNK))
+        bounds = [reuse + new * i // chunks for i in range(chunks + 1)]  # even sizes: none of 1 token
+        logits = None
+        for lo, hi in zip(bounds, bounds[1:]):
+            if cancel is not None and cancel.is_set():
+                return None
+            logits = self.model.forward(torch.tensor(ids[lo:hi]), lo, self.cache)
+            self._cached_ids = list(ids[:hi])
+        if cancel is not None and cancel.is_set():
+            return None
+        return logits
 
     def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None,
                  cancel: threading.Event | None = None) -> GenerationResult:

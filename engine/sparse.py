@@ -156,7 +156,7 @@ class SparseRuntime:
                 f"RAM budget {format_size(ram)} is too small: at a VRAM budget of {format_size(vram)} the CPU "
                 f"side needs {format_size(plan.ram_bytes)}; raise the RAM budget to at least that"
                 + (f" (or give {format_size(best.vram_bytes)} of VRAM, which lowers it to "
-                   f"{format_size(best.ram_bytes)})" if self.mode != "sparse" else "")
+                   f"{format_size(best.ram_bytes)})" if self.mode != "sparse" and self.fast.type == "cuda" else "")
             )
         return plan
 

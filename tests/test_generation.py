@@ -133,3 +133,39 @@ def test_chat_messages_use_the_template(llama_dir):
     messages = [{"role": "user", "content": "the fox"}]
     ids = engine.encode_prompt(messages)
     assert engine.tokenizer.decode(ids, skip_special=False).startswith("<s><user>the fox</s><assistant>")
+
+
+def test_stop_while_reading_the_prompt_lands_between_chunks(llama_dir):
+    """A stop during prefill takes effect at the next chunk boundary: no token, no answer,
+    and what was read stays cached for the next try."""
+    import engine.engine as engine_module
+
+    engine = Engine.load(llama_dir)
+    engine.eos_ids = set()
+    prompt = engine.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 40)[:400]
+    assert len(prompt) > 2 * engine_module.PREFILL_CHUNK and len(prompt) < engine.ctx
+    cancel = threading.Event()
+    forward, calls = engine.model.forward, []
+
+    def forward_then_stop(ids, start, cache, **kw):  # the user presses Stop during the first chunk
+        calls.append((start, ids.shape[0]))
+        out = forward(ids, start, cache, **kw)
+        cancel.set()
+        return out
+
+    engine.model.forward = forward_then_stop
+    events = list(engine.stream(prompt, SamplingParams(max_new_tokens=20, temperature=0), cancel))
+    engine.model.forward = forward
+    assert events == [] and len(calls) == 1
+    assert engine.last_stats.finish_reason == "cancelled" and engine.last_stats.new_tokens == 0
+    # The chunk read is reused; the answer equals that of an engine reading the prompt at once.
+    again = engine.generate(prompt, SamplingParams(max_new_tokens=8, temperature=0))
+    assert again.stats.cached_tokens == calls[0][1]
+    fresh = Engine.load(llama_dir)
+    fresh.eos_ids = set()
+    whole = fresh.model.forward(torch.tensor(prompt), 0, fresh.cache)
+    fresh.reset()
+    chunked = fresh._prefill(prompt, 0, None)
+    torch.testing.assert_close(chunked, whole, rtol=1e-4, atol=1e-4)
+    fresh.reset()
+    assert again.token_ids == fresh.generate(prompt, SamplingParams(max_new_tokens=8, temperature=0)).token_ids

@@ -2,8 +2,9 @@
 
 Uses fresh data and config folders so the user's own conversations never appear, starts
 the app the way `thermocline` does, then: welcome dialog, a prompt streaming, the finished
-answer, the budgets panel after a slider move, the models page, and the chat at a small
-window size. Each shot is the whole X screen (dialogs included).
+answer, the budgets panel after a slider move, the models page, the chat at 800x600 (with
+the conversation list, then with the panel), the preferences, and the chat in the dark
+theme. Each shot is the whole X screen (dialogs included).
 
     python tools/screenshot_driver.py OUT_DIR [--model demo|PATH] [--size 1280x800]
 """
@@ -87,7 +88,7 @@ def main() -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--model", default="demo")
     ap.add_argument("--size", default="1280x800")
-    ap.add_argument("--small", default="820x600")
+    ap.add_argument("--small", default="800x600")
     ap.add_argument("--mode", default="hybrid")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -111,6 +112,7 @@ def main() -> int:
     settings["engine.mode"] = args.mode
     settings["chat.max_new_tokens"] = 48
     settings["chat.temperature"] = 0.7
+    settings["ui.theme"] = "light"
     window = build_window(settings=settings)
     w, h = map(int, args.size.split("x"))
     window.resize(w, h)
@@ -151,8 +153,8 @@ def main() -> int:
 
     ask("Tell me about the ball at Netherfield, and who danced with whom.")
     pump(180, lambda: not window.chat.busy)
-    ask("My notes so far:\n```text\nMr. Darcy: proud, or only shy?\nMr. Bingley: all ease\n```\n"
-        "What would Elizabeth say of them?")
+    ask("My notes so far:\n```python\nsuitors = {\"Darcy\": \"proud, or only shy?\",  # first ball\n"
+        "           \"Bingley\": \"all ease\"}\n```\nWhat would Elizabeth say of them?")
     pump(60, lambda: len(window.chat._answer_text) > 60 or not window.chat.busy)
     shot("chat-streaming")
     pump(180, lambda: not window.chat.busy)
@@ -171,10 +173,28 @@ def main() -> int:
     download_shot(window, model, pump, shot)
 
     window.show_page("chat")
+    window.resize(w, h)
+    settings["ui.theme"] = "dark"
+    pump(1)
+    shot("chat-dark")
+    settings["ui.theme"] = "light"
     sw, sh = map(int, args.small.split("x"))
     window.resize(sw, sh)
     pump(1)
     shot("chat-small")
+    window.panel_button.click()  # at 800x600 the panel takes the sidebar's place
+    pump(1)
+    shot("chat-small-panel")
+    settings["ui.theme"] = "dark"
+    pump(1)
+    shot("chat-small-dark")
+    settings["ui.theme"] = "light"
+    window.resize(w, h)
+    prefs = window.show_preferences()
+    prefs.move(window.x() + 200, window.y() + 80)
+    pump(1)
+    shot("preferences")
+    prefs.reject()
     window.close()
     return 0
 

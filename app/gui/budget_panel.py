@@ -1,8 +1,8 @@
 """The budgets panel: VRAM and RAM sliders, context length, and the placement they produce.
 
 Moving a slider sends the new budgets to the engine worker at once (it re-solves the
-placement between tokens, so an answer in progress keeps streaming) and saves them a moment
-later. The result comes back as a placement report: hot share per layer, bytes per tier,
+placement between tokens, so an answer in progress keeps streaming); they are saved only once
+the engine has placed the model within them, so a budget that cannot work is never kept. The result comes back as a placement report: hot share per layer, bytes per tier,
 expected hot hit fraction, a verdict. Budgets that cannot work are explained here in words,
 never raised as a crash.
 """
@@ -10,6 +10,7 @@ never raised as a crash.
 from __future__ import annotations
 
 import logging
+import re
 
 from PySide6.QtCore import Qt, QTimer, Signal, Slot
 from PySide6.QtWidgets import (QComboBox, QFrame, QGridLayout, QLabel, QProgressBar, QPushButton,
@@ -154,6 +155,8 @@ class BudgetPanel(QScrollArea):
         self.machine: dict | None = None
         self.placement: dict | None = None
         self._last_mem: dict = {}
+        self._unsaved: tuple[int, int] | None = None  # moved budgets waiting for the engine's yes
+        self._refused: tuple[int, int] | None = None  # moved budgets the engine said cannot work
         inner = QWidget(self)
         inner.setObjectName("panelInner")
         col = QVBoxLayout(inner)
@@ -224,7 +227,7 @@ class BudgetPanel(QScrollArea):
         self.verdict.setObjectName("verdict")
         self.verdict.setWordWrap(True)
         place.body.addWidget(self.verdict)
-        self.chart_caption = cap = QLabel("Hot share of FFN neurons per layer (on the GPU)", place)
+        self.chart_caption = cap = QLabel("Share of each layer's neurons kept on the GPU", place)
         cap.setObjectName("hint")
         cap.setWordWrap(True)
         place.body.addWidget(cap)
@@ -301,11 +304,15 @@ class BudgetPanel(QScrollArea):
         self.ram.set_total(machine["ram_total"])
         hybrid = self.mode.findData("hybrid")
         if hybrid >= 0:  # without a GPU the fast tier is the CPU: say so in the mode's name
-            self.mode.setItemText(hybrid, "Hybrid (GPU + CPU)" if machine["vram_total"] else "Hybrid (no GPU: CPU)")
+            self.mode.setItemText(hybrid, "Hybrid (GPU + CPU)" if machine["vram_total"] else "Hybrid (CPU only)")
+        for w in self.vram_use:  # no GPU: no VRAM line under "In use now"
+            w.setVisible(bool(machine["vram_total"]))
         if machine["vram_total"] == 0:
             self.vram.slider.setEnabled(False)
-            why = f" ({machine['gpu_note']})" if machine.get("gpu_note") else ""
-            self.vram.note.setText(f"No NVIDIA GPU found{why}: every neuron runs on the CPU.")
+            why = fmt.gpu_note(machine.get("gpu_note"))
+            self.vram.note.setText(f"No GPU found{' (' + why + ')' if why else ''}: everything runs on "
+                                   "the CPU, so only the RAM budget matters.")
+            self.vram.note.setToolTip(machine.get("gpu_note") or "")
             self.vram.note.show()
         else:
             self.vram.slider.setEnabled(True)
@@ -313,7 +320,8 @@ class BudgetPanel(QScrollArea):
             self.vram.note.setVisible(bool(machine.get("gpu_name")))
         sv, sr = machine.get("suggested_vram"), machine.get("suggested_ram")
         if sv is not None and sr is not None:
-            self.suggest_label.setText(f"Suggested for this machine: VRAM {fmt.gib(sv)}, RAM {fmt.gib(sr)}.")
+            self.suggest_label.setText(f"Suggested for this machine: VRAM {fmt.gib(sv)}, RAM {fmt.gib(sr)}."
+                                       if machine["vram_total"] else f"Suggested for this machine: RAM {fmt.gib(sr)}.")
         else:
             why = machine.get("suggest_error") or "unknown model size"
             self.suggest_label.setText("No suggested budgets: the model's size is not known yet.")
@@ -370,14 +378,44 @@ class BudgetPanel(QScrollArea):
         self.client.set_budgets(self.current_vram(), self.current_ram())
 
     # -- slider moves --------------------------------------------------------------------
+    _moved = False  # the sliders moved since the last placement the engine reported
+
     def _budgets_moved(self, _n: int) -> None:
+        self._moved = True
         self.verdict.setText("Re-placing neurons…")
         self._show_memory(self._last_mem)
         self.client.set_budgets(self.vram.value(), self.ram.value())
 
     def _save_budgets(self) -> None:
-        self.settings["budget.vram_bytes"] = self.vram.value()
-        self.settings["budget.ram_bytes"] = self.ram.value()
+        """Save the sliders' budgets once the engine has placed the model within them (or at
+        once when nothing is placed: dense mode, no model)."""
+        values = (self.vram.value(), self.ram.value())
+        if values == self._refused:
+            return  # already known not to work: never saved
+        placed = (self.placement or {}).get("vram_budget"), (self.placement or {}).get("ram_budget")
+        if self.placement is None or (placed == values and not self._moved):
+            self._store(values)  # nothing to check, or the engine already placed the model within them
+        else:
+            self._unsaved = values  # show_placement saves them, show_placement_error does not
+
+    def _store(self, values: tuple[int, int]) -> None:
+        self._unsaved = None
+        self.settings["budget.vram_bytes"] = values[0]
+        self.settings["budget.ram_bytes"] = values[1]
+
+    def _offer_ctx(self, trained: int | None) -> None:
+        """Context lengths up to what the model was trained for (and that length itself)."""
+        current = self.ctx.currentData()
+        self.ctx.blockSignals(True)
+        self.ctx.clear()
+        for n in CONTEXT_CHOICES:
+            if not trained or n <= trained:
+                self.ctx.addItem(f"{n:,} tokens", n)
+        if trained and self.ctx.findData(trained) < 0:
+            self.ctx.addItem(f"{trained:,} tokens", trained)
+        i = self.ctx.findData(current)
+        self.ctx.setCurrentIndex(i if i >= 0 else self.ctx.count() - 1)
+        self.ctx.blockSignals(False)
 
     def _select_ctx(self, ctx: int) -> None:
         i = self.ctx.findData(ctx)
@@ -397,16 +435,17 @@ class BudgetPanel(QScrollArea):
         self.ctx_apply.hide()
 
     def _update_ctx_hint(self) -> None:
-        ctx, trained = self.ctx.currentData(), self._trained_ctx
-        over = bool(trained) and ctx > trained
-        self.ctx_hint.setText(f"This model was trained on {trained:,} tokens, so its context is capped "
-                              "there." if over else "")
+        trained = self._trained_ctx
+        over = bool(trained) and self.settings["engine.ctx"] > trained
+        self.ctx_hint.setText(f"This model was trained on {trained:,} tokens, so it reads at most that "
+                              "many: longer lengths are not offered." if over else "")
         self.ctx_hint.setVisible(over)
 
     def _ctx_changed(self, _i: int) -> None:
-        self._update_ctx_hint()
-        self.ctx_apply.setVisible(self.ctx.currentData() != self.settings["engine.ctx"]
-                                  or self.mode.currentData() != self.settings["engine.mode"])
+        loaded = self.client.model_info or {}
+        ctx_now = loaded.get("ctx") or self.settings["engine.ctx"]
+        mode_now = loaded.get("mode") or self.settings["engine.mode"]
+        self.ctx_apply.setVisible(self.ctx.currentData() != ctx_now or self.mode.currentData() != mode_now)
 
     def _apply_ctx(self) -> None:
         self.settings["engine.ctx"] = int(self.ctx.currentData())
@@ -418,21 +457,30 @@ class BudgetPanel(QScrollArea):
     @Slot(dict)
     def show_placement(self, report: dict) -> None:
         self.placement = report
-        self._show_charts(True)
+        placed = (report.get("vram_budget"), report.get("ram_budget"))
+        self._refused = None
+        self._moved = False
+        if self._unsaved is not None and placed == self._unsaved:
+            self._store(self._unsaved)
+        dev = str(report.get("device") or "")
+        on_gpu = dev.startswith("cuda")
+        self._show_charts(True, chart=on_gpu)  # a CPU-only chart would read 100% everywhere: it says nothing
         verdict = str(report.get("verdict") or "placed")
         kind = "bad" if "not" in verdict.lower() else ("good" if verdict.lower().startswith("fits") else "ok")
         self._set_verdict(verdict[:1].upper() + verdict[1:], kind)
         self.chart.set_fractions(report.get("hot_fraction_per_layer") or [])
-        dev = str(report.get("device") or "")
-        self.chart_caption.setText("Hot share of FFN neurons per layer, on " +
-                                   ("the GPU" if dev.startswith("cuda") else f"the fast tier ({dev or 'cpu'})"))
+        self.chart_caption.setText("Share of each layer's neurons kept on the GPU (the busiest ones)" if on_gpu
+                                   else "No GPU: every neuron is on the CPU, so there is nothing to split.")
+        self.chart.setToolTip("Each bar is one layer: the orange part is the share of its neurons in GPU "
+                              "memory. Busy neurons go there first.")
         self.tiers.set_tiers(report.get("tier_bytes") or {})
         facts = []
         if report.get("hot_hit_fraction") is not None and dev.startswith("cuda"):
             facts.append(f"Expected share of firing neurons served by the GPU: "
                          f"<b>{fmt.percent(report['hot_hit_fraction'])}</b>")
         if report.get("vram_bytes") is not None:
-            facts.append(f"Placed: VRAM {fmt.gib(report['vram_bytes'])}, RAM {fmt.gib(report.get('ram_bytes'))}")
+            facts.append(f"Placed: VRAM {fmt.gib(report['vram_bytes'])}, RAM {fmt.gib(report.get('ram_bytes'))}"
+                         if on_gpu else f"Placed: RAM {fmt.gib(report.get('ram_bytes'))}")
         solve = report.get("solve_s")
         dev = report.get("device")
         if solve is not None or dev:
@@ -441,7 +489,17 @@ class BudgetPanel(QScrollArea):
 
     @Slot(str)
     def show_placement_error(self, message: str) -> None:
-        self._set_verdict(f"These budgets cannot work: {message}", "bad")
+        kept = ""
+        if self._unsaved is not None or self._save_timer.isActive() or self._moved:
+            # A slider move the engine refused: keep it off the disk.
+            self._refused = (self.vram.value(), self.ram.value())
+            self._unsaved = None
+            self._save_timer.stop()
+            kept = " They were not saved: the last budgets that worked are used at the next start."
+        if self.machine is not None and not self.machine.get("vram_total"):
+            # No GPU: the VRAM budget is always 0; naming it only confuses.
+            message = re.sub(r"at a VRAM budget of \S+ \S+ the CPU side needs", "the model needs", message)
+        self._set_verdict(f"These budgets cannot work: {message}.{kept}".replace("..", "."), "bad")
 
     @Slot(str)
     def show_unavailable(self, message: str) -> None:
@@ -452,9 +510,11 @@ class BudgetPanel(QScrollArea):
         self.place_facts.setText("")
         self._show_charts(False)
 
-    def _show_charts(self, shown: bool) -> None:
+    def _show_charts(self, shown: bool, chart: bool = True) -> None:
         for w in (self.chart_caption, self.chart, self.tiers, self.place_facts):
-            w.setVisible(shown)
+            visible = shown and (chart or w is not self.chart)
+            if w.isHidden() == visible:  # only real changes: each one lays the panel out again
+                w.setVisible(visible)
 
     def _set_verdict(self, text: str, kind: str) -> None:
         self.verdict.setText(text)
@@ -468,11 +528,19 @@ class BudgetPanel(QScrollArea):
 
     @Slot(dict)
     def _on_loaded(self, info: dict) -> None:
-        self._select_ctx(int(info.get("ctx") or self.settings["engine.ctx"]))
-        self._select_mode(self.settings["engine.mode"])
         self._trained_ctx = info.get("max_positions")
-        if self._trained_ctx and self.settings["engine.ctx"] > self._trained_ctx:
-            self._select_ctx(self.settings["engine.ctx"])  # show the choice; the hint says it is capped
+        self._offer_ctx(self._trained_ctx)
+        self._select_ctx(int(info.get("ctx") or self.settings["engine.ctx"]))
+        # The mode it runs in, not the one asked for (a model without predictors runs dense).
+        self._select_mode(str(info.get("mode") or self.settings["engine.mode"]))
+        if info.get("fallback"):
+            self.mode.setToolTip(str(info.get("note") or ""))
+        if info.get("budgets_reset"):
+            # The saved budgets could not work: forget them, show the ones in use.
+            self.settings.reset("budget.vram_bytes")
+            self.settings.reset("budget.ram_bytes")
+            self.vram.set_value(self.current_vram())
+            self.ram.set_value(self.current_ram())
         self._update_ctx_hint()
         self._show_memory(info.get("memory") or {})
 

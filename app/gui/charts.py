@@ -16,6 +16,13 @@ HOT = QColor("#e8743b")
 COLD = QColor("#3b7dd8")
 GRID = QColor(0, 0, 0, 28)
 
+
+def grid_colour(widget) -> QColor:
+    """Faint lines in the text colour: visible on light and dark themes alike."""
+    c = QColor(widget.palette().color(widget.foregroundRole()))
+    c.setAlpha(40)
+    return c
+
 # Tier name -> (label, colour); fast-device (GPU) tiers warm, CPU tiers cool. The engine names
 # the GPU side "fast_*" (it is the CPU itself on a machine with no GPU); older names kept too.
 TIERS = {
@@ -71,7 +78,7 @@ class LayerChart(QWidget):
         text.setAlpha(150)
         for frac in (0.0, 0.5, 1.0):
             y = r.bottom() - frac * r.height()
-            p.setPen(QPen(GRID, 1))
+            p.setPen(QPen(grid_colour(self), 1))
             p.drawLine(int(r.left()), int(y), int(r.right()), int(y))
             p.setPen(text)
             p.drawText(QRectF(0, y - 7, 32, 14), Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter,
@@ -137,7 +144,7 @@ class TierBar(QWidget):
         total = sum(self.tiers.values())
         bar = QRectF(0, 2, self.width() - 1, 14)
         if total <= 0:
-            p.fillRect(bar, GRID)
+            p.fillRect(bar, grid_colour(self))
             p.end()
             return
         x = bar.left()

@@ -13,15 +13,16 @@ import time
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QKeySequence, QShortcut
-from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QProgressBar, QPushButton, QSizePolicy,
-                               QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QMenu, QProgressBar, QPushButton, QSizePolicy,
+                               QToolButton, QVBoxLayout, QWidget)
 
-from app.settings import Settings
+from app.settings import DEFAULT_SYSTEM_PROMPT, Settings
 from app.storage import (COMPLETE, FAILED, INTERRUPTED, STOPPED, STREAMING, WRITE_ERRORS, Conversation,
                          Storage)
 
 from . import formatting as fmt
 from .chat_view import ChatView
+from .context_policy import answer_room
 from .dialogs import ConversationSettingsDialog, show_error
 from .input_box import InputBar
 from .worker import EngineClient
@@ -33,11 +34,36 @@ SHOWN_MESSAGES = 60  # a long conversation opens with its latest messages; older
 TITLE_CHARS = 48
 CONTEXT_WARN = 0.85
 SAVE_RETRY_MS = 3000  # a failed save (full disk) is tried again this often until it succeeds
+LONG_DRAFT_CHARS = 600  # a message this long is counted in tokens before it is sent
+DRAFT_TAG = -2          # token-count tag of a draft (conversation ids are positive)
 
+EMPTY_CHAT = "Ask anything.\nAnswers stream in here, with their speed underneath."
+EMPTY_DEMO = ("This is the demo model: a 5-million-parameter network trained only on Jane Austen's "
+              "novels, so it answers in Austen-flavoured pastiche, not facts. It is here to show how "
+              "sparse inference works with no download.\n\nFor a real assistant, get a chat model "
+              "on the Models page.")
+READOUT_TIP = ("<b>speed</b>: tokens (word pieces) written per second<br>"
+               "<b>reading</b>: how fast the prompt was read<br>"
+               "<b>first word after</b>: the wait before the answer began<br>"
+               "<b>neurons used</b>: share of the model's feed-forward neurons that fired; the rest were "
+               "skipped, which is where the speed comes from<br>"
+               "<b>GPU served</b>: share of the fired neurons that were already in GPU memory<br>"
+               "<b>RAM / VRAM</b>: memory the model uses now, of its budget")
 
 def title_from(text: str) -> str:
     line = " ".join(text.split())
     return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"
+
+
+def versions_of(msg) -> list[dict]:
+    """Every version of an answer, oldest first: the earlier ones kept in its stats, and itself
+    at the place it was paged to."""
+    stats = dict(msg.stats or {})
+    earlier = [v for v in stats.pop("versions", None) or [] if isinstance(v, dict)]
+    index = stats.pop("version_index", len(earlier))
+    index = max(0, min(len(earlier), index if isinstance(index, int) else len(earlier)))
+    current = {"content": msg.content, "status": msg.status, "stats": stats}
+    return earlier[:index] + [current] + earlier[index:]
 
 
 class ElidedLabel(QLabel):
@@ -103,6 +129,9 @@ class Banner(QFrame):
 class ChatPage(QWidget):
     conversations_changed = Signal(int)  # a conversation was created, renamed or touched
     busy_changed = Signal(bool)
+    export_requested = Signal(int, str)  # conversation id, "md" or "json"
+    sidebar_toggle_requested = Signal()
+    models_page_requested = Signal()
 
     def __init__(self, storage: Storage, settings: Settings, client: EngineClient,
                  parent: QWidget | None = None):
@@ -118,14 +147,19 @@ class ChatPage(QWidget):
         self._ctx_used: int | None = None
         self._ctx_total: int | None = None
         self._started_at = 0.0
+        self._dropped = 0             # oldest messages the model no longer reads
+        self._stopping = False        # Stop pressed; the worker has not answered yet
+        self._stopped_before_text = False
+        self._draft: str | None = None  # a long message waiting for its token count
 
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(0)
         layout.addWidget(self._build_header())
         self.view = ChatView(self)
-        self.view.set_empty_text("Ask anything.\nAnswers stream in here, with their speed underneath.")
+        self.view.set_empty_text(EMPTY_CHAT)
         self.view.regenerate_requested.connect(self.regenerate)
+        self.view.version_requested.connect(self.show_version)
         self.view.edit_requested.connect(self.begin_edit)
         self.view.show_earlier_requested.connect(self._show_all)
         layout.addWidget(self.view, 1)
@@ -135,6 +169,7 @@ class ChatPage(QWidget):
         self.readout.setObjectName("liveReadout")
         self.readout.setWordWrap(True)
         self.readout.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.readout.setToolTip(READOUT_TIP)
         layout.addWidget(self.readout)
         self.input = InputBar(self)
         self.input.edit.setAccessibleName("Message")
@@ -154,7 +189,7 @@ class ChatPage(QWidget):
         w.live_stats.connect(self._on_live_stats)
         w.finished.connect(self._on_finished)
         w.failed.connect(self._on_failed)
-        w.token_count.connect(self._on_token_count)
+        w.context_report.connect(self._on_context_report)
         w.loaded.connect(self._on_model_loaded)
         w.load_failed.connect(self._on_model_event)
         w.loading.connect(self._on_model_event)
@@ -165,7 +200,15 @@ class ChatPage(QWidget):
         header = QFrame(self)
         header.setObjectName("chatHeader")
         row = QHBoxLayout(header)
-        row.setContentsMargins(16, 8, 12, 8)
+        row.setContentsMargins(8, 8, 12, 8)
+        self.sidebar_button = QToolButton(header)
+        self.sidebar_button.setObjectName("sidebarToggle")
+        self.sidebar_button.setText("☰")
+        self.sidebar_button.setAccessibleName("Conversation list")
+        self.sidebar_button.setToolTip("Show or hide the conversation list (Ctrl+Shift+L)")
+        self.sidebar_button.setCursor(Qt.CursorShape.PointingHandCursor)
+        self.sidebar_button.clicked.connect(self.sidebar_toggle_requested)
+        row.addWidget(self.sidebar_button)
         self.title_label = ElidedLabel("New chat", header)
         self.title_label.setObjectName("chatTitle")
         row.addWidget(self.title_label, 1)
@@ -184,7 +227,37 @@ class ChatPage(QWidget):
         self.settings_button.setToolTip("System prompt and sampling for this conversation")
         self.settings_button.clicked.connect(self.open_conversation_settings)
         row.addWidget(self.settings_button)
+        self.more_button = QToolButton(header)
+        self.more_button.setObjectName("chatMore")
+        self.more_button.setText("⋯")
+        self.more_button.setAccessibleName("More")
+        self.more_button.setToolTip("Export this conversation")
+        self.more_button.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
+        more = QMenu(self.more_button)
+        self.export_md = more.addAction("Export as Markdown…", lambda: self._export("md"))
+        self.export_json = more.addAction("Export as JSON…", lambda: self._export("json"))
+        self.more_button.setMenu(more)
+        row.addWidget(self.more_button)
         return header
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt API
+        super().resizeEvent(event)
+        # A narrow chat keeps the title readable: the bar goes, the count stays.
+        self.context_bar.setVisible(self.width() >= 520 and bool(self._ctx_total))
+
+    def _export(self, kind: str) -> None:
+        if self.conversation is not None:
+            self.export_requested.emit(self.conversation.id, kind)
+
+    def set_sidebar_hidden(self, hidden: bool) -> None:
+        self.sidebar_button.setToolTip(("Show" if hidden else "Hide") +
+                                       " the conversation list (Ctrl+Shift+L)")
+
+    def set_dark(self, dark: bool) -> None:
+        """Code colours follow the theme (syntax highlighting has a light and a dark scheme)."""
+        from .markdown_view import set_code_theme
+
+        set_code_theme(dark)
 
     @property
     def busy(self) -> bool:
@@ -199,6 +272,8 @@ class ChatPage(QWidget):
         self._finish_edit()
         self.banner.hide()
         self.conversation = self.storage.conversation(conversation_id) if conversation_id else None
+        self._dropped = 0
+        self._set_readout_idle()  # the figures of the previous chat do not belong to this one
         self._reload_view()
         self.settings["ui.last_conversation"] = self.conversation.id if self.conversation else None
 
@@ -207,6 +282,8 @@ class ChatPage(QWidget):
         self._finish_edit()
         self.banner.hide()
         self.conversation = None
+        self._dropped = 0
+        self._set_readout_idle()
         self._reload_view()
         self.input.edit.setFocus()
 
@@ -228,6 +305,7 @@ class ChatPage(QWidget):
 
     def _reload_view(self, show_all: bool = False) -> None:
         self.view.clear()
+        self.view.set_empty_text(EMPTY_DEMO if self._is_demo() else EMPTY_CHAT)
         model = self._model_name()
         hidden = 0
         if self.conversation is not None:
@@ -263,6 +341,14 @@ class ChatPage(QWidget):
     def send(self, text: str) -> None:
         if self.client.busy:
             return
+        if len(text) >= LONG_DRAFT_CHARS and self.client.model_info and self._draft != text:
+            # A long message (a paste): count its tokens first; _on_context_report sends it,
+            # or says it cannot fit and gives it back to the prompt box.
+            self._draft = text
+            self.readout.setText("Measuring the message…")
+            self.client.count_tokens(DRAFT_TAG, self._draft_messages(text), self._context_options())
+            return
+        self._draft = None
         try:
             self._send(text)
         except WRITE_ERRORS as exc:  # nothing was sent: the text goes back to the box
@@ -295,13 +381,39 @@ class ChatPage(QWidget):
         if last is None or last.message_id != message_id:
             return
         try:
+            earlier: list[dict] = []
             if last.role == "assistant":
+                old = self.storage.message(message_id)
+                if old is not None and old.content:
+                    earlier = versions_of(old)  # kept: the new answer can page back to them
                 self.storage.delete_messages_from(self.conversation.id, message_id)
                 self._reload_view()
             self.banner.hide()
-            self._start_answer()
+            self._start_answer(earlier)
         except WRITE_ERRORS as exc:
             self._save_failed(exc, "Nothing was changed. Free some disk space, then try again.")
+
+    def show_version(self, message_id: int, index: int) -> None:
+        """Page a regenerated answer to its version `index` (that one is what the chat continues from)."""
+        if self.client.busy:
+            return
+        msg = self.storage.message(message_id)
+        if msg is None:
+            return
+        versions = versions_of(msg)
+        if not 0 <= index < len(versions):
+            return
+        chosen = versions.pop(index)
+        stats = dict(chosen.get("stats") or {})
+        stats["versions"], stats["version_index"] = versions, index
+        self.storage.update_message(message_id, content=chosen["content"], status=chosen.get("status", COMPLETE),
+                                    stats=stats)
+        w = next((m for m in self.view.messages() if m.message_id == message_id), None)
+        if w is not None:
+            w.set_text(chosen["content"])
+            w.set_status(chosen.get("status", COMPLETE))
+            w.set_stats(stats)
+        self._recount()
 
     def begin_edit(self, message_id: int) -> None:
         if self.client.busy or self.conversation is None:
@@ -324,7 +436,13 @@ class ChatPage(QWidget):
         self._editing_id = None
 
     def stop(self) -> None:
-        if self.client.busy:
+        if self.client.busy and self._request is not None and not self._stopping:
+            self._stopping = True
+            self._stopped_before_text = not self._answer_text
+            self.client.stop()
+            self.input.set_stopping()
+            self.readout.setText("● Stopping…")
+        elif self.client.busy:
             self.client.stop()
 
     def close_out(self) -> None:
@@ -336,11 +454,30 @@ class ChatPage(QWidget):
             self._detach_answer()
         self._save_retry.stop()
 
+    def _system_prompt(self) -> str:
+        """The conversation's system prompt, unless it is the default assistant one and the model
+        is a base model (it continues text; the prompt would only take room)."""
+        prompt = self.conversation.system_prompt if self.conversation else self.settings["chat.system_prompt"]
+        if (self.client.model_info or {}).get("base_model") and prompt.strip() == DEFAULT_SYSTEM_PROMPT:
+            return ""
+        return prompt
+
+    def _draft_messages(self, text: str) -> list[dict]:
+        prompt = self._system_prompt()
+        return ([{"role": "system", "content": prompt}] if prompt.strip() else []) + \
+            [{"role": "user", "content": text}]
+
+    def _context_options(self) -> dict:
+        return {"context_policy": self.settings["chat.context_policy"],
+                "max_new_tokens": self._sampling().get("max_new_tokens") if self.conversation
+                else self.settings["chat.max_new_tokens"]}
+
     def _chat_messages(self) -> list[dict]:
         conv = self.conversation
         msgs = []
-        if conv.system_prompt.strip():
-            msgs.append({"role": "system", "content": conv.system_prompt})
+        prompt = self._system_prompt()
+        if prompt.strip():
+            msgs.append({"role": "system", "content": prompt})
         for m in self.storage.messages(conv.id):
             if m.role != "system" and m.content:
                 msgs.append(m.as_chat())
@@ -351,16 +488,22 @@ class ChatPage(QWidget):
         params.update({k: v for k, v in (self.conversation.sampling or {}).items() if k in params})
         return params
 
-    def _start_answer(self) -> None:
+    def _start_answer(self, earlier: list[dict] | None = None) -> None:
         conv = self.conversation
         messages = self._chat_messages()
-        answer = self.storage.add_message(conv.id, "assistant", "", status=STREAMING)
+        self._earlier = list(earlier or [])
+        answer = self.storage.add_message(conv.id, "assistant", "", status=STREAMING,
+                                          stats={"versions": self._earlier} if self._earlier else None)
         self._answer_id, self._answer_text, self._dirty = answer.id, "", False
+        self._answer_conv = conv.id  # the user may open another chat before the answer ends
+        self._stopping = self._stopped_before_text = False
         self.view.add_message(answer.id, "assistant", "", STREAMING, None, answer.created_at, self._model_name())
         self._started_at = time.perf_counter()
-        self._request = self.client.generate(messages, self._sampling())
+        params = {**self._sampling(), "context_policy": self.settings["chat.context_policy"],
+                  "conversation_id": conv.id}
+        self._request = self.client.generate(messages, params)
         self._set_busy(True)
-        self.readout.setText("● Reading the prompt…")
+        self.readout.setText("● Reading the prompt…  (Esc stops)")
 
     # -- worker signals ------------------------------------------------------------------
     def _on_token(self, request_id: int, text: str) -> None:
@@ -415,9 +558,11 @@ class ChatPage(QWidget):
 
     def _on_live_stats(self, request_id: int, stats: dict) -> None:
         if request_id == self._request:
-            self.readout.setText("● " + self.live_text(stats))
+            if not self._stopping:
+                self.readout.setText("● " + self.live_text(stats))
             if stats.get("prompt_tokens"):  # the context fills as the answer grows
                 self._ctx_used = int(stats["prompt_tokens"]) + int(stats.get("new_tokens") or 0)
+                self._dropped = int(stats.get("dropped_messages") or 0)
                 self._update_context()
 
     def _on_finished(self, request_id: int, stats: dict) -> None:
@@ -425,35 +570,57 @@ class ChatPage(QWidget):
             return
         self._flush()
         reason = stats.get("finish_reason", "stop")
-        if not self._answer_text and reason == "context_full":
-            # Nothing could be said: drop the empty answer, explain in the banner.
-            self._try_write(self.storage.delete_messages_from, self.conversation.id, self._answer_id)
-            self._detach_answer()
-            self._reload_view()
-            self._show_context_full()
+        stopped_early = reason == "cancelled" and (self._stopped_before_text or not self._answer_text)
+        if stopped_early or (not self._answer_text and reason == "context_full"):
+            # Nothing was said (stopped while reading the prompt, or no room): no empty answer
+            # stays behind; a regenerated one goes back to the version it replaced.
+            self._drop_answer()
+            if reason == "context_full":
+                self._show_context_full(stats)
+            else:
+                self.readout.setText("Stopped before the answer began.")
             return
         status = STOPPED if reason == "cancelled" else INTERRUPTED if reason == "interrupted" else COMPLETE
+        self._dropped = int(stats.get("dropped_messages") or self._dropped)
+        if getattr(self, "_earlier", None):
+            stats = {**stats, "versions": self._earlier}
         self._end_answer(status, stats)
         self.readout.setText(self.live_text(stats, final=True))
         if reason == "interrupted":  # a remote stream broke off: the partial answer stays
             show_error(self.window(), "The answer was interrupted", stats.get("error", ""),
                        "The partial answer is kept. Check the remote server, then regenerate.")
         if reason == "context_full":
-            self._show_context_full()
+            self._show_context_full(stats)
 
     def _on_failed(self, request_id: int, what: str, todo: str) -> None:
         if request_id != self._request:
             return
         self._flush()
         if self._answer_text:
-            self._end_answer(FAILED, None)
+            self._end_answer(FAILED, {"versions": self._earlier} if getattr(self, "_earlier", None) else None)
         else:  # nothing was said: do not keep an empty answer around
-            if self._answer_id is not None and self.conversation is not None:
-                self._try_write(self.storage.delete_messages_from, self.conversation.id, self._answer_id)
-            self._detach_answer()
-            self._reload_view()
+            self._drop_answer()
         self._set_readout_idle()
         show_error(self.window(), "Could not answer", what, todo)
+
+    def _drop_answer(self) -> None:
+        """Remove the answer in progress (nothing was said); a regenerated answer falls back to
+        the version it was replacing."""
+        conv_id = getattr(self, "_answer_conv", None)
+        if self._answer_id is not None and conv_id is not None and \
+                self._try_write(self.storage.delete_messages_from, conv_id, self._answer_id):
+            earlier = getattr(self, "_earlier", [])
+            if earlier:
+                last = earlier[-1]
+                keep = dict(last.get("stats") or {})
+                if len(earlier) > 1:
+                    keep["versions"] = earlier[:-1]
+                self._try_write(lambda: self.storage.add_message(conv_id, "assistant", last["content"],
+                                                                 status=last.get("status", COMPLETE),
+                                                                 stats=keep or None))
+        self._detach_answer()
+        if self.conversation is not None and self.conversation.id == conv_id:
+            self._reload_view()
 
     def _end_answer(self, status: str, stats: dict | None) -> None:
         w = self.view.last()
@@ -469,6 +636,8 @@ class ChatPage(QWidget):
 
     def _detach_answer(self) -> None:
         self._flush_timer.stop()
+        self._stopping = False
+        self._earlier = []
         self._request = None
         self._answer_id = None
         self._answer_text = ""
@@ -483,33 +652,41 @@ class ChatPage(QWidget):
     # -- readouts ------------------------------------------------------------------------
     @staticmethod
     def live_text(stats: dict, final: bool = False) -> str:
+        """The readout under the chat, in words: speed, wait, neurons used, memory, device."""
         parts = []
-        if stats.get("decode_tok_s") is not None:
-            parts.append(f"decode {fmt.rate(stats['decode_tok_s'])}")
-        if stats.get("prefill_tok_s") is not None:
-            parts.append(f"prompt {fmt.rate(stats['prefill_tok_s'])}")
-        if stats.get("ttft_s") is not None:
-            parts.append(f"first token {fmt.seconds(stats['ttft_s'])}")
+        new = int(stats.get("new_tokens") or 0)
+        if new:
+            parts.append(fmt.count(new, "token"))
+        if stats.get("decode_tok_s") and new > 1:
+            parts.append(f"{fmt.rate(stats['decode_tok_s'])}")
+        if stats.get("prefill_tok_s"):
+            parts.append(f"read the prompt at {fmt.rate(stats['prefill_tok_s'])}")
+        if stats.get("ttft_s") is not None and new:
+            parts.append(f"first word after {fmt.seconds(stats['ttft_s'])}")
         dense = stats.get("mode") == "dense"
         device = stats.get("mem_device") or stats.get("device")
         on_gpu = str(device or "").startswith("cuda")  # with no GPU there is no GPU share to show
         hit = None if dense or not on_gpu else stats.get("hot_hit_fraction")
         if dense:
-            parts.append("dense: all neurons computed")
+            parts.append("all neurons computed")
         elif stats.get("ffn_active_fraction"):
-            parts.append(f"{fmt.percent(stats['ffn_active_fraction'])} of FFN neurons fired")
-        elif hit is not None:
-            parts.append(f"GPU served {fmt.percent(hit)} of active neurons")
+            parts.append(f"{fmt.percent(stats['ffn_active_fraction'])} of neurons used")
+        if hit is not None:
+            parts.append(f"GPU served {fmt.percent(hit)}")
         elif on_gpu and stats.get("expected_hot_hit_fraction") is not None:
             parts.append(f"GPU share ≈{fmt.percent(stats['expected_hot_hit_fraction'])} (expected)")
         vram, ram = stats.get("mem_vram_bytes", stats.get("vram_bytes")), stats.get("mem_ram_bytes",
                                                                                      stats.get("ram_bytes"))
         for name, used, budget in (("VRAM", vram, stats.get("vram_budget")), ("RAM", ram, stats.get("ram_budget"))):
-            if used is None or (name == "VRAM" and not used and not budget and device in (None, "cpu")):
+            if used is None or (name == "VRAM" and not used and not on_gpu):
                 continue
-            parts.append(f"{name} {fmt.gib(used)}" + (f" of {fmt.gib(budget)}" if budget else ""))
+            # "of" a budget only where the budget is a real limit, not the amount in use.
+            of = f" of {fmt.gib(budget)}" if budget and fmt.gib(budget) != fmt.gib(used) else ""
+            parts.append(f"{name} {fmt.gib(used)}{of}")
         if device:
             parts.append(fmt.device_name(device))
+        if stats.get("dropped_messages"):
+            parts.append(f"oldest {fmt.count(stats['dropped_messages'], 'message')} not read")
         if final and stats.get("finish_reason") == "cancelled":
             parts.insert(0, "stopped")
         return " · ".join(parts) if parts else "…"
@@ -517,10 +694,16 @@ class ChatPage(QWidget):
     def _set_readout_idle(self) -> None:
         info = self.client.model_info
         if info:
-            self.readout.setText(f"Ready · {fmt.model_label(info.get('model'))} · {info.get('mode')} mode · "
+            mode = info.get("mode")
+            self.readout.setText(f"Ready · {fmt.model_label(info.get('model'))} · {fmt.mode_words(mode)} · "
                                  f"{fmt.device_name((info.get('memory') or {}).get('device'))}")
         else:
             self.readout.setText("")
+
+    def _is_demo(self) -> bool:
+        info = self.client.model_info
+        spec = info.get("model") if info else self.settings["model.active"]
+        return spec == "demo"
 
     def _model_name(self) -> str:
         info = self.client.model_info
@@ -528,12 +711,40 @@ class ChatPage(QWidget):
 
     def _recount(self) -> None:
         if self.conversation is not None and self.client.model_info:
-            self.client.count_tokens(self.conversation.id, self._chat_messages())
+            self.client.count_tokens(self.conversation.id, self._chat_messages(), self._context_options())
 
-    def _on_token_count(self, tag: int, used: int, total: int) -> None:
-        if self.conversation is not None and tag == self.conversation.id:
-            self._ctx_used, self._ctx_total = used, total
+    def refresh_context(self) -> None:
+        """The context policy changed: count again."""
+        self._recount()
+
+    def _on_context_report(self, tag: int, report: dict) -> None:
+        if tag == DRAFT_TAG:
+            self._on_draft_counted(report)
+        elif self.conversation is not None and tag == self.conversation.id and not self.busy:
+            self._ctx_used, self._ctx_total = report["tokens"], report["ctx"]
+            self._dropped = int(report.get("dropped") or 0)
             self._update_context()
+
+    def _on_draft_counted(self, report: dict) -> None:
+        text, self._draft = self._draft, None
+        if text is None:
+            return
+        ctx = report["ctx"]
+        room = ctx - answer_room(ctx, self._context_options()["max_new_tokens"])
+        if report["tokens"] > room:
+            # It cannot fit whatever is dropped: keep it in the box, and say why.
+            if not self.input.edit.toPlainText().strip():
+                self.input.edit.setPlainText(text)
+            self._set_readout_idle()
+            self.banner.show_message(
+                f"This message is {report['tokens']:,} tokens long, but the model reads at most "
+                f"{ctx:,} tokens at once, its answer included. Shorten it (or send it in parts), or "
+                "choose a model with a longer context on the Models page.", "error", "Models",
+                self.models_page_requested.emit)
+            return
+        self._set_readout_idle()
+        self._draft = text
+        self.send(text)
 
     def _update_context(self) -> None:
         total = self._ctx_total or (self.client.model_info or {}).get("ctx")
@@ -543,37 +754,64 @@ class ChatPage(QWidget):
             return
         self._ctx_total = total
         used = self._ctx_used
-        self.context_bar.show()
+        self.context_bar.setVisible(self.width() >= 520)  # see resizeEvent
         if used is None:
             self.context_label.setText(f"… / {total:,} tokens")
             self.context_bar.setValue(0)
             return
-        frac = min(1.0, used / total)
-        self.context_label.setText(f"{used:,} / {total:,} tokens")
+        shown = min(used, total)  # the model never reads more than its window
+        frac = shown / total
+        self.context_label.setText(f"{shown:,} / {total:,} tokens" + (" · oldest not read" if self._dropped else ""))
+        tip = "Tokens (word pieces) the model reads of this conversation, of the most it can read at once."
+        if self._dropped:
+            tip += (f" The oldest {fmt.count(self._dropped, 'message')} no longer fit and are left out "
+                    "(Preferences → Chat).")
+        if self.context_label.toolTip() != tip:
+            self.context_label.setToolTip(tip)
         self.context_bar.setValue(int(frac * 1000))
-        level = "full" if frac >= 0.98 else ("warn" if frac >= CONTEXT_WARN else "")
-        self.context_bar.setProperty("level", level)
-        self.context_bar.style().unpolish(self.context_bar)
-        self.context_bar.style().polish(self.context_bar)
-        if level == "full":
+        truncating = self.settings["chat.context_policy"] == "truncate"
+        level = "full" if frac >= 0.98 and not truncating else ("warn" if frac >= CONTEXT_WARN else "")
+        if self.context_bar.property("level") != level:  # a re-polish costs a style pass: only on change
+            self.context_bar.setProperty("level", level)
+            self.context_bar.style().unpolish(self.context_bar)
+            self.context_bar.style().polish(self.context_bar)
+        if self._dropped and truncating:
+            if not self.banner.isVisible() or self.banner.property("kind") == "error":
+                self.banner.show_message(
+                    f"This conversation is longer than the model can read ({total:,} tokens), so it now "
+                    f"reads only the latest messages: the oldest {fmt.count(self._dropped, 'message')} "
+                    "are forgotten. Start a new chat for a new topic.", "info", "New chat", self.new_conversation)
+        elif level == "full":
             self._show_context_full()
         elif level == "warn" and not self.banner.isVisible():
+            what = ("the oldest messages will be forgotten soon" if truncating
+                    else "answers will be cut short soon")
             self.banner.show_message(
-                f"This conversation uses {frac:.0%} of the context window; answers will be cut short "
-                "soon. Start a new chat for a new topic.", "warn", "New chat", self.new_conversation)
+                f"This conversation uses {frac:.0%} of what the model can read; {what}. "
+                "Start a new chat for a new topic.", "warn", "New chat", self.new_conversation)
 
-    def _show_context_full(self) -> None:
-        total = self._ctx_total or (self.client.model_info or {}).get("ctx") or 0
+    def _show_context_full(self, stats: dict | None = None) -> None:
+        info = self.client.model_info or {}
+        total = self._ctx_total or info.get("ctx") or 0
+        trained = info.get("max_positions")
+        can_raise = not trained or total < trained
+        more = (" or raise the context length in the panel (this reloads the model; the conversation "
+                "is kept)" if can_raise else ", or choose a model that reads more on the Models page")
+        policy = (" Or let the model forget the oldest messages: Preferences → Chat."
+                  if self.settings["chat.context_policy"] == "stop" else "")
         self.banner.show_message(
-            f"The conversation has filled the model's context window ({total:,} tokens), so the model "
-            "cannot read any more of it. Start a new chat, or raise the context length in the panel "
-            "(this reloads the model; the conversation is kept).", "error", "New chat", self.new_conversation)
+            f"The conversation has filled what the model can read ({total:,} tokens), so it cannot go "
+            f"on. Start a new chat{more}.{policy}", "error", "New chat", self.new_conversation)
 
     def _on_model_loaded(self, info: dict) -> None:
         self._ctx_total = info.get("ctx")
+        if self.banner.isVisible() and self.banner.property("kind") in ("error", "warn"):
+            self.banner.hide()  # said of the previous model; counted again below
         self._update_context()
         self._sync_ready()
         self._set_readout_idle()
+        if not self.busy:
+            self._reload_view()  # the empty-chat text and model names follow the model
         self._recount()
 
     def _on_model_event(self, *_args) -> None:

@@ -33,6 +33,7 @@ class MessageWidget(QFrame):
 
     edit_requested = Signal(int)
     regenerate_requested = Signal(int)
+    version_requested = Signal(int, int)  # message id, version index
 
     def __init__(self, message_id: int, role: str, text: str, status: str = COMPLETE,
                  stats: dict | None = None, created_at: float | None = None, model: str = "",
@@ -69,7 +70,13 @@ class MessageWidget(QFrame):
         self.stats_label.setObjectName("messageStats")
         self.stats_label.setWordWrap(True)
         footer.addWidget(self.stats_label, 1)
+        # Earlier versions of a regenerated answer, ‹ 2/3 ›: made when there are some (widgets cost
+        # a style pass each, and most answers have one version).
+        self._footer = footer
+        self.prev_version = self.version_label = self.next_version = None
+        self._version = (0, 1)
         self.copy_button = self._action("Copy", "Copy the whole message as Markdown", self._copy)
+        self._pager_at = footer.count()  # the pager goes here, before Copy
         footer.addWidget(self.copy_button)
         self.edit_button = self._action("Edit", "Edit this message and send it again (answers after it are replaced)",
                                         lambda: self.edit_requested.emit(self.message_id))
@@ -111,6 +118,31 @@ class MessageWidget(QFrame):
 
     def set_stats(self, stats: dict | None) -> None:
         self.stats_label.setText(fmt.message_stats(stats) if self.role == "assistant" else "")
+        versions = (stats or {}).get("versions") or []
+        count = len(versions) + 1
+        index = (stats or {}).get("version_index", len(versions))
+        index = index if isinstance(index, int) and 0 <= index < count else count - 1
+        self._version = (index, count)
+        if count == 1 and self.version_label is None:
+            return
+        if self.version_label is None:
+            self.prev_version = self._action("‹", "Previous version of this answer", lambda: self._page(-1))
+            self.version_label = QLabel(self)
+            self.version_label.setObjectName("messageStats")
+            self.next_version = self._action("›", "Next version of this answer", lambda: self._page(+1))
+            for i, w in enumerate((self.prev_version, self.version_label, self.next_version)):
+                self._footer.insertWidget(self._pager_at + i, w)
+        self.version_label.setText(f"{index + 1}/{count}")
+        self.version_label.setToolTip(f"Version {index + 1} of {count}: Regenerate keeps the earlier answers")
+        for w in (self.prev_version, self.version_label, self.next_version):
+            w.setVisible(self.role == "assistant" and count > 1)
+        self.prev_version.setEnabled(index > 0)
+        self.next_version.setEnabled(index < count - 1)
+
+    def _page(self, step: int) -> None:
+        index, count = self._version
+        if 0 <= index + step < count:
+            self.version_requested.emit(self.message_id, index + step)
 
     def set_actions_enabled(self, can_regenerate: bool, can_edit: bool) -> None:
         # On a last message from the user (its answer failed or never started) it reads "Answer".
@@ -120,6 +152,10 @@ class MessageWidget(QFrame):
                                      else "Ask the model to answer this message")
         self.edit_button.setVisible(self.role == "user")
         self.edit_button.setEnabled(can_edit)
+        index, count = self._version
+        if self.prev_version is not None:  # no paging while an answer streams
+            self.prev_version.setEnabled(can_edit and index > 0)
+            self.next_version.setEnabled(can_edit and index < count - 1)
 
     def _copy(self) -> None:
         QGuiApplication.clipboard().setText(self.text())
@@ -132,6 +168,7 @@ class ChatView(QScrollArea):
 
     edit_requested = Signal(int)
     regenerate_requested = Signal(int)
+    version_requested = Signal(int, int)
     show_earlier_requested = Signal()
 
     def __init__(self, parent: QWidget | None = None):
@@ -196,6 +233,7 @@ class ChatView(QScrollArea):
         w = MessageWidget(message_id, role, text, status, stats, created_at, model, self.column)
         w.edit_requested.connect(self.edit_requested)
         w.regenerate_requested.connect(self.regenerate_requested)
+        w.version_requested.connect(self.version_requested)
         self._layout.insertWidget(self._layout.count() - 1, w)
         self._messages.append(w)
         self.empty_label.hide()

@@ -16,6 +16,7 @@ class ConversationList(QFrame):
     new_requested = Signal()
     deleted = Signal(int)
     renamed = Signal(int, str)
+    export_requested = Signal(int, str)  # conversation id, "md" or "json"
 
     def __init__(self, storage: Storage, parent: QWidget | None = None):
         super().__init__(parent)
@@ -90,32 +91,55 @@ class ConversationList(QFrame):
             if item.data(ID_ROLE) == conversation_id:
                 self.list.editItem(item)
 
-    def confirm_delete(self, conversation_id: int) -> None:
+    def confirm_delete(self, conversation_id: int) -> QMessageBox | None:
+        """Ask before deleting (window-modal, not blocking); returns the question box."""
         conv = self.storage.conversation(conversation_id)
         if conv is None:
-            return
-        answer = QMessageBox.question(
-            self, "Delete conversation",
-            f"Delete “{conv.title}” and all its messages? This cannot be undone.",
-            QMessageBox.StandardButton.Delete | QMessageBox.StandardButton.Cancel,
-            QMessageBox.StandardButton.Cancel)
-        if answer == QMessageBox.StandardButton.Delete:
-            self.delete(conversation_id)
+            return None
+        box = QMessageBox(QMessageBox.Icon.Question, "Delete conversation",
+                          f"Delete “{conv.title}” and all its messages? This cannot be undone.",
+                          QMessageBox.StandardButton.NoButton, self)
+        box.setObjectName("confirmDelete")
+        # QMessageBox has no standard Delete button: a destructive-role button of our own.
+        delete = box.addButton("Delete", QMessageBox.ButtonRole.DestructiveRole)
+        cancel = box.addButton(QMessageBox.StandardButton.Cancel)
+        box.setDefaultButton(cancel)
+        box.setEscapeButton(cancel)
+        box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose, True)
+        box.setWindowModality(Qt.WindowModality.WindowModal)
+
+        def done() -> None:
+            if box.clickedButton() is delete:
+                self.delete(conversation_id)
+
+        box.finished.connect(lambda _r: done())
+        box.open()
+        self.delete_box = box
+        return box
 
     def delete(self, conversation_id: int) -> None:
         self.storage.delete_conversation(conversation_id)
         self.refresh(None)
         self.deleted.emit(conversation_id)
 
+    def menu_for(self, conversation_id: int) -> QMenu:
+        """The right-click menu of one conversation (built apart from showing it, for tests)."""
+        menu = QMenu(self)
+        menu.addAction("Rename", lambda: self.rename(conversation_id))
+        export = menu.addMenu("Export")
+        export.addAction("As Markdown…", lambda: self.export_requested.emit(conversation_id, "md"))
+        export.addAction("As JSON…", lambda: self.export_requested.emit(conversation_id, "json"))
+        menu.addSeparator()
+        menu.addAction("Delete…", lambda: self.confirm_delete(conversation_id))
+        return menu
+
     def _menu(self, pos) -> None:
         item = self.list.itemAt(pos)
         if item is None:
             return
-        cid = item.data(ID_ROLE)
-        menu = QMenu(self)
-        menu.addAction("Rename", lambda: self.rename(cid))
-        menu.addAction("Delete…", lambda: self.confirm_delete(cid))
+        menu = self.menu_for(item.data(ID_ROLE))
         menu.exec(self.list.viewport().mapToGlobal(pos))
+        menu.deleteLater()
 
     def _current_changed(self, current: QListWidgetItem | None, _previous) -> None:
         if current is not None and not self._filling:

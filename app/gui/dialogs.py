@@ -94,12 +94,60 @@ the rest.</p>
 <b>RAM</b> Thermocline may use. Move one and the neurons are re-placed at once, even while an
 answer is being written: the chart shows the hot share of every layer, and the verdict tells
 you whether the model fits. <i>Restore suggested</i> goes back to what suits this machine.</p>
-<p>A small demo model is ready to try with no network. Bigger, useful models are on the
-<b>Models</b> page, with an estimate of how well each fits this machine.</p>
+<p><b>The demo model</b> is ready with no download. It is tiny (5 million parameters) and
+was trained only on Jane Austen's novels: it writes Austen-flavoured pastiche, not facts or
+help. It is there to show the sliders at work. For a real assistant, download a chat model:
+the button below fetches the one we recommend; the <b>Models</b> page lists the others, with
+an estimate of how well each fits this machine.</p>
 """
+
+RECOMMENDED_CHAT_MODEL = "bamboo-dpo"  # the catalogue's best small chat model
+
+
+class AboutDialog(QDialog):
+    """Help → About: version, what runs where, the licence, and where things are kept."""
+
+    def __init__(self, model_info: dict | None, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("about")
+        self.setWindowTitle("About Thermocline")
+        from importlib import metadata
+
+        from PySide6 import __version__ as qt_version
+
+        from app.settings import config_dir
+        from app.storage import data_dir
+
+        try:
+            version = metadata.version("thermocline")
+        except metadata.PackageNotFoundError:
+            version = "development copy"
+        build = (model_info or {}).get("build") or {}
+        rows = [f"<h2>Thermocline</h2><p>Version {version}</p>",
+                "<p>Chat with language models on your own computer, computing only the neurons "
+                "that fire. Nothing you write leaves this machine.</p>",
+                f"<p><b>Engine:</b> {build.get('summary') or 'not loaded yet'}<br>"
+                f"<b>Interface:</b> Qt {qt_version}<br>"
+                f"<b>Conversations:</b> {data_dir()}<br><b>Settings:</b> {config_dir()}</p>",
+                "<p>Licensed under the Apache License 2.0. The demo model is trained on Jane Austen's "
+                "novels (public domain).</p>"]
+        layout = QVBoxLayout(self)
+        text = QLabel("".join(rows), self)
+        text.setWordWrap(True)
+        text.setTextFormat(Qt.TextFormat.RichText)
+        text.setTextInteractionFlags(Qt.TextInteractionFlag.TextBrowserInteraction)
+        layout.addWidget(text)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close, self)
+        buttons.rejected.connect(self.reject)
+        layout.addWidget(buttons)
+        self.setMinimumWidth(460)
 
 
 class WelcomeDialog(QDialog):
+    """First start: what the app does, what the demo model is, and one click to a real one."""
+
+    get_model = 2  # done() code: download the recommended chat model
+
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.setObjectName("welcome")
@@ -110,7 +158,12 @@ class WelcomeDialog(QDialog):
         text.setTextFormat(Qt.TextFormat.RichText)
         layout.addWidget(text)
         buttons = QDialogButtonBox(self)
-        buttons.addButton("Start chatting", QDialogButtonBox.ButtonRole.AcceptRole)
+        self.download_button = buttons.addButton("Download the recommended chat model",
+                                                 QDialogButtonBox.ButtonRole.ActionRole)
+        self.download_button.setToolTip("Bamboo 7B chat (about 14 GB): starts the download on the Models page")
+        self.download_button.clicked.connect(lambda: self.done(self.get_model))
+        start = buttons.addButton("Try the demo", QDialogButtonBox.ButtonRole.AcceptRole)
+        start.setDefault(True)
         buttons.accepted.connect(self.accept)
         layout.addWidget(buttons)
         self.setMinimumWidth(520)

@@ -66,14 +66,47 @@ class DownloadJob(QObject):
             result = download_model(self.name, progress=progress, control=self.control)
         except DownloadCancelled:
             self.cancelled.emit(self.name)
-        except UserError as exc:
-            self.failed.emit(self.name, f"Could not download {self.name}: {exc}",
-                             "Check the network connection and the free disk space, then press Download "
-                             "again: finished files are kept and the download resumes where it stopped.")
         except Exception as exc:  # noqa: BLE001 - any failure becomes a dialog
-            log.exception("download of %s failed", self.name)
-            self.failed.emit(self.name, f"Could not download {self.name}: {exc.__class__.__name__}: {exc}",
-                             "Check the network connection, then press Download again; finished files "
-                             "are kept.")
+            if not isinstance(exc, UserError):
+                log.exception("download of %s failed", self.name)
+            what, todo = download_error_words(self.name, exc)
+            self.failed.emit(self.name, what, todo)
         else:
             self.done.emit(self.name, result.to_dict())
+
+
+RESUME = "Finished files are kept: press Download again and it goes on where it stopped."
+
+
+def download_error_words(name: str, exc: BaseException) -> tuple[str, str]:
+    """(what happened, what to do) for a failed download, in words rather than errno codes."""
+    import errno
+    import re
+
+    text = str(exc)
+    code = getattr(exc, "errno", None)
+    if code is None:  # the registry wraps OS errors in its own; their text keeps "[Errno N]"
+        m = re.search(r"\[Errno (\d+)\]", text)
+        code = int(m.group(1)) if m else None
+    if code == errno.ENOSPC:
+        return (f"Could not download {name}: the disk is full.",
+                "Free some space (or choose another models folder with THERMOCLINE_MODELS_DIR), "
+                "then press Download again. " + RESUME)
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return (f"Could not download {name}: the models folder cannot be written to.",
+                "Check the folder's permissions, or choose another one with THERMOCLINE_MODELS_DIR.")
+    if "offline" in text.lower():
+        return (f"Could not download {name}: downloads are switched off on this computer "
+                "(the HF_HUB_OFFLINE environment variable is set).",
+                "Start Thermocline without HF_HUB_OFFLINE to download models.")
+    network = code in (errno.ECONNREFUSED, errno.ECONNRESET, errno.ENETUNREACH, errno.EHOSTUNREACH,
+                       errno.ETIMEDOUT) or any(w in text.lower() for w in (
+                           "connect", "timed out", "timeout", "name resolution", "network", "unreachable"))
+    if network:
+        return (f"Could not download {name}: the model server could not be reached.",
+                "Check the internet connection, then press Download again. " + RESUME)
+    clean = re.sub(r"\[Errno \d+\]\s*", "", text) or exc.__class__.__name__
+    clean = clean.replace(" (HF_HUB_OFFLINE / Settings)", "").replace("(Settings, or THERMOCLINE_MODELS_DIR)",
+                                                                    "(THERMOCLINE_MODELS_DIR)")
+    return (f"Could not download {name}: {clean}",
+            "Check the network connection and the free disk space, then press Download again. " + RESUME)

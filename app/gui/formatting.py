@@ -45,6 +45,32 @@ def seconds(s: float | None) -> str:
     return f"{h} h {m:02d} min"
 
 
+def count(n: int, word: str) -> str:
+    """`1 token`, `2 tokens`, `1,024 tokens`."""
+    n = int(n)
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
+MODE_WORDS = {"dense": "every neuron computed", "sparse": "sparse", "hybrid": "sparse (hybrid)",
+              "oracle": "exact neurons (checking)"}
+
+
+def mode_words(mode: str | None) -> str:
+    return MODE_WORDS.get(str(mode or ""), f"{mode} mode")
+
+
+def gpu_note(note: str | None) -> str:
+    """Why no GPU is usable, in words (the probe's text, from NVML, stays in a tooltip)."""
+    text = (note or "").lower()
+    if not text:
+        return ""
+    if "nvml" in text or "driver" in text or "library" in text:
+        return "no NVIDIA driver is installed"
+    if "cuda" in text and ("build" in text or "torch" in text):
+        return "this build runs on the CPU only"
+    return note or ""
+
+
 def percent(f: float | None) -> str:
     return "—" if f is None else f"{f * 100:.0f}%"
 
@@ -62,21 +88,22 @@ def message_stats(stats: dict | None) -> str:
     if not stats:
         return ""
     parts = []
-    if stats.get("new_tokens") is not None:
-        parts.append(f"{stats['new_tokens']} tokens")
-    if stats.get("decode_tok_s"):
+    new = stats.get("new_tokens")
+    if new is not None:
+        parts.append(count(new, "token"))
+    if stats.get("decode_tok_s") and (new or 0) > 1:
         parts.append(rate(stats["decode_tok_s"]))
     if stats.get("prefill_tok_s"):
-        parts.append(f"prompt {rate(stats['prefill_tok_s'])}")
-    if stats.get("ttft_s") is not None:
-        parts.append(f"first token {seconds(stats['ttft_s'])}")
+        parts.append(f"prompt read at {rate(stats['prefill_tok_s'])}")
+    if stats.get("ttft_s") is not None and new:
+        parts.append(f"first word after {seconds(stats['ttft_s'])}")
     if stats.get("ffn_active_fraction") and stats.get("mode") not in ("dense", None):
-        parts.append(f"{percent(stats['ffn_active_fraction'])} of neurons fired")
+        parts.append(f"{percent(stats['ffn_active_fraction'])} of neurons used")
     on_gpu = str(stats.get("device") or stats.get("mem_device") or "").startswith("cuda")
     if stats.get("hot_hit_fraction") is not None and stats.get("mode") not in ("dense", None) and on_gpu:
         parts.append(f"GPU served {percent(stats['hot_hit_fraction'])} of active neurons")
     if stats.get("mode"):
-        parts.append(str(stats["mode"]))
+        parts.append(mode_words(stats["mode"]))
     return " · ".join(parts)
 
 

@@ -7,6 +7,7 @@ from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
 
 MAX_LINES = 8
+PLACEHOLDER = "Message the model  (Enter sends)"
 
 
 class PromptEdit(QPlainTextEdit):
@@ -52,7 +53,8 @@ class InputBar(QFrame):
         row = QHBoxLayout()
         row.setSpacing(8)
         self.edit = PromptEdit(self)
-        self.edit.setPlaceholderText("Message the model  (Enter to send, Shift+Enter for a new line)")
+        self.edit.setPlaceholderText(PLACEHOLDER)
+        self.edit.setToolTip("Enter sends; Shift+Enter starts a new line")
         self.edit.submitted.connect(self._submit)
         self.button = QPushButton("Send", self)
         self.button.setObjectName("sendButton")
@@ -69,11 +71,18 @@ class InputBar(QFrame):
         self._busy = busy
         self._sync()
 
+    def set_stopping(self) -> None:
+        """Stop was pressed: say so until the answer has ended (no second click needed)."""
+        if self._busy:
+            self.button.setText("Stopping…")
+            self.button.setEnabled(False)
+            self.button.setToolTip("Stopping: the model finishes the piece it is reading")
+
     def set_ready(self, ready: bool, why: str = "") -> None:
         """Whether a model is loaded; `why` replaces the placeholder when it is not."""
         self._ready = ready
         self.edit.setPlaceholderText(
-            "Message the model  (Enter to send, Shift+Enter for a new line)" if ready else why)
+            PLACEHOLDER if ready else why)
         self.edit.viewport().update()
         self._sync()
 

@@ -18,12 +18,10 @@ RESOURCES = Path(resources.__file__).parent
 
 
 def stylesheet() -> str:
-    try:
-        qss = (RESOURCES / "styles" / "thermocline.qss").read_text(encoding="utf-8")
-        return qss.replace("@ICONS@", (RESOURCES / "icons").as_posix())  # QSS urls need a real path
-    except OSError:  # a missing style is ugly, not fatal
-        log.warning("stylesheet missing; using the platform style")
-        return ""
+    """The light sheet (the window applies the chosen theme and font size: app/gui/theme.py)."""
+    from .theme import stylesheet as themed
+
+    return themed("light")
 
 
 def app_icon() -> QIcon:
@@ -96,8 +94,53 @@ def preload_engine() -> None:
         log.exception("could not import the engine")
 
 
+# Libraries Qt's X11 (xcb) plugin loads that a fresh desktop may lack: soname -> Debian package.
+XCB_LIBRARIES = {
+    "libxcb-cursor.so.0": "libxcb-cursor0", "libxcb-icccm.so.4": "libxcb-icccm4",
+    "libxcb-keysyms.so.1": "libxcb-keysyms1", "libxcb-image.so.0": "libxcb-image0",
+    "libxcb-render-util.so.0": "libxcb-render-util0", "libxkbcommon-x11.so.0": "libxkbcommon-x11-0",
+    "libxcb-xkb.so.1": "libxcb-xkb1", "libxcb-shape.so.0": "libxcb-shape0", "libxcb-randr.so.0": "libxcb-randr0",
+}
+
+
+def missing_window_libraries() -> list[str]:
+    """Packages to install before Qt's X11 plugin can start (empty where it is not the one used)."""
+    if not sys.platform.startswith("linux"):
+        return []
+    platform = os.environ.get("QT_QPA_PLATFORM", "").split(":")[0]
+    if platform not in ("", "xcb") or (not platform and os.environ.get("WAYLAND_DISPLAY")):
+        return []  # offscreen, wayland...: the xcb libraries are not needed
+    import ctypes
+
+    missing = []
+    for soname, package in XCB_LIBRARIES.items():
+        try:
+            ctypes.CDLL(soname)
+        except OSError:
+            missing.append(package)
+    return missing
+
+
+def explain_missing_libraries(missing: list[str]) -> int:
+    """Say what to install, then offer the terminal chat (where there is a terminal)."""
+    print("error: the window cannot open: this desktop lacks X11 libraries Qt needs ("
+          + ", ".join(missing) + "). Install them with:\n"
+          f"  sudo apt install {' '.join(missing)}\n"
+          "(the .deb package installs them for you). Meanwhile the terminal chat works: thermocline chat",
+          file=sys.stderr)
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return 2
+    print("Starting the terminal chat instead…", file=sys.stderr)
+    from app.cli import main as cli_main
+
+    return cli_main(["chat"])
+
+
 def run_window(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    missing = missing_window_libraries()
+    if missing:
+        return explain_missing_libraries(missing)
     app = make_application(argv)
     from app.single_instance import SingleInstance
 

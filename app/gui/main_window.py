@@ -10,8 +10,8 @@ import logging
 
 from PySide6.QtCore import QByteArray, Qt, QTimer, Slot
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
-from PySide6.QtWidgets import (QButtonGroup, QFrame, QHBoxLayout, QLabel, QMainWindow, QProgressBar,
-                               QPushButton, QSizePolicy, QSplitter, QStackedWidget, QVBoxLayout)
+from PySide6.QtWidgets import (QApplication, QButtonGroup, QFileDialog, QFrame, QHBoxLayout, QLabel, QMainWindow,
+                               QProgressBar, QPushButton, QSizePolicy, QSplitter, QStackedWidget, QVBoxLayout)
 from shiboken6 import isValid
 
 from app.settings import Settings
@@ -20,12 +20,17 @@ from app.storage import Storage
 from .budget_panel import BudgetPanel
 from .chat_page import ChatPage
 from .conversation_list import ConversationList
-from .dialogs import WelcomeDialog, show_error
+from . import export, theme
+from .dialogs import AboutDialog, WelcomeDialog, show_error
+from .preferences import open_preferences
 from .worker import EngineClient
 
 log = logging.getLogger(__name__)
 
-NARROW_WIDTH = 1000  # below this the budgets panel folds away so the chat keeps its room
+NARROW_WIDTH = 1000  # below this the panel and the sidebar share the room: one of them folds away
+PANEL_WIDTH = 320
+SIDEBAR_WIDTH = 240
+MIN_CHAT_WIDTH = 420  # narrower than this, a chat is hard to read
 
 
 class MainWindow(QMainWindow):
@@ -39,7 +44,7 @@ class MainWindow(QMainWindow):
         self._show_welcome = show_welcome
 
         # Sidebar: page switcher above the conversation list.
-        sidebar = QFrame(self)
+        self.sidebar = sidebar = QFrame(self)
         sidebar.setObjectName("sidebarFrame")
         side = QVBoxLayout(sidebar)
         side.setContentsMargins(0, 0, 0, 0)
@@ -80,9 +85,10 @@ class MainWindow(QMainWindow):
         self.splitter.setStretchFactor(0, 0)
         self.splitter.setStretchFactor(1, 1)
         self.splitter.setStretchFactor(2, 0)
-        self.splitter.setSizes([240, 700, 340])
-        # The panel may be squeezed to nothing, so the window can shrink below sidebar + chat +
-        # panel; resizeEvent then folds it away (NARROW_WIDTH).
+        self.splitter.setSizes([SIDEBAR_WIDTH, 700, PANEL_WIDTH])
+        # The panel and the sidebar may be folded away, so the window can shrink below sidebar +
+        # chat + panel; _fit_side_parts decides which (see NARROW_WIDTH).
+        self.splitter.setCollapsible(0, True)
         self.splitter.setCollapsible(2, True)
         sidebar.setMinimumWidth(180)
         self.setCentralWidget(self.splitter)
@@ -118,6 +124,10 @@ class MainWindow(QMainWindow):
         self.conversations.new_requested.connect(self.new_chat)
         self.conversations.deleted.connect(self.chat.forget)
         self.conversations.renamed.connect(lambda *_: self.chat.refresh_title())
+        self.conversations.export_requested.connect(self.export_conversation)
+        self.chat.export_requested.connect(self.export_conversation)
+        self.chat.models_page_requested.connect(lambda: self.show_page("models"))
+        self.chat.sidebar_toggle_requested.connect(lambda: self.set_sidebar_visible(not self.sidebar_shown()))
         self.chat.conversations_changed.connect(self.conversations.select)
         self.panel.reload_requested.connect(self.load_active_model)
         self.models.activate_requested.connect(self.switch_model)
@@ -134,8 +144,8 @@ class MainWindow(QMainWindow):
             self.resize(1280, 800)
         if settings["ui.splitter"]:
             self.splitter.restoreState(QByteArray.fromBase64(settings["ui.splitter"].encode()))
-        self.panel_button.setChecked(settings["ui.show_panel"])
-        self.set_panel_visible(settings["ui.show_panel"])
+        self.apply_appearance()
+        self._fit_side_parts()
         recovered = storage.recover_interrupted()
         if recovered:
             log.info("marked %d answers interrupted by the last exit", recovered)
@@ -155,17 +165,136 @@ class MainWindow(QMainWindow):
         return b
 
     def _actions(self) -> None:
-        def add(shortcut, slot):
-            act = QAction(self)
-            act.setShortcut(QKeySequence(shortcut))
+        """The menu bar: the usual desktop places for every command, with their shortcuts."""
+        def add(menu, text, shortcut, slot, tip=""):
+            act = QAction(text, self)
+            if shortcut:
+                act.setShortcut(QKeySequence(shortcut))
+            if tip:
+                act.setStatusTip(tip)
             act.triggered.connect(slot)
-            self.addAction(act)
+            if menu is not None:
+                menu.addAction(act)
+            self.addAction(act)  # the shortcut works while the menu is closed (and for unlisted keys)
+            return act
 
-        add("Ctrl+N", self.new_chat)
-        add("Ctrl+1", lambda: self.show_page("chat"))
-        add("Ctrl+2", lambda: self.show_page("models"))
-        add("Ctrl+B", lambda: self.panel_button.toggle())
-        add("Ctrl+F", lambda: (self.show_page("chat"), self.conversations.search.setFocus()))
+        bar = self.menuBar()
+        file = bar.addMenu("&File")
+        add(file, "&New chat", "Ctrl+N", self.new_chat)
+        export = file.addMenu("&Export conversation")
+        self.export_md_action = add(export, "As &Markdown…", "Ctrl+Shift+E", lambda: self._export_open("md"))
+        self.export_json_action = add(export, "As &JSON…", "", lambda: self._export_open("json"))
+        file.addSeparator()
+        add(file, "&Preferences…", "Ctrl+,", self.show_preferences)
+        file.addSeparator()
+        add(file, "&Quit", "Ctrl+Q", self.close)
+        view = bar.addMenu("&View")
+        add(view, "&Chat", "Ctrl+1", lambda: self.show_page("chat"))
+        add(view, "&Models", "Ctrl+2", lambda: self.show_page("models"))
+        view.addSeparator()
+        add(view, "Conversation &list", "Ctrl+Shift+L", lambda: self.set_sidebar_visible(not self.sidebar_shown()))
+        add(view, "&Budgets panel", "Ctrl+B", lambda: self.panel_button.toggle())
+        add(view, "&Search conversations", "Ctrl+F",
+            lambda: (self.show_page("chat"), self.set_sidebar_visible(True), self.conversations.search.setFocus()))
+        view.addSeparator()
+        add(view, "&Dark theme", "", lambda: self._set_theme("light" if self.dark() else "dark"))
+        add(view, "&Larger text", "Ctrl++", lambda: self._step_font(+1))
+        add(None, "Larger text", "Ctrl+=", lambda: self._step_font(+1))  # Ctrl++ without Shift
+        add(view, "S&maller text", "Ctrl+-", lambda: self._step_font(-1))
+        add(view, "&Normal text size", "Ctrl+0", lambda: self.settings.set("ui.font_size", 0) and None)
+        helpm = bar.addMenu("&Help")
+        add(helpm, "&Welcome and the sliders", "F1", self.show_welcome)
+        add(helpm, "&About Thermocline", "", self.show_about)
+        self._unsubscribe = self.settings.on_change(self._setting_changed)
+
+    # -- appearance ----------------------------------------------------------------------
+    def dark(self) -> bool:
+        return theme.resolve(self.settings["ui.theme"]) == "dark"
+
+    def apply_appearance(self) -> None:
+        app = QApplication.instance()
+        if app is not None:
+            theme.apply(app, self.settings["ui.theme"], self.settings["ui.font_size"])
+        self.chat.set_dark(self.dark())
+
+    def _set_theme(self, name: str) -> None:
+        self.settings["ui.theme"] = name
+
+    def _step_font(self, step: int) -> None:
+        current = self.settings["ui.font_size"] or round(QApplication.font().pointSizeF() or theme.BASE_POINT_SIZE)
+        opt = self.settings.option("ui.font_size")
+        self.settings["ui.font_size"] = int(max(7, min(opt.maximum, current + step)))
+
+    def _setting_changed(self, name: str, _value) -> None:
+        if name in ("ui.theme", "ui.font_size"):
+            self.apply_appearance()
+
+    def show_preferences(self):
+        def applied(names: list) -> None:
+            if any(n in names for n in ("model.active", "engine.mode")):
+                self.panel._select_mode(self.settings["engine.mode"])
+                self.load_active_model()
+            if "chat.context_policy" in names:
+                self.chat.refresh_context()
+
+        self.preferences = open_preferences(self.settings, self, applied)
+        return self.preferences
+
+    def show_about(self) -> AboutDialog:
+        dlg = AboutDialog(self.client.model_info, self)
+        dlg.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose, True)
+        dlg.open()
+        self.about = dlg
+        return dlg
+
+    # -- export --------------------------------------------------------------------------
+    def _export_open(self, kind: str) -> None:
+        conv = self.chat.conversation
+        if conv is None:
+            self.statusBar().showMessage("Nothing to export yet: this chat has no messages.", 4000)
+            return
+        self.export_conversation(conv.id, kind)
+
+    def export_conversation(self, conversation_id: int, kind: str, path: str | None = None):
+        """Save a conversation as Markdown or JSON; asks where (non-blocking) unless `path` is given."""
+        conv = self.storage.conversation(conversation_id)
+        if conv is None:
+            return None
+        if path is not None:
+            self._write_export(conversation_id, kind, path)
+            return None
+        ext = "md" if kind == "md" else "json"
+        dlg = QFileDialog(self, "Export conversation")
+        dlg.setObjectName("exportDialog")
+        dlg.setAcceptMode(QFileDialog.AcceptMode.AcceptSave)
+        dlg.setOption(QFileDialog.Option.DontUseNativeDialog, True)  # the same on every desktop, and testable
+        dlg.setNameFilter("Markdown (*.md)" if ext == "md" else "JSON (*.json)")
+        dlg.setDefaultSuffix(ext)
+        dlg.selectFile(export.file_name(conv.title, ext))
+        dlg.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose, True)
+        dlg.fileSelected.connect(lambda chosen: self._write_export(conversation_id, kind, chosen))
+        dlg.open()
+        self.export_dialog = dlg
+        return dlg
+
+    def _write_export(self, conversation_id: int, kind: str, path: str) -> None:
+        conv = self.storage.conversation(conversation_id)
+        if conv is None:
+            return
+        messages = self.storage.messages(conversation_id)
+        text = export.to_markdown(conv, messages) if kind == "md" else export.to_json(conv, messages)
+        try:
+            from pathlib import Path
+
+            target = Path(path)
+            tmp = target.with_name(target.name + ".part")
+            tmp.write_text(text, encoding="utf-8")
+            tmp.replace(target)
+        except OSError as exc:
+            self.last_error = show_error(self, "Could not export", f"Could not write {path}: {exc.strerror or exc}",
+                                         "Choose another folder, one you can write to.")
+            return
+        self.statusBar().showMessage(f"Saved “{conv.title}” to {path}", 6000)
 
     # -- start-up ------------------------------------------------------------------------
     def start(self) -> None:
@@ -177,9 +306,22 @@ class MainWindow(QMainWindow):
     def show_welcome(self) -> None:
         dlg = WelcomeDialog(self)
         dlg.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose, True)
-        dlg.finished.connect(lambda _r: self.settings.set("ui.welcome_shown", True))
+
+        def finished(result: int) -> None:
+            self.settings.set("ui.welcome_shown", True)
+            if result == WelcomeDialog.get_model:
+                self.get_recommended_model()
+
+        dlg.finished.connect(finished)
         dlg.open()
         self.welcome = dlg
+
+    def get_recommended_model(self) -> None:
+        """Start downloading the recommended chat model and show it on the Models page."""
+        from .dialogs import RECOMMENDED_CHAT_MODEL
+
+        self.show_page("models")
+        self.models.start_download(RECOMMENDED_CHAT_MODEL)
 
     # -- pages ---------------------------------------------------------------------------
     def show_page(self, name: str) -> None:
@@ -192,23 +334,55 @@ class MainWindow(QMainWindow):
             self.models.refresh()
 
     def set_panel_visible(self, visible: bool) -> None:
-        """The user's choice; a narrow window still folds the panel away (see resizeEvent)."""
-        if self.panel_button.isChecked() != visible:
-            self.panel_button.setChecked(visible)
+        """The user's choice; in a narrow window the sidebar folds away to make room."""
         self.settings["ui.show_panel"] = visible
-        self._fit_panel()
+        self._narrow_choice = "panel" if visible else "sidebar"
+        self._fit_side_parts()
 
-    def _fit_panel(self) -> None:
-        wanted = self.settings["ui.show_panel"]
-        narrow = self.width() < NARROW_WIDTH
-        self.panel.setVisible(wanted and not narrow)
+    def sidebar_shown(self) -> bool:
+        return not self.sidebar.isHidden()
+
+    def set_sidebar_visible(self, visible: bool) -> None:
+        self.settings["ui.show_sidebar"] = visible
+        self._narrow_choice = "sidebar" if visible else "panel"
+        self._fit_side_parts()
+
+    def _fit_side_parts(self) -> None:
+        """Show what the user asked for; when the chat would get too narrow for both the sidebar
+        and the panel, keep the one asked for last (the other folds away, its toggle says why)."""
+        want_panel, want_side = self.settings["ui.show_panel"], self.settings["ui.show_sidebar"]
+        width = self.width()
+        room = width - MIN_CHAT_WIDTH
+        show_panel, show_side = want_panel, want_side
+        if want_panel and want_side and room < PANEL_WIDTH + SIDEBAR_WIDTH:
+            if getattr(self, "_narrow_choice", "sidebar") == "panel":
+                show_side = False
+            else:
+                show_panel = False
+        if show_panel and room < PANEL_WIDTH - 80:
+            show_panel = False  # not even the panel alone fits: the button says so
+        was = (not self.panel.isHidden(), not self.sidebar.isHidden())
+        self.panel.setVisible(show_panel)
+        self.sidebar.setVisible(show_side)
+        if was != (show_panel, show_side):
+            side = min(SIDEBAR_WIDTH, max(180, width // 5)) if show_side else 0
+            panel = min(PANEL_WIDTH, max(240, room)) if show_panel else 0
+            self.splitter.setSizes([side, max(100, width - side - panel), panel])
+        # The button shows what is on screen, so a click always changes something visible.
+        self.panel_button.blockSignals(True)
+        self.panel_button.setChecked(show_panel)
+        self.panel_button.blockSignals(False)
         self.panel_button.setToolTip(
-            "The window is too narrow for the panel; widen it to show the budgets" if wanted and narrow
+            "The window is too narrow for the panel; widen it to show the budgets" if room < PANEL_WIDTH - 80
             else "Show or hide the budgets and placement panel (Ctrl+B)")
+        self.chat.set_sidebar_hidden(not show_side)
+
+    def _fit_panel(self) -> None:  # kept for callers of the old name
+        self._fit_side_parts()
 
     def resizeEvent(self, event) -> None:  # noqa: N802 - Qt API
         super().resizeEvent(event)
-        self._fit_panel()
+        self._fit_side_parts()
 
     def new_chat(self) -> None:
         self.show_page("chat")
@@ -294,6 +468,9 @@ class MainWindow(QMainWindow):
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt API
         self.settings["ui.geometry"] = bytes(self.saveGeometry().toBase64()).decode()
         self.settings["ui.splitter"] = bytes(self.splitter.saveState().toBase64()).decode()
+        unsubscribe = getattr(self, "_unsubscribe", None)
+        if unsubscribe is not None:
+            unsubscribe()
         self.chat.close_out()
         self.server_panel.shutdown()
         self.models.shutdown()

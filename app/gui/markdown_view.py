@@ -13,7 +13,8 @@ import re
 from dataclasses import dataclass
 
 from PySide6.QtCore import QEvent, Qt, QTimer
-from PySide6.QtGui import QFontDatabase, QGuiApplication, QTextOption
+from PySide6.QtGui import (QColor, QFont, QFontDatabase, QGuiApplication, QSyntaxHighlighter, QTextCharFormat,
+                           QTextOption)
 from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QSizePolicy,
                                QVBoxLayout, QWidget)
 
@@ -93,6 +94,101 @@ def _split_fences(text: str) -> list[Segment]:
     return segments
 
 
+# -- syntax highlighting (Pygments) ---------------------------------------------------------
+CODE_STYLES = {False: "default", True: "github-dark"}  # light, dark
+_code_dark = False
+_live_blocks: "set[CodeBlock]" = set()
+
+
+def set_code_theme(dark: bool) -> None:
+    """Colour code for a light or dark background; re-colours the blocks on screen."""
+    global _code_dark
+    if dark == _code_dark:
+        return
+    _code_dark = dark
+    for block in list(_live_blocks):
+        block.rehighlight()
+
+
+def _style(dark: bool):
+    from pygments.styles import get_style_by_name
+    from pygments.util import ClassNotFound
+
+    try:
+        return get_style_by_name(CODE_STYLES[dark])
+    except ClassNotFound:  # an older Pygments
+        return get_style_by_name("monokai" if dark else "default")
+
+
+def _lexer(lang: str):
+    from pygments.lexers import TextLexer, get_lexer_by_name
+    from pygments.util import ClassNotFound
+
+    try:
+        return get_lexer_by_name(lang, stripnl=False, ensurenl=False) if lang else TextLexer()
+    except ClassNotFound:
+        return TextLexer()
+
+
+class PygmentsHighlighter(QSyntaxHighlighter):
+    """Colours a code block with Pygments: the whole text is lexed once per change (a lexer needs
+    the context of earlier lines), and each line takes its spans from that."""
+
+    def __init__(self, document):
+        super().__init__(document)
+        self.lang = ""
+        self.dark = False
+        self._spans: list[list[tuple[int, int, QTextCharFormat]]] = []
+        self._formats: dict = {}
+
+    def set_code(self, code: str, lang: str, dark: bool) -> None:
+        if dark != self.dark:
+            self._formats.clear()
+        self.lang, self.dark = lang, dark
+        self._spans = self._lex(code)
+
+    def _format(self, style, ttype) -> QTextCharFormat:
+        fmt = self._formats.get(ttype)
+        if fmt is None:
+            spec = style.style_for_token(ttype)
+            fmt = QTextCharFormat()
+            if spec.get("color"):
+                fmt.setForeground(QColor("#" + spec["color"]))
+            if spec.get("bold"):
+                fmt.setFontWeight(QFont.Weight.Bold)
+            if spec.get("italic"):
+                fmt.setFontItalic(True)
+            self._formats[ttype] = fmt
+        return fmt
+
+    def _lex(self, code: str) -> list[list[tuple[int, int, QTextCharFormat]]]:
+        lines: list[list[tuple[int, int, QTextCharFormat]]] = [[]]
+        if not self.lang:
+            return lines  # plain text: the theme's own colour
+        style = _style(self.dark)
+        col = 0
+        for ttype, value in _lexer(self.lang).get_tokens(code):
+            fmt = self._format(style, ttype)
+            parts = value.split("\n")
+            for i, part in enumerate(parts):
+                if i:
+                    lines.append([])
+                    col = 0
+                styled = (fmt.foreground().style() != Qt.BrushStyle.NoBrush or fmt.fontItalic()
+                          or fmt.fontWeight() > QFont.Weight.Normal)
+                if part and styled:
+                    lines[-1].append((col, len(part), fmt))
+                col += len(part)
+        return lines
+
+    def highlightBlock(self, text: str) -> None:  # noqa: N802 - Qt API
+        n = self.currentBlock().blockNumber()
+        if n < len(self._spans):
+            for start, length, fmt in self._spans[n]:
+                if length:
+                    self.setFormat(start, length, fmt)
+
+
 def _monospace():
     return QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont)
 
@@ -168,14 +264,31 @@ class CodeBlock(QFrame):
         layout.addWidget(header)
         layout.addWidget(self.editor)
         self._code = None
+        self._lang = ""
+        self.highlighter = PygmentsHighlighter(self.editor.document())
+        _live_blocks.add(self)
+        self.destroyed.connect(lambda *_: _live_blocks.discard(self))
 
     def set_code(self, code: str, lang: str) -> None:
         self.lang_label.setText(lang or "code")
-        if code == self._code:
+        if code == self._code and lang == self._lang:
             return
-        self._code = code
-        self.editor.setPlainText(code)
+        self._code, self._lang = code, lang
+        self.highlighter.set_code(code, lang, _code_dark)
+        self.editor.setPlainText(code)  # highlights as it lays out
         self._fit_height()
+
+    def rehighlight(self) -> None:
+        self.highlighter.set_code(self._code or "", self._lang, _code_dark)
+        self.highlighter.rehighlight()
+
+    def token_colour(self, line: int, column: int) -> QColor | None:
+        """The colour shown at a place in the code (None: the default text colour)."""
+        block = self.editor.document().findBlockByNumber(line)
+        for r in block.layout().formats():
+            if r.start <= column < r.start + r.length and r.format.foreground().style() != Qt.BrushStyle.NoBrush:
+                return r.format.foreground().color()
+        return None
 
     def code(self) -> str:
         return self._code or ""

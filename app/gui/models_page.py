@@ -230,7 +230,9 @@ class ModelCard(QFrame):
         facts.append(f"size {fmt.size(info['size'])}" if info.get("size") else "size unknown")
         facts.append(f"licence: {info['license']}")
         if info.get("sparsity"):
-            facts.append(f"{info['sparsity']:.0%} of FFN activations are zero")
+            facts.append(f"{info['sparsity']:.0%} of neurons idle")
+            self.facts.setToolTip("Neurons idle: the share of the model's feed-forward neurons that stay "
+                                  "silent for a typical word, which is the work Thermocline skips.")
         if info.get("reason"):
             facts.append(info["reason"])
         self.facts.setText(" · ".join(facts))

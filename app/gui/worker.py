@@ -4,7 +4,7 @@ The pattern is napari's `thread_worker` / GPT4All's chat worker: the GUI thread 
 `EngineWorker` only through queued signals (load, generate, count tokens, apply budgets) and
 hears back only through queued signals (progress, tokens, live stats, results, errors). The
 stop flag is a `threading.Event` the GUI sets directly; the engine checks it before every
-token, so a stop lands within one token.
+token and between chunks of the prompt, so a stop lands within one token or one chunk.
 
 Budget changes have one subtlety: while the worker is inside a generation its event loop is
 busy, so a queued call would wait for the answer to end. Instead the GUI drops the newest
@@ -89,6 +89,18 @@ def explain_error(exc: BaseException, doing: str) -> tuple[str, str]:
             "the message above.")
 
 
+def dense_fallback_words(mode: str, exc: BaseException) -> str:
+    """Why a model runs dense, for people (the engine's text, with its command line, goes to the log)."""
+    text = str(exc).lower()
+    if "predictor" in text:
+        return ("Every neuron is computed (dense): this model has no predictors yet, the small helper "
+                "networks that guess which neurons will fire. It works, only slower than it could.")
+    if "cuda" in text or "triton" in text or "gpu" in text:
+        return ("Every neuron is computed (dense): the sparse mode needs parts this computer or this "
+                "build does not have.")
+    return f"Every neuron is computed (dense): {mode} mode could not start for this model."
+
+
 class EngineWorker(QObject):
     """Owns the engine. Lives on the worker thread; every slot runs there."""
 
@@ -103,7 +115,8 @@ class EngineWorker(QObject):
     placement = Signal(dict)                # placement report, as a dict
     placement_failed = Signal(str)          # why the budgets cannot work (says the minimum)
     placement_unavailable = Signal(str)     # the engine cannot re-place (yet)
-    token_count = Signal(int, int, int)     # tag, tokens, context length
+    token_count = Signal(int, int, int)     # tag, tokens the model reads, context length
+    context_report = Signal(int, dict)      # tag, {tokens, ctx, dropped, fits, total}
 
     def __init__(self):
         super().__init__()
@@ -113,6 +126,7 @@ class EngineWorker(QObject):
         self._pending_budgets: tuple[int | None, int | None] | None = None
         self._last_placement: dict | None = None
         self._budgets: tuple[int | None, int | None] = (None, None)
+        self._dropped: dict[int, int] = {}  # conversation -> oldest messages left out last time
 
     # -- model ---------------------------------------------------------------------------
     @Slot(str, dict)
@@ -153,7 +167,7 @@ class EngineWorker(QObject):
                 # No predictors, or no sparse runtime in this build: run dense and say why.
                 log.warning("loading %s in %s mode failed (%s); trying dense", spec, mode, exc)
                 eng = Engine.load(spec, mode="dense", **kwargs)
-                sparse_note = f"Running dense: {mode} mode is not available for this model ({exc})."
+                sparse_note = dense_fallback_words(mode, exc)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a dialog
             log.exception("loading %s failed", spec)
             what, todo = explain_error(exc, f"load the model “{model_label(spec)}”")
@@ -166,6 +180,12 @@ class EngineWorker(QObject):
         if isinstance(trained, int):
             info["max_positions"] = trained  # the context length the model was trained for
         info["note"] = sparse_note or budget_note
+        info["fallback"] = bool(sparse_note)  # loaded dense because the chosen mode could not run
+        info["budgets_reset"] = bool(budget_note)  # the saved budgets could not work: defaults used
+        tok = getattr(eng, "tokenizer", None)
+        # A base model (the demo, or one without a chat template) continues text: an assistant
+        # system prompt would only take room from its context.
+        info["base_model"] = spec == "demo" or not getattr(tok, "has_chat_template", True)
         from engine.runtime_info import torch_build
 
         info["build"] = torch_build()  # CPU or CUDA build of torch, and whether a GPU is usable
@@ -239,17 +259,39 @@ class EngineWorker(QObject):
         self.placement.emit(plain)
 
     # -- generation ----------------------------------------------------------------------
-    @Slot(int, list)
-    def count_tokens(self, tag: int, messages: list) -> None:
+    def _fit(self, tag: int | None, messages: list, options: dict):
+        """The messages the model will read under the chat's context policy."""
+        from .context_policy import Fitted, fit_messages
+
+        if getattr(self.engine, "remote", False):  # its tokenizer and context are on its server
+            return Fitted(messages, 0, 0, True)
+        tok = self.engine.tokenizer
+
+        def count(msgs: list) -> int:
+            return len(tok.encode(tok.render_chat(msgs))) if msgs else 0
+
+        previous = self._dropped.get(tag, 0) if tag is not None else 0
+        fitted = fit_messages(messages, count, int(getattr(self.engine, "ctx", 0) or 0) or 10**9,
+                              options.get("max_new_tokens"), options.get("context_policy", "truncate"),
+                              previous)
+        if tag is not None:
+            self._dropped[tag] = fitted.dropped
+        return fitted
+
+    @Slot(int, list, dict)
+    def count_tokens(self, tag: int, messages: list, options: dict) -> None:
         if self.engine is None or getattr(self.engine, "remote", False):
             return  # a remote model's tokenizer is on its server
         try:
-            tok = self.engine.tokenizer
-            n = len(tok.encode(tok.render_chat(messages))) if messages else 0
+            fitted = self._fit(tag if tag >= 0 else None, messages, options)
+            total = fitted.tokens if not fitted.dropped else None
         except Exception:  # noqa: BLE001 - a count is advisory; never a dialog
             log.exception("token count failed")
             return
-        self.token_count.emit(tag, n, int(getattr(self.engine, "ctx", 0)))
+        ctx = int(getattr(self.engine, "ctx", 0))
+        self.token_count.emit(tag, fitted.tokens, ctx)
+        self.context_report.emit(tag, {"tokens": fitted.tokens, "ctx": ctx, "dropped": fitted.dropped,
+                                       "fits": fitted.fits, "total": total})
 
     @Slot(int, list, dict, object)
     def generate(self, request_id: int, messages: list, params: dict, cancel: threading.Event) -> None:
@@ -260,9 +302,16 @@ class EngineWorker(QObject):
             return
         start = time.perf_counter()
         stats: dict[str, Any] = {"new_tokens": 0}
+        params = dict(params)
+        policy = params.pop("context_policy", "truncate")
+        conversation = params.pop("conversation_id", None)
         try:
             from engine import SamplingParams
 
+            fitted = self._fit(conversation, messages,
+                               {"context_policy": policy, "max_new_tokens": params.get("max_new_tokens")})
+            messages = fitted.messages
+            stats["dropped_messages"] = fitted.dropped
             sampling = SamplingParams(**{k: v for k, v in params.items() if v is not None})
             last_emit = 0.0
             first = None
@@ -271,6 +320,8 @@ class EngineWorker(QObject):
                 if first is None:
                     first = now
                 stats["new_tokens"] += 1
+                if cancel.is_set():
+                    break  # stopped: what arrives after the stop is not shown
                 if ev.text:
                     self.token.emit(request_id, ev.text)
                 if self._pending_budgets is not None:
@@ -284,7 +335,8 @@ class EngineWorker(QObject):
             from engine.errors import ContextFullError
 
             if isinstance(exc, ContextFullError):
-                final = {**stats, "finish_reason": "context_full", "error": str(exc)}
+                final = {**stats, "finish_reason": "context_full", "error": str(exc),
+                         "ctx": int(getattr(eng, "ctx", 0))}
                 self.finished.emit(request_id, final)
                 return
             from engine.errors import RemoteInterrupted
@@ -303,6 +355,7 @@ class EngineWorker(QObject):
         if not isinstance(final, dict):
             final = {}
         final.setdefault("new_tokens", stats["new_tokens"])
+        final["dropped_messages"] = stats.get("dropped_messages", 0)
         if cancel.is_set():
             final["finish_reason"] = "cancelled"
         final.setdefault("finish_reason", "stop")
@@ -312,6 +365,7 @@ class EngineWorker(QObject):
 
     def _live(self, stats: dict, start: float, first: float | None, now: float) -> dict:
         live = {"new_tokens": stats["new_tokens"], "elapsed_s": now - start,
+                "dropped_messages": stats.get("dropped_messages", 0),
                 "mode": str(getattr(self.engine, "mode", ""))}
         if first is not None:
             live["ttft_s"] = first - start
@@ -352,7 +406,7 @@ class EngineClient(QObject):
 
     _load = Signal(str, dict)
     _generate = Signal(int, list, dict, object)
-    _count = Signal(int, list)
+    _count = Signal(int, list, dict)
     _apply_budgets = Signal()
 
     def __init__(self, parent: QObject | None = None):
@@ -400,8 +454,11 @@ class EngineClient(QObject):
         if self._cancel is not None:
             self._cancel.set()  # atomic; the worker sees it before the next token
 
-    def count_tokens(self, tag: int, messages: list[dict]) -> None:
-        self._count.emit(tag, messages)
+    def count_tokens(self, tag: int, messages: list[dict], options: dict | None = None) -> None:
+        """How many tokens the model reads of `messages` (after the context policy in `options`);
+        answered by `token_count` and `context_report` with the same tag (a conversation id, or
+        a negative tag for a draft)."""
+        self._count.emit(tag, messages, dict(options or {}))
 
     def set_budgets(self, vram: int | None, ram: int | None) -> None:
         self.worker.request_budgets(vram, ram)
