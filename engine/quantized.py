@@ -5,6 +5,8 @@ predictors once, so on the CPU their bytes set the speed. Stored as int8 rows wi
 (the format of the cold FFN rows, `engine.kernels.cpu_quant`), they take a quarter of the
 RAM and of the time of fp32. A few tokens go through the int8 matrix-vector kernel, one
 token at a time; many (a long prefill) through torch on a block of rows converted at a time.
+On AVX2 hosts both go through the int8 x int8 kernel instead (the activation quantized in
+blocks, as llama.cpp does), which reads each row once whatever the token count.
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ class Int8Matrix(QuantMatrix):
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x fp32 [T, d] (CPU) @ this^T -> fp32 [T, n]."""
         x = x.float()
+        out = cpu_kernels.matmul_int8(x, self.q, self.scale)  # int8 x int8, where the host can
+        if out is not None:
+            return out
         if x.shape[0] <= _PER_TOKEN_MAX:
             return torch.stack([cpu_kernels.matvec_int8(row, self.q, self.scale) for row in x])
         n = self.q.shape[0]

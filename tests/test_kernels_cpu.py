@@ -474,3 +474,133 @@ def test_matvec_int8_equals_the_dequantized_product(monkeypatch, numba_on, n, d)
     ref = (q.double() * scale.double()[:, None]) @ x.double()
     assert y.dtype == torch.float32 and y.shape == (n,)
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+# ---- int8 x int8 products (int8 activations in blocks) -------------------------------------
+needs_q8 = pytest.mark.skipif(not cpu.int8_activations_available(128),
+                              reason="no AVX2 host or numba: the int8-activation kernel does not run")
+
+
+def _q8_reference(x, q, scale, block):
+    """x quantized per block of `block` values as the kernel documents (scale = max|x| / 127,
+    round half to even, clamp), then the product in float64."""
+    T, d = x.shape
+    xb = x.double().reshape(T, d // block, block)
+    s = xb.abs().amax(dim=2, keepdim=True) / 127.0
+    xq = torch.where(s > 0, torch.round(xb / torch.where(s > 0, s, torch.ones_like(s))), torch.zeros_like(xb))
+    xd = (xq.clamp(-127, 127) * s).reshape(T, d)
+    return xd @ (q.double() * scale.double()[:, None]).T
+
+
+@needs_q8
+@pytest.mark.parametrize("n,d,T", [(4, 128, 1), (5, 128, 3), (7, 256, 1), (64, 384, 2), (130, 512, 9),
+                                   (257, 1024, 17), (1000, 4096, 1), (33, 4096, 40)])
+def test_matmul_int8_equals_the_fp64_product_of_quantized_activations(n, d, T):
+    g = torch.Generator().manual_seed(n * 7 + d + T)
+    q, scale = cpu.quantize_rows_int8(torch.randn(n, d, generator=g))
+    x = torch.randn(T, d, generator=g) * torch.linspace(0.1, 10.0, d)  # blocks of unequal range
+    x[0, :128] = 0.0  # an all-zero block: scale 0
+    y = cpu.matmul_int8(x, q, scale)
+    assert y is not None and y.dtype == torch.float32 and y.shape == (T, n)
+    ref = _q8_reference(x, q, scale, 128)
+    # integer sums are exact; only the fp32 block scaling and the final sums round
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    # and within the activation's quantization error of the product with fp32 activations
+    exact = x.double() @ (q.double() * scale.double()[:, None]).T
+    bound = (x.double().abs().reshape(T, -1, 128).amax(dim=2) / 254.0).repeat_interleave(128, dim=1) \
+        @ (q.double().abs() * scale.double()[:, None]).T
+    assert bool(((y.double() - exact).abs() <= bound * 1.001 + 1e-6).all())
+
+
+@pytest.mark.parametrize("n,d", [(3, 128), (8, 200), (8, 64)])
+def test_matmul_int8_declines_shapes_it_does_not_cover(n, d):
+    """Fewer than 4 rows, or d not a multiple of the activation block: None, and
+    Int8Matrix.linear takes its other path to the same product."""
+    from engine.quantized import Int8Matrix
+
+    g = torch.Generator().manual_seed(d)
+    m = Int8Matrix.quantize(torch.randn(n, d, generator=g))
+    x = torch.randn(2, d, generator=g)
+    assert cpu.matmul_int8(x, m.q, m.scale) is None
+    ref = x.double() @ m.dequantize().double().T
+    torch.testing.assert_close(m.linear(x).double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_matmul_int8_without_numba_declines(monkeypatch):
+    monkeypatch.setattr(cpu, "_numba", False)
+    q, scale = cpu.quantize_rows_int8(torch.randn(8, 128))
+    assert not cpu.int8_activations_available(128)
+    assert cpu.matmul_int8(torch.randn(1, 128), q, scale) is None
+
+
+@needs_q8
+def test_int8_matrix_linear_uses_int8_activations_for_any_token_count():
+    """Decode (1 token) and a prefill (many) give the same rows: each token's product does
+    not depend on the others in the call."""
+    from engine.quantized import Int8Matrix
+
+    g = torch.Generator().manual_seed(3)
+    m = Int8Matrix.quantize(torch.randn(300, 256, generator=g))
+    x = torch.randn(37, 256, generator=g)
+    many = m.linear(x)
+    ones = torch.cat([m.linear(x[t : t + 1]) for t in range(37)])
+    torch.testing.assert_close(many, ones, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(many.double(), _q8_reference(x, m.q, m.scale, 128), rtol=1e-5, atol=1e-4)
+
+
+# ---- many tokens, each over its predicted rows (sparse prefill) ----------------------------
+@pytest.mark.parametrize("use_numba", [True, False], ids=["numba", "torch"])
+@pytest.mark.parametrize("quant", cpu.QUANTS)
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
+@pytest.mark.parametrize("activation", ACTS)
+def test_sparse_ffn_tokens_matches_fp64_per_token(monkeypatch, use_numba, quant, gated, activation):
+    """Token t of the result == the dense float64 FFN over the rows its logits select."""
+    if use_numba and not cpu.available():
+        pytest.skip("numba missing or disabled")
+    if not use_numba:
+        monkeypatch.setattr(cpu, "_numba", False)
+    shapes = [(64, 256, 1), (300, 200, 5), (777, 1000, 19)] if use_numba else [(300, 200, 5)]
+    for seed, (n, d, T) in enumerate(shapes):
+        _, gate, up, down_t, g = _rows(n, d, gated, seed + 11)
+        rows = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant=quant)
+        xs = torch.randn(T, d, generator=g)
+        logits = torch.randn(T, n, generator=g)
+        logits[0] = -5.0  # a token that selects nothing
+        for pred in (logits, None):
+            ys = cpu.sparse_ffn_tokens(xs, rows, pred, 0.8, activation, FAT_THRESHOLD)
+            assert ys.dtype == torch.float32 and ys.shape == (T, d)
+            dg, du, dd = rows.dequantized()
+            for t in range(T):
+                active = None if pred is None else torch.nonzero(pred[t] >= 0.8).flatten()
+                y_ref, a_all = _dense_masked(xs[t], dg, du, dd, active, activation, FAT_THRESHOLD)
+                scale = (a_all.abs() @ dd.double().abs()).max().item()
+                _close(ys[t], y_ref, scale)
+            if pred is not None:
+                assert not ys[0].any()
+
+
+@needs_numba
+@pytest.mark.parametrize("quant", cpu.QUANTS)
+def test_sparse_ffn_tokens_equals_decoding_each_token(quant):
+    """The prefill kernel computes what the decode kernel computes for each token alone,
+    including over a subset of a layer's rows addressed by row ids."""
+    n, d, T = 500, 384, 12
+    _, gate, up, down_t, g = _rows(n, d, True, 5)
+    rows = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant=quant)
+    xs = torch.randn(T, d, generator=g)
+    layer_logits = torch.randn(T, 2 * n, generator=g)
+    ids = torch.randperm(2 * n, generator=g)[:n].sort().values
+    ys = cpu.sparse_ffn_tokens(xs, rows, layer_logits[:, ids].contiguous(), 0.5, "relu")
+    for t in range(T):
+        y = cpu.sparse_ffn_predicted(xs[t], rows, layer_logits[t], 0.5, "relu", row_ids=ids)
+        _same_rows_close(ys[t], y)
+
+
+def test_sparse_ffn_tokens_refuses_bad_shapes():
+    rows = cpu.CpuFfnRows.from_dense(None, torch.randn(10, 16), torch.randn(10, 16), quant="fp32")
+    with pytest.raises(ValueError):
+        cpu.sparse_ffn_tokens(torch.randn(3, 15), rows, None, 0.0, "relu")
+    with pytest.raises(ValueError):
+        cpu.sparse_ffn_tokens(torch.randn(3, 16), rows, torch.randn(3, 11), 0.0, "relu")
+    with pytest.raises(ValueError):
+        cpu.sparse_ffn_tokens(torch.randn(3, 16), rows, None, 0.0, "gelu")

@@ -334,6 +334,46 @@ def sparse_ffn_batch(xs: torch.Tensor, rows: CpuFfnRows, active: torch.Tensor | 
     return torch.from_numpy(ys)
 
 
+def sparse_ffn_tokens(xs: torch.Tensor, rows: CpuFfnRows, pred_logits: torch.Tensor | None,
+                      pred_threshold: float, activation: str, act_threshold: float = 0.0) -> torch.Tensor:
+    """Many tokens (a prefill), each over its own predicted rows: xs fp32 [T, d] ->
+    ys fp32 [T, d], token t computing the rows j with pred_logits[t, j] >= pred_threshold
+    (pred_logits fp32 [T, n_neurons], or None: every row), as `sparse_ffn_predicted` would
+    for that token alone. Each row is read from memory once for all tokens, in its int8
+    or fp32 storage: nothing is dequantized. Without numba, torch computes the rows dense
+    per block and masks them (the reference)."""
+    if xs.dim() != 2 or xs.shape[1] != rows.dim:
+        raise ValueError(f"xs: expected [T, {rows.dim}], got {tuple(xs.shape)}")
+    T, n = xs.shape[0], rows.n_neurons
+    reference.check_activation(activation)
+    if pred_logits is not None and tuple(pred_logits.shape) != (T, n):
+        raise ValueError(f"pred_logits: expected [{T}, {n}], got {tuple(pred_logits.shape)}")
+    kern = _kernels()
+    if kern is None or T == 0 or n == 0:
+        ys = torch.zeros(T, rows.dim)
+        for lo in range(0, n, _DEQUANT_ROWS):
+            hi = min(lo + _DEQUANT_ROWS, n)
+            part = rows.select(torch.arange(lo, hi))
+            gate, up, down_t = part.dequantized()
+            xf = xs.float()
+            acts = reference.activations(None if gate is None else xf @ gate.T, xf @ up.T, activation,
+                                         act_threshold)
+            if pred_logits is not None:
+                acts = acts * (pred_logits[:, lo:hi].float() >= pred_threshold)
+            ys += acts @ down_t
+        return ys
+    xn = _numpy(xs, torch.float32)
+    pred = _numpy(pred_logits, torch.float32) if pred_logits is not None else np.empty((0, 0), np.float32)
+    acts = np.empty((n, T), dtype=np.float32)
+    gate, gate_s, up, up_s, down, down_s = rows._numpy_views()
+    with _lock:
+        nchunks = max(1, min(_DENSE_CHUNKS_PER_THREAD * _use_threads(kern), n))
+        ys = kern.ffn_rows_tokens(xn, gate, gate_s, up, up_s, down, down_s, pred, float(pred_threshold),
+                                  pred_logits is not None, rows.gated, rows.quant == "int8",
+                                  kern.ACTIVATION_CODES[activation], float(act_threshold), acts, nchunks)
+    return torch.from_numpy(ys)
+
+
 def warmup(quants: tuple[str, ...] = QUANTS, batch: bool = False, dense: bool = True) -> dict:
     """Compile (or load from numba's disk cache) the kernels for the given row storages on
     tiny inputs. A cold compile of both storages took ~25 s on a busy 2-core machine; the
@@ -355,6 +395,7 @@ def warmup(quants: tuple[str, ...] = QUANTS, batch: bool = False, dense: bool = 
     for quant in quants:
         rows = CpuFfnRows.from_dense(w[0], w[1], w[2], quant=quant)
         sparse_ffn(x, rows, torch.tensor([1, 5]), "relu")
+        sparse_ffn_tokens(w[:2, 0], rows, torch.ones(2, 8), 0.0, "relu")  # a sparse prefill
         if batch:
             sparse_ffn_batch(w[:2, 0], rows, torch.tensor([1, 5]), "relu")
     if dense:  # directly: matvec/combine leave matrices this small to torch
@@ -364,8 +405,16 @@ def warmup(quants: tuple[str, ...] = QUANTS, batch: bool = False, dense: bool = 
             kern.matvec_rows(wn, xn, 1)
             kern.combine_rows(xn, wn, 1)
             kern.matvec_rows_int8(q.numpy(), scale.numpy(), xn, 1)
-    fns = ((kern.ffn_rows, kern.quantize_rows_int8) + ((kern.ffn_rows_batch,) if batch else ())
-           + ((kern.matvec_rows, kern.combine_rows, kern.matvec_rows_int8) if dense else ()))
+        if int8_activations_available(128):
+            wq, ws = quantize_rows_int8(torch.randn(4, 128, generator=g))
+            xq = np.zeros((1, 128), dtype=np.int8)
+            xs = np.ones((1, 1), dtype=np.float32)
+            kern.quantize_act_q8(np.zeros((1, 128), dtype=np.float32), xq, xs)
+            kern.matmul_q8_avx2(wq.numpy(), ws.numpy(), xq, xs, 1)
+    fns = ((kern.ffn_rows, kern.quantize_rows_int8) + ((kern.ffn_rows_tokens,) if quants else ())
+           + ((kern.ffn_rows_batch,) if batch else ())
+           + ((kern.matvec_rows, kern.combine_rows, kern.matvec_rows_int8) if dense else ())
+           + ((kern.quantize_act_q8, kern.matmul_q8_avx2) if dense and int8_activations_available(128) else ()))
     return {"seconds": time.perf_counter() - t0,
             "cache_hits": sum(sum(f.stats.cache_hits.values()) for f in fns),
             "compiled": sum(sum(f.stats.cache_misses.values()) for f in fns), "numba": True}
@@ -409,6 +458,33 @@ def matvec_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     with _lock:
         return torch.from_numpy(kern.matvec_rows_int8(q.numpy(), scale.numpy(), _numpy(x, torch.float32),
                                                       _DENSE_CHUNKS_PER_THREAD * _use_threads(kern)))
+
+
+def int8_activations_available(d: int) -> bool:
+    """Whether `matmul_int8` runs int8 x int8 (AVX2 host, numba, d a multiple of the
+    activation block) rather than returning None."""
+    kern = _kernels()
+    return kern is not None and kern.HAS_AVX2 and d % kern._ACT_BLOCK == 0 and d > 0
+
+
+def matmul_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+    """x fp32 [T, d] times every row of (q int8 [n, d], scale fp32 [n]) -> fp32 [T, n], with
+    x quantized to int8 in blocks (llama.cpp's Q8_0 scheme): int8 products, about twice the
+    rows per second of `matvec_int8`, and a many-token product that reads each row once
+    instead of dequantizing the matrix. None where it cannot run (no AVX2 or numba, d not a
+    multiple of the block, fewer than 4 rows): the caller takes another path."""
+    n, d = q.shape
+    if n < 4 or not int8_activations_available(d) or not q.is_contiguous() or not scale.is_contiguous():
+        return None
+    kern = _kernels()
+    xn = _numpy(x, torch.float32)
+    tokens = xn.shape[0]
+    xq = np.empty((tokens, d), dtype=np.int8)
+    xs = np.empty((tokens, d // kern._ACT_BLOCK), dtype=np.float32)
+    with _lock:
+        kern.quantize_act_q8(xn, xq, xs)
+        return torch.from_numpy(kern.matmul_q8_avx2(q.numpy(), scale.numpy(), xq, xs,
+                                                    _DENSE_CHUNKS_PER_THREAD * _use_threads(kern)))
 
 
 # Rows dequantized at a time where torch computes over int8 rows: bounds the fp32 copy.

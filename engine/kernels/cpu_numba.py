@@ -453,3 +453,220 @@ def combine_rows(a, w, nchunks):
         for j in range(d):
             y[j] += part[c, j]
     return y
+
+
+# ---- int8 x int8 products (llama.cpp's Q8_0 scheme, AVX2) ---------------------------------
+# The fp32 kernels above convert every int8 weight to fp32 before its multiply-add: three
+# vector instructions per 8 weights, so int8 rows stream at about 28 GB/s, compute-bound on
+# two cores. Quantizing the activation too (int8 in blocks of _ACT_BLOCK, one fp32 scale a
+# block) lets the products run on int8 pairs: per 32 weights and row, vpsignb, vpmaddubsw,
+# vpmaddwd, vpaddd (the activation's |x| is shared by the four rows of a pass). LLVM does
+# not find this from a plain loop (it emits a 128-bit vpmaddwd over sign-extended words, as
+# many instructions as the fp32 path), so the block loop is written in LLVM IR below. It
+# needs AVX2: `engine.kernels.cpu` calls it only where the host has it.
+
+_ACT_BLOCK = 128  # activation values per fp32 scale (a multiple of 32)
+
+
+def _host_has_avx2() -> bool:
+    from llvmlite import binding as llvm
+
+    try:
+        return bool(llvm.get_host_cpu_features().get("avx2"))
+    except RuntimeError:  # features unknown on this host
+        return False
+
+
+HAS_AVX2 = _host_has_avx2()
+
+
+def _avx2_fn(builder, name, ret, *args):
+    fnty = ir.FunctionType(ret, [a.type for a in args])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, name)
+    return builder.call(fn, args)
+
+
+@intrinsic
+def _dot4_q8_avx2(typingctx, q, i, x, xs, t):
+    """(q[i+k] . x[t]) for k = 0..3, fp32: q int8 [n, d] (rows i..i+3 must exist), x int8
+    [T, d] quantized in blocks of _ACT_BLOCK with fp32 scales xs [T, d // _ACT_BLOCK];
+    d a multiple of _ACT_BLOCK. Integer sums within a block, an fp32 multiply-add by the
+    block's scale, one horizontal sum per row at the end."""
+    sig = types.UniTuple(types.float32, 4)(q, i, x, xs, t)
+
+    def codegen(context, builder, signature, args):
+        qty, _, xty, xsty, _ = signature.args
+        qa = context.make_array(qty)(context, builder, args[0])
+        xa = context.make_array(xty)(context, builder, args[2])
+        xsa = context.make_array(xsty)(context, builder, args[3])
+        i64 = ir.IntType(64)
+        row = context.cast(builder, args[1], signature.args[1], types.int64)
+        tok = context.cast(builder, args[4], signature.args[4], types.int64)
+        zero64 = i64(0)
+        v32i8 = ir.VectorType(ir.IntType(8), 32)
+        v16i16 = ir.VectorType(ir.IntType(16), 16)
+        v8i32 = ir.VectorType(ir.IntType(32), 8)
+        v8f32 = ir.VectorType(ir.FloatType(), 8)
+        d = cgutils.unpack_tuple(builder, qa.shape)[1]
+        nb = builder.sdiv(d, i64(_ACT_BLOCK))
+        xptr = cgutils.get_item_pointer(context, builder, xty, xa, [tok, zero64], wraparound=False)
+        xsptr = cgutils.get_item_pointer(context, builder, xsty, xsa, [tok, zero64], wraparound=False)
+        rptrs = [cgutils.get_item_pointer(context, builder, qty, qa, [builder.add(row, i64(k)), zero64],
+                                          wraparound=False) for k in range(4)]
+        ones = ir.Constant(v16i16, [ir.Constant(ir.IntType(16), 1)] * 16)
+        accf = [cgutils.alloca_once_value(builder, ir.Constant(v8f32, None)) for _ in range(4)]
+        acci = [cgutils.alloca_once_value(builder, ir.Constant(v8i32, None)) for _ in range(4)]
+
+        def load32(ptr, off):
+            p = builder.bitcast(builder.gep(ptr, [off]), v32i8.as_pointer())
+            return builder.load(p, align=1)
+
+        with cgutils.for_range(builder, nb) as blk:
+            base = builder.mul(blk.index, i64(_ACT_BLOCK))
+            for k in range(4):
+                builder.store(ir.Constant(v8i32, None), acci[k])
+            for u in range(_ACT_BLOCK // 32):  # unrolled: a constant trip count
+                off = builder.add(base, i64(32 * u))
+                xv = load32(xptr, off)
+                ax = _avx2_fn(builder, "llvm.x86.avx2.psign.b", v32i8, xv, xv)
+                for k in range(4):
+                    sw = _avx2_fn(builder, "llvm.x86.avx2.psign.b", v32i8, load32(rptrs[k], off), xv)
+                    p16 = _avx2_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, ax, sw)
+                    p32 = _avx2_fn(builder, "llvm.x86.avx2.pmadd.wd", v8i32, p16, ones)
+                    builder.store(builder.add(builder.load(acci[k]), p32), acci[k])
+            scale = builder.load(builder.gep(xsptr, [blk.index]))
+            splat = cgutils.alloca_once_value(builder, ir.Constant(v8f32, None))
+            vs = builder.load(splat)
+            for lane in range(8):
+                vs = builder.insert_element(vs, scale, ir.IntType(32)(lane))
+            for k in range(4):
+                f = builder.sitofp(builder.load(acci[k]), v8f32)
+                builder.store(builder.fadd(builder.load(accf[k]), builder.fmul(f, vs)), accf[k])
+        sums = []
+        for k in range(4):
+            v = builder.load(accf[k])
+            s = builder.extract_element(v, ir.IntType(32)(0))
+            for lane in range(1, 8):
+                s = builder.fadd(s, builder.extract_element(v, ir.IntType(32)(lane)))
+            sums.append(s)
+        return context.make_tuple(builder, signature.return_type, sums)
+
+    return sig, codegen
+
+
+@_njit()
+def quantize_act_q8(x, xq, xs):
+    """x fp32 [T, d] -> xq int8 [T, d] in blocks of _ACT_BLOCK, xs fp32 [T, d // _ACT_BLOCK]:
+    per block scale = max|x| / 127, xq = rint(x / scale) (llama.cpp's Q8_0, wider blocks)."""
+    T, d = x.shape
+    nb = d // _ACT_BLOCK
+    for tb in range(T * nb):  # one thread: a decode step's vector is 16 KB
+        t = tb // nb
+        lo = (tb % nb) * _ACT_BLOCK
+        m = np.float32(0.0)
+        for j in range(lo, lo + _ACT_BLOCK):
+            a = abs(x[t, j])
+            if a > m:
+                m = a
+        s = m / np.float32(127.0)
+        xs[t, tb % nb] = s
+        inv = np.float32(1.0) / s if s > 0 else np.float32(0.0)
+        for j in range(lo, lo + _ACT_BLOCK):
+            v = np.rint(x[t, j] * inv)
+            if v > 127.0:
+                v = 127.0
+            elif v < -127.0:
+                v = -127.0
+            xq[t, j] = np.int8(v)
+
+
+# Tiles of a many-token product: a pass keeps _TILE_TOKENS quantized activations (4 KB each
+# at d 4096) in L1 while it runs _TILE_ROWS rows (in L2) over them, so each weight row comes
+# from memory once and each activation from cache once per tile of rows.
+_TILE_ROWS = 64
+_TILE_TOKENS = 8
+
+
+@_njit(parallel=True, fastmath=True)
+def matmul_q8_avx2(q, scale, xq, xs, nchunks):
+    """y[t, i] = scale[i] * (q[i] . dequant(xq[t])) for every row of q int8 [n, d] (n >= 4)
+    and every token of xq (see quantize_act_q8) -> fp32 [T, n]. Four rows per pass."""
+    n = q.shape[0]
+    T = xq.shape[0]
+    y = np.empty((T, n), dtype=np.float32)
+    groups = (n + 3) // 4
+    per = (groups + nchunks - 1) // nchunks
+    tile = _TILE_ROWS // 4
+    for c in prange(nchunks):
+        g_hi = min(groups, (c + 1) * per)
+        for g_tile in range(c * per, g_hi, tile):
+            for t_lo in range(0, T, _TILE_TOKENS):
+                for g in range(g_tile, min(g_hi, g_tile + tile)):
+                    # the last group reads rows n-4..n-1 and keeps the ones not done yet
+                    i = min(g * 4, n - 4)
+                    for t in range(t_lo, min(T, t_lo + _TILE_TOKENS)):
+                        s = _dot4_q8_avx2(q, i, xq, xs, t)
+                        for k in range(g * 4, min(n, g * 4 + 4)):
+                            y[t, k] = s[k - i] * scale[k]
+    return y
+
+
+# ---- many tokens over the selected rows (a sparse prefill) ---------------------------------
+
+@_njit(parallel=True, fastmath=True)
+def ffn_rows_tokens(xs, gate, gate_s, up, up_s, down, down_s, pred, pthr, use_pred, gated, scaled, code,
+                    thr, acts, nchunks):
+    """ys fp32 [T, d] for the tokens xs fp32 [T, d] over rows int8 or fp32 [k, d] (*_s fp32
+    [k] per-row scales, used when `scaled`), each token computing only the rows its own
+    predictor logits select (pred fp32 [T, k] >= pthr; every row when not `use_pred`):
+    what decoding the tokens one at a time computes, with each row read from memory once.
+
+    Phase 1, threads over rows: a row's gate (up when ungated) for the tokens that select
+    it, then its up row for the tokens whose gate fired; acts fp32 [k, T] (neuron-major)
+    receives the activations, 0 where not computed. A row no token selects is never read.
+    Phase 2, threads over slices of d: ys[t] += acts[i, t] * down[i] for nonzero acts, so
+    no thread-private copies of ys are needed."""
+    T, d = xs.shape
+    k = up.shape[0]
+    thr = np.float32(thr)
+    pthr = np.float32(pthr)
+    per = (k + nchunks - 1) // nchunks
+    for c in prange(nchunks):
+        for i in range(c * per, min(k, (c + 1) * per)):
+            for t in range(T):
+                g = np.float32(0.0)
+                if not use_pred or pred[t, i] >= pthr:
+                    if gated:
+                        g = _row_dot(gate, i, xs[t], -1)
+                        if scaled:
+                            g *= gate_s[i]
+                    else:
+                        g = _row_dot(up, i, xs[t], -1)
+                        if scaled:
+                            g *= up_s[i]
+                    g = _nonlinearity(g, code, thr)
+                acts[i, t] = g
+            if gated:
+                for t in range(T):
+                    if acts[i, t] != 0.0:
+                        u = _row_dot(up, i, xs[t], -1)
+                        if scaled:
+                            u *= up_s[i]
+                        if code == _DRELU and u < 0.0:
+                            u = np.float32(0.0)
+                        acts[i, t] *= u
+    ys = np.zeros((T, d), dtype=np.float32)
+    span = (d + nchunks - 1) // nchunks
+    span = (span + 63) // 64 * 64
+    for c in prange(nchunks):
+        lo = min(d, c * span)
+        hi = min(d, lo + span)
+        for i in range(k):
+            s = down_s[i] if scaled else np.float32(1.0)
+            for t in range(T):
+                a = acts[i, t]
+                if a != 0.0:
+                    a *= s
+                    for j in range(lo, hi):
+                        ys[t, j] += a * np.float32(down[i, j])
+    return ys
