@@ -72,7 +72,7 @@ def _load(args, settings):
 
 
 def run(args) -> int:
-    from app.gui.context_policy import fit_messages
+    from app.gui.context_policy import Fitted, fit_messages
     from app.settings import DEFAULT_SYSTEM_PROMPT, Settings, config_dir
     from app.single_instance import window_pid
 
@@ -88,7 +88,8 @@ def run(args) -> int:
         if getattr(args, key, None) is None:
             setattr(args, key, settings[f"chat.{key}"])
     params = sampling_params(args, engine)
-    base = args.model == "demo" or not getattr(engine.tokenizer, "has_chat_template", True)
+    tokenizer = getattr(engine, "tokenizer", None)  # None: a remote model (its tokenizer is on its server)
+    base = args.model == "demo" or (tokenizer is not None and not tokenizer.has_chat_template)
     system = args.system if args.system is not None else settings["chat.system_prompt"]
     if base and args.system is None and system.strip() == DEFAULT_SYSTEM_PROMPT:
         system = ""  # a base model continues text: an assistant prompt only takes room
@@ -104,7 +105,7 @@ def run(args) -> int:
     _line_editor(config_dir() / "chat_history")
 
     def count(msgs: list[dict]) -> int:
-        return len(engine.tokenizer.encode_chat(msgs)) if msgs else 0
+        return len(tokenizer.encode_chat(msgs)) if msgs else 0
 
     head = [{"role": "system", "content": system}] if system.strip() else []
     messages: list[dict] = list(head)
@@ -113,7 +114,7 @@ def run(args) -> int:
     print(f"Thermocline chat · {args.model} · {engine.mode} · reads {engine.ctx:,} tokens. {HELP}")
     if args.model == "demo":
         print("(the demo model was trained only on Jane Austen's novels: it writes pastiche, not facts)")
-    elif getattr(engine.tokenizer, "is_chat_model", None) is False:
+    elif tokenizer is not None and tokenizer.is_chat_model is False:
         from engine.chat_formats import BASE_MODEL_NOTE
 
         print(f"note: {BASE_MODEL_NOTE}")
@@ -158,7 +159,8 @@ def run(args) -> int:
                     print(f"(unknown command {command}; /help lists them)")
                 continue
             messages.append({"role": "user", "content": text})
-            fitted = fit_messages(messages, count, engine.ctx, params.max_new_tokens, policy, dropped)
+            fitted = (fit_messages(messages, count, engine.ctx, params.max_new_tokens, policy, dropped)
+                      if tokenizer is not None else Fitted(list(messages), 0, 0, True))
             if fitted.dropped > dropped:
                 print(f"(the conversation is longer than the model reads: it now forgets the oldest "
                       f"{fitted.dropped} messages; /new starts afresh)")
