@@ -480,7 +480,8 @@ class BudgetPanel(QScrollArea):
                          f"<b>{fmt.percent(report['hot_hit_fraction'])}</b>")
         if report.get("vram_bytes") is not None:
             facts.append(f"Placed: VRAM {fmt.gib(report['vram_bytes'])}, RAM {fmt.gib(report.get('ram_bytes'))}"
-                         if on_gpu else f"Placed: RAM {fmt.gib(report.get('ram_bytes'))}")
+                         if on_gpu else  # no GPU: the fast tier is RAM too
+                         f"Placed: RAM {fmt.gib((report.get('ram_bytes') or 0) + (report['vram_bytes'] or 0))}")
         solve = report.get("solve_s")
         dev = report.get("device")
         if solve is not None or dev:
