@@ -87,6 +87,8 @@ class HybridFfn:
     def __call__(self, x: torch.Tensor, pred_input: torch.Tensor, layer: int, observer=None) -> torch.Tensor:
         runtime = self.runtime
         if x.shape[0] > 1 or observer is not None:
+            if observer is None and self._prefill_predicted():
+                return self._predicted_tokens(x, pred_input)
             return self._batched(x, pred_input, observer)
         if runtime.mode == "oracle":
             logits = mask = None  # compute every neuron, project those that fired
@@ -141,6 +143,40 @@ class HybridFfn:
                                                 row_ids=ids)
 
     # ------------------------------------------------------------ many tokens
+    def _prefill_predicted(self) -> bool:
+        """Whether many tokens compute their predicted neurons (sparse and hybrid modes,
+        and scoring as them) rather than every neuron (oracle, the exactness reference)."""
+        runtime = self.runtime
+        mode = runtime.scoring_mode or runtime.mode
+        return mode in ("sparse", "hybrid") and runtime.predictors is not None
+
+    def _predicted_tokens(self, x: torch.Tensor, pred_input: torch.Tensor) -> torch.Tensor:
+        """A prefill as decoding each token alone would compute it: per token, the neurons
+        its predictor selects. Each cold row is read once for all tokens, in its int8 or
+        fp32 storage (no dequantized copy of the layer); a row no token selects is not read,
+        so the time grows with the prompt, not with the layer's cold rows."""
+        runtime = self.runtime
+        threshold = runtime.thresholds[self.layer]
+        logits = runtime.predictor_logits(self.layer, pred_input).to("cpu", torch.float32)
+        xc = x.to("cpu", torch.float32)
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
+        if len(self.cold):
+            out += cpu_kernels.sparse_ffn_tokens(xc, self.cold.rows, logits[:, self.cold.ids].contiguous(),
+                                                 threshold, self.activation, self.threshold)
+        hot = self.hot
+        if len(hot):
+            hot_logits = logits[:, hot.ids.cpu()].contiguous()
+            if hot.cpu_rows is not None:
+                out += cpu_kernels.sparse_ffn_tokens(xc, hot.cpu_rows, hot_logits, threshold, self.activation,
+                                                     self.threshold)
+            else:  # the GPU: its dense matmuls over the hot rows, masked per token
+                xh = x.to(hot.device, hot.up.dtype)
+                gate = F.linear(xh, hot.gate) if self.gated else None
+                acts = activate(self.activation, self.threshold, F.linear(xh, hot.up), gate)
+                acts = acts * (hot_logits >= threshold).to(hot.device)
+                out += (acts @ hot.down_t).to("cpu", torch.float32)
+        return out.to(x.device, x.dtype)
+
     def _cold_chunks(self):
         """(ids, gate, up, down_t) fp32 blocks of the cold rows; int8 rows are dequantized
         a block at a time so a prefill never holds the whole layer in fp32."""
