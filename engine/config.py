@@ -199,7 +199,8 @@ class ConfigFields:
             raise ModelFormatError(f"config.json of this {self.arch} model has no {keys[0]!r}")
         return None, default
 
-    def _bad(self, key: str, value, what: str) -> ModelFormatError:
+    def invalid(self, key: str, value, what: str) -> ModelFormatError:
+        """The error for a value that is not `what` (for checks across keys, too)."""
         return ModelFormatError(f"config.json: {key} must be {what}, not {value!r}")
 
     def int(self, *keys: str, default=_REQUIRED, minimum: int = 1) -> int:
@@ -209,7 +210,7 @@ class ConfigFields:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self._bad(key, value, f"an integer >= {minimum}")
+            raise self.invalid(key, value, f"an integer >= {minimum}")
         return value
 
     def float(self, *keys: str, default=_REQUIRED, positive: bool = False) -> float:
@@ -218,7 +219,7 @@ class ConfigFields:
             return value
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                 or (positive and value <= 0):
-            raise self._bad(key, value, "a positive number" if positive else "a finite number")
+            raise self.invalid(key, value, "a positive number" if positive else "a finite number")
         return float(value)
 
     def bool(self, key: str, default: bool) -> bool:
@@ -226,13 +227,13 @@ class ConfigFields:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise self._bad(key, value, "true or false")
+            raise self.invalid(key, value, "true or false")
         return value
 
     def str(self, *keys: str, default=_REQUIRED) -> str:
         key, value = self._lookup(keys, default)
         if key is not None and not isinstance(value, str):
-            raise self._bad(key, value, "a string")
+            raise self.invalid(key, value, "a string")
         return value
 
     def activation(self, *keys: str, default: str | None = None, hint: str | None = None) -> str:
@@ -254,7 +255,7 @@ class ConfigFields:
             return ()
         values = eos if isinstance(eos, list) else [eos]
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-            raise self._bad("eos_token_id", eos, "a token id or a list of them")
+            raise self.invalid("eos_token_id", eos, "a token id or a list of them")
         return tuple(values)
 
     def token_id(self, key: str) -> int | None:
@@ -270,7 +271,7 @@ class ConfigFields:
         params, scaling = self.raw.get("rope_parameters") or {}, self.raw.get("rope_scaling") or {}
         for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
             if not isinstance(value, dict):
-                raise self._bad(key, value, "an object")
+                raise self.invalid(key, value, "an object")
         theta = self.float("rope_theta", default=None, positive=True)  # checked even where params override it
         merged = {"rope_theta": theta, **params}
         merged.update({k: v for k, v in scaling.items() if v is not None})

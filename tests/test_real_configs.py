@@ -225,6 +225,18 @@ def test_tiny_real_config_models_match_their_reference(real_models, family, tmp_
     assert result.token_ids == greedy
 
 
+@pytest.mark.parametrize("family", ["minicpm", "bamboo", "prosparse"])
+def test_oracle_mode_equals_dense_with_each_familys_quirks(real_models, family, tmp_path, one_torch_thread):
+    """The sparse runtime's FFN (true active set) under the muP scales, dReLU and FATReLU."""
+    from engine import Engine
+
+    path, _, _ = real_models[family]
+    shutil.copytree(path, tmp_path / family)
+    dense = Engine.load(tmp_path / family).score(PROMPT)
+    oracle = Engine.load(tmp_path / family, mode="oracle", ram_budget=RAM, cold_quant="fp32")
+    assert (oracle.score(PROMPT, "oracle") - dense).abs().max().item() <= 1e-4 * max(1.0, dense.abs().max().item())
+
+
 def _reference_greedy(ref, ids, facts) -> list[int]:
     """16 greedy tokens of the reference, never one past the tokenizer's vocabulary."""
     limit = facts.get("tokenizer_vocab")

@@ -21,7 +21,7 @@ def parse(read: ConfigFields, activation_hint: str | None = None) -> ModelConfig
     hidden = read.int("hidden_size", "n_embed")
     heads = read.int("num_attention_heads", "n_head")
     if hidden % heads:
-        raise read._bad("hidden_size", hidden, f"a multiple of num_attention_heads ({heads})")
+        raise read.invalid("hidden_size", hidden, f"a multiple of num_attention_heads ({heads})")
     if read.bool("alibi", False):
         raise ModelFormatError("Falcon with ALiBi positions is not supported; only rotary Falcon models are")
     new_arch = read.bool("new_decoder_architecture", False)

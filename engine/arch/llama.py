@@ -44,7 +44,7 @@ def parse_gated(read: ConfigFields, arch: str, activation: str, **overrides) -> 
     heads = read.int("num_attention_heads")
     head_dim = read.int("head_dim", default=0, minimum=0) or hidden // heads
     if head_dim == 0 or (not read.has("head_dim") and hidden % heads):
-        raise read._bad("hidden_size", hidden, f"a multiple of num_attention_heads ({heads})")
+        raise read.invalid("hidden_size", hidden, f"a multiple of num_attention_heads ({heads})")
     max_pos = read.int("max_position_embeddings", default=4096)
     threshold = read.float("hidden_act_param", default=0.0) if activation == "fatrelu" else 0.0
     fields = dict(
