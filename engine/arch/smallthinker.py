@@ -54,7 +54,7 @@ def parse(read: ConfigFields, activation_hint: str | None = None) -> ModelConfig
         raise ModelFormatError("SmallThinker with shared or secondary experts is not supported")
     head_dim = read.int("head_dim", default=0, minimum=0) or hidden // heads
     if head_dim == 0:
-        raise read._bad("hidden_size", hidden, f"a multiple of num_attention_heads ({heads})")
+        raise read.invalid("hidden_size", hidden, f"a multiple of num_attention_heads ({heads})")
     windows = _layout(read, "sliding_window_layout", layers, 0)
     max_pos = read.int("max_position_embeddings", default=4096)
     return ModelConfig(
