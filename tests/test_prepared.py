@@ -16,6 +16,8 @@ from engine.prepared import DISABLE_ENV, prepared_path
 from test_sparse import PROMPT, RAM, random_predictors
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0)
+# the shared tiny models may hold prepared rows from other tests' loads: copy without them
+FRESH = shutil.ignore_patterns("prepared-*")
 
 
 def _load(model, fmt, **kw):
@@ -34,7 +36,7 @@ def _mapped(engine) -> bool:
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_prepared_model_decodes_identically_and_is_rebuilt_on_change(tmp_path, llama_dir, monkeypatch, fmt):
     model = tmp_path / "m"
-    shutil.copytree(llama_dir, model)
+    shutil.copytree(llama_dir, model, ignore=FRESH)
     random_predictors(Engine.load(model).config, threshold=-0.5).save(model)
     path = prepared_path(model, fmt)
     monkeypatch.setenv(DISABLE_ENV, "1")
@@ -76,7 +78,7 @@ def test_layers_with_hot_neurons_read_the_checkpoint(tmp_path, llama_dir):
     """Prepared rows serve layers whose neurons all sit on the CPU; the others keep the
     checkpoint's precision on the fast tier, and their cold rows equal the prepared ones."""
     model = tmp_path / "m"
-    shutil.copytree(llama_dir, model)
+    shutil.copytree(llama_dir, model, ignore=FRESH)
     Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cold_quant="int4")  # prepares
     from test_sparse import vram_for
 
