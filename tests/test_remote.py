@@ -110,7 +110,7 @@ def test_generate_and_chat_through_our_server(capsys, monkeypatch, served, engin
                              "--max-new-tokens", "12", stdin=CHAT[0]["content"] + "\nand then?\n/quit\n",
                              monkeypatch=monkeypatch)
     assert code == 0, err
-    assert "· local · remote · context 256." in out.splitlines()[0]  # the served context length
+    assert "· remote/local · remote · reads 256 tokens." in out.splitlines()[0]  # the served context length
     assert f"bot> {expected.text}" in out
     second = direct(engine, CHAT + [{"role": "assistant", "content": expected.text.strip()},
                                     {"role": "user", "content": "and then?"}], max_new_tokens=12, temperature=0)
