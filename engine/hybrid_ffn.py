@@ -148,7 +148,8 @@ class HybridFfn:
         and scoring as them) rather than every neuron (oracle, the exactness reference)."""
         runtime = self.runtime
         mode = runtime.scoring_mode or runtime.mode
-        return mode in ("sparse", "hybrid") and runtime.predictors is not None
+        # The many-token kernel reads int8 and fp32 rows; 4-bit rows take the blocked path.
+        return mode in ("sparse", "hybrid") and runtime.predictors is not None and runtime.cold_quant != cpu_q4.QUANT
 
     def _predicted_tokens(self, x: torch.Tensor, pred_input: torch.Tensor) -> torch.Tensor:
         """A prefill as decoding each token alone would compute it: per token, the neurons

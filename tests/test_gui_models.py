@@ -105,7 +105,7 @@ def test_cancel_keeps_partial_and_failure_shows_dialog(qtbot, window, local_hub)
 
 
 def test_add_file_imports_a_gguf_and_refuses_junk(qtbot, window, tmp_path, llama_dir):
-    """The Models page's "Add file…": a PowerInfer GGUF becomes a local model card; a file
+    """The Models page's "GGUF file…": a PowerInfer GGUF becomes a local model card; a file
     that is not a GGUF gets an error dialog and leaves nothing behind."""
     import gguf_factory
 

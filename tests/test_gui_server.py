@@ -19,7 +19,7 @@ def test_local_server_switch_serves_the_loaded_model(qtbot, tmp_path, monkeypatc
     w = make_window(qtbot, tmp_path, "demo", mode="hybrid", monkeypatch=monkeypatch)
     panel = w.server_panel
     try:
-        w.server_panel.toggle_button.click()
+        w.server_panel.toggle_action.trigger()
         assert panel.dock.isVisible()
         panel.port.setValue(0)  # a free port
         panel.switch.setChecked(True)
@@ -141,7 +141,7 @@ def test_remote_model_in_the_window(qtbot, tmp_path, monkeypatch, remote_server)
         qtbot.waitUntil(lambda: "remote/box" in w.models.cards, timeout=30_000)
         assert w.models.cards["remote/box"].verdict.text() == "runs elsewhere"
 
-        # "Add remote…" adds another; "Remove from list" forgets it again.
+        # "Remote…" (Add a model from) adds another; "Remove from list" forgets it again.
         w.models.add_remote_button.click()
         dlg = w.models.remote_dialog
         dlg.name.setText("other")

@@ -85,7 +85,6 @@ NESTED_LOOPS = "{% for i in range(10**5) %}{% for j in range(10**5) %}{% endfor 
 
 CASES = [
     # -- options: NaN, negative, zero, out of range, a device that is not there
-    Case("ctx-huge", (*GEN, "--ctx", "1000000000"), ("context", "lower --ctx"), mem_gib=4),
     Case("ctx-zero", (*GEN, "--ctx", "0"), ("--ctx",)),
     Case("ctx-negative", (*GEN, "--ctx", "-5"), ("--ctx",)),
     Case("temperature-nan", (*GEN[:-2], "--temperature", "nan"), ("temperature", "nan")),
@@ -163,6 +162,10 @@ def test_generation_past_the_trained_positions_is_warned(tmp_path):
     out.assert_ok()
     warnings = [line for line in out.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "256" in warnings[0] and "trained" in warnings[0]
+    # A huge context (it used to allocate 32 GB) is capped the same way, within a small memory limit.
+    huge = box.run(*GEN, "--ctx", "1000000000", mem_gib=4)
+    huge.assert_ok()
+    assert "capped at the 256 positions" in huge.stderr
     assert "warning" not in box.run(*GEN, "--ctx", "128").stderr
 
 
@@ -173,7 +176,7 @@ def test_chat_survives_a_line_of_invalid_utf8(tmp_path):
                   stdin=b"caf\xe9 \xff\xfe\nHello\n/quit\n")
     out.assert_ok()
     assert "not valid UTF-8" in out.stdout
-    assert out.stdout.count("bot>") == 1 and out.stdout.count("tok/s") == 1  # the good line was answered
+    assert out.stdout.count("bot>") == 1 and out.stdout.count("tokens/s") == 1  # the good line was answered
     assert box.stray_files() == []
 
 
@@ -182,7 +185,8 @@ def test_chat_refused_template_keeps_the_session(tmp_path):
     box = Sandbox(tmp_path)
     model = _with_template("{% if messages|length > 1 %}{{ raise_exception('one message only') }}{% endif %}"
                            "{% for m in messages %}User: {{ m['content'] }}\n{% endfor %}Assistant:")(tmp_path)[2]
-    out = box.run("chat", "--model", model, "--max-new-tokens", "2", "--temperature", "0",
+    out = box.run("chat", "--model", model, "--system", "", "--max-new-tokens", "2", "--temperature", "0",
                   stdin=b"Hello\nAgain\n/quit\n")
     out.assert_ok()
-    assert "one message only" in out.stdout and out.stdout.count("bot>") == 2
+    # The first turn is answered; the second is refused (before any answer) and the chat goes on.
+    assert "one message only" in out.stdout and out.stdout.count("bot>") == 1

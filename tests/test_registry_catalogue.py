@@ -122,7 +122,8 @@ def test_relullama_7b_is_fp32_with_2048_positions_and_relufalcon_ships_pickles()
 
 def test_chat_and_base_models_are_marked():
     chat = {e.id for e in load_catalogue() if e.chat}
-    assert chat == {"minicpm-s-1b", "bamboo-dpo", "turbosparse-mistral"}
+    assert chat == {"minicpm-s-1b", "bamboo-dpo", "turbosparse-mistral",
+                    "smallthinker-4b-a0.6b-instruct", "smallthinker-21b-a3b-instruct"}
     for model_id in ("relullama-7b", "prosparse-llama-2-7b", "bamboo-base", "relufalcon-40b"):
         entry = get_entry(model_id)
         assert entry.kind_note == BASE_MODEL_NOTE and entry.chat_format == "plain"

@@ -106,7 +106,7 @@ def test_generate_and_chat_through_our_server(capsys, monkeypatch, served, engin
     assert json.loads(out)["text"] == expected.text[:expected.text.index(stop)]
 
     # The terminal chat: the same answer, then a second turn carrying the first.
-    code, out, err = run_cli(capsys, "chat", "--model", "remote/local", "--temperature", "0",
+    code, out, err = run_cli(capsys, "chat", "--model", "remote/local", "--system", "", "--temperature", "0",
                              "--max-new-tokens", "12", stdin=CHAT[0]["content"] + "\nand then?\n/quit\n",
                              monkeypatch=monkeypatch)
     assert code == 0, err

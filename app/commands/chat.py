@@ -159,8 +159,15 @@ def run(args) -> int:
                     print(f"(unknown command {command}; /help lists them)")
                 continue
             messages.append({"role": "user", "content": text})
-            fitted = (fit_messages(messages, count, engine.ctx, params.max_new_tokens, policy, dropped)
-                      if tokenizer is not None else Fitted(list(messages), 0, 0, True))
+            try:  # counting renders the template, which may refuse this conversation
+                fitted = (fit_messages(messages, count, engine.ctx, params.max_new_tokens, policy, dropped)
+                          if tokenizer is not None else Fitted(list(messages), 0, 0, True))
+            except UserError as exc:
+                if isinstance(exc, ModelFormatError):
+                    raise  # the model itself is broken: no other message will do better
+                messages.pop()
+                print(f"\n(error: {exc})")
+                continue
             if fitted.dropped > dropped:
                 print(f"(the conversation is longer than the model reads: it now forgets the oldest "
                       f"{fitted.dropped} messages; /new starts afresh)")

@@ -194,6 +194,7 @@ class MainWindow(QMainWindow):
         view.addSeparator()
         add(view, "Conversation &list", "Ctrl+Shift+L", lambda: self.set_sidebar_visible(not self.sidebar_shown()))
         add(view, "&Budgets panel", "Ctrl+B", lambda: self.panel_button.toggle())
+        view.addAction(self.server_panel.toggle_action)
         add(view, "&Search conversations", "Ctrl+F",
             lambda: (self.show_page("chat"), self.set_sidebar_visible(True), self.conversations.search.setFocus()))
         view.addSeparator()

@@ -139,19 +139,16 @@ class LocalServerPanel(QWidget):
 
 
 def install_server_panel(window) -> LocalServerPanel:
-    """Add the panel to the window as a dock, shown and hidden by a status bar button."""
+    """Add the panel to the window as a dock, shown and hidden by `toggle_action` (View menu).
+    A menu entry, not a status bar button: the status bar must still fit an 800 px window."""
     panel = LocalServerPanel(window.settings, window.client, window)
     dock = QDockWidget("Local server", window)
     dock.setObjectName("localServerDock")
     dock.setWidget(panel)
     window.addDockWidget(Qt.DockWidgetArea.BottomDockWidgetArea, dock)
     dock.hide()
-    button = QPushButton("Local server", window)
-    button.setObjectName("serverToggle")
-    button.setCheckable(True)
-    button.setToolTip("Serve the loaded model to other programs over the OpenAI API")
-    button.toggled.connect(dock.setVisible)
-    dock.visibilityChanged.connect(button.setChecked)
-    window.statusBar().addPermanentWidget(button)
-    panel.dock, panel.toggle_button = dock, button
+    action = dock.toggleViewAction()  # checkable, kept in step with the dock by Qt
+    action.setText("Local &server")
+    action.setToolTip("Serve the loaded model to other programs over the OpenAI API")
+    panel.dock, panel.toggle_action = dock, action
     return panel
