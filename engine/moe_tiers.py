@@ -59,7 +59,23 @@ class MoeCounters:
                 self.experts_hot / self.experts_chosen if self.experts_chosen else 0.0)
 
 
-class HotExperts:
+class _ExpertTier:
+    """What both tiers share: `rows` maps an expert id to its stored rows."""
+
+    rows: dict
+
+    def __contains__(self, e: int) -> bool:
+        return e in self.rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def ids(self) -> np.ndarray:
+        return np.array(sorted(self.rows), dtype=np.int64)
+
+
+class HotExperts(_ExpertTier):
     """Experts on the fast device: gate, up, down_t [n, d] each in its compute dtype. With
     the CPU standing in for it, fp32 rows the CPU kernels read (second level included)."""
 
@@ -84,16 +100,6 @@ class HotExperts:
         self.cpu_rows.pop(e, None)
         return tuple(t.to("cpu", torch.float32) for t in self.rows.pop(e))
 
-    def __contains__(self, e: int) -> bool:
-        return e in self.rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    @property
-    def ids(self) -> np.ndarray:
-        return np.array(sorted(self.rows), dtype=np.int64)
-
     @property
     def nbytes(self) -> int:
         """Rows plus the 8-byte id the placement counts per expert."""
@@ -104,7 +110,7 @@ class HotExperts:
         return self.rows[e]
 
 
-class ColdExperts:
+class ColdExperts(_ExpertTier):
     """Experts on the CPU tier, in the CPU kernels' storage (int8 rows + scales, or fp32)."""
 
     def __init__(self, quant: str):
@@ -118,16 +124,6 @@ class ColdExperts:
         rows = self.rows.pop(e)
         g, u, d = rows.dequantized()
         return g.clone(), u.clone(), d.clone()
-
-    def __contains__(self, e: int) -> bool:
-        return e in self.rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    @property
-    def ids(self) -> np.ndarray:
-        return np.array(sorted(self.rows), dtype=np.int64)
 
     @property
     def nbytes(self) -> int:
