@@ -252,6 +252,9 @@ def place_bytes(shape: ModelShape, *, ctx: int, vram_budget: int, ram_budget: in
                       f"{format_size(ram_budget)}")
     elif est.verdict == VERDICT_FITS:
         est.reason = "all layers and FFN neurons on the GPU (embeddings in RAM)"
+    elif est.hot_neurons == 0 and est.gpu_layers == 0:
+        # No GPU (or a zero VRAM budget): "0% on the GPU" reads like a failure; say what happens.
+        est.reason = "runs on the CPU alone: every layer in RAM"
     else:
         est.reason = (f"{est.hot_fraction:.0%} of FFN neurons and {est.gpu_layers}/{shape.n_layers} layers' "
                       "attention on the GPU, the rest in RAM")

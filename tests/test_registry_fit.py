@@ -77,6 +77,7 @@ def test_everything_on_cpu_follows_the_cpu_byte_rules():
     assert est.kv_cpu_bytes == L * 2 * 32 * kvh * hd * 4
     assert est.cold_ffn_bytes == L * f * (3 * (d + 4) + 8)  # int8 rows, fp32 scales, int64 ids
     assert est.vram_bytes == 0 and est.hot_neurons == 0 and est.verdict == VERDICT_HYBRID
+    assert est.reason == "runs on the CPU alone: every layer in RAM"  # not "0% ... on the GPU"
 
 
 def test_everything_on_gpu_follows_the_gpu_byte_rules():
