@@ -16,6 +16,7 @@ from pathlib import Path
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 import pytest  # noqa: E402
+from PySide6.QtCore import Qt  # noqa: E402
 
 from gui_helpers import close_window, make_window, wait_idle  # noqa: E402
 from hostile_cases import REPO, Sandbox  # noqa: E402
@@ -93,6 +94,27 @@ def test_quitting_works_while_the_disk_is_still_full(qtbot, full_disk_window):
     qtbot.waitUntil(lambda: len(tokens) > 5, timeout=60_000)
     close_window(window)  # mid-answer, disk full: must not raise
     assert not window.isVisible()
+
+
+def test_rename_and_delete_on_a_full_disk_keep_the_conversation_and_say_so(qtbot, full_disk_window):
+    window, data = full_disk_window
+    _send(qtbot, window, "tell me about the fox")
+    wait_idle(qtbot, window)
+    cid = window.chat.conversation.id
+    saved_title = window.storage.conversation(cid).title
+    filler = fill_disk(data)
+    lst = window.conversations.list
+    item = next(lst.item(i) for i in range(lst.count()) if lst.item(i).data(Qt.ItemDataRole.UserRole) == cid)
+    item.setText("a new title")  # what finishing an in-place edit does: must not raise in the slot
+    assert len(_error_dialogs(window)) == 1
+    assert item.text() == saved_title  # the list shows what is saved, not the lost edit
+    window.conversations.delete(cid)
+    assert window.storage.conversation(cid) is not None  # still there
+    assert len(_error_dialogs(window)) == 2
+    filler.unlink()
+    window.conversations.delete(cid)  # space returns: deleting works again
+    assert window.storage.conversation(cid) is None
+    close_window(window)
 
 
 # -- one window at a time -----------------------------------------------------------------------

@@ -6,7 +6,8 @@ from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (QAbstractItemView, QFrame, QLineEdit, QListWidget, QListWidgetItem, QMenu,
                                QMessageBox, QPushButton, QVBoxLayout, QWidget)
 
-from app.storage import Storage
+from app.gui.dialogs import show_error
+from app.storage import WRITE_ERRORS, Storage
 
 ID_ROLE = Qt.ItemDataRole.UserRole
 
@@ -118,7 +119,12 @@ class ConversationList(QFrame):
         return box
 
     def delete(self, conversation_id: int) -> None:
-        self.storage.delete_conversation(conversation_id)
+        try:
+            self.storage.delete_conversation(conversation_id)
+        except WRITE_ERRORS as exc:  # a full disk: the conversation stays, and the user is told
+            self._write_failed("Could not delete the conversation", exc,
+                               "It is still there. Free some disk space, then delete it again.")
+            return
         self.refresh(None)
         self.deleted.emit(conversation_id)
 
@@ -156,5 +162,17 @@ class ConversationList(QFrame):
             item.setText(conv.title if conv else "Untitled")
             self._filling = False
             return
-        self.storage.rename_conversation(cid, title)
+        try:
+            self.storage.rename_conversation(cid, title)
+        except WRITE_ERRORS as exc:  # the old title comes back: the list shows what is saved
+            conv = self.storage.conversation(cid)
+            self._filling = True
+            item.setText(conv.title if conv else "Untitled")
+            self._filling = False
+            self._write_failed("Could not rename the conversation", exc,
+                               "Free some disk space, then rename it again.")
+            return
         self.renamed.emit(cid, title)
+
+    def _write_failed(self, title: str, exc: BaseException, todo: str) -> None:
+        self.write_error = show_error(self.window(), title, f"Writing to {self.storage.path} failed: {exc}", todo)
