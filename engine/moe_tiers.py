@@ -5,7 +5,7 @@ Placement (engine.placement with `ModelBytes.for_experts`): the unit is a whole 
 ranked by how often profiling saw the router choose it (`thermocline profile` counts
 expert use through the FFN observer). The solver reserves the dense parts first, then
 fills the fast device with the most-chosen experts across all layers; every other expert
-stays on the CPU tier (int8 rows with a scale each, or fp32).
+stays on the CPU tier (int8 rows with a scale each, 4-bit Q4_0 rows, or fp32).
 
 Decode (one token): the router ran before attention (engine.model), so the layer knows
 its k experts before attention starts. Each chosen expert is computed where it lives, by
@@ -15,7 +15,7 @@ and down rows of the neurons whose relu(gate) is not 0 only: the second level of
 exact. Experts not chosen are never read.
 
 Prefill and scoring (many tokens): each chosen expert once for the tokens that chose it,
-with dense matmuls (int8 experts dequantized one at a time).
+with dense matmuls (int8 / 4-bit experts dequantized one at a time).
 
 Re-placement (budget sliders): `set_budgets` re-solves and `_move_neurons` moves only the
 experts whose tier changes, at the next token boundary during a generation.
@@ -33,11 +33,12 @@ import torch.nn.functional as F
 
 from .errors import UserError
 from .kernels import cpu as cpu_kernels
+from .kernels import cpu_q4
 from .loader import compute_dtype, load_transformer
 from .moe import DenseMoe, Routing, experts_by_token, reglu
-from .placement import COLD_INT8, INDEX_BYTES
-from .quantized import Int8Matrix
-from .sparse import SparseRuntime, default_budgets, pick_fast_device, problem_for_model
+from .placement import COLD_INT4, COLD_INT8, INDEX_BYTES
+from .quantized import quantize_matrix
+from .sparse import SparseRuntime, cold_rows_from_dense, default_budgets, pick_fast_device, problem_for_model
 from .weights import WeightSource
 
 
@@ -111,14 +112,15 @@ class HotExperts(_ExpertTier):
 
 
 class ColdExperts(_ExpertTier):
-    """Experts on the CPU tier, in the CPU kernels' storage (int8 rows + scales, or fp32)."""
+    """Experts on the CPU tier, in the CPU kernels' storage: int8 rows + scales, 4-bit rows
+    (ggml's Q4_0 blocks, engine.kernels.cpu_q4), or fp32."""
 
     def __init__(self, quant: str):
         self.quant = quant
-        self.rows: dict[int, cpu_kernels.CpuFfnRows] = {}
+        self.rows: dict[int, cpu_kernels.CpuFfnRows | cpu_q4.Q4FfnRows] = {}
 
     def add(self, e: int, gate: torch.Tensor, up: torch.Tensor, down_t: torch.Tensor) -> None:
-        self.rows[e] = cpu_kernels.CpuFfnRows.from_dense(gate, up, down_t, quant=self.quant)
+        self.rows[e] = cold_rows_from_dense(gate, up, down_t, self.quant)
 
     def pop(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rows = self.rows.pop(e)
@@ -135,9 +137,19 @@ class ColdExperts(_ExpertTier):
 _KERNEL_TOKENS = 8
 
 
-def _row_bytes(rows: cpu_kernels.CpuFfnRows) -> int:
-    """Bytes of one neuron's row in one matrix (with its scale for int8)."""
+def _row_bytes(rows) -> int:
+    """Bytes of one neuron's row in one matrix (with its scale for int8; whole 18-byte
+    blocks for 4-bit rows)."""
+    if rows.quant == COLD_INT4:
+        return cpu_q4.row_bytes(rows.dim)
     return rows.dim * rows.up.element_size() + (4 if rows.quant == COLD_INT8 else 0)
+
+
+def _sparse_ffn(x: torch.Tensor, rows, out_acts: torch.Tensor | None = None) -> torch.Tensor:
+    """One expert on one token with the CPU kernel of its row format (relu on the gate:
+    the up and down rows of a neuron whose gate is 0 are not read)."""
+    kernel = cpu_q4.sparse_ffn if rows.quant == COLD_INT4 else cpu_kernels.sparse_ffn
+    return kernel(x, rows, None, "relu", 0.0, out_acts=out_acts)
 
 
 class TieredMoe:
@@ -184,7 +196,7 @@ class TieredMoe:
             if e in self.hot and not self.hot.on_cpu:
                 continue
             rows = self.hot.cpu_rows[e] if e in self.hot else self.cold.rows[e]
-            y_cpu += cpu_kernels.sparse_ffn(x_cpu, rows, None, "relu", 0.0, out_acts=acts) * w
+            y_cpu += _sparse_ffn(x_cpu, rows, acts) * w
             n = int(torch.count_nonzero(acts))
             cpu_fired += n
             cpu_hot_fired += n if e in self.hot else 0
@@ -215,10 +227,14 @@ class TieredMoe:
             else:
                 device, dtype = torch.device("cpu"), torch.float32
             xs = x[tokens.to(x.device)].to(device, dtype)
+            rows = None
             if device.type == "cpu" and len(tokens) <= _KERNEL_TOKENS:
+                rows = self.hot.cpu_rows[e] if e in self.hot else self.cold.rows[e]
+            if rows is not None and rows.quant == COLD_INT4:  # no batched 4-bit kernel: token by token
+                y = torch.stack([_sparse_ffn(xs[t], rows) for t in range(xs.shape[0])])
+            elif rows is not None:
                 # few tokens chose this expert: the CPU kernel reads each row once for all of
                 # them (and skips quiet neurons' rows), no dequantized copy of the expert
-                rows = self.hot.cpu_rows[e] if e in self.hot else self.cold.rows[e]
                 y = cpu_kernels.sparse_ffn_batch(xs.contiguous(), rows, None, "relu")
             else:
                 y = reglu(xs, *self._expert_rows(e, device, dtype)).float()
@@ -257,10 +273,11 @@ class MoeRuntime(SparseRuntime):
         return TieredMoe(layer, dense.num_experts, dense.n_ff, hot, cold, self)
 
     def _head_weights(self, on_fast: bool):
-        """A tied head on an int8 CPU tier is an int8 copy of the embeddings (counted by the
-        placement, ModelBytes.int8_head_copy): it is most of a token's bytes otherwise."""
-        if not on_fast and self.config.tie_word_embeddings and self.cold_quant == COLD_INT8:
-            return Int8Matrix.quantize(self.model.embed)
+        """A tied head on an int8 or 4-bit CPU tier is a copy of the embeddings in that format
+        (counted by the placement, ModelBytes.int8_head_copy): it is most of a token's bytes
+        otherwise."""
+        if not on_fast and self.config.tie_word_embeddings and self.cold_quant in (COLD_INT8, COLD_INT4):
+            return quantize_matrix(self.model.embed, self.cold_quant)
         return super()._head_weights(on_fast)
 
     def convert_layer_dense(self, layer, on_fast: bool) -> None:

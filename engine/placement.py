@@ -58,8 +58,8 @@ class ModelBytes:
     ffn_matrices: int      # rows per neuron: gate, up, down (3) or up, down (2)
     tied_embeddings: bool
     unit: str = "neurons"  # "experts": one placed unit is a whole expert (ffn_matrices rows)
-    # A tied head gets its own int8 copy on an int8 CPU tier (the embeddings stay fp32 for the
-    # lookup): a quarter of the bytes per token. A mixture reads few FFN bytes per token,
+    # A tied head gets its own int8 (4-bit) copy on an int8 (int4) CPU tier (the embeddings
+    # stay fp32 for the lookup): a quarter (an eighth) of the bytes per token. A mixture reads few FFN bytes per token,
     # so there the fp32 head would be most of them.
     int8_head_copy: bool = False
 
@@ -165,7 +165,7 @@ def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: l
         layers.append(LayerCost(dense * fast_weight_bytes, dense_cpu, kv * fast_kv_bytes, kv * CPU_BYTES))
     rows = model.ffn_matrices
     head = model.vocab * model.d
-    shares_embeddings = model.tied_embeddings and not (model.int8_head_copy and cold_quant == COLD_INT8)
+    shares_embeddings = model.tied_embeddings and not (model.int8_head_copy and cold_quant in (COLD_INT8, COLD_INT4))
     head_cpu = 0 if shares_embeddings else cpu_matrix_bytes(head, model.vocab, cold_quant)
     return PlacementProblem(
         layers=layers,

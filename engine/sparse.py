@@ -431,8 +431,6 @@ def build_sparse_engine(engine_cls, model_dir: Path, config: ModelConfig, tokeni
     if cold_quant not in COLD_QUANTS:
         raise UserError(f"unknown CPU weight format {cold_quant!r}: choose int4, int8 or fp32")
     if config.is_moe:  # placed expert by expert, routed by the model's own router
-        if cold_quant == "int4":  # the expert tiers keep CpuFfnRows (int8 or fp32) only so far
-            raise UserError("mixture-of-experts models take --cpu-weights int8 or fp32; int4 experts are not built yet")
         from .moe_tiers import build_moe_engine
 
         return build_moe_engine(engine_cls, model_dir, config, tokenizer, mode, ctx, vram_budget, ram_budget,
