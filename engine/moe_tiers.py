@@ -46,12 +46,13 @@ from .weights import WeightSource
 class MoeCounters:
     """Per generation, over decoded tokens: neurons of all experts (considered), neurons
     whose up and down rows were read (fired inside a chosen expert), of those on the fast
-    tier; experts chosen, of those on the fast tier; bytes of expert rows read."""
+    tier; experts chosen, and how many of them the fast tier served (an expert split
+    between the tiers counts its share of neurons there); bytes of expert rows read."""
     considered: int = 0
     computed: int = 0
     computed_hot: int = 0
     experts_chosen: int = 0
-    experts_hot: int = 0
+    experts_hot: float = 0.0
     expert_bytes: int = 0
 
     def fractions(self) -> tuple[float, float]:
@@ -61,9 +62,11 @@ class MoeCounters:
 
 
 class _ExpertTier:
-    """What both tiers share: `rows` maps an expert id to its stored rows."""
+    """What both tiers share: `rows` maps an expert id to its rows held here (all of the
+    expert's neurons, or some: `neuron_ids` maps it to their sorted ids in the expert)."""
 
     rows: dict
+    neuron_ids: dict
 
     def __contains__(self, e: int) -> bool:
         return e in self.rows
@@ -73,23 +76,35 @@ class _ExpertTier:
 
     @property
     def ids(self) -> np.ndarray:
+        """Experts with neurons here."""
         return np.array(sorted(self.rows), dtype=np.int64)
+
+    def neurons(self, e: int) -> int:
+        return len(self.neuron_ids[e]) if e in self.neuron_ids else 0
+
+    def unit_ids(self, n: int) -> np.ndarray:
+        """The placement's units held here (neuron j of expert e is e * n + j), sorted."""
+        parts = [e * n + self.neuron_ids[e].numpy() for e in sorted(self.neuron_ids)]
+        return np.concatenate(parts).astype(np.int64) if parts else np.empty(0, dtype=np.int64)
 
 
 class HotExperts(_ExpertTier):
-    """Experts on the fast device: gate, up, down_t [n, d] each in its compute dtype. With
-    the CPU standing in for it, fp32 rows the CPU kernels read (second level included)."""
+    """Experts' neurons on the fast device: gate, up, down_t [k, d] each in its compute
+    dtype. With the CPU standing in for it, fp32 rows the CPU kernels read (second level
+    included)."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device, self.dtype = device, dtype
         self.rows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.cpu_rows: dict[int, cpu_kernels.CpuFfnRows] = {}
+        self.neuron_ids: dict[int, torch.Tensor] = {}
 
     @property
     def on_cpu(self) -> bool:
         return self.device.type == "cpu" and self.dtype == torch.float32
 
-    def add(self, e: int, gate: torch.Tensor, up: torch.Tensor, down_t: torch.Tensor) -> None:
+    def add(self, e: int, ids: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down_t: torch.Tensor) -> None:
+        self.neuron_ids[e] = ids
         if self.on_cpu:
             rows = cpu_kernels.CpuFfnRows.from_dense(gate, up, down_t, quant="fp32")
             self.cpu_rows[e] = rows
@@ -97,39 +112,55 @@ class HotExperts(_ExpertTier):
         else:
             self.rows[e] = tuple(t.to(self.device, self.dtype).contiguous() for t in (gate, up, down_t))
 
-    def pop(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def pop(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(neuron ids, gate, up, down_t fp32 on the CPU) of expert e's rows here, removed."""
         self.cpu_rows.pop(e, None)
-        return tuple(t.to("cpu", torch.float32) for t in self.rows.pop(e))
+        return (self.neuron_ids.pop(e), *(t.to("cpu", torch.float32) for t in self.rows.pop(e)))
 
     @property
     def nbytes(self) -> int:
-        """Rows plus the 8-byte id the placement counts per expert."""
+        """Rows plus the 8-byte id the placement counts per neuron."""
         return sum(t.numel() * t.element_size() for rows in self.rows.values() for t in rows) \
-            + INDEX_BYTES * len(self.rows)
-
-    def fp32(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.rows[e]
+            + INDEX_BYTES * sum(len(ids) for ids in self.neuron_ids.values())
 
 
 class ColdExperts(_ExpertTier):
-    """Experts on the CPU tier, in the CPU kernels' storage: int8 rows + scales, 4-bit rows
-    (ggml's Q4_0 blocks, engine.kernels.cpu_q4), or fp32."""
+    """Experts' neurons on the CPU tier, in the CPU kernels' storage: int8 rows + scales,
+    4-bit rows (ggml's Q4_0 blocks, engine.kernels.cpu_q4), or fp32."""
 
     def __init__(self, quant: str):
         self.quant = quant
         self.rows: dict[int, cpu_kernels.CpuFfnRows | cpu_q4.Q4FfnRows] = {}
+        self.neuron_ids: dict[int, torch.Tensor] = {}
 
-    def add(self, e: int, gate: torch.Tensor, up: torch.Tensor, down_t: torch.Tensor) -> None:
+    def add(self, e: int, ids: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down_t: torch.Tensor) -> None:
+        self.neuron_ids[e] = ids
         self.rows[e] = cold_rows_from_dense(gate, up, down_t, self.quant)
 
-    def pop(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def pop(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         rows = self.rows.pop(e)
         g, u, d = rows.dequantized()
-        return g.clone(), u.clone(), d.clone()
+        return self.neuron_ids.pop(e), g.clone(), u.clone(), d.clone()
 
     @property
     def nbytes(self) -> int:
-        return sum(r.nbytes for r in self.rows.values()) + INDEX_BYTES * len(self.rows)
+        return sum(r.nbytes for r in self.rows.values()) \
+            + INDEX_BYTES * sum(len(ids) for ids in self.neuron_ids.values())
+
+
+def split_expert(e: int, hot_ids: np.ndarray, gate: torch.Tensor, up: torch.Tensor, down_t: torch.Tensor,
+                 hot: HotExperts, cold: ColdExperts) -> None:
+    """Expert e's fp32 rows [n, d] into the tiers: neurons `hot_ids` (sorted) on the fast
+    tier, the rest on the CPU tier."""
+    n = gate.shape[0]
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[torch.as_tensor(hot_ids, dtype=torch.long)] = True
+    for tier, pick in ((hot, mask), (cold, ~mask)):
+        ids = torch.nonzero(pick).flatten()
+        if len(ids) == n:
+            tier.add(e, ids, gate, up, down_t)
+        elif len(ids):
+            tier.add(e, ids, gate[ids], up[ids], down_t[ids])
 
 
 # Up to this many tokens per expert, a prefill computes the expert with the CPU kernel
@@ -177,68 +208,69 @@ class TieredMoe:
         counters = self.runtime.counters
         experts = routing.experts[0].tolist()
         weights = routing.weights[0].to("cpu", torch.float32).tolist()
+        hot, cold = self.hot, self.cold
         y_gpu, gpu_fired = None, 0
         x_cpu = x[0].to("cpu", torch.float32)
         y_cpu = torch.zeros(x.shape[-1], dtype=torch.float32)
-        # GPU experts first: their kernels are queued, then the CPU computes the others.
+        # GPU parts first: their kernels are queued, then the CPU computes the rest.
         for e, w in zip(experts, weights):
-            if e in self.hot and not self.hot.on_cpu:
-                gate, up, down_t = self.hot.rows[e]
+            if e in hot and not hot.on_cpu:
+                gate, up, down_t = hot.rows[e]
                 xe = x[0].to(gate.dtype)
                 act = F.relu(gate @ xe) * (up @ xe)
                 y = (act @ down_t) * w
                 y_gpu = y if y_gpu is None else y_gpu + y
                 gpu_fired = gpu_fired + (act != 0).sum()  # no host sync
                 counters.expert_bytes += 3 * gate.numel() * gate.element_size()
-        acts = torch.empty(self.n_ff, dtype=torch.float32)
         cpu_fired = cpu_hot_fired = 0
         for e, w in zip(experts, weights):
-            if e in self.hot and not self.hot.on_cpu:
-                continue
-            rows = self.hot.cpu_rows[e] if e in self.hot else self.cold.rows[e]
-            y_cpu += _sparse_ffn(x_cpu, rows, acts) * w
-            n = int(torch.count_nonzero(acts))
-            cpu_fired += n
-            cpu_hot_fired += n if e in self.hot else 0
-            # every gate row; up and down rows of the neurons that fired only
-            counters.expert_bytes += (self.n_ff + 2 * n) * _row_bytes(rows)
+            parts = [(cold.rows[e], False)] if e in cold else []
+            if e in hot and hot.on_cpu:
+                parts.append((hot.cpu_rows[e], True))
+            for rows, is_hot in parts:
+                acts = torch.empty(rows.n_neurons, dtype=torch.float32)
+                y_cpu += _sparse_ffn(x_cpu, rows, acts) * w
+                fired = int(torch.count_nonzero(acts))
+                cpu_fired += fired
+                cpu_hot_fired += fired if is_hot else 0
+                # every gate row; up and down rows of the neurons that fired only
+                counters.expert_bytes += (rows.n_neurons + 2 * fired) * _row_bytes(rows)
         counters.considered += self.num_experts * self.n_ff
         counters.computed = counters.computed + gpu_fired + cpu_fired
         counters.computed_hot = counters.computed_hot + gpu_fired + cpu_hot_fired
         counters.experts_chosen += len(experts)
-        counters.experts_hot += sum(1 for e in experts if e in self.hot)
+        counters.experts_hot += sum(hot.neurons(e) for e in experts) / self.n_ff
         if y_gpu is None:
             return y_cpu.to(x.device, x.dtype)[None]
         return (y_gpu.float() + y_cpu.to(y_gpu.device)).to(x.dtype)[None]
 
     # ------------------------------------------------------------- many tokens
-    def _expert_rows(self, e: int, device: torch.device, dtype: torch.dtype):
-        if e in self.hot:
-            return tuple(t.to(device, dtype) for t in self.hot.rows[e])
-        return tuple(t.to(device, dtype) for t in self.cold.rows[e].dequantized())
+    def _part(self, xs: torch.Tensor, e: int, on_hot: bool) -> torch.Tensor:
+        """Expert e's neurons in one tier on tokens xs [t, d] -> fp32 [t, d] on xs' device.
+        ReGLU sums over neurons, so the tiers' parts add up to the whole expert."""
+        if on_hot and not self.hot.on_cpu:
+            gate, up, down_t = self.hot.rows[e]
+            return reglu(xs.to(gate.device, gate.dtype), gate, up, down_t).float().to(xs.device)
+        rows = self.hot.cpu_rows[e] if on_hot else self.cold.rows[e]
+        xc = xs.to("cpu", torch.float32)
+        if len(xs) <= _KERNEL_TOKENS and rows.quant == COLD_INT4:  # no batched 4-bit kernel: token by token
+            y = torch.stack([_sparse_ffn(xc[t], rows) for t in range(xc.shape[0])])
+        elif len(xs) <= _KERNEL_TOKENS:
+            # few tokens chose this expert: the CPU kernel reads each row once for all of
+            # them (and skips quiet neurons' rows), no dequantized copy of the expert
+            y = cpu_kernels.sparse_ffn_batch(xc.contiguous(), rows, None, "relu")
+        else:
+            y = reglu(xc, *rows.dequantized())
+        return y.to(xs.device)
 
     def _batched(self, x: torch.Tensor, routing: Routing, observer) -> torch.Tensor:
         if observer is not None:
             observer(self.layer, routing.inputs, routing.scattered(self.num_experts))
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         for e, tokens, weights in experts_by_token(routing):
-            if e in self.hot and not self.hot.on_cpu:
-                device, dtype = self.hot.device, self.hot.dtype
-            else:
-                device, dtype = torch.device("cpu"), torch.float32
-            xs = x[tokens.to(x.device)].to(device, dtype)
-            rows = None
-            if device.type == "cpu" and len(tokens) <= _KERNEL_TOKENS:
-                rows = self.hot.cpu_rows[e] if e in self.hot else self.cold.rows[e]
-            if rows is not None and rows.quant == COLD_INT4:  # no batched 4-bit kernel: token by token
-                y = torch.stack([_sparse_ffn(xs[t], rows) for t in range(xs.shape[0])])
-            elif rows is not None:
-                # few tokens chose this expert: the CPU kernel reads each row once for all of
-                # them (and skips quiet neurons' rows), no dequantized copy of the expert
-                y = cpu_kernels.sparse_ffn_batch(xs.contiguous(), rows, None, "relu")
-            else:
-                y = reglu(xs, *self._expert_rows(e, device, dtype)).float()
-            out.index_add_(0, tokens.to(x.device), y.to(x.device) * weights.to(x.device)[:, None])
+            xs = x[tokens.to(x.device)]
+            y = sum(self._part(xs, e, on_hot) for on_hot, tier in ((True, self.hot), (False, self.cold)) if e in tier)
+            out.index_add_(0, tokens.to(x.device), y * weights.to(x.device)[:, None])
         return out.to(x.dtype)
 
 
@@ -263,14 +295,17 @@ class MoeRuntime(SparseRuntime):
         finally:
             self.scoring_mode = None
 
-    def split_experts(self, layer: int, dense: DenseMoe, hot_ids: np.ndarray) -> TieredMoe:
-        """Split a freshly loaded fp32 CPU layer of experts into the two tiers."""
+    def split_experts(self, layer: int, dense: DenseMoe, hot_units: np.ndarray) -> TieredMoe:
+        """Split a freshly loaded fp32 CPU layer of experts into the two tiers: the
+        placement's units `hot_units` (neuron j of expert e is e * n + j) on the fast tier."""
         hot = HotExperts(*self._where(True))
         cold = ColdExperts(self.cold_quant)
-        hot_set = set(int(e) for e in hot_ids)
+        n = dense.n_ff
+        hot_units = np.asarray(hot_units, dtype=np.int64)
         for e in range(dense.num_experts):
-            (hot if e in hot_set else cold).add(e, *dense.expert(e))
-        return TieredMoe(layer, dense.num_experts, dense.n_ff, hot, cold, self)
+            ids = hot_units[(hot_units >= e * n) & (hot_units < (e + 1) * n)] - e * n
+            split_expert(e, ids, *dense.expert(e), hot, cold)
+        return TieredMoe(layer, dense.num_experts, n, hot, cold, self)
 
     def _head_weights(self, on_fast: bool):
         """A tied head on an int8 or 4-bit CPU tier is a copy of the embeddings in that format
@@ -285,12 +320,22 @@ class MoeRuntime(SparseRuntime):
         layer.router = self._tier_matrix(layer.router, on_fast)
 
     def _move_neurons(self, ffn: TieredMoe, new_hot: np.ndarray) -> None:
-        """Promote and demote only the experts whose tier changes."""
-        new = set(int(e) for e in new_hot)
-        for e in [e for e in ffn.hot.rows if e not in new]:
-            ffn.cold.add(e, *ffn.hot.pop(e))
-        for e in sorted(new - set(ffn.hot.rows)):
-            ffn.hot.add(e, *ffn.cold.pop(e))
+        """Re-split only the experts whose hot neurons change: the expert's rows are put
+        back together from both tiers (fp32) and split again."""
+        n, d = ffn.n_ff, self.config.hidden_size
+        new_hot = np.asarray(new_hot, dtype=np.int64)
+        for e in range(ffn.num_experts):
+            ids = new_hot[(new_hot >= e * n) & (new_hot < (e + 1) * n)] - e * n
+            old = ffn.hot.neuron_ids[e].numpy() if e in ffn.hot else np.empty(0, dtype=np.int64)
+            if np.array_equal(ids, old):
+                continue
+            whole = [torch.empty(n, d, dtype=torch.float32) for _ in range(3)]
+            for tier in (ffn.hot, ffn.cold):
+                if e in tier:
+                    rows_ids, *parts = tier.pop(e)
+                    for dst, src in zip(whole, parts):
+                        dst[rows_ids] = src
+            split_expert(e, ids, *whole, ffn.hot, ffn.cold)
 
 
 def build_moe_engine(engine_cls, model_dir, config, tokenizer, mode: str, ctx: int, vram_budget: int | None,

@@ -32,7 +32,9 @@ def dense_part(engine) -> int:
 
 
 def expert_bytes(engine) -> int:
-    return engine.sparse.problem.neuron_fast
+    """VRAM of one whole expert (the placement's unit is one neuron of one expert)."""
+    problem = engine.sparse.problem
+    return problem.neuron_fast * problem.expert_size
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,7 @@ def test_every_split_computes_the_dense_logits(model, dense, experts_on_fast, on
     vram = 0 if experts_on_fast is None else dense_part(probe) + experts_on_fast * expert_bytes(probe)
     engine = Engine.load(model, mode="hybrid", vram_budget=vram, ram_budget=BIG, cold_quant="fp32")
     tiers = engine.sparse.plan.summary()["experts_per_tier"]
-    assert tiers == {"fast": experts_on_fast or 0, "cpu": 32 - (experts_on_fast or 0)}
+    assert tiers == {"fast": experts_on_fast or 0, "split": 0, "cpu": 32 - (experts_on_fast or 0)}
     expected = dense.score(PROMPT)
     assert (engine.score(PROMPT, "hybrid") - expected).abs().max().item() <= 1e-4
     # decode, token by token, through both tiers' kernels
@@ -63,10 +65,13 @@ def test_allocated_bytes_are_the_planned_bytes(model):
     assert sum(len(layer.ffn.hot) for layer in engine.model.layers) == 7
 
 
-def test_profile_counts_expert_use_and_the_solver_places_the_most_used(model, tmp_path, one_torch_thread):
+def test_profile_counts_expert_use_and_neuron_firing_and_the_solver_places_the_hottest(model, tmp_path,
+                                                                                       one_torch_thread):
     import shutil
 
     from model_factory import WORDS
+
+    from engine.moe import placement_frequencies
 
     model = shutil.copytree(model, tmp_path / "m")  # the profile is written beside the model
     corpus = tmp_path / "corpus.txt"
@@ -74,19 +79,23 @@ def test_profile_counts_expert_use_and_the_solver_places_the_most_used(model, tm
     engine = Engine.load(model)
     result = profile(engine, [corpus], ProfileSettings(max_tokens=120, window=40))
     stats = ActivationStats.load(model)
-    k = engine.config.experts_per_token
-    for counts in stats.counts:  # every token chose k experts in every layer
-        assert counts.shape == (8,) and counts.sum().item() == k * result.tokens
-    freq = stats.frequencies()
+    k, n = engine.config.experts_per_token, engine.config.intermediate_size
+    for counts, fired in zip(stats.counts, stats.expert_neurons):
+        assert counts.shape == (8,) and counts.sum().item() == k * result.tokens  # every token chose k
+        assert fired.shape == (8, n)
+        assert (fired <= counts[:, None]).all()  # a neuron fires only on tokens that chose its expert
+        assert 0 < fired.sum().item() < counts.sum().item() * n  # ReGLU: some neurons stay quiet
+    freq = placement_frequencies(stats, 8, n, engine.config.num_layers)
     probe = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG)
-    engine = Engine.load(model, mode="hybrid", vram_budget=dense_part(probe) + 5 * expert_bytes(probe),
+    units = 5 * n + n // 2  # five and a half experts' worth of neurons
+    engine = Engine.load(model, mode="hybrid", vram_budget=dense_part(probe) + units * probe.sparse.problem.neuron_fast,
                          ram_budget=BIG)
-    hot = [(i, e) for i, layer in enumerate(engine.model.layers) for e in layer.ffn.hot.ids.tolist()]
-    assert len(hot) == 5
-    chosen = min(float(freq[i][e]) for i, e in hot)
-    left = max(float(freq[i][e]) for i, layer in enumerate(engine.model.layers) for e in layer.ffn.cold.ids.tolist())
-    assert chosen >= left  # the five most chosen experts of the model are on the fast tier
-    assert engine.sparse.plan.hot_hit_fraction > 5 / 32  # better than experts picked blindly
+    hot = [(i, u) for i, layer in enumerate(engine.model.layers) for u in layer.ffn.hot.unit_ids(n).tolist()]
+    cold = [(i, u) for i, layer in enumerate(engine.model.layers) for u in layer.ffn.cold.unit_ids(n).tolist()]
+    assert len(hot) == units and len(hot) + len(cold) == 4 * 8 * n
+    assert min(freq[i][u] for i, u in hot) >= max(freq[i][u] for i, u in cold)  # the hottest units are fast
+    assert engine.sparse.plan.hot_hit_fraction > units / (4 * 8 * n)  # better than units picked blindly
+    assert engine.sparse.plan.summary()["experts_per_tier"]["split"] > 0  # hot neurons of experts kept apart
 
 
 def test_budget_changes_move_experts_live_and_keep_the_conversation(model, dense, one_torch_thread):
@@ -97,10 +106,12 @@ def test_budget_changes_move_experts_live_and_keep_the_conversation(model, dense
     params = SamplingParams(max_new_tokens=6, temperature=0)
     expected = dense.generate(PROMPT, params).token_ids
     assert engine.generate(PROMPT, params).token_ids == expected
-    for experts in (20, 2, 32, 0):
-        report = engine.set_budgets(base + experts * one, None)
+    neuron = engine.sparse.problem.neuron_fast
+    for experts in (20, 2, 32, 0, 3.5, 7.25, 1.5):  # fractions: an expert split between the tiers
+        report = engine.set_budgets(base + int(experts * 32) * neuron, None)
         assert report.applied
-        assert sum(len(layer.ffn.hot) for layer in engine.model.layers) == experts
+        assert sum(layer.ffn.hot.neurons(e) for layer in engine.model.layers for e in layer.ffn.hot.ids) \
+            == int(experts * 32)
         assert engine.memory()["tiers"] == engine.sparse.plan.tier_bytes
         assert engine.generate(PROMPT, params).token_ids == expected
 
@@ -110,8 +121,9 @@ def test_decode_reads_only_chosen_experts_and_their_fired_neurons(model, one_tor
     the up and down rows of every neuron whose relu(gate) is 0: the step's logits stay
     exactly as they were, so none of those rows was read."""
     probe = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG, cold_quant="fp32")
-    engine = Engine.load(model, mode="hybrid", vram_budget=dense_part(probe) + 12 * expert_bytes(probe),
-                         ram_budget=BIG, cold_quant="fp32")
+    engine = Engine.load(model, mode="hybrid", ram_budget=BIG, cold_quant="fp32",
+                         vram_budget=dense_part(probe) + 12 * expert_bytes(probe) + 16 * probe.sparse.problem.neuron_fast)
+    assert engine.sparse.plan.summary()["experts_per_tier"]["split"] == 1  # half an expert on each tier
     layers = engine.model.layers
     seen = {}
     for i, layer in enumerate(layers):  # record what each layer's experts receive
@@ -133,16 +145,16 @@ def test_decode_reads_only_chosen_experts_and_their_fired_neurons(model, one_tor
         chosen = set(experts[0].tolist())
         ffn = layer.ffn.inner
         for e in range(ffn.num_experts):
-            tier = ffn.hot if e in ffn.hot else ffn.cold
-            rows = tier.cpu_rows[e] if tier is ffn.hot else tier.rows[e]
-            if e not in chosen:
-                for t in (rows.gate, rows.up, rows.down_t):
-                    t.fill_(float("nan"))
-                continue
-            quiet = torch.relu(rows.gate @ x[0]) == 0
-            rows.up[quiet] = float("nan")
-            rows.down_t[quiet] = float("nan")
-            poisoned_rows += int(quiet.sum())
+            for tier in (t for t in (ffn.hot, ffn.cold) if e in t):
+                rows = tier.cpu_rows[e] if tier is ffn.hot else tier.rows[e]
+                if e not in chosen:
+                    for t in (rows.gate, rows.up, rows.down_t):
+                        t.fill_(float("nan"))
+                    continue
+                quiet = torch.relu(rows.gate @ x[0]) == 0
+                rows.up[quiet] = float("nan")
+                rows.down_t[quiet] = float("nan")
+                poisoned_rows += int(quiet.sum())
     assert poisoned_rows > 0
     again = engine.model.forward(torch.tensor([11]), step, cache)
     assert torch.isfinite(again).all()
@@ -178,7 +190,7 @@ def test_counters_report_expert_hits_and_fired_neurons(model, one_torch_thread):
 
 def test_sparse_mode_keeps_every_expert_on_the_cpu_and_int8_stays_close(model, dense):
     engine = Engine.load(model, mode="sparse", ram_budget=BIG)
-    assert engine.sparse.plan.summary()["experts_per_tier"] == {"fast": 0, "cpu": 32}
+    assert engine.sparse.plan.summary()["experts_per_tier"] == {"fast": 0, "split": 0, "cpu": 32}
     assert engine.memory()["vram_bytes"] == 0
     expected = dense.score(PROMPT)
     got = engine.score(PROMPT, "sparse")
@@ -195,7 +207,7 @@ def test_place_cli_reports_experts_per_tier(model, capsys):
     assert main(["place", "--model", str(model), "--vram-budget", str(vram), "--ram-budget", "1GiB",
                  "--device", "cpu", "--ctx", "512", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["unit"] == "experts" and out["experts_per_tier"] == {"fast": 9, "cpu": 23}
+    assert out["unit"] == "experts" and out["experts_per_tier"] == {"fast": 9, "split": 0, "cpu": 23}
     assert sum(layer["hot_experts"] for layer in out["layers"]) == 9
     assert np.isclose(out["tier_bytes"]["fast_ffn"], 9 * expert_bytes(probe))
     assert main(["place", "--model", str(model), "--vram-budget", str(vram), "--ram-budget", "1GiB",
@@ -251,3 +263,37 @@ def test_int4_experts_hold_the_planned_bytes_and_match_their_dequantized_rows(mo
     assert cos.min() > 0.8 and cos.mean() > 0.9  # 4 bits on a tiny random model: direction only
     engine.eos_ids = set()
     assert len(engine.generate(PROMPT, SamplingParams(max_new_tokens=4, temperature=0)).token_ids) == 4
+
+
+def test_the_profile_observer_counts_firing_inside_each_chosen_expert():
+    """DenseMoe reports, per chosen expert, on how many of the tokens that chose it each
+    neuron fired: checked against a plain fp64 computation."""
+    from engine.moe import DenseMoe, route
+
+    g = torch.Generator().manual_seed(5)
+    experts, n, d, t = 6, 16, 24, 11
+    moe = DenseMoe(*(torch.randn(experts, n, d, generator=g) for _ in range(3)))
+    router = torch.randn(experts, d, generator=g)
+    x = torch.randn(t, d, generator=g)
+    routing = route(router, x, 2, False)
+
+    class Observer:
+        def __init__(self):
+            self.fired = torch.zeros(experts, n, dtype=torch.float64)
+
+        def __call__(self, layer, inputs, act):
+            assert act.shape == (t, experts)
+
+        def expert_neurons(self, layer, e, fired):
+            self.fired[e] += fired.double()
+
+    observer = Observer()
+    moe(x, routing, 0, observer)
+    expected = torch.zeros(experts, n, dtype=torch.float64)
+    for e in range(experts):
+        tokens = (routing.experts == e).any(1)
+        xs = x[tokens].double()
+        act = torch.relu(xs @ moe.gate[e].double().T) * (xs @ moe.up[e].double().T)
+        expected[e] = (act != 0).sum(0).double()
+    assert torch.equal(observer.fired, expected)
+    assert 0 < expected.sum() < 2 * t * n
