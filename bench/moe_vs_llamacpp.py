@@ -12,7 +12,9 @@ llama.cpp runs the chosen experts densely (every row of the 4 experts), which is
 peer the issue names: "llama.cpp dense on the same weights". Ours runs `sparse` mode
 (everything on the CPU tier; inside a chosen expert the up and down rows of neurons whose
 relu(gate) is 0 are not read) with int8 rows (against Q8_0) and 4-bit Q4_0 rows (against
-Q4_0); `dense:f16` pairs our dense fp32 mode with llama.cpp's f16. Both engines decode the
+Q4_0); `dense:f16` pairs our dense fp32 mode with llama.cpp's f16; `int8+prefetch:Q8_0`
+runs ours with the pre-attention prefetch of cold experts (engine.moe_tiers.ColdPrefetcher)
+forced on, to measure what it buys on this CPU. Both engines decode the
 same forced token sequence one token at a time (forward + argmax; see `forced_tokens`),
 and the share of steps whose argmax agrees is reported as a numerics check. Each
 measurement is its own process with the same threads; the engines alternate for
@@ -163,8 +165,11 @@ def worker_ours(root: Path, cpu_weights: str, threads: int, tokens: int, seed: i
     from engine import Engine, SamplingParams
 
     torch.set_num_threads(threads)
+    cpu_weights, _, option = cpu_weights.partition("+")
     kwargs = {} if cpu_weights == "dense" else {"mode": "sparse", "cold_quant": cpu_weights}
     engine = Engine.load(root, ctx=256, threads=threads, **kwargs)
+    if engine.sparse is not None:  # "+prefetch": read the chosen cold experts while attention runs
+        engine.sparse.set_prefetch(option == "prefetch")
     engine.eos_ids = set()
     engine.generate(PROMPT[:4], SamplingParams(max_new_tokens=2, temperature=0))  # warm-up: kernels compiled
     engine.reset()
@@ -188,6 +193,8 @@ def worker_ours(root: Path, cpu_weights: str, threads: int, tokens: int, seed: i
         out["fired_share_in_chosen"] = c.computed / (steps * engine.config.num_layers
                                                      * engine.config.experts_per_token
                                                      * engine.config.intermediate_size)
+        out["prefetched_MB_per_token"] = c.prefetched_bytes / steps / 1e6
+        out["prefetch_wait_ms_per_token"] = 1e3 * c.prefetch_wait_s / steps
     return out
 
 
@@ -263,12 +270,15 @@ def main(argv=None) -> int:
         a, b = f"ours_{ours}", f"llama_{theirs}"
         result[f"speedup_{ours}_vs_{theirs}"] = round(med(a) / med(b), 3)
         if ours != "dense":
-            whole = layers * k * expert_bytes(cfg, ours)
+            whole = layers * k * expert_bytes(cfg, ours.partition("+")[0])
             read = med(a, "expert_MB_per_token") * 1e6
             result[f"{ours}_expert_MB_per_token"] = round(read / 1e6, 3)
             result[f"{ours}_chosen_experts_whole_MB"] = round(whole / 1e6, 3)
             result[f"{ours}_second_level_saving"] = round(1 - read / whole, 4)
             result[f"{ours}_fired_share_in_chosen"] = round(med(a, "fired_share_in_chosen"), 4)
+            if ours.endswith("+prefetch"):
+                result[f"{ours}_prefetched_MB_per_token"] = round(med(a, "prefetched_MB_per_token"), 3)
+                result[f"{ours}_prefetch_wait_ms_per_token"] = round(med(a, "prefetch_wait_ms_per_token"), 3)
         # same weights and inputs, different rounding: how often the two argmaxes agree
         top_a, top_b = runs[a][0]["top"], runs[b][0]["top"]
         result[f"top1_agree_{ours}_vs_{theirs}"] = round(sum(x == y for x, y in zip(top_a, top_b)) / len(top_a), 3)

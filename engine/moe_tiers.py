@@ -1,30 +1,37 @@
-"""A mixture of experts placed by budget: hot experts on the fast device, cold experts on
-the CPU, computed only when the router chooses them.
+"""A mixture of experts placed by budget: the most-used experts, and the hot neurons of
+others, on the fast device; the rest on the CPU, computed only when the router chooses it.
 
-Placement (engine.placement with `ModelBytes.for_experts`): the unit is a whole expert,
-ranked by how often profiling saw the router choose it (`thermocline profile` counts
-expert use through the FFN observer). The solver reserves the dense parts first, then
-fills the fast device with the most-chosen experts across all layers; every other expert
-stays on the CPU tier (int8 rows with a scale each, 4-bit Q4_0 rows, or fp32).
+Placement (engine.placement with `ModelBytes.for_experts`): the unit is one neuron of one
+expert (its gate, up and down rows), ranked by `engine.moe.placement_frequencies`: the
+CPU rows a token would read while it stays cold, from the profile's expert use and the
+firing of each expert's neurons (`thermocline profile`). The solver reserves the dense
+parts first, then fills the fast device with the top units across all layers, so often
+chosen experts go whole and the next ones split: their hot neurons on the fast device,
+the rest on the CPU tier (int8 rows with a scale each, 4-bit Q4_0 rows, or fp32).
 
 Decode (one token): the router ran before attention (engine.model), so the layer knows
-its k experts before attention starts. Each chosen expert is computed where it lives, by
-the CPU kernels (cold; and hot when the CPU stands in for the fast device) or by torch on
-the GPU. Inside a chosen expert the kernels compute the gate rows first and read the up
-and down rows of the neurons whose relu(gate) is not 0 only: the second level of sparsity,
-exact. Experts not chosen are never read.
+its k experts before attention starts (`before_attention`: a worker thread reads the
+chosen cold experts' gate rows ahead, where that pays; see ColdPrefetcher). Each part of
+a chosen expert is computed where it lives, by the CPU kernels (cold; and hot when the
+CPU stands in for the fast device) or by torch on the GPU; ReGLU sums over neurons, so
+the parts add up to the expert exactly. Inside a chosen expert the kernels compute the
+gate rows first and read the up and down rows of the neurons whose relu(gate) is not 0
+only: the second level of sparsity, exact. Experts not chosen are never read.
 
 Prefill and scoring (many tokens): each chosen expert once for the tokens that chose it,
 with dense matmuls (int8 / 4-bit experts dequantized one at a time).
 
-Re-placement (budget sliders): `set_budgets` re-solves and `_move_neurons` moves only the
-experts whose tier changes, at the next token boundary during a generation.
+Re-placement (budget sliders): `set_budgets` re-solves and `_move_neurons` re-splits only
+the experts whose hot neurons change, at the next token boundary during a generation.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +61,8 @@ class MoeCounters:
     experts_chosen: int = 0
     experts_hot: float = 0.0
     expert_bytes: int = 0
+    prefetched_bytes: int = 0  # cold gate rows read ahead, while attention ran
+    prefetch_wait_s: float = 0.0  # time the experts waited for those reads (0: fully overlapped)
 
     def fractions(self) -> tuple[float, float]:
         """(share of all expert neurons computed, share of chosen experts served by the fast tier)."""
@@ -163,6 +172,53 @@ def split_expert(e: int, hot_ids: np.ndarray, gate: torch.Tensor, up: torch.Tens
             tier.add(e, ids, gate[ids], up[ids], down_t[ids])
 
 
+class ColdPrefetcher:
+    """One daemon thread that reads rows ahead of the kernels: `start` hands it the chosen
+    cold experts before attention, `wait` (before the experts run) returns once it is
+    done. The reads are numpy reductions, which release the GIL, so they run beside
+    attention's torch ops. Worth it where attention leaves a core idle (a GPU computing
+    it, or spare cores); on a CPU busy with attention it competes (bench.moe_vs_llamacpp
+    measures both)."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._bytes = 0
+        threading.Thread(target=self._run, name="moe-prefetch", daemon=True).start()
+
+    def start(self, rows: list) -> None:
+        self._idle.wait()  # one batch at a time (a step's layers run in order)
+        self._idle.clear()
+        self._jobs.put(rows)
+
+    def wait(self, counters: MoeCounters) -> None:
+        if not self._idle.is_set():
+            t = time.perf_counter()
+            self._idle.wait()
+            counters.prefetch_wait_s += time.perf_counter() - t
+        counters.prefetched_bytes += self._bytes
+        self._bytes = 0
+
+    def _run(self) -> None:
+        while True:
+            rows = self._jobs.get()
+            try:
+                for r in rows:
+                    self._bytes += _read_through(r.gate)
+            finally:
+                self._idle.set()
+
+
+def _read_through(t: torch.Tensor) -> int:
+    """Read every byte of a CPU tensor (into the caches); returns the bytes read."""
+    a = t.numpy().reshape(-1).view(np.uint8)
+    if a.size % 8 == 0:
+        a = a.view(np.uint64)
+    np.bitwise_xor.reduce(a)
+    return t.numel() * t.element_size()
+
+
 # Up to this many tokens per expert, a prefill computes the expert with the CPU kernel
 # (rows read once, quiet neurons skipped); more, with a dense matmul over its rows.
 _KERNEL_TOKENS = 8
@@ -196,10 +252,17 @@ class TieredMoe:
 
     def before_attention(self, routing: Routing) -> None:
         """Called by the model as soon as the router has chosen, before attention runs.
-        Every expert is in memory today, so there is nothing to wait for. Experts beyond
-        RAM (read from disk, a later step) start loading here: the chosen cold experts
-        are `[e for e in routing.experts[0].tolist() if e in self.cold]`, and attention
-        gives their reads the time of one attention block."""
+        In a decode step, when the runtime prefetches, a worker thread starts reading the
+        chosen cold experts' gate rows (the rows a chosen expert reads whatever fires)
+        into the CPU's caches while attention runs. The experts' input is the
+        post-attention state, so no expert arithmetic can start before attention; the
+        reads can."""
+        prefetcher = self.runtime.prefetcher
+        if prefetcher is None or routing.experts.shape[0] != 1:
+            return
+        rows = [self.cold.rows[e] for e in routing.experts[0].tolist() if e in self.cold]
+        if rows:
+            prefetcher.start(rows)
 
     # ------------------------------------------------------------------ decode
     def __call__(self, x: torch.Tensor, routing: Routing, layer: int, observer=None) -> torch.Tensor:
@@ -223,6 +286,8 @@ class TieredMoe:
                 gpu_fired = gpu_fired + (act != 0).sum()  # no host sync
                 counters.expert_bytes += 3 * gate.numel() * gate.element_size()
         cpu_fired = cpu_hot_fired = 0
+        if self.runtime.prefetcher is not None:  # reads started before attention end first
+            self.runtime.prefetcher.wait(counters)
         for e, w in zip(experts, weights):
             parts = [(cold.rows[e], False)] if e in cold else []
             if e in hot and hot.on_cpu:
@@ -280,6 +345,14 @@ class MoeRuntime(SparseRuntime):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.counters = MoeCounters()
+        self.prefetcher: ColdPrefetcher | None = None
+        # Read the chosen cold experts ahead while attention runs: by default where a GPU
+        # computes attention (the CPU idles then); THERMOCLINE_MOE_PREFETCH=1/0 forces it.
+        forced = os.environ.get("THERMOCLINE_MOE_PREFETCH")
+        self.set_prefetch(self.fast.type == "cuda" if forced is None else forced == "1")
+
+    def set_prefetch(self, on: bool) -> None:
+        self.prefetcher = (self.prefetcher or ColdPrefetcher()) if on else None
 
     def begin_generation(self) -> None:
         self.counters = MoeCounters()

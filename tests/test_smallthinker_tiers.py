@@ -297,3 +297,41 @@ def test_the_profile_observer_counts_firing_inside_each_chosen_expert():
         expected[e] = (act != 0).sum(0).double()
     assert torch.equal(observer.fired, expected)
     assert 0 < expected.sum() < 2 * t * n
+
+
+def test_pre_attention_prefetch_reads_the_chosen_cold_experts_while_attention_runs(model, dense, monkeypatch,
+                                                                                   one_torch_thread):
+    """With prefetching on, each decode layer hands the worker the gate rows of exactly
+    its chosen cold experts before its attention starts; the tokens stay the dense ones."""
+    probe = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG, cold_quant="fp32")
+    monkeypatch.setenv("THERMOCLINE_MOE_PREFETCH", "1")
+    engine = Engine.load(model, mode="hybrid", vram_budget=dense_part(probe) + 10 * expert_bytes(probe),
+                         ram_budget=BIG, cold_quant="fp32")
+    prefetcher = engine.sparse.prefetcher
+    assert prefetcher is not None
+    events = []
+    original_start, original_attention = prefetcher.start, engine.model._attention
+
+    def start(rows):
+        events.append(("prefetch", [id(r) for r in rows]))
+        original_start(rows)
+
+    def attention(index, *args):
+        events.append(("attention", index))
+        return original_attention(index, *args)
+
+    monkeypatch.setattr(prefetcher, "start", start)
+    monkeypatch.setattr(engine.model, "_attention", attention)
+    dense.eos_ids = engine.eos_ids = set()
+    params = SamplingParams(max_new_tokens=4, temperature=0)
+    expected = dense.generate(PROMPT, params).token_ids
+    assert engine.generate(PROMPT, params).token_ids == expected
+    c = engine.sparse.counters
+    # per decode layer: the prefetch of its chosen cold experts came right before its attention
+    decode = [i for i, ev in enumerate(events) if ev[0] == "prefetch"]
+    assert decode and all(events[i + 1][0] == "attention" for i in decode)
+    cold_chosen = c.experts_chosen - round(c.experts_hot)
+    assert sum(len(events[i][1]) for i in decode) == cold_chosen
+    gate_bytes = 32 * engine.config.hidden_size * 4  # fp32 gate rows of one expert
+    assert c.prefetched_bytes == cold_chosen * gate_bytes
+    assert c.prefetch_wait_s >= 0.0
