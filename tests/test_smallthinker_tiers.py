@@ -335,3 +335,43 @@ def test_pre_attention_prefetch_reads_the_chosen_cold_experts_while_attention_ru
     gate_bytes = 32 * engine.config.hidden_size * 4  # fp32 gate rows of one expert
     assert c.prefetched_bytes == cold_chosen * gate_bytes
     assert c.prefetch_wait_s >= 0.0
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_decode_bytes_are_the_chosen_experts_fired_rows_and_no_more(model, quant, one_torch_thread):
+    """Count the bytes a decode step reads from the experts: every gate row of the k chosen
+    experts and the up and down rows of their neurons that fire (recomputed here from the
+    layer's input), which is at most the k chosen experts whole; the dense parts read are
+    attention, router and norms. Nothing else is read per layer."""
+    from engine.kernels import cpu_q4
+    from engine.moe_tiers import _row_bytes
+
+    engine = Engine.load(model, mode="sparse", ram_budget=BIG, cold_quant=quant)
+    cfg = engine.config
+    seen = {}
+    for layer in engine.model.layers:
+        ffn = layer.ffn
+
+        def spy(x, routing, index, observer=None, _ffn=ffn):
+            seen[index] = (x.clone(), routing.experts[0].tolist())
+            return type(_ffn).__call__(_ffn, x, routing, index, observer)
+
+        layer.ffn = _Spy(ffn, spy)
+    engine.model.forward(torch.tensor(PROMPT), 0, engine.cache)
+    engine.sparse.begin_generation()
+    engine.model.forward(torch.tensor([11]), len(PROMPT), engine.cache)
+    read = engine.sparse.counters.expert_bytes
+    expected = whole = 0
+    for i, layer in enumerate(engine.model.layers):
+        x, chosen = seen[i]
+        for e in chosen:
+            rows = layer.ffn.inner.cold.rows[e]
+            g, u, _ = rows.dequantized()
+            xe = x[0].float()
+            if quant == "int4":  # the kernel reads x padded to whole blocks: same sums
+                xe = cpu_q4.padded(xe, rows.dim)[: rows.dim]
+            fired = int(((torch.relu(g @ xe) * (u @ xe)) != 0).sum())
+            expected += (cfg.intermediate_size + 2 * fired) * _row_bytes(rows)
+            whole += 3 * cfg.intermediate_size * _row_bytes(rows)
+    assert read == expected
+    assert 0 < read < whole  # ReGLU zeros cut the bytes below the chosen experts whole
