@@ -375,3 +375,43 @@ def test_decode_bytes_are_the_chosen_experts_fired_rows_and_no_more(model, quant
             whole += 3 * cfg.intermediate_size * _row_bytes(rows)
     assert read == expected
     assert 0 < read < whole  # ReGLU zeros cut the bytes below the chosen experts whole
+
+
+def test_a_split_expert_on_a_torch_fast_tier_adds_up_to_the_whole_expert(model, dense, one_torch_thread):
+    """The fast tier's torch path (a GPU's; here fp64 on the CPU, so no kernel stands in):
+    an expert split between it and the CPU tier, for one token and for many, equals the
+    whole expert in fp64, before and after a re-split."""
+    from engine.moe import Routing, reglu
+    from engine.moe_tiers import HotExperts
+
+    probe = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG, cold_quant="fp32")
+    neuron = probe.sparse.problem.neuron_fast
+    engine = Engine.load(model, mode="hybrid", ram_budget=BIG, cold_quant="fp32",
+                         vram_budget=dense_part(probe) + (3 * 32 + 16) * neuron)
+    ffn = engine.model.layers[0].ffn
+    torch_tier = HotExperts(torch.device("cpu"), torch.float64)
+    assert not torch_tier.on_cpu
+    for e in ffn.hot.ids.tolist():
+        torch_tier.add(e, *ffn.hot.pop(e))
+    ffn.hot = torch_tier
+    assert ffn.hot.neurons(3) == 16 and ffn.cold.neurons(3) == 16  # expert 3 is split
+    whole = dense.model.layers[0].ffn
+    g = torch.Generator().manual_seed(8)
+
+    def check(tokens: int):
+        x = torch.randn(tokens, engine.config.hidden_size, generator=g)
+        experts = torch.tensor([[3, 1]] * tokens)
+        weights = torch.tensor([[0.6, 0.4]] * tokens)
+        expected = sum(w * reglu(x.double(), *(t.double() for t in whole.expert(e)))
+                       for e, w in ((3, 0.6), (1, 0.4)))
+        got = ffn(x, Routing(x, experts, weights), 0)
+        assert (got.double() - expected).abs().max().item() <= 1e-4 * expected.abs().max().item()
+
+    check(1)
+    check(3)
+    n = engine.config.intermediate_size
+    engine.sparse._move_neurons(ffn, np.array(list(range(0, 2 * n)) + list(range(3 * n + 8, 3 * n + 24))))
+    assert ffn.hot.neurons(2) == 0 and ffn.hot.neurons(3) == 16 and ffn.cold.neurons(2) == n
+    assert ffn.hot.neuron_ids[3].tolist() == list(range(8, 24))
+    check(1)
+    check(12)  # more tokens than the kernel takes: the dense matmuls over each part
