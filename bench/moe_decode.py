@@ -12,9 +12,8 @@ fits this machine (defaults: 4 layers, 32000 tokens; the real model has 32 and 1
 Bytes per decoded token are counted from what the engine read (its expert counters) and
 the dense parts' sizes, against the bound "attention + router + norms + the k chosen
 experts whole + the head". Random weights fire about half of an expert's neurons; trained
-ReGLU experts fire fewer, and the bytes fall with them. llama.cpp is not compared here:
-no llama-cpp-python in this environment, and a SmallThinker GGUF needs llama.cpp's own
-converter. The last line is one JSON object.
+ReGLU experts fire fewer, and the bytes fall with them. llama.cpp on the same weights is
+bench.moe_vs_llamacpp (which reuses this checkpoint). The last line is one JSON object.
 """
 
 from __future__ import annotations

@@ -17,8 +17,11 @@ FILENAME = "activation_stats.safetensors"
 
 @dataclass
 class ActivationStats:
-    counts: list[torch.Tensor]  # float64 [n_ff] per layer: times each neuron fired
+    counts: list[torch.Tensor]  # float64 [n_ff] per layer: times each neuron fired (a mixture: each expert chosen)
     tokens: int
+    # A mixture of experts: float64 [experts, expert neurons] per layer, times each neuron of
+    # each expert fired (counted on the tokens that chose the expert). None for dense FFNs.
+    expert_neurons: list[torch.Tensor] | None = None
 
     def frequencies(self) -> list[torch.Tensor]:
         return [c.double() / max(self.tokens, 1) for c in self.counts]
@@ -31,6 +34,8 @@ class ActivationStats:
         folder = sidecar_dir(model_dir)
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {f"layers.{i}.counts": c.double().cpu().contiguous() for i, c in enumerate(self.counts)}
+        for i, c in enumerate(self.expert_neurons or []):
+            tensors[f"layers.{i}.expert_neurons"] = c.double().cpu().contiguous()
         path = folder / FILENAME
         tmp = path.with_suffix(".tmp")
         save_file(tensors, str(tmp), metadata={"tokens": str(int(self.tokens))})
@@ -54,4 +59,7 @@ class ActivationStats:
             raise ModelFormatError(f"statistics file {path} is corrupt ({exc}); profile again") from None
         if list(layers) != list(range(len(layers))):
             raise ModelFormatError(f"statistics in {path} skip layers: {list(layers)}")
-        return cls([layers[i]["counts"].double() for i in layers], tokens)
+        neurons = None
+        if layers and all("expert_neurons" in layers[i] for i in layers):
+            neurons = [layers[i]["expert_neurons"].double() for i in layers]
+        return cls([layers[i]["counts"].double() for i in layers], tokens, neurons)

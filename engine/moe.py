@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -92,9 +93,37 @@ class DenseMoe:
         layer input."""
         if observer is not None:
             observer(layer, routing.inputs, routing.scattered(self.num_experts))
+        count_neurons = getattr(observer, "expert_neurons", None)  # profiling: firing inside each expert
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         for e, tokens, weights in experts_by_token(routing):
             tokens = tokens.to(x.device)
-            y = reglu(x[tokens], *self.expert(e))
-            out.index_add_(0, tokens, y.float() * weights.to(x.device)[:, None])
+            gate, up, down_t = self.expert(e)
+            xs = x[tokens]
+            act = F.relu(F.linear(xs, gate)) * F.linear(xs, up)
+            if count_neurons is not None:
+                count_neurons(layer, e, (act != 0).sum(0))
+            out.index_add_(0, tokens, (act @ down_t).float() * weights.to(x.device)[:, None])
         return out.to(x.dtype)
+
+
+def placement_frequencies(stats, num_experts: int, n: int, layers: int) -> list[np.ndarray]:
+    """What the solver ranks the neurons of a mixture's experts by (unit e*n + j: neuron j
+    of expert e): the rows a token reads from the CPU tier while the neuron stays there, a
+    third each. A chosen expert reads every gate row and the up and down rows of the
+    neurons that fire, so neuron j of expert e scores (P(e chosen) + 2 P(j fires)) / 3.
+    With expert counts only (an earlier profile), every neuron of an expert scores
+    P(e chosen): whole experts by use. Without statistics (None), all alike."""
+    if stats is None:
+        return [np.ones(num_experts * n) for _ in range(layers)]
+    chosen = [c.double().numpy() / max(stats.tokens, 1) for c in stats.counts]
+    if any(len(c) != num_experts for c in chosen) or len(chosen) != layers:
+        raise ValueError("expert counts do not match the model")
+    if stats.expert_neurons is None:
+        return [np.repeat(c, n) for c in chosen]
+    out = []
+    for c, fired in zip(chosen, stats.expert_neurons):
+        if tuple(fired.shape) != (num_experts, n):
+            raise ValueError("expert neuron counts do not match the model")
+        fires = fired.double().numpy() / max(stats.tokens, 1)
+        out.append(((c[:, None] + 2 * fires) / 3).reshape(-1))
+    return out

@@ -38,7 +38,8 @@ class PlacementProblem:
     head_cpu: int     # ... on the CPU (0 extra for the head when tied to the embeddings)
     embed_cpu: int    # token embeddings always stay on the CPU (a lookup)
     fast_device: str = "cuda:0"
-    unit: str = "neurons"  # what is placed: FFN neurons, or whole experts of a mixture (engine/moe_tiers.py)
+    unit: str = "neurons"  # what is placed: FFN neurons, or neurons of a mixture's experts (engine/moe_tiers.py)
+    expert_size: int = 0   # a mixture: neurons per expert (a layer's units are expert e's at e*size..)
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,10 @@ class ModelBytes:
     kv_per_position: int   # per layer: 2 (k, v) * kv_heads * head_dim
     ffn_matrices: int      # rows per neuron: gate, up, down (3) or up, down (2)
     tied_embeddings: bool
-    unit: str = "neurons"  # "experts": one placed unit is a whole expert (ffn_matrices rows)
-    # A tied head gets its own int8 copy on an int8 CPU tier (the embeddings stay fp32 for the
-    # lookup): a quarter of the bytes per token. A mixture reads few FFN bytes per token,
+    unit: str = "neurons"  # "experts": the units are the neurons of a mixture's experts
+    expert_size: int = 0   # "experts": neurons per expert; n_ff = experts * expert_size
+    # A tied head gets its own int8 (4-bit) copy on an int8 (int4) CPU tier (the embeddings
+    # stay fp32 for the lookup): a quarter (an eighth) of the bytes per token. A mixture reads few FFN bytes per token,
     # so there the fp32 head would be most of them.
     int8_head_copy: bool = False
 
@@ -85,20 +87,21 @@ class ModelBytes:
 
     @classmethod
     def for_experts(cls, config: ModelConfig) -> "ModelBytes":
-        """A mixture of experts placed expert by expert: the unit is one expert (its gate,
-        up and down rows, 3 x moe_ffn rows of d), and the router [E, d] is a dense matrix
-        of the layer like attention (it reads the layer input, on the layer's device)."""
+        """A mixture of experts placed by expert and by neuron: the unit is one neuron of one
+        expert (its gate, up and down rows of d; expert e's neurons are units e*n..e*n+n-1),
+        so the solver can take whole experts or the hot neurons of one. The router [E, d]
+        is a dense matrix of the layer like attention (it reads the layer input)."""
         d, hd, experts = config.hidden_size, config.head_dim, config.num_experts
         q_kv_rows = (config.num_heads + 2 * config.num_kv_heads) * hd
         return cls(
-            d=d, n_ff=experts, n_layers=config.num_layers, vocab=config.vocab_size,
+            d=d, n_ff=experts * config.intermediate_size, n_layers=config.num_layers, vocab=config.vocab_size,
             attention_params=q_kv_rows * d + d * config.num_heads * hd + experts * d,
             attention_rows=q_kv_rows + d + experts, attention_bias_params=0,
             norm_params=2 * d, final_norm_params=d,
             kv_per_position=2 * config.num_kv_heads * hd,
-            ffn_matrices=3 * config.intermediate_size,
+            ffn_matrices=3,
             tied_embeddings=config.tie_word_embeddings,
-            unit="experts",
+            unit="experts", expert_size=config.intermediate_size,
             int8_head_copy=config.tie_word_embeddings,
         )
 
@@ -165,7 +168,7 @@ def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: l
         layers.append(LayerCost(dense * fast_weight_bytes, dense_cpu, kv * fast_kv_bytes, kv * CPU_BYTES))
     rows = model.ffn_matrices
     head = model.vocab * model.d
-    shares_embeddings = model.tied_embeddings and not (model.int8_head_copy and cold_quant == COLD_INT8)
+    shares_embeddings = model.tied_embeddings and not (model.int8_head_copy and cold_quant in (COLD_INT8, COLD_INT4))
     head_cpu = 0 if shares_embeddings else cpu_matrix_bytes(head, model.vocab, cold_quant)
     return PlacementProblem(
         layers=layers,
@@ -177,6 +180,7 @@ def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: l
         embed_cpu=head * CPU_BYTES,
         fast_device=fast_device,
         unit=model.unit,
+        expert_size=model.expert_size,
     )
 
 
@@ -196,7 +200,8 @@ class Placement:
     device: str
     hot_fraction_per_layer: list[float] = field(default_factory=list)
     unit: str = "neurons"
-    total_units: int = 0  # neurons (or experts) of all layers
+    total_units: int = 0  # neurons (of experts, for a mixture) of all layers
+    expert_size: int = 0  # a mixture: neurons per expert
 
     def summary(self) -> dict:
         out = {
@@ -216,12 +221,18 @@ class Placement:
             ],
             "solve_s": self.solve_s,
         }
-        if self.unit == "experts":  # a mixture of experts: say it per tier and per layer
-            hot = sum(len(ids) for ids in self.hot_ids)
+        if self.unit == "experts":  # a mixture of experts: whole and split experts per tier and layer
+            n = self.expert_size
+            experts = self.total_units // max(n, 1)
+            whole = split = 0
             out["unit"] = "experts"
-            out["experts_per_tier"] = {"fast": hot, "cpu": self.total_units - hot}
             for layer, ids in zip(out["layers"], self.hot_ids):
-                layer["hot_experts"] = int(len(ids))
+                per_expert = np.bincount(np.asarray(ids, dtype=np.int64) // n, minlength=experts // len(self.hot_ids))
+                layer["hot_experts"] = int((per_expert == n).sum())
+                layer["split_experts"] = int(((per_expert > 0) & (per_expert < n)).sum())
+                whole += layer["hot_experts"]
+                split += layer["split_experts"]
+            out["experts_per_tier"] = {"fast": whole, "split": split, "cpu": experts - whole - split}
         return out
 
 
@@ -306,4 +317,5 @@ def solve(problem: PlacementProblem, vram_budget: int, ram_budget: int) -> Place
         hot_fraction_per_layer=[len(ids) / max(len(f), 1) for ids, f in zip(hot_ids, problem.frequencies)],
         unit=problem.unit,
         total_units=sum(len(f) for f in problem.frequencies),
+        expert_size=problem.expert_size,
     )

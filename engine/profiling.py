@@ -208,8 +208,15 @@ def load_pairs(model_dir: Path, layer: int) -> tuple[torch.Tensor, torch.Tensor]
 class _Collector:
     """The FFN observer: counts firings and hands pairs to the layer writers."""
 
-    def __init__(self, counts: list[torch.Tensor], writers: list[PairWriter]):
+    def __init__(self, counts: list[torch.Tensor], writers: list[PairWriter],
+                 expert_neurons: list[torch.Tensor] | None = None):
         self.counts, self.writers = counts, writers
+        self.neuron_counts = expert_neurons  # a mixture: [experts, n] per layer (engine/moe.py calls below)
+
+    def expert_neurons(self, layer: int, expert: int, fired: torch.Tensor) -> None:
+        """A mixture's expert ran on the tokens that chose it: `fired` [n] counts, per neuron,
+        those tokens where it fired."""
+        self.neuron_counts[layer][expert] += fired.to("cpu", torch.float64)
 
     def __call__(self, layer: int, pred_input: torch.Tensor, act: torch.Tensor) -> None:
         fired = act != 0
@@ -236,6 +243,8 @@ def profile(engine, corpus: list[str | Path], settings: ProfileSettings | None =
     root = profile_dir(model_dir)
     fingerprint = _fingerprint(model_dir, text, settings)
     state = _load_state(root, fingerprint) if not restart else None
+    if state is not None and cfg.is_moe and not _has_expert_neurons(root):
+        state = None  # an earlier profile counted experts only: start again
     if state is None:
         shutil.rmtree(root, ignore_errors=True)
         root.mkdir(parents=True, exist_ok=True)
@@ -243,9 +252,12 @@ def profile(engine, corpus: list[str | Path], settings: ProfileSettings | None =
                  "tokens": 0, "rows": [0] * cfg.num_layers, "shards": [0] * cfg.num_layers,
                  "complete": False}
         counts = [torch.zeros(cfg.n_ff, dtype=torch.float64) for _ in range(cfg.num_layers)]
+        neurons = [torch.zeros(cfg.num_experts, cfg.intermediate_size, dtype=torch.float64)
+                   for _ in range(cfg.num_layers)] if cfg.is_moe else None
     else:
         saved = load_file(str(root / COUNTS_FILE))
         counts = [saved[f"layers.{i}.counts"] for i in range(cfg.num_layers)]
+        neurons = [saved[f"layers.{i}.expert_neurons"] for i in range(cfg.num_layers)] if cfg.is_moe else None
         _drop_unsaved_shards(root, state["shards"])
     resumed_from = state["tokens"]
     per_layer_cap = settings.max_pairs_bytes // cfg.num_layers
@@ -253,7 +265,7 @@ def profile(engine, corpus: list[str | Path], settings: ProfileSettings | None =
                           settings.shard_bytes, state["rows"][i], state["shards"][i])
                for i in range(cfg.num_layers)]
     total_tokens = sum(len(w) for w in windows)
-    collector = _Collector(counts, writers)
+    collector = _Collector(counts, writers, neurons)
     started, start_tokens = time.monotonic(), state["tokens"]
     previous = engine.model.ffn_observer
     engine.model.ffn_observer = collector
@@ -263,15 +275,15 @@ def profile(engine, corpus: list[str | Path], settings: ProfileSettings | None =
             state["windows_done"] = index + 1
             state["tokens"] += len(windows[index])
             if state["windows_done"] % settings.checkpoint_every == 0:
-                _checkpoint(root, state, counts, writers)
+                _checkpoint(root, state, counts, writers, neurons)
             if progress:
                 progress(state["tokens"] / total_tokens,
                          _progress_text(state["tokens"], total_tokens, start_tokens, started))
     finally:
         engine.model.ffn_observer = previous
     state["complete"] = True
-    _checkpoint(root, state, counts, writers)
-    ActivationStats(counts=counts, tokens=state["tokens"]).save(model_dir)
+    _checkpoint(root, state, counts, writers, neurons)
+    ActivationStats(counts=counts, tokens=state["tokens"], expert_neurons=neurons).save(model_dir)
     sparsity = [1.0 - float(c.sum()) / (state["tokens"] * cfg.n_ff) for c in counts]
     return ProfileResult(tokens=state["tokens"], windows=len(windows), pair_rows=state["rows"],
                          pair_bytes=sum(w.rows * w.row_bytes for w in writers), sparsity=sparsity,
@@ -292,6 +304,16 @@ def _fmt_seconds(s: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def _has_expert_neurons(root: Path) -> bool:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(root / COUNTS_FILE), "pt") as f:
+            return "layers.0.expert_neurons" in f.keys()
+    except Exception:  # noqa: BLE001 - an unreadable counts file: profile again
+        return False
+
+
 def _load_state(root: Path, fingerprint: str) -> dict | None:
     try:
         state = json.loads((root / STATE_FILE).read_text(encoding="utf-8"))
@@ -310,12 +332,14 @@ def _drop_unsaved_shards(root: Path, kept: list[int]) -> None:
                 shard.unlink()
 
 
-def _checkpoint(root: Path, state: dict, counts: list[torch.Tensor], writers: list[PairWriter]) -> None:
+def _checkpoint(root: Path, state: dict, counts: list[torch.Tensor], writers: list[PairWriter],
+                neurons: list[torch.Tensor] | None = None) -> None:
     for i, w in enumerate(writers):
         w.flush()
         state["rows"][i], state["shards"][i] = w.rows, w.shards
-    _write_atomic(root / COUNTS_FILE, {f"layers.{i}.counts": c for i, c in enumerate(counts)},
-                  {"tokens": str(state["tokens"])})
+    tensors = {f"layers.{i}.counts": c for i, c in enumerate(counts)}
+    tensors.update({f"layers.{i}.expert_neurons": c for i, c in enumerate(neurons or [])})
+    _write_atomic(root / COUNTS_FILE, tensors, {"tokens": str(state["tokens"])})
     tmp = root / (STATE_FILE + ".tmp")
     tmp.write_text(json.dumps(state), encoding="utf-8")
     os.replace(tmp, root / STATE_FILE)

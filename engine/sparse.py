@@ -393,7 +393,16 @@ def problem_for_model(model_dir: Path, config: ModelConfig, ctx: int, fast: torc
     import_checkpoint_predictors(model_dir, config)  # those a checkpoint carries count too
     if predictors is None and PredictorSet.exists(model_dir):
         predictors = PredictorSet.load(model_dir, config.num_layers, config.hidden_size, config.intermediate_size)
-    if ActivationStats.exists(model_dir):
+    if config.is_moe:  # the neurons of the experts, ranked by expert use and firing (engine.moe)
+        from .moe import placement_frequencies
+
+        stats = ActivationStats.load(model_dir) if ActivationStats.exists(model_dir) else None
+        try:
+            frequencies = placement_frequencies(stats, config.num_experts, config.intermediate_size,
+                                                config.num_layers)
+        except ValueError:
+            raise UserError(f"activation statistics of {model_dir} do not match the model; profile it again") from None
+    elif ActivationStats.exists(model_dir):
         frequencies = [f.numpy() for f in ActivationStats.load(model_dir).frequencies()]
         if len(frequencies) != config.num_layers or any(len(f) != config.n_ff for f in frequencies):
             raise UserError(f"activation statistics of {model_dir} do not match the model; profile it again")
@@ -431,8 +440,6 @@ def build_sparse_engine(engine_cls, model_dir: Path, config: ModelConfig, tokeni
     if cold_quant not in COLD_QUANTS:
         raise UserError(f"unknown CPU weight format {cold_quant!r}: choose int4, int8 or fp32")
     if config.is_moe:  # placed expert by expert, routed by the model's own router
-        if cold_quant == "int4":  # the expert tiers keep CpuFfnRows (int8 or fp32) only so far
-            raise UserError("mixture-of-experts models take --cpu-weights int8 or fp32; int4 experts are not built yet")
         from .moe_tiers import build_moe_engine
 
         return build_moe_engine(engine_cls, model_dir, config, tokenizer, mode, ctx, vram_budget, ram_budget,

@@ -200,14 +200,15 @@ class FitEstimate:
 def placement_bytes(shape: ModelShape) -> ModelBytes:
     """The element counts the engine's placement rules take."""
     return ModelBytes(
-        d=shape.d, n_ff=shape.n_ff, n_layers=shape.n_layers, vocab=shape.vocab,
+        # a mixture places the neurons of its experts: n_ff experts of expert_ff neurons
+        d=shape.d, n_ff=shape.n_ff * (shape.expert_ff or 1), n_layers=shape.n_layers, vocab=shape.vocab,
         attention_params=shape.attention_params_per_layer, norm_params=shape.norm_params_per_layer,
         attention_rows=(shape.n_heads + 2 * shape.n_kv_heads) * shape.head_dim + shape.d
         + (shape.n_ff if shape.expert_ff else 0),  # a router's rows
         attention_bias_params=shape.attention_bias_params_per_layer,
         final_norm_params=shape.final_norm_params, kv_per_position=2 * shape.n_kv_heads * shape.head_dim,
-        ffn_matrices=shape.ffn_matrices, tied_embeddings=shape.tied_embeddings,
-        unit="experts" if shape.expert_ff else "neurons",
+        ffn_matrices=3 if shape.expert_ff else shape.ffn_matrices, tied_embeddings=shape.tied_embeddings,
+        unit="experts" if shape.expert_ff else "neurons", expert_size=shape.expert_ff,
         int8_head_copy=bool(shape.expert_ff) and shape.tied_embeddings,
     )
 
@@ -226,8 +227,8 @@ def place_bytes(shape: ModelShape, *, ctx: int, vram_budget: int, ram_budget: in
     elif predictor_params is None or len(predictor_params) != shape.n_layers:
         predictor_params = [predictor_rank * (shape.d + shape.n_ff)] * shape.n_layers
     # Which neurons are hot does not change any byte count: uniform frequencies will do.
-    frequencies = [np.ones(shape.n_ff, dtype=np.float32) for _ in range(shape.n_layers)]
     model = placement_bytes(shape)
+    frequencies = [np.ones(model.n_ff, dtype=np.float32) for _ in range(shape.n_layers)]
     problem = build_problem(model, predictor_params, frequencies, ctx, bm.gpu_weight_bytes,
                             bm.gpu_kv_bytes, bm.cold_quant)
     plan = solve(problem, max(int(vram_budget), 0), ram_budget)
@@ -243,7 +244,7 @@ def place_bytes(shape: ModelShape, *, ctx: int, vram_budget: int, ram_budget: in
     est.kv_gpu_bytes, est.kv_cpu_bytes = tiers["fast_kv"], tiers["cpu_kv"]
     est.hot_ffn_bytes, est.cold_ffn_bytes = tiers["fast_ffn"], tiers["cpu_ffn"]
     est.hot_neurons = sum(len(ids) for ids in plan.hot_ids)
-    est.cold_neurons = shape.n_layers * shape.n_ff - est.hot_neurons
+    est.cold_neurons = shape.n_layers * model.n_ff - est.hot_neurons  # of experts, for a mixture
     est.gpu_layers = sum(on_gpu)
     est.globals_on_gpu = plan.head_on_fast
     est.verdict = plan.verdict

@@ -53,7 +53,7 @@ def test_registry_and_engine_count_the_same_bytes():
 def test_the_4b_fits_8_gb_of_ram_and_the_21b_does_not():
     small = estimate_fit(get_entry(IDS[0]).config, ctx=4096, vram_budget=0, ram_budget=8 * GiB)
     assert small.verdict == VERDICT_HYBRID and small.ram_bytes < 6 * GiB
-    assert small.hot_neurons == 0 and small.cold_neurons == 32 * 32  # experts, all on the CPU
+    assert small.hot_neurons == 0 and small.cold_neurons == 32 * 32 * 768  # experts' neurons, all on the CPU
     large = estimate_fit(get_entry(IDS[1]).config, ctx=4096, vram_budget=0, ram_budget=8 * GiB)
     assert large.verdict == VERDICT_NO
 

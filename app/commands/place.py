@@ -50,11 +50,13 @@ def run(args) -> int:
     unit = summary.get("unit", "neurons")
     if unit == "experts":
         tiers = summary["experts_per_tier"]
-        print(f"  experts    {tiers['fast']} on the fast device, {tiers['cpu']} on the CPU")
+        print(f"  experts    {tiers['fast']} on the fast device, {tiers['split']} split (hot neurons on it), "
+              f"{tiers['cpu']} on the CPU")
     for layer in summary["layers"]:
         where = "fast" if layer["dense_on_fast"] else "cpu "
+        experts = f"neurons, {layer['hot_experts']} whole experts " if unit == "experts" else ""
         print(f"  layer {layer['layer']:3d}  dense on {where}  hot {layer['hot_neurons']:6d} "
-              f"{'experts ' if unit == 'experts' else ''}({layer['hot_fraction']:.0%})")
+              f"{experts}({layer['hot_fraction']:.0%})")
     if not plan.fits:
         import sys
 
