@@ -11,7 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import Engine, SamplingParams
+from engine.predictors import PredictorSet
 from engine.prepared import DISABLE_ENV, prepared_path
+from engine.weights import WeightSource
 
 from test_sparse import PROMPT, RAM, random_predictors
 
@@ -24,6 +26,20 @@ def _load(model, fmt, **kw):
     engine = Engine.load(model, mode="sparse", ram_budget=RAM, cold_quant=fmt, **kw)
     engine.eos_ids = set()
     return engine
+
+
+def _dense_mapped(engine) -> bool:
+    """The attention matrices, norms, embeddings, head and predictors are views of the
+    prepared dense file."""
+    dense = engine.sparse.prepared_dense
+    if dense is None:
+        return False
+    model, pred = engine.model, engine.sparse.predictors
+    tensors = [model.embed, model.final_norm.weight, model.lm_head.q]
+    for i, layer in enumerate(model.layers):
+        tensors += [layer.attn_norm.weight, layer.mlp_norm.weight, layer.qkv.q, layer.out.q, pred.fc1[i].q,
+                    pred.fc2[i].q]
+    return all(dense.holds(t) for t in tensors)
 
 
 def _mapped(engine) -> bool:
@@ -50,8 +66,15 @@ def test_prepared_model_decodes_identically_and_is_rebuilt_on_change(tmp_path, l
     assert first.sparse.prepared_path == path and path.is_file()
     assert any("preparing layer" in s for s in steps)
     assert not _mapped(first)  # the first load computed its rows
-    second = _load(model, fmt)
-    assert second.sparse.prepared_path == path and _mapped(second)
+    # the second load reads only the checkpoint's headers: everything comes from the map
+    with monkeypatch.context() as m:
+        def no_read(self, name, shape=None):
+            raise AssertionError(f"read {name} from the checkpoint")
+
+        m.setattr(WeightSource, "get", no_read)
+        m.setattr(PredictorSet, "load", no_read)
+        second = _load(model, fmt)
+    assert second.sparse.prepared_path == path and _mapped(second) and _dense_mapped(second)
     for engine in (first, second):
         assert engine.generate(PROMPT, GREEDY).token_ids == ref_ids
         assert torch.equal(engine.score(PROMPT, "sparse"), ref_logits)
@@ -72,6 +95,15 @@ def test_prepared_model_decodes_identically_and_is_rebuilt_on_change(tmp_path, l
     assert path.stat().st_mtime_ns != before and not _mapped(rebuilt)
     assert rebuilt.generate(PROMPT, GREEDY).token_ids == new_ids
     assert _mapped(_load(model, fmt))
+
+    # new predictors: the dense part is rebuilt with them (and decodes as without the file)
+    random_predictors(changed.config, threshold=-0.3, seed=5).save(model)
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    want = _load(model, fmt).generate(PROMPT, GREEDY).token_ids
+    monkeypatch.delenv(DISABLE_ENV)
+    assert not _dense_mapped(_load(model, fmt))
+    again = _load(model, fmt)
+    assert _dense_mapped(again) and again.generate(PROMPT, GREEDY).token_ids == want
 
 
 def test_layers_with_hot_neurons_read_the_checkpoint(tmp_path, llama_dir):
