@@ -248,6 +248,10 @@ def worker_ours(root: Path, mode: str, cpu_weights: str, threads: int, decode_to
     kwargs = {} if mode == "dense" else {"cold_quant": cpu_weights}
     engine = Engine.load(root, mode=mode, ctx=512, threads=threads, **kwargs)
     load_s = time.perf_counter() - t0
+    import resource  # the peak resident set of this process so far: imports and the load (issue #14)
+
+    load_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    placed = engine.memory()["ram_bytes"] if engine.sparse is not None else None
     engine.eos_ids = set()
 
     def run(tokens, new):
@@ -260,7 +264,9 @@ def worker_ours(root: Path, mode: str, cpu_weights: str, threads: int, decode_to
     pre = min(run(long, 1).ttft_s for _ in range(2))
     stats = run(dprompt, decode_tokens + 1)
     return {"load_s": load_s, "ttft_s": ttft, "prefill_s": pre, "decode_tok_s": stats.decode_tok_s,
-            "ffn_active_fraction": round(stats.ffn_active_fraction, 4)}
+            "ffn_active_fraction": round(stats.ffn_active_fraction, 4), "load_peak_rss": load_rss,
+            "placed_ram": placed, "load_rss_over_placed": round(load_rss / placed, 3) if placed else None,
+            "prepared": engine.sparse is not None and getattr(engine.sparse, "prepared_dense", None) is not None}
 
 
 def spawn(args: list[str]) -> dict:

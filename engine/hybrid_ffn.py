@@ -178,7 +178,7 @@ class HybridFfn:
                 out += (acts @ hot.down_t).to("cpu", torch.float32)
         return out.to(x.device, x.dtype)
 
-    def _cold_chunks(self):
+    def _cold_chunks(self, parts: tuple[str, ...] = ("gate", "up", "down_t")):
         """(ids, gate, up, down_t) fp32 blocks of the cold rows; int8 rows are dequantized
         a block at a time so a prefill never holds the whole layer in fp32."""
         rows = self.cold.rows
@@ -187,7 +187,7 @@ class HybridFfn:
             if rows.quant == "fp32":
                 gate, up, down_t = rows.gate[lo:hi] if self.gated else None, rows.up[lo:hi], rows.down_t[lo:hi]
             elif rows.quant == cpu_q4.QUANT:
-                gate, up, down_t = rows.dequantized(lo, hi)
+                gate, up, down_t = rows.dequantized(lo, hi, parts)
             else:  # a slice of the rows is contiguous: dequantize it in place of a copy
                 def block(q, scale):
                     return None if q is None else dequantize_rows_int8(q[lo:hi], scale[lo:hi])
@@ -205,6 +205,13 @@ class HybridFfn:
             hot_acts = activate(self.activation, self.threshold, F.linear(xh, self.hot.up), gate)
             acts[:, self.hot.ids.cpu()] = hot_acts.to("cpu", torch.float32)
         xc = x.to("cpu", torch.float32)
+        rows = self.cold.rows
+        if len(self.cold) and rows.quant == cpu_q4.QUANT:  # the int8 x 4-bit kernel, no fp32 copy
+            up = cpu_q4.matmul_q4(xc, rows.up, rows.dim)
+            if up is not None:
+                gate = cpu_q4.matmul_q4(xc, rows.gate, rows.dim) if self.gated else None
+                acts[:, self.cold.ids] = activate(self.activation, self.threshold, up, gate)
+                return acts
         for ids, gate, up, _ in self._cold_chunks():
             acts[:, ids] = activate(self.activation, self.threshold, F.linear(xc, up),
                                     F.linear(xc, gate) if gate is not None else None)
@@ -216,7 +223,7 @@ class HybridFfn:
         if len(self.hot):
             hot_acts = acts[:, self.hot.ids.cpu()].to(self.hot.device, self.hot.down_t.dtype)
             out += (hot_acts @ self.hot.down_t).to("cpu", torch.float32)
-        for ids, _, _, down_t in self._cold_chunks():
+        for ids, _, _, down_t in self._cold_chunks(("down_t",)):
             out += acts[:, ids] @ down_t
         return out
 

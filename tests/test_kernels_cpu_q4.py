@@ -186,3 +186,22 @@ def test_out_of_range_ids_raise():
     rows = cpu_q4.Q4FfnRows.from_dense(gate, up, down_t)
     with pytest.raises(IndexError):
         cpu_q4.sparse_ffn(x, rows, torch.tensor([8]), "relu")
+
+
+@pytest.mark.parametrize("n,d,tokens", [(1, 32, 1), (7, 96, 3), (301, 1000, 17), (1030, 256, 40)])
+def test_matmul_q4_many_tokens_matches_float64(n, d, tokens):
+    """The many-token int8 x 4-bit product: each token as the one-token kernel computes it."""
+    if not cpu_q4.int8_activations(cpu_q4._kernels()):
+        assert cpu_q4.matmul_q4(torch.zeros(1, d), torch.zeros(n, cpu_q4.row_bytes(d), dtype=torch.uint8), d) is None
+        pytest.skip("no AVX2 host or numba: the int8 x 4-bit kernel does not run")
+    g = torch.Generator().manual_seed(n * 3 + tokens)
+    w = torch.randn(n, d, generator=g)
+    x = torch.randn(tokens, d, generator=g)
+    q = cpu_q4.quantize_rows_q4(w)
+    wd = cpu_q4.dequantize_rows_q4(q, d).double()
+    y = cpu_q4.matmul_q4(x, q, d)
+    assert y.shape == (tokens, n)
+    for t in range(tokens):
+        assert torch.equal(y[t], cpu_q4.matvec_q4(x[t], q, d))
+        ref = wd @ _as_q8(x[t])
+        assert (y[t].double() - ref).abs().max() <= 1e-5 * float(w.abs().max()) * d ** 0.5

@@ -537,6 +537,33 @@ if numba is not None:
                     y[i + k] = s[k]
         return y
 
+    @_njit()
+    def quantize_act_q4_rows(x, xq, xd, xm):
+        """`quantize_act_q4` for each row of x fp32 [T, nb * 32] (xq [T, ..], xd [T, nb], xm [T, nb, 8])."""
+        for t in range(x.shape[0]):
+            quantize_act_q4(x[t], xq[t], xd[t], xm[t])
+
+    # A many-token product reads each group of 4 rows from memory once and runs every token
+    # over it while it sits in L1 (4 rows of 4096 weights: 9 KB).
+    @_njit(parallel=True, fastmath=True)
+    def matmul_q4_avx2(w, xq, xd, xm, nchunks):
+        """y[t, i] = row i . x[t] for every row of w uint8 [n, nb * 18] (n >= 1) and token t
+        of x as `quantize_act_q4_rows` leaves it -> fp32 [T, n]."""
+        n = w.shape[0]
+        T = xq.shape[0]
+        y = np.empty((T, n), dtype=np.float32)
+        groups = (n + 3) // 4
+        per = (groups + nchunks - 1) // nchunks
+        for c in prange(nchunks):
+            for g in range(c * per, min(groups, (c + 1) * per)):
+                i = g * 4
+                for t in range(T):
+                    s = dot4_q4_avx2(w, i, min(i + 1, n - 1), min(i + 2, n - 1), min(i + 3, n - 1), xq[t], xd[t],
+                                     xm[t])
+                    for k in range(min(4, n - i)):
+                        y[t, i + k] = s[k]
+        return y
+
     @_njit(inline="always", fastmath=True)
     def dots_pass(kind, w, idx, use_idx, sel, m, acts, xq, xd, xm, code, thr):
         """Over the positions sel[0..m): kind 0: acts[t] = nonlin(row . x); kind 1:
@@ -652,6 +679,27 @@ def matvec_q4(x: torch.Tensor, q: torch.Tensor, cols: int) -> torch.Tensor:
         return torch.from_numpy(kern.matvec_rows_q4(q.numpy(), xp.numpy(), chunks))
 
 
+def matmul_q4(x: torch.Tensor, q: torch.Tensor, cols: int) -> torch.Tensor | None:
+    """x fp32 [T, cols] times every 4-bit row of q -> fp32 [T, n] with x quantized to int8
+    blocks (the int8 x 4-bit kernel, each row read once for all tokens); None where that
+    kernel does not run (no numba or AVX2, or it is turned off): the caller takes another path."""
+    from engine.kernels import cpu as cpu_kernels
+
+    kern = _kernels()
+    if not int8_activations(kern) or q.shape[0] == 0 or not q.is_contiguous():
+        return None
+    xp = padded(x, cols).numpy()
+    tokens, width = xp.shape
+    nb = width // QK
+    xq = np.empty((tokens, width), dtype=np.int8)
+    xd = np.empty((tokens, nb), dtype=np.float32)
+    xm = np.empty((tokens, nb, 8), dtype=np.int32)
+    with cpu_kernels._lock:
+        chunks = _DENSE_CHUNKS_PER_THREAD * cpu_kernels._use_threads(kern)
+        kern.quantize_act_q4_rows(xp, xq, xd, xm)
+        return torch.from_numpy(kern.matmul_q4_avx2(q.numpy(), xq, xd, xm, chunks))
+
+
 # The int8 x 4-bit kernels (AVX2); tests turn it off to check the fp32 kernels too.
 USE_INT8_ACTIVATIONS = True
 
@@ -735,11 +783,13 @@ class Q4FfnRows:
             return None if tensors[0] is None else torch.cat(tensors)
         return Q4FfnRows(cat("gate"), cat("up"), cat("down_t"), parts[0].dim)
 
-    def dequantized(self, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """(gate, up, down_t) rows lo..hi as fp32 copies."""
-        def deq(t):
-            return None if t is None else dequantize_rows_q4(t[lo:hi], self.dim)
-        return deq(self.gate), deq(self.up), deq(self.down_t)
+    def dequantized(self, lo: int = 0, hi: int | None = None, parts: tuple[str, ...] = ("gate", "up", "down_t")
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """(gate, up, down_t) rows lo..hi as fp32 copies (None for those not in `parts`)."""
+        def deq(name):
+            t = getattr(self, name)
+            return None if t is None or name not in parts else dequantize_rows_q4(t[lo:hi], self.dim)
+        return deq("gate"), deq("up"), deq("down_t")
 
     def _numpy_views(self):
         if self._np is None:
@@ -842,3 +892,4 @@ def warmup() -> None:
     sparse_ffn(x, rows, torch.tensor([1, 5]), "relu")
     sparse_ffn_predicted(x, rows, torch.randn(8, generator=g), 0.0, "relu")
     matvec_q4(x, rows.up, 32)
+    matmul_q4(x[None], rows.up, 32)
