@@ -78,15 +78,17 @@ def load_transformer(model_dir: Path, config: ModelConfig, layer_devices: list[t
                      head_device: torch.device, ctx: int, progress: Progress | None = None,
                      ffn_builder: Callable[[int, object], object] | None = None,
                      on_layer: Callable[[int, Layer], None] | None = None,
-                     read_ffn: Callable[[int], bool] | None = None, prepared=None) -> Transformer:
+                     read_ffn: Callable[[int], bool] | None = None, prepared=None,
+                     from_prepared: Callable[[int], bool] | None = None,
+                     globals_from_prepared: bool = False) -> Transformer:
     """Load every layer onto its device. With `ffn_builder`, FFN rows are staged on the CPU
     in fp32 and handed over layer by layer (the sparse engine splits them into tiers), so
     the whole dense FFN never sits in memory at once; `on_layer` may then convert the rest
     of the layer the same way (the sparse engine's int8 CPU tier). Where `read_ffn(i)` is
     False the checkpoint's FFN of layer i is not read: `ffn_builder` gets None (prepared rows).
-    `prepared` (engine.prepared.PreparedDense): the CPU layers it holds, and the globals when
-    the head is on the CPU, are built from the checkpoint's headers and take its mapped
-    tensors, so nothing else of them is read."""
+    `prepared` (engine.prepared.PreparedDense): the layers i it holds with `from_prepared(i)`
+    (those on the CPU tier), and the globals with `globals_from_prepared`, are built from the
+    checkpoint's headers and take its mapped tensors, so nothing else of them is read."""
     source = WeightSource(model_dir)
     storage = source.dtype()
     conv = Converter(source, config)
@@ -94,7 +96,7 @@ def load_transformer(model_dir: Path, config: ModelConfig, layer_devices: list[t
     arch = arch_module(config.arch)
     cpu = Placement(torch.device("cpu"), compute_dtype(torch.device("cpu"), storage))
     head = Placement(head_device, compute_dtype(head_device, storage))
-    if headers is not None and head_device.type == "cpu" and prepared.has_globals():
+    if headers is not None and globals_from_prepared and prepared.has_globals():
         embed, final_norm, lm_head = arch.load_globals(headers, cpu, head)
         embed, final_norm, lm_head = prepared.fill_globals(embed, final_norm, lm_head, lm_head is embed)
     else:
@@ -104,7 +106,7 @@ def load_transformer(model_dir: Path, config: ModelConfig, layer_devices: list[t
         if progress:
             progress(i / config.num_layers, f"loading layer {i + 1} of {config.num_layers}")
         where = Placement(device, compute_dtype(device, storage))
-        mapped = headers is not None and device.type == "cpu" and prepared.has_layer(i)
+        mapped = headers is not None and from_prepared is not None and from_prepared(i) and prepared.has_layer(i)
         use = headers if mapped else conv
         use.skip_ffn = read_ffn is not None and not read_ffn(i)
         layer = arch.load_layer(use, i, where, cpu if ffn_builder else None)

@@ -541,6 +541,7 @@ def build_sparse_engine(engine_cls, model_dir: Path, config: ModelConfig, tokeni
             model_dir, config, layer_devices, head_device, ctx, progress, ffn_builder=build_ffn,
             on_layer=lambda i, layer: runtime.convert_layer_dense(layer, plan.layer_on_fast[i]),
             read_ffn=lambda i: not mapped(i), prepared=dense_file,
+            from_prepared=lambda i: not plan.layer_on_fast[i], globals_from_prepared=not plan.head_on_fast,
         )
     except BaseException:
         if writer is not None:

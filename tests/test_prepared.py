@@ -37,8 +37,8 @@ def _dense_mapped(engine) -> bool:
     model, pred = engine.model, engine.sparse.predictors
     tensors = [model.embed, model.final_norm.weight, model.lm_head.q]
     for i, layer in enumerate(model.layers):
-        tensors += [layer.attn_norm.weight, layer.mlp_norm.weight, layer.qkv.q, layer.out.q, pred.fc1[i].q,
-                    pred.fc2[i].q]
+        tensors += [layer.attn_norm.weight, layer.mlp_norm.weight, layer.qkv.q, layer.out.q]
+        tensors += [pred.fc1[i].q, pred.fc2[i].q] if pred is not None else []
     return all(dense.holds(t) for t in tensors)
 
 
@@ -128,3 +128,21 @@ def test_layers_with_hot_neurons_read_the_checkpoint(tmp_path, llama_dir):
     # the hot rows hold the checkpoint's fp32 values: closer to the fp32 model than all-int4
     dense = Engine.load(model).score(PROMPT)
     assert (hybrid.score(PROMPT, "oracle") - dense).abs().max() < (probe.score(PROMPT, "oracle") - dense).abs().max()
+
+
+def test_fast_tier_layers_and_head_read_the_checkpoint(tmp_path, llama_dir, monkeypatch):
+    """A prepared file made by an all-CPU load never stands in for what the fast tier holds
+    (the CPU standing in for a GPU here): those weights keep the checkpoint's precision."""
+    model = tmp_path / "m"
+    shutil.copytree(llama_dir, model, ignore=FRESH)
+    Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cold_quant="int4")  # prepares
+    cpu_only = Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cold_quant="int4")
+    assert _dense_mapped(cpu_only)
+    fast = Engine.load(model, mode="oracle", vram_budget=1 << 30, ram_budget=RAM, cold_quant="int4")
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    plain = Engine.load(model, mode="oracle", vram_budget=1 << 30, ram_budget=RAM, cold_quant="int4")
+    assert all(fast.sparse.plan.layer_on_fast) and fast.sparse.plan.head_on_fast
+    for a, b in zip(fast.model.layers, plain.model.layers):
+        assert isinstance(a.qkv, torch.Tensor) and torch.equal(a.qkv, b.qkv) and torch.equal(a.out, b.out)
+    assert torch.equal(fast.model.lm_head, plain.model.lm_head)
+    assert torch.equal(fast.score(PROMPT, "oracle"), plain.score(PROMPT, "oracle"))
