@@ -148,8 +148,7 @@ class HybridFfn:
         and scoring as them) rather than every neuron (oracle, the exactness reference)."""
         runtime = self.runtime
         mode = runtime.scoring_mode or runtime.mode
-        # The many-token kernel reads int8 and fp32 rows; 4-bit rows take the blocked path.
-        return mode in ("sparse", "hybrid") and runtime.predictors is not None and runtime.cold_quant != cpu_q4.QUANT
+        return mode in ("sparse", "hybrid") and runtime.predictors is not None
 
     def _predicted_tokens(self, x: torch.Tensor, pred_input: torch.Tensor) -> torch.Tensor:
         """A prefill as decoding each token alone would compute it: per token, the neurons
@@ -161,7 +160,13 @@ class HybridFfn:
         logits = runtime.predictor_logits(self.layer, pred_input).to("cpu", torch.float32)
         xc = x.to("cpu", torch.float32)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
-        if len(self.cold):
+        if len(self.cold) and self.cold.rows.quant == cpu_q4.QUANT:
+            # 4-bit rows: the decode kernel per token (the many-token kernel reads int8 and
+            # fp32 rows), each token over the rows its predictor selects, as decoding it would
+            for t in range(x.shape[0]):
+                out[t] += cpu_q4.sparse_ffn_predicted(xc[t], self.cold.rows, logits[t], threshold, self.activation,
+                                                      self.threshold, row_ids=self.cold.ids)
+        elif len(self.cold):
             out += cpu_kernels.sparse_ffn_tokens(xc, self.cold.rows, logits[:, self.cold.ids].contiguous(),
                                                  threshold, self.activation, self.threshold)
         hot = self.hot

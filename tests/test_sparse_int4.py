@@ -73,3 +73,8 @@ def test_int4_cpu_tier_runs_4bit_predictors(tmp_path, llama_dir):
     assert len(out.token_ids) == 8
     active, hot = int4.sparse.counters.fractions()
     assert 0.0 < active < 1.0 and hot == 0.0
+    # a sparse prefill computes, per token, what decoding that token alone computes
+    int4.reset()
+    batched = int4.score(PROMPT, "sparse")
+    steps = torch.cat([int4.model.forward(torch.tensor([t]), i, int4.cache) for i, t in enumerate(PROMPT)])
+    assert (steps - batched).abs().max().item() <= 1e-4
