@@ -366,7 +366,7 @@ if numba is not None:
     # subtracting 8 from every nibble), convert, one fp32 multiply-add by d_w * d_x. LLVM
     # does not find this from a plain loop, so the block loop is written in LLVM IR; four
     # rows (any four, gathered or consecutive) share each activation load.
-    from engine.kernels.cpu_numba import HAS_AVX2  # noqa: E402  (the host's, one home)
+    from engine.kernels.cpu_numba import HAS_AVX2  # noqa: E402,F401  (read as kern.HAS_AVX2; the host's, one home)
 
     def _call(builder, name, ret, *args):
         fnty = ir.FunctionType(ret, [a.type for a in args])
