@@ -148,8 +148,7 @@ class HybridFfn:
         and scoring as them) rather than every neuron (oracle, the exactness reference)."""
         runtime = self.runtime
         mode = runtime.scoring_mode or runtime.mode
-        # The many-token kernel reads int8 and fp32 rows; 4-bit rows take the blocked path.
-        return mode in ("sparse", "hybrid") and runtime.predictors is not None and runtime.cold_quant != cpu_q4.QUANT
+        return mode in ("sparse", "hybrid") and runtime.predictors is not None
 
     def _predicted_tokens(self, x: torch.Tensor, pred_input: torch.Tensor) -> torch.Tensor:
         """A prefill as decoding each token alone would compute it: per token, the neurons
@@ -161,7 +160,13 @@ class HybridFfn:
         logits = runtime.predictor_logits(self.layer, pred_input).to("cpu", torch.float32)
         xc = x.to("cpu", torch.float32)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
-        if len(self.cold):
+        if len(self.cold) and self.cold.rows.quant == cpu_q4.QUANT:
+            # 4-bit rows: the decode kernel per token (the many-token kernel reads int8 and
+            # fp32 rows), each token over the rows its predictor selects, as decoding it would
+            for t in range(x.shape[0]):
+                out[t] += cpu_q4.sparse_ffn_predicted(xc[t], self.cold.rows, logits[t], threshold, self.activation,
+                                                      self.threshold, row_ids=self.cold.ids)
+        elif len(self.cold):
             out += cpu_kernels.sparse_ffn_tokens(xc, self.cold.rows, logits[:, self.cold.ids].contiguous(),
                                                  threshold, self.activation, self.threshold)
         hot = self.hot
@@ -178,7 +183,7 @@ class HybridFfn:
                 out += (acts @ hot.down_t).to("cpu", torch.float32)
         return out.to(x.device, x.dtype)
 
-    def _cold_chunks(self):
+    def _cold_chunks(self, parts: tuple[str, ...] = ("gate", "up", "down_t")):
         """(ids, gate, up, down_t) fp32 blocks of the cold rows; int8 rows are dequantized
         a block at a time so a prefill never holds the whole layer in fp32."""
         rows = self.cold.rows
@@ -187,7 +192,7 @@ class HybridFfn:
             if rows.quant == "fp32":
                 gate, up, down_t = rows.gate[lo:hi] if self.gated else None, rows.up[lo:hi], rows.down_t[lo:hi]
             elif rows.quant == cpu_q4.QUANT:
-                gate, up, down_t = rows.dequantized(lo, hi)
+                gate, up, down_t = rows.dequantized(lo, hi, parts)
             else:  # a slice of the rows is contiguous: dequantize it in place of a copy
                 def block(q, scale):
                     return None if q is None else dequantize_rows_int8(q[lo:hi], scale[lo:hi])
@@ -205,6 +210,13 @@ class HybridFfn:
             hot_acts = activate(self.activation, self.threshold, F.linear(xh, self.hot.up), gate)
             acts[:, self.hot.ids.cpu()] = hot_acts.to("cpu", torch.float32)
         xc = x.to("cpu", torch.float32)
+        rows = self.cold.rows
+        if len(self.cold) and rows.quant == cpu_q4.QUANT:  # the int8 x 4-bit kernel, no fp32 copy
+            up = cpu_q4.matmul_q4(xc, rows.up, rows.dim)
+            if up is not None:
+                gate = cpu_q4.matmul_q4(xc, rows.gate, rows.dim) if self.gated else None
+                acts[:, self.cold.ids] = activate(self.activation, self.threshold, up, gate)
+                return acts
         for ids, gate, up, _ in self._cold_chunks():
             acts[:, ids] = activate(self.activation, self.threshold, F.linear(xc, up),
                                     F.linear(xc, gate) if gate is not None else None)
@@ -216,7 +228,7 @@ class HybridFfn:
         if len(self.hot):
             hot_acts = acts[:, self.hot.ids.cpu()].to(self.hot.device, self.hot.down_t.dtype)
             out += (hot_acts @ self.hot.down_t).to("cpu", torch.float32)
-        for ids, _, _, down_t in self._cold_chunks():
+        for ids, _, _, down_t in self._cold_chunks(("down_t",)):
             out += acts[:, ids] @ down_t
         return out
 

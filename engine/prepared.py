@@ -197,3 +197,179 @@ class PreparedRows:
         scale = {p: self.tensor(f"layers.{i}.{p}_scale") for p in ("up", "down_t")}
         gate_scale = self.tensor(f"layers.{i}.gate_scale") if gate is not None else None
         return cpu_kernels.CpuFfnRows(gate, up, down_t, gate_scale, scale["up"], scale["down_t"], quant="int8")
+
+
+# ------------------------------------------------------------------ everything but the FFN rows
+# A second file, `prepared-<format>-dense.safetensors`, holds the rest of what a load builds
+# for the CPU tier in its final form: each CPU layer's norms, biases and attention matrices
+# (int8 or 4-bit rows, as `convert_layer_dense` leaves them), the embeddings and final norm,
+# the output head in the CPU format, and the predictors in it. With it and the FFN rows, a
+# load of a model placed on the CPU reads nothing from the checkpoint but its headers: the
+# layers are built over shape-only (meta) tensors and then given the mapped ones.
+DENSE_LAYOUT_VERSION = 1
+
+
+def dense_path(model_dir: Path, fmt: str) -> Path:
+    return sidecar_dir(model_dir) / f"prepared-{fmt}-dense.safetensors"
+
+
+def dense_key(model_dir: Path, fmt: str) -> str:
+    """The checkpoint's key, the predictors file's size and time, and this layout's version."""
+    from .predictors import FILENAME
+
+    h = hashlib.sha256(f"dense{DENSE_LAYOUT_VERSION}:{checkpoint_key(model_dir, fmt)}".encode())
+    pred = sidecar_dir(model_dir) / FILENAME
+    if pred.is_file():
+        st = pred.stat()
+        h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def _matrix_parts(name: str, w) -> dict[str, torch.Tensor]:
+    """A weight in its stored form: a plain tensor, or a quantized matrix's arrays."""
+    from .quantized import Int8Matrix, Q4Matrix
+
+    if isinstance(w, Int8Matrix):
+        return {f"{name}.q": w.q, f"{name}.scale": w.scale}
+    if isinstance(w, Q4Matrix):
+        return {f"{name}.q4": w.q}
+    return {name: w}
+
+
+def dense_tensors(model, predictors, cpu_layers: list[int], head_on_cpu: bool) -> dict[str, torch.Tensor]:
+    """What the dense file holds, by name, from a loaded model (references, no copies)."""
+    from .model import Norm
+
+    out: dict[str, torch.Tensor] = {}
+    for i in cpu_layers:
+        layer = model.layers[i]
+        for field in ("attn_norm", "mlp_norm", "qkv", "qkv_bias", "out", "out_bias"):
+            value = getattr(layer, field)
+            if value is None:
+                continue
+            if isinstance(value, Norm):
+                out[f"layers.{i}.{field}.weight"] = value.weight
+                if value.bias is not None:
+                    out[f"layers.{i}.{field}.bias"] = value.bias
+            else:
+                out.update(_matrix_parts(f"layers.{i}.{field}", value))
+        if predictors is not None:
+            out.update(_matrix_parts(f"predictors.{i}.fc1", predictors.fc1[i]))
+            out.update(_matrix_parts(f"predictors.{i}.fc2", predictors.fc2[i]))
+    if head_on_cpu:
+        out["embed"] = model.embed
+        out["final_norm.weight"] = model.final_norm.weight
+        if model.final_norm.bias is not None:
+            out["final_norm.bias"] = model.final_norm.bias
+        if model.head_nbytes:  # an own head (not the embeddings themselves)
+            out.update(_matrix_parts("lm_head", model.lm_head))
+    return out
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
+    """A safetensors file of CPU tensors, streamed tensor by tensor (no copy of the whole),
+    written under a temporary name and renamed into place."""
+    header, offset = {"__metadata__": metadata}, 0
+    arrays = {}
+    for name, t in tensors.items():
+        if t.device.type != "cpu" or t.dtype not in _DTYPES:
+            raise ValueError(f"{name}: cannot prepare a {t.dtype} tensor on {t.device}")
+        a = t.contiguous().numpy()
+        arrays[name] = a
+        header[name] = {"dtype": _DTYPES[t.dtype][0], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)) + blob)
+            for a in arrays.values():
+                f.write(memoryview(a.reshape(-1).view(np.uint8)))
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+class PreparedDense(PreparedRows):
+    """The dense file, memory-mapped: tensors and quantized matrices by name."""
+
+    @classmethod
+    def open_if_current(cls, model_dir: Path, fmt: str) -> "PreparedDense | None":
+        path = dense_path(model_dir, fmt)
+        if not enabled() or fmt not in FORMATS or not path.is_file():
+            return None
+        try:
+            dense = cls(path)
+        except (OSError, ValueError, struct.error) as exc:
+            log.warning("ignoring unreadable prepared file %s (%s)", path, exc)
+            return None
+        return dense if dense.metadata.get("key") == dense_key(model_dir, fmt) else None
+
+    def has(self, name: str) -> bool:
+        return any(f"{name}{suffix}" in self.header for suffix in ("", ".q", ".q4"))
+
+    def matrix(self, name: str, shape: tuple[int, int] | None = None):
+        """A weight as stored: a mapped tensor or a quantized matrix over mapped arrays;
+        `shape` ([n, cols], the checkpoint's) is checked against it."""
+        from .quantized import Int8Matrix, Q4Matrix
+
+        if f"{name}.q4" in self.header:
+            q = self.tensor(f"{name}.q4")
+            if shape is None:
+                raise ValueError(f"{name}: the 4-bit matrix needs its column count")
+            w = Q4Matrix(q, shape[1])
+            if q.shape[1] != cpu_q4.row_bytes(shape[1]):
+                raise ValueError(f"{name}: 4-bit rows of {q.shape[1]} bytes do not hold {shape[1]} columns")
+        elif f"{name}.q" in self.header:
+            w = Int8Matrix(self.tensor(f"{name}.q"), self.tensor(f"{name}.scale"))
+        else:
+            w = self.tensor(name)
+        if shape is not None and tuple(w.shape) != tuple(shape):
+            raise ValueError(f"{name}: prepared shape {tuple(w.shape)}, the checkpoint's {tuple(shape)}")
+        return w
+
+    def rows(self, name: str) -> int:
+        """The row count of a stored weight (from the header)."""
+        for suffix in ("", ".q", ".q4"):
+            if f"{name}{suffix}" in self.header:
+                return self.header[f"{name}{suffix}"]["shape"][0]
+        raise KeyError(name)
+
+    def has_layer(self, i: int) -> bool:
+        return f"layers.{i}.attn_norm.weight" in self.header
+
+    def has_globals(self) -> bool:
+        return "embed" in self.header
+
+    def has_predictors(self, layers: int) -> bool:
+        return all(self.has(f"predictors.{i}.fc1") for i in range(layers))
+
+    def fill_layer(self, i: int, layer) -> None:
+        """Replace the shape-only (meta) tensors of a layer built from the checkpoint's
+        headers with the mapped ones."""
+        from .model import Norm
+
+        for field in ("attn_norm", "mlp_norm", "qkv", "qkv_bias", "out", "out_bias"):
+            value = getattr(layer, field)
+            if value is None:
+                continue
+            if isinstance(value, Norm):
+                value.weight = self.matrix(f"layers.{i}.{field}.weight", tuple(value.weight.shape))
+                if value.bias is not None:
+                    value.bias = self.matrix(f"layers.{i}.{field}.bias", tuple(value.bias.shape))
+            else:
+                setattr(layer, field, self.matrix(f"layers.{i}.{field}", tuple(value.shape)))
+
+    def fill_globals(self, embed, norm, head, tied: bool):
+        """(embed, final norm, head) in place of meta tensors of the same shapes."""
+        embed = self.matrix("embed", tuple(embed.shape))
+        norm.weight = self.matrix("final_norm.weight", tuple(norm.weight.shape))
+        if norm.bias is not None:
+            norm.bias = self.matrix("final_norm.bias", tuple(norm.bias.shape))
+        head = embed if tied or not self.has("lm_head") else self.matrix("lm_head", tuple(head.shape))
+        return embed, norm, head

@@ -116,6 +116,9 @@ class Q4Matrix(QuantMatrix):
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x fp32 [T, cols] (CPU) @ this^T -> fp32 [T, n]."""
         x = x.float()
+        out = cpu_q4.matmul_q4(x, self.q, self.cols)  # int8 x 4-bit, where the host can
+        if out is not None:
+            return out
         if x.shape[0] <= _PER_TOKEN_MAX:
             return torch.stack([cpu_q4.matvec_q4(row, self.q, self.cols) for row in x])
         n = self.q.shape[0]

@@ -434,6 +434,61 @@ def _prepared_source(model_dir: Path, config: ModelConfig, cold_quant: str):
     return None, writer
 
 
+_MAPPED = "prepared"  # PredictorSet.source of predictors mapped from a prepared file
+
+
+def _prepared_dense(model_dir: Path, cold_quant: str):
+    """The current prepared dense file (engine.prepared.PreparedDense), or None."""
+    from . import prepared
+
+    if cold_quant not in prepared.FORMATS or not prepared.enabled() or prepared.is_bundled(model_dir):
+        return None
+    return prepared.PreparedDense.open_if_current(model_dir, cold_quant)
+
+
+def _mapped_predictors(dense_file, model_dir: Path, config: ModelConfig) -> PredictorSet | None:
+    """The predictors in the CPU format from the prepared file (their thresholds from the
+    predictors file's header), or None when it does not hold them."""
+    if dense_file is None or not PredictorSet.exists(model_dir) or not dense_file.has_predictors(config.num_layers):
+        return None
+    import json
+
+    from safetensors import safe_open
+
+    from .sidecar import sidecar_dir
+
+    with safe_open(str(sidecar_dir(model_dir) / "predictors.safetensors"), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    thresholds = [float(t) for t in json.loads(metadata.get("thresholds", "[]"))]
+    fc1, fc2 = [], []
+    for i in range(config.num_layers):
+        rank = dense_file.rows(f"predictors.{i}.fc1")
+        fc1.append(dense_file.matrix(f"predictors.{i}.fc1", (rank, config.hidden_size)))
+        fc2.append(dense_file.matrix(f"predictors.{i}.fc2", (config.intermediate_size, rank)))
+    if len(thresholds) != config.num_layers:
+        thresholds = [thresholds[0] if thresholds else 0.0] * config.num_layers
+    predictors = PredictorSet(fc1, fc2, thresholds, _MAPPED)
+    predictors.extra = json.loads(metadata.get("extra", "{}"))
+    return predictors
+
+
+def _write_prepared_dense(model_dir: Path, cold_quant: str, runtime, progress) -> None:
+    """Write the dense prepared file from the model just loaded (its CPU layers, globals
+    when the head is on the CPU, predictors); a failure only logs."""
+    from . import prepared
+
+    plan = runtime.plan
+    cpu_layers = [i for i, on in enumerate(plan.layer_on_fast) if not on]
+    if progress:
+        progress(1.0, "writing the prepared layout (first load only)")
+    try:
+        tensors = prepared.dense_tensors(runtime.model, runtime.predictors, cpu_layers, not plan.head_on_fast)
+        prepared.write_tensors(prepared.dense_path(model_dir, cold_quant), tensors,
+                               {"key": prepared.dense_key(model_dir, cold_quant), "format": cold_quant})
+    except (OSError, ValueError) as exc:
+        log.warning("could not write the prepared layout of %s: %s", model_dir, exc)
+
+
 def build_sparse_engine(engine_cls, model_dir: Path, config: ModelConfig, tokenizer, mode: str, ctx: int,
                         vram_budget: int | None, ram_budget: int | None, device: str | None, progress,
                         cold_quant: str = "int8"):
@@ -452,12 +507,18 @@ def build_sparse_engine(engine_cls, model_dir: Path, config: ModelConfig, tokeni
     ram = default_ram if ram_budget is None else ram_budget
     predictors = None
     import_checkpoint_predictors(model_dir, config)  # TurboSparse: the checkpoint's own, once
+    dense_file = _prepared_dense(model_dir, cold_quant)
     if mode != "oracle" or PredictorSet.exists(model_dir):
-        predictors = PredictorSet.load(model_dir, config.num_layers, config.hidden_size, config.intermediate_size)
+        predictors = _mapped_predictors(dense_file, model_dir, config) or PredictorSet.load(
+            model_dir, config.num_layers, config.hidden_size, config.intermediate_size)
     storage = WeightSource(model_dir).dtype()
     problem = problem_for_model(model_dir, config, ctx, fast, cold_quant, predictors, storage)
     runtime = SparseRuntime(threading.RLock(), config, mode, fast, storage, predictors, problem, cold_quant)
     plan = runtime.solve(vram, ram)
+    if predictors is not None and predictors.source == _MAPPED and any(plan.layer_on_fast):
+        # the fast tier takes the predictors at the checkpoint's precision, not the CPU format's
+        predictors = PredictorSet.load(model_dir, config.num_layers, config.hidden_size, config.intermediate_size)
+        runtime.predictors = predictors
     runtime.budgets = (vram, ram)
     runtime.plan = plan
     cpu = torch.device("cpu")
@@ -486,7 +547,8 @@ def build_sparse_engine(engine_cls, model_dir: Path, config: ModelConfig, tokeni
         model = load_transformer(
             model_dir, config, layer_devices, head_device, ctx, progress, ffn_builder=build_ffn,
             on_layer=lambda i, layer: runtime.convert_layer_dense(layer, plan.layer_on_fast[i]),
-            read_ffn=lambda i: not mapped(i),
+            read_ffn=lambda i: not mapped(i), prepared=dense_file,
+            from_prepared=lambda i: not plan.layer_on_fast[i], globals_from_prepared=not plan.head_on_fast,
         )
     except BaseException:
         if writer is not None:
@@ -503,6 +565,9 @@ def build_sparse_engine(engine_cls, model_dir: Path, config: ModelConfig, tokeni
     cache = engine_cls.make_cache(config, ctx, layer_devices, [compute_dtype(d, storage) for d in layer_devices])
     runtime.model, runtime.cache = model, cache
     model.lm_head = runtime._head_weights(plan.head_on_fast)
+    runtime.prepared_dense = dense_file
+    if dense_file is None and (writer is not None or prepared_rows is not None):
+        _write_prepared_dense(model_dir, cold_quant, runtime, progress)
     return engine_cls(model_dir, config, tokenizer, model, cache, mode, ctx,
                       engine_cls.eos_from(model_dir, config, tokenizer), engine_cls.defaults_from(model_dir),
                       sparse=runtime)

@@ -79,10 +79,27 @@ class WeightSource:
             )
         return tensor
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape from the file's header (nothing read)."""
+        if name not in self._where:
+            raise ModelFormatError(f"tensor {name} is missing from the checkpoint in {self.model_dir}")
+        return tuple(self._open(self._where[name]).get_slice(name).get_shape())
+
     def dtype(self) -> torch.dtype:
-        """Storage dtype of the checkpoint (of its first floating tensor)."""
+        """Storage dtype of the checkpoint (of its first floating tensor), from the headers:
+        reading the tensor itself would copy it (the first name is often the 250 MB head)."""
         for name in sorted(self._where):
-            t = self.get(name)
-            if t.is_floating_point():
-                return t.dtype
+            try:
+                dtype = _HEADER_DTYPES.get(self._open(self._where[name]).get_slice(name).get_dtype())
+            except (SafetensorError, OSError, ValueError, RuntimeError, AttributeError):
+                dtype = None
+                t = self.get(name)
+                if t.is_floating_point():
+                    return t.dtype
+            if dtype is not None:
+                return dtype
         return torch.float32
+
+
+# safetensors' dtype names of the floating types a checkpoint may store
+_HEADER_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}

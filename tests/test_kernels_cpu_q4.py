@@ -68,10 +68,28 @@ def test_rows_are_ggml_q4_0_blocks(cols):
     assert err.max() <= w.abs().max() / 8 + 1e-6
 
 
+def _as_q8(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 x 4-bit kernels compute with it, written here independently: llama.cpp's
+    Q8_0 blocks of 32 (fp32 scale max|x| / 127, values rint(x / scale)), dequantized in fp64."""
+    d = x.shape[-1]
+    width = -(-d // 32) * 32
+    xp = np.zeros(width, dtype=np.float32)
+    xp[:d] = x.numpy()
+    blocks = xp.reshape(-1, 32)
+    s = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127.0)
+    inv = np.where(s > 0, np.float32(1.0) / np.where(s > 0, s, np.float32(1.0)), np.float32(0.0)).astype(np.float32)
+    q = np.clip(np.rint(blocks * inv), -127, 127)
+    return torch.from_numpy((q.astype(np.float64) * s.astype(np.float64)).reshape(-1)[:d])
+
+
 def _check_paths(monkeypatch, fn):
-    fn()  # numba when available
+    """fn(seen) on every kernel path; seen(x) is the activation as that path computes with it."""
+    if cpu_q4.int8_activations(cpu_q4._kernels()):
+        fn(_as_q8)  # numba, int8 x 4-bit (AVX2 hosts)
+    monkeypatch.setattr(cpu_q4, "USE_INT8_ACTIVATIONS", False)
+    fn(torch.Tensor.double)  # numba with fp32 activations, when available
     monkeypatch.setattr(cpu_q4, "_kernels", lambda: None)
-    fn()  # the torch fallback
+    fn(torch.Tensor.double)  # the torch fallback
 
 
 @pytest.mark.parametrize("n,d", SHAPES)
@@ -86,12 +104,12 @@ def test_sparse_ffn_q4_matches_float64(monkeypatch, n, d, gated):
             "10%": perm[: max(1, n // 10)].sort().values, "50%-unsorted-int32": perm[: n // 2].to(torch.int32)}
     scale = float(dd.abs().max()) * d ** 0.5
 
-    def run():
+    def run(seen):
         for activation in ACTS:
             if activation == "drelu" and not gated:
                 continue
             for name, active in sets.items():
-                ref, a_ref = _ffn64(x, dg, du, dd, None if active is None else active.long(), activation)
+                ref, a_ref = _ffn64(seen(x), dg, du, dd, None if active is None else active.long(), activation)
                 k = n if active is None else active.numel()
                 acts = torch.empty(k)
                 y = cpu_q4.sparse_ffn(x, rows, active, activation, FAT, out_acts=acts)
@@ -111,7 +129,7 @@ def test_predicted_selection_matches_the_id_path(monkeypatch, n, d):
     layer_logits = torch.randn(3 * n, generator=g)
     row_ids = torch.randperm(3 * n, generator=g)[:n]
 
-    def run():
+    def run(_seen):
         logits = layer_logits[row_ids]
         active = torch.nonzero(logits >= 0.3).squeeze(1)
         want = cpu_q4.sparse_ffn(x, rows, active, "relu")
@@ -131,12 +149,18 @@ def test_matvec_q4_matches_float64(monkeypatch, n, d):
     w = torch.randn(n, d, generator=g)
     x = torch.randn(d, generator=g)
     q = cpu_q4.quantize_rows_q4(w)
-    ref = cpu_q4.dequantize_rows_q4(q, d).double() @ x.double()
+    wd = cpu_q4.dequantize_rows_q4(q, d).double()
+    exact = wd @ x.double()
 
-    def run():
+    def run(seen):
         y = cpu_q4.matvec_q4(x, q, d)
         assert y.shape == (n,)
+        ref = wd @ seen(x)
         assert (y.double() - ref).abs().max() <= 1e-5 * float(w.abs().max()) * d ** 0.5
+        # and the activation's rounding costs at most half its step (block max / 127) per weight
+        blocks = F.pad(x.double(), (0, -d % 32)).reshape(-1, 32)
+        step = (blocks.abs().amax(dim=1, keepdim=True) / 254).expand(-1, 32).reshape(-1)[:d]
+        assert torch.all((y.double() - exact).abs() <= wd.abs() @ step + 1e-5 * float(w.abs().max()) * d ** 0.5)
 
     _check_paths(monkeypatch, run)
 
@@ -162,3 +186,22 @@ def test_out_of_range_ids_raise():
     rows = cpu_q4.Q4FfnRows.from_dense(gate, up, down_t)
     with pytest.raises(IndexError):
         cpu_q4.sparse_ffn(x, rows, torch.tensor([8]), "relu")
+
+
+@pytest.mark.parametrize("n,d,tokens", [(1, 32, 1), (7, 96, 3), (301, 1000, 17), (1030, 256, 40)])
+def test_matmul_q4_many_tokens_matches_float64(n, d, tokens):
+    """The many-token int8 x 4-bit product: each token as the one-token kernel computes it."""
+    if not cpu_q4.int8_activations(cpu_q4._kernels()):
+        assert cpu_q4.matmul_q4(torch.zeros(1, d), torch.zeros(n, cpu_q4.row_bytes(d), dtype=torch.uint8), d) is None
+        pytest.skip("no AVX2 host or numba: the int8 x 4-bit kernel does not run")
+    g = torch.Generator().manual_seed(n * 3 + tokens)
+    w = torch.randn(n, d, generator=g)
+    x = torch.randn(tokens, d, generator=g)
+    q = cpu_q4.quantize_rows_q4(w)
+    wd = cpu_q4.dequantize_rows_q4(q, d).double()
+    y = cpu_q4.matmul_q4(x, q, d)
+    assert y.shape == (tokens, n)
+    for t in range(tokens):
+        assert torch.equal(y[t], cpu_q4.matvec_q4(x[t], q, d))
+        ref = wd @ _as_q8(x[t])
+        assert (y[t].double() - ref).abs().max() <= 1e-5 * float(w.abs().max()) * d ** 0.5

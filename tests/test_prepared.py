@@ -11,7 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import Engine, SamplingParams
+from engine.predictors import PredictorSet
 from engine.prepared import DISABLE_ENV, prepared_path
+from engine.weights import WeightSource
 
 from test_sparse import PROMPT, RAM, random_predictors
 
@@ -24,6 +26,20 @@ def _load(model, fmt, **kw):
     engine = Engine.load(model, mode="sparse", ram_budget=RAM, cold_quant=fmt, **kw)
     engine.eos_ids = set()
     return engine
+
+
+def _dense_mapped(engine) -> bool:
+    """The attention matrices, norms, embeddings, head and predictors are views of the
+    prepared dense file."""
+    dense = engine.sparse.prepared_dense
+    if dense is None:
+        return False
+    model, pred = engine.model, engine.sparse.predictors
+    tensors = [model.embed, model.final_norm.weight, model.lm_head.q]
+    for i, layer in enumerate(model.layers):
+        tensors += [layer.attn_norm.weight, layer.mlp_norm.weight, layer.qkv.q, layer.out.q]
+        tensors += [pred.fc1[i].q, pred.fc2[i].q] if pred is not None else []
+    return all(dense.holds(t) for t in tensors)
 
 
 def _mapped(engine) -> bool:
@@ -50,8 +66,15 @@ def test_prepared_model_decodes_identically_and_is_rebuilt_on_change(tmp_path, l
     assert first.sparse.prepared_path == path and path.is_file()
     assert any("preparing layer" in s for s in steps)
     assert not _mapped(first)  # the first load computed its rows
-    second = _load(model, fmt)
-    assert second.sparse.prepared_path == path and _mapped(second)
+    # the second load reads only the checkpoint's headers: everything comes from the map
+    with monkeypatch.context() as m:
+        def no_read(self, name, shape=None):
+            raise AssertionError(f"read {name} from the checkpoint")
+
+        m.setattr(WeightSource, "get", no_read)
+        m.setattr(PredictorSet, "load", no_read)
+        second = _load(model, fmt)
+    assert second.sparse.prepared_path == path and _mapped(second) and _dense_mapped(second)
     for engine in (first, second):
         assert engine.generate(PROMPT, GREEDY).token_ids == ref_ids
         assert torch.equal(engine.score(PROMPT, "sparse"), ref_logits)
@@ -72,6 +95,15 @@ def test_prepared_model_decodes_identically_and_is_rebuilt_on_change(tmp_path, l
     assert path.stat().st_mtime_ns != before and not _mapped(rebuilt)
     assert rebuilt.generate(PROMPT, GREEDY).token_ids == new_ids
     assert _mapped(_load(model, fmt))
+
+    # new predictors: the dense part is rebuilt with them (and decodes as without the file)
+    random_predictors(changed.config, threshold=-0.3, seed=5).save(model)
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    want = _load(model, fmt).generate(PROMPT, GREEDY).token_ids
+    monkeypatch.delenv(DISABLE_ENV)
+    assert not _dense_mapped(_load(model, fmt))
+    again = _load(model, fmt)
+    assert _dense_mapped(again) and again.generate(PROMPT, GREEDY).token_ids == want
 
 
 def test_layers_with_hot_neurons_read_the_checkpoint(tmp_path, llama_dir):
@@ -96,3 +128,21 @@ def test_layers_with_hot_neurons_read_the_checkpoint(tmp_path, llama_dir):
     # the hot rows hold the checkpoint's fp32 values: closer to the fp32 model than all-int4
     dense = Engine.load(model).score(PROMPT)
     assert (hybrid.score(PROMPT, "oracle") - dense).abs().max() < (probe.score(PROMPT, "oracle") - dense).abs().max()
+
+
+def test_fast_tier_layers_and_head_read_the_checkpoint(tmp_path, llama_dir, monkeypatch):
+    """A prepared file made by an all-CPU load never stands in for what the fast tier holds
+    (the CPU standing in for a GPU here): those weights keep the checkpoint's precision."""
+    model = tmp_path / "m"
+    shutil.copytree(llama_dir, model, ignore=FRESH)
+    Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cold_quant="int4")  # prepares
+    cpu_only = Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cold_quant="int4")
+    assert _dense_mapped(cpu_only)
+    fast = Engine.load(model, mode="oracle", vram_budget=1 << 30, ram_budget=RAM, cold_quant="int4")
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    plain = Engine.load(model, mode="oracle", vram_budget=1 << 30, ram_budget=RAM, cold_quant="int4")
+    assert all(fast.sparse.plan.layer_on_fast) and fast.sparse.plan.head_on_fast
+    for a, b in zip(fast.model.layers, plain.model.layers):
+        assert isinstance(a.qkv, torch.Tensor) and torch.equal(a.qkv, b.qkv) and torch.equal(a.out, b.out)
+    assert torch.equal(fast.model.lm_head, plain.model.lm_head)
+    assert torch.equal(fast.score(PROMPT, "oracle"), plain.score(PROMPT, "oracle"))
