@@ -240,7 +240,8 @@ def test_eval_of_a_mixture_scores_sparse_as_dense_and_counts_experts(model, tmp_
     assert report["sparsity"] == pytest.approx(1 - 2 / 8) and report["recall"] == 1.0
 
 
-def test_int4_experts_hold_the_planned_bytes_and_match_their_dequantized_rows(model, dense, one_torch_thread):
+def test_int4_experts_hold_the_planned_bytes_and_match_their_dequantized_rows(model, dense, one_torch_thread,
+                                                                            monkeypatch):
     """4-bit (Q4_0) cold experts: the bytes held are the planned ones (4-bit rows, a 4-bit
     copy of the tied head), a decode step's expert output is the fp32 computation over the
     dequantized rows, and the logits keep the dense model's direction."""
@@ -256,7 +257,15 @@ def test_int4_experts_hold_the_planned_bytes_and_match_their_dequantized_rows(mo
     for e, w in zip(routing.experts[0].tolist(), routing.weights[0].tolist()):
         g, u, d = (t.double() for t in ffn.cold.rows[e].dequantized())
         expected += reglu(x[0].double()[None], g, u, d)[0] * w
+    from engine.kernels import cpu_q4
+
+    # On AVX2 hosts the kernels round the activation to 8-bit blocks, as llama.cpp's Q4_0 x Q8_0
+    # does: within that rounding. With fp32 activations: the fp32 computation itself.
     got = ffn(x, routing, 0)
+    assert (got[0].double() - expected).abs().max().item() <= 2e-2 * expected.abs().max().item()
+    with monkeypatch.context() as m:
+        m.setattr(cpu_q4, "USE_INT8_ACTIVATIONS", False)
+        got = ffn(x, routing, 0)
     assert (got[0].double() - expected).abs().max().item() <= 1e-4 * expected.abs().max().item()
     assert engine.sparse.counters.expert_bytes > 0
     cos = torch.nn.functional.cosine_similarity(engine.score(PROMPT, "sparse"), dense.score(PROMPT), dim=-1)
@@ -338,7 +347,7 @@ def test_pre_attention_prefetch_reads_the_chosen_cold_experts_while_attention_ru
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_decode_bytes_are_the_chosen_experts_fired_rows_and_no_more(model, quant, one_torch_thread):
+def test_decode_bytes_are_the_chosen_experts_fired_rows_and_no_more(model, quant, one_torch_thread, monkeypatch):
     """Count the bytes a decode step reads from the experts: every gate row of the k chosen
     experts and the up and down rows of their neurons that fire (recomputed here from the
     layer's input), which is at most the k chosen experts whole; the dense parts read are
@@ -346,6 +355,9 @@ def test_decode_bytes_are_the_chosen_experts_fired_rows_and_no_more(model, quant
     from engine.kernels import cpu_q4
     from engine.moe_tiers import _row_bytes
 
+    # fp32 activations, so the neurons recounted here from x fire exactly where the kernel's do
+    # (8-bit activation rounding can flip a gate that is within a rounding step of zero).
+    monkeypatch.setattr(cpu_q4, "USE_INT8_ACTIVATIONS", False)
     engine = Engine.load(model, mode="sparse", ram_budget=BIG, cold_quant=quant)
     cfg = engine.config
     seen = {}
