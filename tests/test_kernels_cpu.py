@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import cpu, reference
+from engine.kernels import cpu, numba_pool, reference
 from engine.kernels.cpu_quant import dequantize_rows_int8, quantize_rows_int8
 
 ACTS = ("relu", "fatrelu", "drelu", "relu2")
@@ -117,7 +117,7 @@ def test_numba_kernel_matches_dense(quant, gated, activation):
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
 @pytest.mark.parametrize("activation", ACTS)
 def test_torch_fallback_matches_dense(monkeypatch, quant, gated, activation):
-    monkeypatch.setattr(cpu, "_numba", False)
+    monkeypatch.setattr(numba_pool, "_numba", False)
     assert not cpu.available()
     n, d = SHAPES[1]
     x, gate, up, down_t, g = _rows(n, d, gated, 7)
@@ -134,7 +134,7 @@ def test_predicted_selection_in_kernel(monkeypatch, use_numba, quant, activation
     if use_numba and not cpu.available():
         pytest.skip("numba missing or disabled")
     if not use_numba:
-        monkeypatch.setattr(cpu, "_numba", False)
+        monkeypatch.setattr(numba_pool, "_numba", False)
     n, d = 600, 384
     x, gate, up, down_t, g = _rows(n, d, True, 21)
     layer = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant=quant)
@@ -173,7 +173,7 @@ def test_batch_matches_per_token(monkeypatch, use_numba, quant, gated, activatio
     if use_numba and not cpu.available():
         pytest.skip("numba missing or disabled")
     if not use_numba:
-        monkeypatch.setattr(cpu, "_numba", False)
+        monkeypatch.setattr(numba_pool, "_numba", False)
     n, d = 400, 300
     x, gate, up, down_t, g = _rows(n, d, gated, 31)
     rows = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant=quant)
@@ -258,7 +258,7 @@ def test_quantizer_numba_equals_torch(monkeypatch):
     w[7] = 0.0
     w[9, :5] = torch.tensor([0.5, -0.5, 1.5, 2.5, -127.5]) * (w[9].abs().max() / 127)
     fast = quantize_rows_int8(w)
-    monkeypatch.setattr(cpu, "_numba", False)
+    monkeypatch.setattr(numba_pool, "_numba", False)
     slow = quantize_rows_int8(w)
     assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
 
@@ -466,7 +466,7 @@ def test_matvec_int8_equals_the_dequantized_product(monkeypatch, numba_on, n, d)
     if numba_on and not cpu.available():
         pytest.skip("numba unavailable")
     if not numba_on:
-        monkeypatch.setattr(cpu, "_numba", False)
+        monkeypatch.setattr(numba_pool, "_numba", False)
     g = torch.Generator().manual_seed(n + d)
     q, scale = cpu.quantize_rows_int8(torch.randn(n, d, generator=g))
     x = torch.randn(d, generator=g)
@@ -527,7 +527,7 @@ def test_matmul_int8_declines_shapes_it_does_not_cover(n, d):
 
 
 def test_matmul_int8_without_numba_declines(monkeypatch):
-    monkeypatch.setattr(cpu, "_numba", False)
+    monkeypatch.setattr(numba_pool, "_numba", False)
     q, scale = cpu.quantize_rows_int8(torch.randn(8, 128))
     assert not cpu.int8_activations_available(128)
     assert cpu.matmul_int8(torch.randn(1, 128), q, scale) is None
@@ -558,7 +558,7 @@ def test_sparse_ffn_tokens_matches_fp64_per_token(monkeypatch, use_numba, quant,
     if use_numba and not cpu.available():
         pytest.skip("numba missing or disabled")
     if not use_numba:
-        monkeypatch.setattr(cpu, "_numba", False)
+        monkeypatch.setattr(numba_pool, "_numba", False)
     shapes = [(64, 256, 1), (300, 200, 5), (777, 1000, 19)] if use_numba else [(300, 200, 5)]
     for seed, (n, d, T) in enumerate(shapes):
         _, gate, up, down_t, g = _rows(n, d, gated, seed + 11)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from engine import host_memory
-from engine.kernels import reference
+from engine.kernels import numba_pool, reference
 
 QK = 32            # weights per block
 BLOCK_BYTES = 18   # fp16 scale + 16 bytes of nibbles
@@ -126,9 +126,7 @@ def _kernels():
     """This module (its jitted kernels), or None (no numba, or THERMOCLINE_NO_NUMBA=1)."""
     import sys
 
-    from engine.kernels import cpu as cpu_kernels
-
-    if numba is None or cpu_kernels._kernels() is None:
+    if numba is None or numba_pool.kernels() is None:
         return None
     return sys.modules[__name__]
 
@@ -365,8 +363,6 @@ _DEQUANT_ROWS = 2048
 
 def matvec_q4(x: torch.Tensor, q: torch.Tensor, cols: int) -> torch.Tensor:
     """x fp32 [cols] times every 4-bit row of q uint8 [n, row_bytes(cols)] -> fp32 [n]."""
-    from engine.kernels import cpu as cpu_kernels
-
     kern = _kernels()
     xp = padded(x, cols)
     if kern is None:
@@ -375,8 +371,8 @@ def matvec_q4(x: torch.Tensor, q: torch.Tensor, cols: int) -> torch.Tensor:
             hi = min(lo + _DEQUANT_ROWS, q.shape[0])
             out[lo:hi] = torch.mv(dequantize_rows_q4(q[lo:hi], cols), xp[:cols])
         return out
-    with cpu_kernels._lock:
-        threads = cpu_kernels._use_threads(kern)
+    with numba_pool.lock:
+        threads = numba_pool.use_threads(kern)
         return torch.from_numpy(kern.matvec_rows_q4(q.numpy(), xp.numpy(), _DENSE_CHUNKS_PER_THREAD * threads))
 
 
@@ -468,14 +464,12 @@ def _torch_ffn(x, rows: Q4FfnRows, active, activation, act_threshold, out_acts):
 
 
 def _launch(kern, x, rows: Q4FfnRows, idx, pred, pred_ids, pthr, activation, act_threshold, acts):
-    from engine.kernels import cpu as cpu_kernels
-
     xp = padded(x, rows.dim).numpy()
     gate, up, down = rows._numpy_views()
     use_idx, use_pred = idx is not None, pred is not None
     k = idx.shape[0] if use_idx else rows.n_neurons
-    with cpu_kernels._lock:
-        nchunks = max(1, min(cpu_kernels._use_threads(kern), k))
+    with numba_pool.lock:
+        nchunks = max(1, min(numba_pool.use_threads(kern), k))
         y = kern.ffn_rows_q4(xp, gate, up, down, idx if use_idx else _EMPTY_IDS, use_idx,
                              pred if use_pred else _EMPTY_F32, pred_ids if pred_ids is not None else _EMPTY_IDS,
                              use_pred, pred_ids is not None, float(pthr), rows.gated,
