@@ -20,7 +20,7 @@ import torch
 from .config import DEFAULT_CTX, ModelConfig  # noqa: F401 (DEFAULT_CTX: older imports)
 from .errors import ContextFullError, ModelFormatError, UserError
 from .kv_cache import KVCache
-from .loader import Progress, load_transformer, resolve_model_dir
+from .loader import Progress, load_transformer, model_folder
 from .sampling import Sampler, SamplingParams
 from .tokenizer import StreamDecoder, Tokenizer
 from .validation import check_ctx, check_kv_fits, check_text, check_threads, resolve_device
@@ -103,21 +103,17 @@ class Engine:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def load(cls, model: str | Path = "demo", *, mode: str = "dense", ctx: int | None = None,
+    def load(cls, model: str | Path, *, mode: str = "dense", ctx: int | None = None,
              vram_budget: int | None = None, ram_budget: int | None = None,
              device: str | None = None, threads: int | None = None, cold_quant: str = "int8",
              progress: Progress | None = None) -> "Engine":
-        if str(model).startswith("remote/"):  # a model served elsewhere (models add-remote)
-            from .remote import RemoteEngine
-
-            return RemoteEngine.load(str(model), ctx=ctx)
         if mode not in MODES:
             raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
         ctx, threads = check_ctx(ctx), check_threads(threads)
         device = str(resolve_device(device)) if device is not None else None
         if threads:
             torch.set_num_threads(threads)
-        model_dir = resolve_model_dir(model)
+        model_dir = model_folder(model)
         config = ModelConfig.from_dir(model_dir)
         check_ctx(ctx)
         notes = []

@@ -18,16 +18,13 @@ from .weights import WeightSource
 Progress = Callable[[float, str], None]
 
 
-def resolve_model_dir(model: str | Path) -> Path:
-    """A local folder, or a catalogue id / repo id resolved by the model registry."""
+def model_folder(model: str | Path) -> Path:
+    """The folder `Engine.load` was given; names (`demo`, catalogue and repo ids) resolve in
+    the callers (`models_registry.resolve_model`, `app.open_model`)."""
     path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    try:
-        from models_registry import resolve_model
-    except ImportError:
-        raise UserError(f"model {model!r} is not a folder") from None
-    return Path(resolve_model(str(model)))
+    if not path.is_dir():
+        raise UserError(f"model folder {model} does not exist (names resolve with models_registry.resolve_model)")
+    return path
 
 
 def compute_dtype(device: torch.device, storage: torch.dtype) -> torch.dtype:

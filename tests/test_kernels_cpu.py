@@ -435,13 +435,14 @@ def test_bench_ffn_smoke():
 
 _FIRST_ANSWER_PROBE = textwrap.dedent("""
     from engine import Engine
+    from models_registry import resolve_model
     from engine.kernels import cpu
     from engine.sampling import SamplingParams
 
     kern = cpu._kernels()
     fns = (kern.matvec_rows, kern.combine_rows, kern.ffn_rows)
     for mode in ("dense", "hybrid"):
-        eng = Engine.load("demo", mode=mode)
+        eng = Engine.load(resolve_model("demo"), mode=mode)
         before = [len(f.signatures) for f in fns]
         for _ in eng.stream("Mr. Darcy", SamplingParams(max_new_tokens=3)):
             pass

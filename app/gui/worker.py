@@ -138,7 +138,7 @@ class EngineWorker(QObject):
         mode = options.get("mode", "hybrid")
         sparse_note = budget_note = ""
         try:
-            from engine import Engine  # heavy (torch): imported here, off the GUI thread
+            from app.open_model import open_engine  # heavy (torch): the engine is imported off the GUI thread
             from engine.errors import BudgetError
 
             def progress(fraction: float, text: str = "") -> None:
@@ -150,7 +150,7 @@ class EngineWorker(QObject):
                           cold_quant=options.get("cpu_weights", "int8"))
             try:
                 try:
-                    eng = Engine.load(spec, mode=mode, **kwargs)
+                    eng = open_engine(spec, mode=mode, **kwargs)
                 except BudgetError as exc:
                     if vram is None and ram is None:
                         raise
@@ -158,7 +158,7 @@ class EngineWorker(QObject):
                     budget_note = f"The saved budgets cannot work for this model ({exc}); using the defaults."
                     kwargs.update(vram_budget=None, ram_budget=None)
                     self._budgets = (None, None)
-                    eng = Engine.load(spec, mode=mode, **kwargs)
+                    eng = open_engine(spec, mode=mode, **kwargs)
             except Exception as exc:  # noqa: BLE001
                 from engine.errors import RemoteError
 
@@ -166,7 +166,7 @@ class EngineWorker(QObject):
                     raise
                 # No predictors, or no sparse runtime in this build: run dense and say why.
                 log.warning("loading %s in %s mode failed (%s); trying dense", spec, mode, exc)
-                eng = Engine.load(spec, mode="dense", **kwargs)
+                eng = open_engine(spec, mode="dense", **kwargs)
                 sparse_note = dense_fallback_words(mode, exc)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a dialog
             log.exception("loading %s failed", spec)
