@@ -29,12 +29,13 @@ from typing import Callable
 
 import numpy as np
 
+from .activations import NAMES
 from .errors import ModelFormatError, UserError
 
 POWERINFER_MAGIC = b"PWRI"
 GGUF_MAGIC = b"GGUF"
 ARCHITECTURES = ("llama", "bamboo")
-ACTIVATIONS = ("relu", "fatrelu", "drelu", "relu2")
+ACTIVATIONS = NAMES
 Progress = Callable[[float, str], None]
 
 _ROWS_PER_STEP = 4096  # rows dequantized at a time: bounds the fp32 copy

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from .kernels import cpu as cpu_kernels
 from .kernels import cpu_q4
 from .kernels.cpu_quant import dequantize_rows_int8
-from .model import activate
+from .kernels.reference import activations
 
 _PREFILL_CHUNK = 4096  # rows dequantized at a time when a prefill reads int8 cold rows
 
@@ -173,7 +173,7 @@ class HybridFfn:
             else:  # the GPU: its dense matmuls over the hot rows, masked per token
                 xh = x.to(hot.device, hot.up.dtype)
                 gate = F.linear(xh, hot.gate) if self.gated else None
-                acts = activate(self.activation, self.threshold, F.linear(xh, hot.up), gate)
+                acts = activations(gate, F.linear(xh, hot.up), self.activation, self.threshold)
                 acts = acts * (hot_logits >= threshold).to(hot.device)
                 out += (acts @ hot.down_t).to("cpu", torch.float32)
         return out.to(x.device, x.dtype)
@@ -202,12 +202,12 @@ class HybridFfn:
         if len(self.hot):
             xh = x.to(self.hot.device, self.hot.up.dtype)
             gate = F.linear(xh, self.hot.gate) if self.gated else None
-            hot_acts = activate(self.activation, self.threshold, F.linear(xh, self.hot.up), gate)
+            hot_acts = activations(gate, F.linear(xh, self.hot.up), self.activation, self.threshold)
             acts[:, self.hot.ids.cpu()] = hot_acts.to("cpu", torch.float32)
         xc = x.to("cpu", torch.float32)
         for ids, gate, up, _ in self._cold_chunks():
-            acts[:, ids] = activate(self.activation, self.threshold, F.linear(xc, up),
-                                    F.linear(xc, gate) if gate is not None else None)
+            acts[:, ids] = activations(F.linear(xc, gate) if gate is not None else None, F.linear(xc, up),
+                                       self.activation, self.threshold)
         return acts
 
     def _project(self, acts: torch.Tensor) -> torch.Tensor:

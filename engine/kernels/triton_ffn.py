@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-ACTIVATIONS = ("relu", "fatrelu", "drelu", "relu2")
+from engine.activations import NAMES as ACTIVATIONS
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
