@@ -46,15 +46,17 @@ def pick_fast_device(device: str | None) -> torch.device:
 
 
 def default_budgets(fast: torch.device, mode: str) -> tuple[int, int]:
-    """VRAM: 90% of the GPU's free memory (0 without one: the CPU stand-in starts empty).
-    RAM: 90% of what is available now."""
+    """`engine.budget_policy` on this machine now: VRAM 0 without a GPU (the CPU stand-in
+    starts empty) and in the sparse mode; RAM what the policy leaves of what is available."""
     import psutil
+
+    from .budget_policy import usable_ram, usable_vram
 
     vram = 0
     if mode != "sparse" and fast.type == "cuda":
         free, _ = torch.cuda.mem_get_info(fast)
-        vram = int(free * 0.9)
-    return vram, int(psutil.virtual_memory().available * 0.9)
+        vram = usable_vram(free)
+    return vram, usable_ram(psutil.virtual_memory().available)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.budget_policy import RAM_RESERVE_FRACTION, RAM_RESERVE_MIN, VRAM_RESERVE, usable_ram, usable_vram  # noqa: F401
 from engine.placement import ModelBytes, build_problem, predictor_cpu_bytes, solve
 from engine.units import format_size
 
@@ -266,20 +267,13 @@ def gpu_bytes_for_everything(shape: ModelShape, ctx: int, predictor_params: list
     return est.vram_bytes
 
 
-# What the suggestion leaves free: CUDA context, activations and allocator slack on the GPU;
-# the OS, the app and page cache in RAM.
-VRAM_RESERVE = 768 * 1024**2
-RAM_RESERVE_FRACTION = 0.15
-RAM_RESERVE_MIN = 2 * GiB
-
-
 def suggest_budgets(shape: ModelShape, ctx: int, *, vram_free: int, ram_available: int,
                     predictor_params: list[int] | None = None,
                     bytes_model: BytesModel = BytesModel()) -> tuple[int, int]:
-    """(VRAM budget, RAM budget) for a machine: as much GPU as useful, then the RAM it leaves."""
-    usable_vram = max(0, vram_free - VRAM_RESERVE) if vram_free > 0 else 0
-    vram = min(usable_vram, gpu_bytes_for_everything(shape, ctx, predictor_params, bytes_model))
-    ram_usable = max(0, ram_available - max(RAM_RESERVE_MIN, int(ram_available * RAM_RESERVE_FRACTION)))
+    """(VRAM budget, RAM budget) for a machine: as much GPU as useful, then the RAM it leaves
+    (the engine's default budgets, `engine.budget_policy`, capped at what the model needs)."""
+    vram = min(usable_vram(vram_free), gpu_bytes_for_everything(shape, ctx, predictor_params, bytes_model))
+    ram_usable = usable_ram(ram_available)
     need = place_bytes(shape, ctx=ctx, vram_budget=vram, ram_budget=0,
                        predictor_params=predictor_params, bytes_model=bytes_model).ram_bytes
     ram = need if need <= ram_usable else ram_usable
