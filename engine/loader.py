@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from .arch import arch_module
-from .arch.common import Converter, Placement
+from .arch.common import Converter, LoadTarget
 from .config import ModelConfig
 from .errors import UserError
 from .model import Layer, Transformer
@@ -48,14 +48,14 @@ def load_transformer(model_dir: Path, config: ModelConfig, layer_devices: list[t
     storage = source.dtype()
     conv = Converter(source, config)
     arch = arch_module(config.arch)
-    cpu = Placement(torch.device("cpu"), compute_dtype(torch.device("cpu"), storage))
-    head = Placement(head_device, compute_dtype(head_device, storage))
+    cpu = LoadTarget(torch.device("cpu"), compute_dtype(torch.device("cpu"), storage))
+    head = LoadTarget(head_device, compute_dtype(head_device, storage))
     embed, final_norm, lm_head = arch.load_globals(conv, cpu, head)
     layers = []
     for i, device in enumerate(layer_devices):
         if progress:
             progress(i / config.num_layers, f"loading layer {i + 1} of {config.num_layers}")
-        where = Placement(device, compute_dtype(device, storage))
+        where = LoadTarget(device, compute_dtype(device, storage))
         conv.skip_ffn = read_ffn is not None and not read_ffn(i)
         layer = arch.load_layer(conv, i, where, cpu if ffn_builder else None)
         if ffn_builder is not None:
