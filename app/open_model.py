@@ -11,7 +11,7 @@ REMOTE_PREFIX = "remote/"
 
 
 def open_engine(spec: str, **options):
-    """`Engine.load` options (mode, ctx, budgets, device, threads, cold_quant, progress);
+    """`Engine.load` options (mode, ctx, budgets, device, threads, cpu_weights, progress);
     a remote model takes only ctx."""
     if str(spec).startswith(REMOTE_PREFIX):  # a model served elsewhere (models add-remote)
         from engine.remote import RemoteEngine

@@ -105,7 +105,7 @@ class Engine:
     @classmethod
     def load(cls, model: str | Path, *, mode: str = "dense", ctx: int | None = None,
              vram_budget: int | None = None, ram_budget: int | None = None,
-             device: str | None = None, threads: int | None = None, cold_quant: str = "int8",
+             device: str | None = None, threads: int | None = None, cpu_weights: str = "int8",
              progress: Progress | None = None) -> "Engine":
         if mode not in MODES:
             raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
@@ -126,8 +126,8 @@ class Engine:
         # Load the CPU kernels' machine code now (numba's disk cache), not in the first token.
         from .kernels import cpu as cpu_kernels
 
-        cpu_kernels.warmup(quants=() if mode == "dense" else tuple({cold_quant, "fp32"} & set(cpu_kernels.QUANTS)))
-        if mode != "dense" and cold_quant == "int4":
+        cpu_kernels.warmup(quants=() if mode == "dense" else tuple({cpu_weights, "fp32"} & set(cpu_kernels.QUANTS)))
+        if mode != "dense" and cpu_weights == "int4":
             from .kernels import cpu_q4
 
             cpu_q4.warmup()
@@ -135,7 +135,7 @@ class Engine:
             from .sparse import build_sparse_engine
 
             engine = build_sparse_engine(cls, model_dir, config, tokenizer, mode, ctx, vram_budget, ram_budget,
-                                         device, progress, cold_quant)
+                                         device, progress, cpu_weights)
         else:
             dev = torch.device(device or "cpu")
             model_obj = load_transformer(model_dir, config, [dev] * config.num_layers, dev, ctx, progress)

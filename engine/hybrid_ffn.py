@@ -149,7 +149,7 @@ class HybridFfn:
         runtime = self.runtime
         mode = runtime.scoring_mode or runtime.mode
         # The many-token kernel reads int8 and fp32 rows; 4-bit rows take the blocked path.
-        return mode in ("sparse", "hybrid") and runtime.predictors is not None and runtime.cold_quant != cpu_q4.QUANT
+        return mode in ("sparse", "hybrid") and runtime.predictors is not None and runtime.cpu_weights != cpu_q4.QUANT
 
     def _predicted_tokens(self, x: torch.Tensor, pred_input: torch.Tensor) -> torch.Tensor:
         """A prefill as decoding each token alone would compute it: per token, the neurons

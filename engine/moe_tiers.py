@@ -250,7 +250,7 @@ class MoeRuntime(SparseRuntime):
     def split_experts(self, layer: int, dense: DenseMoe, hot_ids: np.ndarray) -> TieredMoe:
         """Split a freshly loaded fp32 CPU layer of experts into the two tiers."""
         hot = HotExperts(*self._where(True))
-        cold = ColdExperts(self.cold_quant)
+        cold = ColdExperts(self.cpu_weights)
         hot_set = set(int(e) for e in hot_ids)
         for e in range(dense.num_experts):
             (hot if e in hot_set else cold).add(e, *dense.expert(e))
@@ -259,7 +259,7 @@ class MoeRuntime(SparseRuntime):
     def _head_weights(self, on_fast: bool):
         """A tied head on an int8 CPU tier is an int8 copy of the embeddings (counted by the
         placement, ModelBytes.int8_head_copy): it is most of a token's bytes otherwise."""
-        if not on_fast and self.config.tie_word_embeddings and self.cold_quant == COLD_INT8:
+        if not on_fast and self.config.tie_word_embeddings and self.cpu_weights == COLD_INT8:
             return Int8Matrix.quantize(self.model.embed)
         return super()._head_weights(on_fast)
 
@@ -277,14 +277,14 @@ class MoeRuntime(SparseRuntime):
 
 
 def build_moe_engine(engine_cls, model_dir, config, tokenizer, mode: str, ctx: int, vram_budget: int | None,
-                     ram_budget: int | None, device: str | None, progress, cold_quant: str = "int8"):
+                     ram_budget: int | None, device: str | None, progress, cpu_weights: str = "int8"):
     fast = pick_fast_device(device)
     default_vram, default_ram = default_budgets(fast, mode)
     vram = default_vram if vram_budget is None else vram_budget
     ram = default_ram if ram_budget is None else ram_budget
     storage = WeightSource(model_dir).dtype()
-    problem = problem_for_model(model_dir, config, ctx, fast, cold_quant, None, storage)
-    runtime = MoeRuntime(threading.RLock(), config, mode, fast, storage, None, problem, cold_quant)
+    problem = problem_for_model(model_dir, config, ctx, fast, cpu_weights, None, storage)
+    runtime = MoeRuntime(threading.RLock(), config, mode, fast, storage, None, problem, cpu_weights)
     plan = runtime.solve(vram, ram)
     runtime.budgets = (vram, ram)
     runtime.plan = plan

@@ -80,23 +80,23 @@ class PlacementReport:
 
 
 def placement_problem(config: ModelConfig, predictor_ranks: list[int], frequencies: list[np.ndarray],
-                      ctx: int, fast: torch.device, storage: torch.dtype, cold_quant: str) -> PlacementProblem:
+                      ctx: int, fast: torch.device, storage: torch.dtype, cpu_weights: str) -> PlacementProblem:
     """The engine's placement problem: the fast tier holds its compute dtype."""
     fast_bytes = torch.finfo(compute_dtype(fast, storage)).bits // 8
     params = [rank * (config.hidden_size + config.intermediate_size) for rank in predictor_ranks]
     return build_problem(ModelBytes.from_config(config), params, frequencies, ctx, fast_bytes, fast_bytes,
-                         cold_quant, str(fast))
+                         cpu_weights, str(fast))
 
 
 class SparseRuntime:
     def __init__(self, engine_lock: threading.RLock, config: ModelConfig, mode: str, fast: torch.device,
                  storage: torch.dtype, predictors: PredictorSet | None, problem: PlacementProblem,
-                 cold_quant: str):
+                 cpu_weights: str):
         self.lock = engine_lock
         self.config, self.mode, self.fast, self.storage = config, mode, fast, storage
         self.predictors = predictors
         self.thresholds = list(predictors.thresholds) if predictors else [0.0] * config.num_layers
-        self.problem, self.cold_quant = problem, cold_quant
+        self.problem, self.cpu_weights = problem, cpu_weights
         self.counters = FfnCounters()
         self.scoring_mode: str | None = None
         self.plan: Placement | None = None
@@ -207,7 +207,7 @@ class SparseRuntime:
             rows = all_rows if len(cold_idx) == dense.n_ff else all_rows.select(cold_idx)
         else:
             rows = cold_rows_from_dense(None if gate is None else gate[cold_idx], up[cold_idx], down_t[cold_idx],
-                                        self.cold_quant)
+                                        self.cpu_weights)
         cold = ColdRows(rows, cold_idx)
         return HybridFfn(layer, gate is not None, self.config.activation, self.config.activation_threshold,
                          dense.n_ff, hot, cold, self)
@@ -253,15 +253,15 @@ class SparseRuntime:
         """A dense weight matrix in its tier's storage: the fast tier's dtype, or on the CPU
         tier fp32, or int8 / 4-bit rows when the CPU weights are int8 / int4 (a quarter /
         about an eighth of the bytes to read per token)."""
-        if not on_fast and self.cold_quant != "fp32":
-            return quantize_matrix(w, self.cold_quant)
+        if not on_fast and self.cpu_weights != "fp32":
+            return quantize_matrix(w, self.cpu_weights)
         device, dtype = self._where(on_fast)
         return w.to_dense(device, dtype) if isinstance(w, QuantMatrix) else w.to(device, dtype)
 
     def place_predictor(self, i: int, on_fast: bool) -> None:
         """Layer i's predictor in its tier's storage (int8 rows on an int8 CPU tier)."""
         if self.predictors is not None:
-            quant = self.cold_quant if not on_fast and self.cold_quant != "fp32" else None
+            quant = self.cpu_weights if not on_fast and self.cpu_weights != "fp32" else None
             self.predictors.to(i, *self._where(on_fast), quant=quant)
 
     def convert_layer_dense(self, layer, on_fast: bool) -> None:
@@ -332,7 +332,7 @@ class SparseRuntime:
         if len(demote_pos):
             g, u, d = ffn.hot.fp32_rows()
             pos = torch.as_tensor(demote_pos)
-            parts.append(cold_rows_from_dense(None if g is None else g[pos], u[pos], d[pos], self.cold_quant))
+            parts.append(cold_rows_from_dense(None if g is None else g[pos], u[pos], d[pos], self.cpu_weights))
         cold_all = np.concatenate([cold_ids[keep_cold], old_hot_ids[demote_pos]])
         cold_order = torch.as_tensor(np.argsort(cold_all, kind="stable"))
         rows = _concat_rows(parts).select(cold_order) if len(parts) > 1 else kept
@@ -389,7 +389,7 @@ def _concat_rows(parts: list):
                                   cat("down_scale"), quant=parts[0].quant)
 
 
-def problem_for_model(model_dir: Path, config: ModelConfig, ctx: int, fast: torch.device, cold_quant: str,
+def problem_for_model(model_dir: Path, config: ModelConfig, ctx: int, fast: torch.device, cpu_weights: str,
                       predictors: PredictorSet | None = None, storage: torch.dtype | None = None) -> PlacementProblem:
     """The placement problem of a model folder, from its config, predictors and statistics."""
     import_checkpoint_predictors(model_dir, config)  # those a checkpoint carries count too
@@ -403,22 +403,22 @@ def problem_for_model(model_dir: Path, config: ModelConfig, ctx: int, fast: torc
         frequencies = [np.ones(config.n_ff) for _ in range(config.num_layers)]
     ranks = predictors.ranks if predictors else [0] * config.num_layers
     storage = storage or WeightSource(model_dir).dtype()
-    return placement_problem(config, ranks, frequencies, ctx, fast, storage, cold_quant)
+    return placement_problem(config, ranks, frequencies, ctx, fast, storage, cpu_weights)
 
 
-def _prepared_source(model_dir: Path, config: ModelConfig, cold_quant: str):
+def _prepared_source(model_dir: Path, config: ModelConfig, cpu_weights: str):
     """(mapped prepared rows, None) when a current prepared file exists; else (None, a
     writer for one) for the int8/int4 formats; (None, None) when preparing is off or the
     model's folder cannot be written (a read-only install)."""
     from . import prepared
 
-    if cold_quant not in prepared.FORMATS or not prepared.enabled() or prepared.is_bundled(model_dir):
+    if cpu_weights not in prepared.FORMATS or not prepared.enabled() or prepared.is_bundled(model_dir):
         return None, None
-    rows = prepared.PreparedRows.open_if_current(model_dir, cold_quant)
+    rows = prepared.PreparedRows.open_if_current(model_dir, cpu_weights)
     if rows is not None:
         return rows, None
     try:
-        writer = prepared.PreparedWriter(model_dir, cold_quant, prepared.checkpoint_key(model_dir, cold_quant),
+        writer = prepared.PreparedWriter(model_dir, cpu_weights, prepared.checkpoint_key(model_dir, cpu_weights),
                                          config.intermediate_size, config.hidden_size, config.gated,
                                          config.num_layers)
     except OSError as exc:
@@ -429,16 +429,16 @@ def _prepared_source(model_dir: Path, config: ModelConfig, cold_quant: str):
 
 def build_sparse_engine(engine_cls, model_dir: Path, config: ModelConfig, tokenizer, mode: str, ctx: int,
                         vram_budget: int | None, ram_budget: int | None, device: str | None, progress,
-                        cold_quant: str = "int8"):
-    if cold_quant not in COLD_QUANTS:
-        raise UserError(f"unknown CPU weight format {cold_quant!r}: choose int4, int8 or fp32")
+                        cpu_weights: str = "int8"):
+    if cpu_weights not in COLD_QUANTS:
+        raise UserError(f"unknown CPU weight format {cpu_weights!r}: choose int4, int8 or fp32")
     if config.is_moe:  # placed expert by expert, routed by the model's own router
-        if cold_quant == "int4":  # the expert tiers keep CpuFfnRows (int8 or fp32) only so far
+        if cpu_weights == "int4":  # the expert tiers keep CpuFfnRows (int8 or fp32) only so far
             raise UserError("mixture-of-experts models take --cpu-weights int8 or fp32; int4 experts are not built yet")
         from .moe_tiers import build_moe_engine
 
         return build_moe_engine(engine_cls, model_dir, config, tokenizer, mode, ctx, vram_budget, ram_budget,
-                                device, progress, cold_quant)
+                                device, progress, cpu_weights)
     if config.mlp_bias:
         raise UserError("sparse modes do not support FFN biases yet; use --mode dense for this model")
     fast = pick_fast_device(device)
@@ -450,15 +450,15 @@ def build_sparse_engine(engine_cls, model_dir: Path, config: ModelConfig, tokeni
     if mode != "oracle" or PredictorSet.exists(model_dir):
         predictors = PredictorSet.load(model_dir, config.num_layers, config.hidden_size, config.intermediate_size)
     storage = WeightSource(model_dir).dtype()
-    problem = problem_for_model(model_dir, config, ctx, fast, cold_quant, predictors, storage)
-    runtime = SparseRuntime(threading.RLock(), config, mode, fast, storage, predictors, problem, cold_quant)
+    problem = problem_for_model(model_dir, config, ctx, fast, cpu_weights, predictors, storage)
+    runtime = SparseRuntime(threading.RLock(), config, mode, fast, storage, predictors, problem, cpu_weights)
     plan = runtime.solve(vram, ram)
     runtime.budgets = (vram, ram)
     runtime.plan = plan
     cpu = torch.device("cpu")
     layer_devices = [fast if on else cpu for on in plan.layer_on_fast]
     head_device = fast if plan.head_on_fast else cpu
-    prepared_rows, writer = _prepared_source(model_dir, config, cold_quant)
+    prepared_rows, writer = _prepared_source(model_dir, config, cpu_weights)
     runtime.prepared_path = prepared_rows.path if prepared_rows is not None else None
     runtime.prepared_rows = prepared_rows
 
@@ -472,8 +472,8 @@ def build_sparse_engine(engine_cls, model_dir: Path, config: ModelConfig, tokeni
         if writer is not None:
             if progress:
                 progress(i / config.num_layers, f"preparing layer {i + 1} of {config.num_layers} "
-                                                f"({cold_quant} rows, first load only)")
-            all_rows = cold_rows_from_dense(dense.gate, dense.up, dense.down_t, cold_quant)
+                                                f"({cpu_weights} rows, first load only)")
+            all_rows = cold_rows_from_dense(dense.gate, dense.up, dense.down_t, cpu_weights)
             writer.add_layer(i, all_rows)
         return runtime.split_ffn(i, dense, plan.hot_ids[i], all_rows)
 

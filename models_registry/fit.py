@@ -142,7 +142,7 @@ class BytesModel:
 
     gpu_weight_bytes: int = 2  # fp16 / bf16 on CUDA (a CPU stand-in device holds fp32: 4)
     gpu_kv_bytes: int = 2
-    cold_quant: str = "int8"  # CPU matrices: "int8" rows + one fp32 scale per row; "fp32"
+    cpu_weights: str = "int8"  # CPU matrices: "int8" rows + one fp32 scale per row; "fp32"
 
 
 @dataclass
@@ -230,14 +230,14 @@ def place_bytes(shape: ModelShape, *, ctx: int, vram_budget: int, ram_budget: in
     frequencies = [np.ones(shape.n_ff, dtype=np.float32) for _ in range(shape.n_layers)]
     model = placement_bytes(shape)
     problem = build_problem(model, predictor_params, frequencies, ctx, bm.gpu_weight_bytes,
-                            bm.gpu_kv_bytes, bm.cold_quant)
+                            bm.gpu_kv_bytes, bm.cpu_weights)
     plan = solve(problem, max(int(vram_budget), 0), ram_budget)
     tiers = plan.tier_bytes
     on_gpu = plan.layer_on_fast
     est = FitEstimate(ctx=ctx, vram_budget=vram_budget, ram_budget=ram_budget,
                       total_params=shape.total_params, shape=asdict(shape))
     est.predictor_gpu_bytes = sum(p for p, fast in zip(predictor_params, on_gpu) if fast) * bm.gpu_weight_bytes
-    est.predictor_cpu_bytes = sum(predictor_cpu_bytes(model, p, bm.cold_quant)
+    est.predictor_cpu_bytes = sum(predictor_cpu_bytes(model, p, bm.cpu_weights)
                                   for p, fast in zip(predictor_params, on_gpu) if not fast)
     est.dense_gpu_bytes = tiers["fast_dense"] - est.predictor_gpu_bytes
     est.dense_cpu_bytes = tiers["cpu_dense"] - est.predictor_cpu_bytes

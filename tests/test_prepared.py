@@ -21,7 +21,7 @@ FRESH = shutil.ignore_patterns("prepared-*")
 
 
 def _load(model, fmt, **kw):
-    engine = Engine.load(model, mode="sparse", ram_budget=RAM, cold_quant=fmt, **kw)
+    engine = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights=fmt, **kw)
     engine.eos_ids = set()
     return engine
 
@@ -79,13 +79,13 @@ def test_layers_with_hot_neurons_read_the_checkpoint(tmp_path, llama_dir):
     checkpoint's precision on the fast tier, and their cold rows equal the prepared ones."""
     model = tmp_path / "m"
     shutil.copytree(llama_dir, model, ignore=FRESH)
-    Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cold_quant="int4")  # prepares
+    Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cpu_weights="int4")  # prepares
     from test_sparse import vram_for
 
-    probe = Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cold_quant="int4")
+    probe = Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cpu_weights="int4")
     assert _mapped(probe)
     # neurons by number without statistics: a quarter of them fills half of layer 0
-    hybrid = Engine.load(model, mode="oracle", vram_budget=vram_for(probe, 0.25), ram_budget=RAM, cold_quant="int4")
+    hybrid = Engine.load(model, mode="oracle", vram_budget=vram_for(probe, 0.25), ram_budget=RAM, cpu_weights="int4")
     first, second = hybrid.model.layers
     assert 0 < len(first.ffn.hot) < 160 and len(second.ffn.hot) == 0
     mapped = hybrid.sparse.prepared_rows

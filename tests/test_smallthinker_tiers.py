@@ -42,9 +42,9 @@ def dense(model):
 
 @pytest.mark.parametrize("experts_on_fast", [None, 0, 11, 32])  # None: not even the dense parts
 def test_every_split_computes_the_dense_logits(model, dense, experts_on_fast, one_torch_thread):
-    probe = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG, cold_quant="fp32")
+    probe = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG, cpu_weights="fp32")
     vram = 0 if experts_on_fast is None else dense_part(probe) + experts_on_fast * expert_bytes(probe)
-    engine = Engine.load(model, mode="hybrid", vram_budget=vram, ram_budget=BIG, cold_quant="fp32")
+    engine = Engine.load(model, mode="hybrid", vram_budget=vram, ram_budget=BIG, cpu_weights="fp32")
     tiers = engine.sparse.plan.summary()["experts_per_tier"]
     assert tiers == {"fast": experts_on_fast or 0, "cpu": 32 - (experts_on_fast or 0)}
     expected = dense.score(PROMPT)
@@ -90,9 +90,9 @@ def test_profile_counts_expert_use_and_the_solver_places_the_most_used(model, tm
 
 
 def test_budget_changes_move_experts_live_and_keep_the_conversation(model, dense, one_torch_thread):
-    probe = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG, cold_quant="fp32")
+    probe = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG, cpu_weights="fp32")
     base, one = dense_part(probe), expert_bytes(probe)
-    engine = Engine.load(model, mode="hybrid", vram_budget=base + 4 * one, ram_budget=BIG, cold_quant="fp32")
+    engine = Engine.load(model, mode="hybrid", vram_budget=base + 4 * one, ram_budget=BIG, cpu_weights="fp32")
     dense.eos_ids = engine.eos_ids = set()
     params = SamplingParams(max_new_tokens=6, temperature=0)
     expected = dense.generate(PROMPT, params).token_ids
@@ -109,9 +109,9 @@ def test_decode_reads_only_chosen_experts_and_their_fired_neurons(model, one_tor
     """Poison (NaN) every expert a decode step does not choose, and inside the chosen ones
     the up and down rows of every neuron whose relu(gate) is 0: the step's logits stay
     exactly as they were, so none of those rows was read."""
-    probe = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG, cold_quant="fp32")
+    probe = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG, cpu_weights="fp32")
     engine = Engine.load(model, mode="hybrid", vram_budget=dense_part(probe) + 12 * expert_bytes(probe),
-                         ram_budget=BIG, cold_quant="fp32")
+                         ram_budget=BIG, cpu_weights="fp32")
     layers = engine.model.layers
     seen = {}
     for i, layer in enumerate(layers):  # record what each layer's experts receive
@@ -220,7 +220,7 @@ def test_eval_of_a_mixture_scores_sparse_as_dense_and_counts_experts(model, tmp_
 
     heldout = tmp_path / "heldout.txt"
     heldout.write_text(" ".join(WORDS[::-1] * 3))
-    engine = Engine.load(model, mode="sparse", ram_budget=BIG, cold_quant="fp32", ctx=64)
+    engine = Engine.load(model, mode="sparse", ram_budget=BIG, cpu_weights="fp32", ctx=64)
     report = evaluate(engine, [heldout], EvalSettings(max_tokens=80, window=32))
     assert report["predictor_source"] == "router"
     assert report["ppl_sparse"] == pytest.approx(report["ppl_dense"], rel=1e-5)

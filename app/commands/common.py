@@ -73,7 +73,7 @@ def load_engine(args: argparse.Namespace):
 
     engine = open_engine(args.model, mode=args.mode, ctx=args.ctx, vram_budget=args.vram_budget,
                          ram_budget=args.ram_budget, device=args.device, threads=args.threads,
-                         cold_quant=args.cpu_weights)
+                         cpu_weights=args.cpu_weights)
     for note in getattr(engine, "warnings", ()):
         sys.stderr.write(f"warning: {note}\n")
     return engine

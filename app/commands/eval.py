@@ -31,7 +31,7 @@ def run(args) -> int:
     if args.max_tokens < 2 or args.window < 2:
         raise UserError("--max-tokens and --window must be at least 2")
     engine = open_engine(args.model, mode="sparse", ctx=args.window, device=args.device,
-                         threads=args.threads, cold_quant=args.cpu_weights)
+                         threads=args.threads, cpu_weights=args.cpu_weights)
     bar = ProgressBar("eval", quiet=args.json)
     report = evaluate(engine, args.corpus, EvalSettings(args.max_tokens, args.window), progress=bar)
     bar.done()

@@ -147,7 +147,7 @@ class EngineWorker(QObject):
             vram, ram = options.get("vram_budget"), options.get("ram_budget")
             self._budgets = (vram, ram)
             kwargs = dict(ctx=int(options.get("ctx", 2048)), vram_budget=vram, ram_budget=ram, progress=progress,
-                          cold_quant=options.get("cpu_weights", "int8"))
+                          cpu_weights=options.get("cpu_weights", "int8"))
             try:
                 try:
                     eng = open_engine(spec, mode=mode, **kwargs)
