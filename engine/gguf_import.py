@@ -146,7 +146,7 @@ def read_gguf(path: str | Path) -> GgufModel:
         reader = _reader_class()(path, "r")
     except _Refused as exc:
         raise (UserError if exc.user else ModelFormatError)(f"{path.name}: {exc}") from None
-    except Exception as exc:  # the reader's ValueError/IndexError/struct errors on bad headers
+    except Exception as exc:  # noqa: BLE001 - the reader's ValueError/IndexError/struct errors on bad headers
         raise ModelFormatError(f"{path.name} is truncated or corrupt: its header cannot be read ({exc})") from None
     fields = {}
     for name, field in reader.fields.items():

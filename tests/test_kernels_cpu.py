@@ -323,7 +323,7 @@ def test_concurrent_calls_from_threads():
         try:
             for _ in range(30):
                 results.append(cpu.sparse_ffn(x, rows, active, "relu"))
-        except Exception as e:  # surfaced below
+        except Exception as e:  # noqa: BLE001 - surfaced below
             errors.append(e)
 
     threads = [threading.Thread(target=work) for _ in range(3)]

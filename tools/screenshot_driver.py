@@ -105,7 +105,7 @@ def main() -> int:
     from app.gui.main import build_window, make_application, preload_engine
     from app.settings import Settings
 
-    app = make_application(["thermocline"])
+    app = make_application(["thermocline"])  # noqa: F841 - kept alive while the window runs
     preload_engine()
     settings = Settings()
     settings["model.active"] = model

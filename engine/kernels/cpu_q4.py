@@ -118,7 +118,7 @@ try:
     from numba import prange, types
     from numba.core import cgutils
     from numba.extending import intrinsic
-except Exception:  # ImportError, or a broken numba/llvmlite install: torch computes instead
+except Exception:  # noqa: BLE001 - ImportError, or a broken numba/llvmlite install: torch computes instead
     numba = None
 
 

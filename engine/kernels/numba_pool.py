@@ -31,7 +31,7 @@ def kernels():
             try:
                 from engine.kernels import cpu_numba
                 _numba = cpu_numba
-            except Exception as e:  # ImportError, or a broken numba/llvmlite install
+            except Exception as e:  # noqa: BLE001 - ImportError, or a broken numba/llvmlite install
                 warnings.warn(f"numba CPU kernels unavailable ({e}); using the torch fallback",
                               RuntimeWarning, stacklevel=2)
                 _numba = False

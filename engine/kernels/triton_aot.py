@@ -142,7 +142,7 @@ def main(argv=None) -> int:
                 row.update(_compile(fn, sig, consts, warps, arch))
                 # Every variant must read its weight rows with 128-bit loads.
                 failed |= row["spill_bytes"] > 0 or row["vector_loads"] == 0
-            except Exception as e:  # report every failing variant, not just the first
+            except Exception as e:  # noqa: BLE001 - report every failing variant, not just the first
                 row["error"] = f"{type(e).__name__}: {e}"[:2000]
                 failed = True
             results.append(row)

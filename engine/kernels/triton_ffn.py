@@ -53,7 +53,7 @@ def _interpret_mode() -> bool:
 def _triton_importable() -> bool:
     try:
         import triton  # noqa: F401
-    except Exception:  # ImportError, or a broken install on an unsupported platform
+    except Exception:  # noqa: BLE001 - ImportError, or a broken install on an unsupported platform
         return False
     return True
 
