@@ -5,7 +5,7 @@ compile: constexpr rules, types across branches and register use only show up in
 compiler. This lowers each variant the launcher can ask for to a cubin for the given
 architectures (triton ships ptxas) and reports registers and spills from `ptxas -v`.
 
-    python -m engine.kernels.triton_aot [--arch 90 --arch 80] [--quick] [--json]
+    python -m bench.triton_aot [--arch 90 --arch 80] [--quick] [--json]
                                         (default: sm_90, every variant)
 
 Exit status 1 when a variant fails to compile or spills registers.
@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 
-from .triton_ffn import DEFAULT_CONFIG, PREDICTOR_CONFIG, LaunchConfig
+from engine.kernels.triton_ffn import DEFAULT_CONFIG, PREDICTOR_CONFIG, LaunchConfig
 
 # Interpreted kernels cannot be compiled; this tool needs the real decorators.
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -31,7 +31,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from . import triton_kernels as K  # noqa: E402
+from engine.kernels import triton_kernels as K  # noqa: E402
 
 
 def _ptxas_stats(ptx: str, arch: int) -> dict:
