@@ -155,7 +155,7 @@ def main() -> int:
     pump(180, lambda: not window.chat.busy)
     ask("My notes so far:\n```python\nsuitors = {\"Darcy\": \"proud, or only shy?\",  # first ball\n"
         "           \"Bingley\": \"all ease\"}\n```\nWhat would Elizabeth say of them?")
-    pump(60, lambda: len(window.chat._answer_text) > 60 or not window.chat.busy)
+    pump(60, lambda: len(window.chat.session.answer_text) > 60 or not window.chat.busy)
     shot("chat-streaming")
     pump(180, lambda: not window.chat.busy)
     shot("chat")
