@@ -131,18 +131,21 @@ class Engine:
             from .kernels import cpu_q4
 
             cpu_q4.warmup()
+        runtime = None
         if mode in ("sparse", "hybrid", "oracle"):
-            from .sparse import build_sparse_engine
+            from .sparse import load_sparse
 
-            engine = build_sparse_engine(cls, model_dir, config, tokenizer, mode, ctx, vram_budget, ram_budget,
-                                         device, progress, cpu_weights)
+            parts = load_sparse(model_dir, config, mode, ctx, vram_budget, ram_budget, device, progress, cpu_weights)
+            model_obj, runtime = parts.model, parts.runtime
+            cache = cls.make_cache(config, ctx, parts.layer_devices, parts.layer_dtypes)
+            runtime.cache = cache  # a re-placement moves each layer's KV cache with the layer
         else:
             dev = torch.device(device or "cpu")
             model_obj = load_transformer(model_dir, config, [dev] * config.num_layers, dev, ctx, progress)
             cache = cls.make_cache(config, ctx, [dev] * config.num_layers,
                                    [model_obj.layers[0].dtype] * config.num_layers)
-            engine = cls(model_dir, config, tokenizer, model_obj, cache, mode, ctx,
-                         cls.eos_from(model_dir, config, tokenizer), cls.defaults_from(model_dir))
+        engine = cls(model_dir, config, tokenizer, model_obj, cache, mode, ctx,
+                     cls.eos_from(model_dir, config, tokenizer), cls.defaults_from(model_dir), sparse=runtime)
         engine.warnings = notes  # things the user should hear about, not errors (the CLI prints them)
         return engine
 

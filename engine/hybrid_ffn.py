@@ -73,11 +73,11 @@ class ColdRows:
 
 class HybridFfn:
     def __init__(self, layer: int, gated: bool, activation: str, threshold: float, n_ff: int,
-                 hot: HotRows, cold: ColdRows, runtime):
+                 hot: HotRows, cold: ColdRows, context):
         self.layer, self.gated, self.activation, self.threshold = layer, gated, activation, threshold
         self.n_ff = n_ff
         self.hot, self.cold = hot, cold
-        self.runtime = runtime  # predictors, mode, counters, the scoring switch
+        self.context = context  # engine.sparse_tokens.FfnContext: predictor, threshold, mode, counters
 
     @property
     def nbytes(self) -> int:
@@ -85,22 +85,21 @@ class HybridFfn:
 
     # ------------------------------------------------------------------ decode
     def __call__(self, x: torch.Tensor, pred_input: torch.Tensor, layer: int, observer=None) -> torch.Tensor:
-        runtime = self.runtime
         if x.shape[0] > 1 or observer is not None:
             if observer is None and self._prefill_predicted():
                 return self._predicted_tokens(x, pred_input)
             return self._batched(x, pred_input, observer)
-        if runtime.mode == "oracle":
+        if self.context.mode == "oracle":
             logits = mask = None  # compute every neuron, project those that fired
         else:
-            logits = runtime.predictor_logits(self.layer, pred_input[0])
-            mask = logits >= runtime.thresholds[self.layer]
+            logits = self.context.logits(pred_input[0])
+            mask = logits >= self.context.threshold
         # The cold part needs the logits on the CPU: copy them before the hot kernel is
         # queued, so the GPU computes the hot rows while the CPU computes the cold ones.
         cold_logits = None if logits is None or not len(self.cold) else logits.to("cpu")
         y_hot = self._hot_decode(x[0], logits)
         y_cold = self._cold_decode(x[0], cold_logits)
-        counters = runtime.counters
+        counters = self.context.counters
         counters.considered += self.n_ff
         if mask is None:
             counters.computed += self.n_ff
@@ -117,7 +116,7 @@ class HybridFfn:
         hot = self.hot
         if not len(hot):
             return None
-        threshold = self.runtime.thresholds[self.layer]
+        threshold = self.context.threshold
         if hot.cpu_rows is not None:
             return self._cpu_rows(x.float(), hot.cpu_rows, logits, threshold, hot.ids)
         from .kernels.triton_ffn import sparse_ffn_triton
@@ -131,7 +130,7 @@ class HybridFfn:
         if not len(self.cold):
             return torch.zeros(x.shape[-1], dtype=torch.float32)
         return self._cpu_rows(x.to("cpu", torch.float32), self.cold.rows, logits,
-                              self.runtime.thresholds[self.layer], self.cold.ids)
+                              self.context.threshold, self.cold.ids)
 
     def _cpu_rows(self, x, rows, logits, threshold, ids) -> torch.Tensor:
         """The CPU kernel over a tier's rows: all of them (oracle) or those predicted active,
@@ -146,19 +145,17 @@ class HybridFfn:
     def _prefill_predicted(self) -> bool:
         """Whether many tokens compute their predicted neurons (sparse and hybrid modes,
         and scoring as them) rather than every neuron (oracle, the exactness reference)."""
-        runtime = self.runtime
-        mode = runtime.scoring_mode or runtime.mode
+        mode = self.context.scoring_mode or self.context.mode
         # The many-token kernel reads int8 and fp32 rows; 4-bit rows take the blocked path.
-        return mode in ("sparse", "hybrid") and runtime.predictors is not None and runtime.cpu_weights != cpu_q4.QUANT
+        return mode in ("sparse", "hybrid") and self.context.has_predictors and self.context.cpu_weights != cpu_q4.QUANT
 
     def _predicted_tokens(self, x: torch.Tensor, pred_input: torch.Tensor) -> torch.Tensor:
         """A prefill as decoding each token alone would compute it: per token, the neurons
         its predictor selects. Each cold row is read once for all tokens, in its int8 or
         fp32 storage (no dequantized copy of the layer); a row no token selects is not read,
         so the time grows with the prompt, not with the layer's cold rows."""
-        runtime = self.runtime
-        threshold = runtime.thresholds[self.layer]
-        logits = runtime.predictor_logits(self.layer, pred_input).to("cpu", torch.float32)
+        threshold = self.context.threshold
+        logits = self.context.logits(pred_input).to("cpu", torch.float32)
         xc = x.to("cpu", torch.float32)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
         if len(self.cold):
@@ -224,8 +221,8 @@ class HybridFfn:
         acts = self._tier_activations(x)
         if observer is not None:
             observer(self.layer, pred_input, acts)
-        if self.runtime.scoring_mode in ("sparse", "hybrid"):
+        if self.context.scoring_mode in ("sparse", "hybrid"):
             # Per-token predicted sets: what decoding each token alone would compute.
-            logits = self.runtime.predictor_logits(self.layer, pred_input)
-            acts = acts * (logits >= self.runtime.thresholds[self.layer]).to("cpu")
+            logits = self.context.logits(pred_input)
+            acts = acts * (logits >= self.context.threshold).to("cpu")
         return self._project(acts).to(x.device, x.dtype)

@@ -37,7 +37,7 @@ from .loader import compute_dtype, load_transformer
 from .moe import DenseMoe, Routing, experts_by_token, reglu
 from .placement import COLD_INT8, INDEX_BYTES
 from .quantized import Int8Matrix
-from .sparse import SparseRuntime, default_budgets, pick_fast_device, problem_for_model
+from .sparse import SparseParts, SparseRuntime, default_budgets, pick_fast_device, problem_for_model
 from .weights import WeightSource
 
 
@@ -276,8 +276,9 @@ class MoeRuntime(SparseRuntime):
             ffn.hot.add(e, *ffn.cold.pop(e))
 
 
-def build_moe_engine(engine_cls, model_dir, config, tokenizer, mode: str, ctx: int, vram_budget: int | None,
-                     ram_budget: int | None, device: str | None, progress, cpu_weights: str = "int8"):
+def load_moe(model_dir, config, mode: str, ctx: int, vram_budget: int | None, ram_budget: int | None,
+             device: str | None, progress, cpu_weights: str = "int8") -> SparseParts:
+    """`engine.sparse.load_sparse` for a mixture of experts: the parts `Engine.load` assembles."""
     fast = pick_fast_device(device)
     default_vram, default_ram = default_budgets(fast, mode)
     vram = default_vram if vram_budget is None else vram_budget
@@ -296,9 +297,6 @@ def build_moe_engine(engine_cls, model_dir, config, tokenizer, mode: str, ctx: i
         ffn_builder=lambda i, dense: runtime.split_experts(i, dense, plan.hot_ids[i]),
         on_layer=lambda i, layer: runtime.convert_layer_dense(layer, plan.layer_on_fast[i]),
     )
-    cache = engine_cls.make_cache(config, ctx, layer_devices, [compute_dtype(d, storage) for d in layer_devices])
-    runtime.model, runtime.cache = model, cache
+    runtime.model = model
     model.lm_head = runtime._head_weights(plan.head_on_fast)
-    return engine_cls(model_dir, config, tokenizer, model, cache, mode, ctx,
-                      engine_cls.eos_from(model_dir, config, tokenizer), engine_cls.defaults_from(model_dir),
-                      sparse=runtime)
+    return SparseParts(model, runtime, layer_devices, [compute_dtype(d, storage) for d in layer_devices])
