@@ -25,7 +25,7 @@ def test_prompt_streams_tokens_into_the_view(qtbot, window):
     from app.storage import COMPLETE
 
     seen = []
-    window.client.token.connect(lambda _r, t: seen.append(t))
+    window.client.worker.token.connect(lambda _r, t: seen.append(t))
     shown = []
     orig = window.chat.session.flush
 
@@ -75,7 +75,7 @@ def test_stop_mid_answer_keeps_partial_text(qtbot, window):
     window.settings["chat.max_new_tokens"] = 2000
     window.chat.new_conversation()
     tokens = []
-    window.client.token.connect(lambda _r, t: tokens.append(t))
+    window.client.worker.token.connect(lambda _r, t: tokens.append(t))
     send(qtbot, window, "count the birds")
     qtbot.waitUntil(lambda: len(tokens) >= 3, timeout=60_000)
     n_at_click = len(tokens)  # tokens the worker had emitted when Stop was pressed

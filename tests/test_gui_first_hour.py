@@ -159,7 +159,7 @@ def small_context_window(qtbot, tmp_path, llama_dir, monkeypatch, policy):
 def test_a_long_chat_keeps_going_by_forgetting_the_oldest_messages(qtbot, tmp_path, llama_dir, monkeypatch):
     w = small_context_window(qtbot, tmp_path, llama_dir, monkeypatch, "truncate")
     finals = []
-    w.client.finished.connect(lambda _r, stats: finals.append(stats))
+    w.client.worker.finished.connect(lambda _r, stats: finals.append(stats))
     try:
         for i in range(6):
             send(qtbot, w, f"tell me about the sea and the ships number {i}")

@@ -35,8 +35,8 @@ def test_local_server_switch_serves_the_loaded_model(qtbot, tmp_path, monkeypatc
         # The budget sliders re-place neurons while the server answers.
         qtbot.waitUntil(lambda: w.panel.placement is not None, timeout=60_000)
         reports, problems = [], []
-        w.client.placement.connect(reports.append)
-        w.client.placement_failed.connect(problems.append)
+        w.client.worker.placement.connect(reports.append)
+        w.client.worker.placement_failed.connect(problems.append)
         pieces: list[str] = []
         first_piece = threading.Event()
         done = threading.Event()

@@ -203,7 +203,7 @@ def test_event_loop_never_stalls(qtbot, tmp_path, hybrid_model, monkeypatch):
         w.start()
         qtbot.waitUntil(lambda: w.client.model_info is not None, timeout=60_000)
         reports = []
-        w.client.placement.connect(reports.append)
+        w.client.worker.placement.connect(reports.append)
         send(qtbot, w, "the quick brown fox")
         w.panel.vram.set_total(64 * 1024**2)
         for i in range(12):  # re-place while the answer streams: VRAM up and down
@@ -232,10 +232,10 @@ def test_vram_slider_during_generation_replaces_live(qtbot, tmp_path, hybrid_mod
         qtbot.waitUntil(lambda: p.machine is not None, timeout=30_000)
         before = list(p.chart.fractions)
         tokens = []
-        w.client.token.connect(lambda _r, t: tokens.append(t))
+        w.client.worker.token.connect(lambda _r, t: tokens.append(t))
         reports, problems = [], []
-        w.client.placement.connect(reports.append)
-        w.client.placement_failed.connect(problems.append)
+        w.client.worker.placement.connect(reports.append)
+        w.client.worker.placement_failed.connect(problems.append)
         send(qtbot, w, "the quick brown fox")
         qtbot.waitUntil(lambda: len(tokens) >= 3, timeout=60_000)
         p.vram.set_total(1024**3)  # no GPU here: the engine's fast tier is the CPU, give it room

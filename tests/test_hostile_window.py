@@ -53,7 +53,7 @@ def test_disk_full_mid_answer_keeps_the_answer_tells_once_and_saves_later(qtbot,
         if len(tokens) == 3:  # the answer has started and been saved once: now the disk fills
             fillers.append(fill_disk(data))
 
-    window.client.token.connect(on_token)
+    window.client.worker.token.connect(on_token)
     _send(qtbot, window, "tell me about the fox")
     wait_idle(qtbot, window)
     assert fillers, "the answer ended before the disk could be filled"
@@ -87,7 +87,7 @@ def test_quitting_works_while_the_disk_is_still_full(qtbot, full_disk_window):
         if len(tokens) == 3:
             fill_disk(data)
 
-    window.client.token.connect(on_token)
+    window.client.worker.token.connect(on_token)
     _send(qtbot, window, "tell me about the fox")
     qtbot.waitUntil(lambda: len(tokens) > 5, timeout=60_000)
     close_window(window)  # mid-answer, disk full: must not raise
