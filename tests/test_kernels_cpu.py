@@ -384,6 +384,7 @@ _CACHE_PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # compiles the kernel module from scratch, twice (~3 min on 2 busy cores)
 @needs_numba
 def test_numba_disk_cache_unwritable_and_reused(tmp_path):
     """The kernel module imports and runs when no cache directory is writable (numba would
