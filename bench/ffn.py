@@ -89,7 +89,6 @@ def machine_bandwidth(device: str, nbytes: int = GIB) -> dict:
         if r:  # the first round pays page faults / allocation
             copy_s.append(t)
             read_s.append(s)
-    del src, dst
     return {"copy_gbps": 2 * nbytes / statistics.median(copy_s) / 1e9,
             "read_gbps": nbytes / statistics.median(read_s) / 1e9}
 

@@ -23,7 +23,7 @@
 #   2. pytest tests/test_kernels_triton.py -q on CUDA (TRITON_INTERPRET unset);
 #   3. python -m bench.ffn --device cuda --json: dense cuBLAS fp16 vs the Triton kernels
 #      (target at 10% active: >= 5x and >= 60% of the copy bandwidth);
-#   4. python -m engine.kernels.triton_tune --json: launch configurations compared, the
+#   4. python -m bench.triton_tune --json: launch configurations compared, the
 #      best one named, predictor_triton vs predictor_torch.
 # Outputs in $OUT: versions.txt, pytest.txt, ffn.json (+ ffn.log), tune.json (+ tune.log),
 # summary.txt. DRY_RUN=1 checks the script itself on a machine without a GPU (Triton
@@ -128,7 +128,7 @@ grep -E '^(cuda|[[:space:]]*(shape|7B|13B))' "$OUT/ffn.log" >> "$OUT/summary.txt
 
 # ---- 4. launch configurations
 step "triton_tune" 150 \
-    bash -c "'$PY' -m engine.kernels.triton_tune --json $([ "${DRY_RUN:-0}" = 1 ] && echo --smoke) > '$OUT/tune.json' 2> '$OUT/tune.log'"
+    bash -c "'$PY' -m bench.triton_tune --json $([ "${DRY_RUN:-0}" = 1 ] && echo --smoke) > '$OUT/tune.json' 2> '$OUT/tune.log'"
 # triton_tune --json prints its table on stderr.
 grep -E '^(  |[a-z0-9_]+ \(|predictor|NVIDIA|.*copy [0-9])' "$OUT/tune.log" >> "$OUT/summary.txt" || true
 

@@ -36,7 +36,7 @@ def _child(model: str, fmt: str, mode: str, active: float, tokens: int, decode: 
     from engine.activation_stats import ActivationStats
 
     t0 = time.perf_counter()
-    engine = Engine.load(model, mode=mode, cold_quant=fmt, ctx=64, ram_budget=None)
+    engine = Engine.load(model, mode=mode, cpu_weights=fmt, ctx=64, ram_budget=None)
     load_s = time.perf_counter() - t0
     out = {"load_s": load_s, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
            "placed_ram": engine.memory()["ram_bytes"] if engine.sparse else None,

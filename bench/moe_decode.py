@@ -99,7 +99,7 @@ def main(argv=None) -> int:
         root, cfg = build_checkpoint(Path(tmp) / "m", args.layers, args.vocab, 0)
         ctx = len(prompt) + args.tokens + 8
         dense = Engine.load(root, ctx=ctx)
-        sparse = Engine.load(root, mode="sparse", ctx=ctx, cold_quant="int8")
+        sparse = Engine.load(root, mode="sparse", ctx=ctx, cpu_weights="int8")
         for engine in (dense, sparse):
             engine.eos_ids = set()
             decode(engine, prompt, 2)  # warm-up: kernels compiled or read from numba's cache

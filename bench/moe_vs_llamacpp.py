@@ -166,7 +166,7 @@ def worker_ours(root: Path, cpu_weights: str, threads: int, tokens: int, seed: i
 
     torch.set_num_threads(threads)
     cpu_weights, _, option = cpu_weights.partition("+")
-    kwargs = {} if cpu_weights == "dense" else {"mode": "sparse", "cold_quant": cpu_weights}
+    kwargs = {} if cpu_weights == "dense" else {"mode": "sparse", "cpu_weights": cpu_weights}
     engine = Engine.load(root, ctx=256, threads=threads, **kwargs)
     if engine.sparse is not None:  # "+prefetch": read the chosen cold experts while attention runs
         engine.sparse.set_prefetch(option == "prefetch")

@@ -95,8 +95,9 @@ def main(argv=None) -> int:
 
     from app.server.runner import ServerThread
     from engine import Engine
+    from models_registry import resolve_model
 
-    engine = Engine.load("demo", mode=args.mode)
+    engine = Engine.load(resolve_model("demo"), mode=args.mode)
     if args.server == "thread":
         engine.eos_ids = set()  # every answer is max_tokens long (the same engine serves both paths)
         server = ServerThread(lambda: engine, lambda: "demo", port=0, max_waiting=max(64, args.requests)).start()

@@ -129,11 +129,11 @@ def main(argv=None) -> int:
         prompt = [0] + list(range(100, 115))
         ctx = len(prompt) + args.tokens + 4
         dense = Engine.load(root, ctx=ctx)
-        sparse = Engine.load(root, mode="sparse", ctx=ctx, cold_quant="int8")
+        sparse = Engine.load(root, mode="sparse", ctx=ctx, cpu_weights="int8")
         probe = sparse.sparse.problem
         ffn_fast_bytes = probe.neuron_fast * n_ff * args.layers
         dense_parts = probe.head_fast + sum(c.dense_fast + c.kv_fast for c in probe.layers)
-        hybrid = Engine.load(root, mode="hybrid", ctx=ctx, cold_quant="int8",
+        hybrid = Engine.load(root, mode="hybrid", ctx=ctx, cpu_weights="int8",
                              vram_budget=dense_parts + int(args.vram_share * ffn_fast_bytes))
         for engine in (dense, sparse, hybrid):
             engine.eos_ids = set()

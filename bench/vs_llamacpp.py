@@ -245,7 +245,7 @@ def worker_ours(root: Path, mode: str, cpu_weights: str, threads: int, decode_to
     torch.set_num_threads(threads)
     short, long, dprompt = prompts(seed)
     t0 = time.perf_counter()
-    kwargs = {} if mode == "dense" else {"cold_quant": cpu_weights}
+    kwargs = {} if mode == "dense" else {"cpu_weights": cpu_weights}
     engine = Engine.load(root, mode=mode, ctx=512, threads=threads, **kwargs)
     load_s = time.perf_counter() - t0
     import resource  # the peak resident set of this process so far: imports and the load (issue #14)

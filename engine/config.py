@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import activations as activation_names
 from .errors import ModelFormatError, UserError
 
 SUPPORTED = (
@@ -31,14 +32,7 @@ SUPPORTED = (
 DEFAULT_CTX = 2048
 
 # Activation names as configs spell them -> our four kernels' names.
-ACTIVATIONS = {
-    "relu": "relu",
-    "fatrelu": "fatrelu",
-    "relu2": "relu2",
-    "relu_squared": "relu2",
-    "squared_relu": "relu2",
-    "drelu": "drelu",
-}
+ACTIVATIONS = activation_names.ALIASES
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch
 from .config import DEFAULT_CTX, ModelConfig  # noqa: F401 (DEFAULT_CTX: older imports)
 from .errors import ContextFullError, ModelFormatError, UserError
 from .kv_cache import KVCache
-from .loader import Progress, load_transformer, resolve_model_dir
+from .loader import Progress, load_transformer, model_folder
 from .sampling import Sampler, SamplingParams
 from .tokenizer import StreamDecoder, Tokenizer
 from .validation import check_ctx, check_kv_fits, check_text, check_threads, resolve_device
@@ -103,21 +103,17 @@ class Engine:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def load(cls, model: str | Path = "demo", *, mode: str = "dense", ctx: int | None = None,
+    def load(cls, model: str | Path, *, mode: str = "dense", ctx: int | None = None,
              vram_budget: int | None = None, ram_budget: int | None = None,
-             device: str | None = None, threads: int | None = None, cold_quant: str = "int8",
+             device: str | None = None, threads: int | None = None, cpu_weights: str = "int8",
              progress: Progress | None = None) -> "Engine":
-        if str(model).startswith("remote/"):  # a model served elsewhere (models add-remote)
-            from .remote import RemoteEngine
-
-            return RemoteEngine.load(str(model), ctx=ctx)
         if mode not in MODES:
             raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
         ctx, threads = check_ctx(ctx), check_threads(threads)
         device = str(resolve_device(device)) if device is not None else None
         if threads:
             torch.set_num_threads(threads)
-        model_dir = resolve_model_dir(model)
+        model_dir = model_folder(model)
         config = ModelConfig.from_dir(model_dir)
         check_ctx(ctx)
         notes = []
@@ -130,23 +126,26 @@ class Engine:
         # Load the CPU kernels' machine code now (numba's disk cache), not in the first token.
         from .kernels import cpu as cpu_kernels
 
-        cpu_kernels.warmup(quants=() if mode == "dense" else tuple({cold_quant, "fp32"} & set(cpu_kernels.QUANTS)))
-        if mode != "dense" and cold_quant == "int4":
+        cpu_kernels.warmup(quants=() if mode == "dense" else tuple({cpu_weights, "fp32"} & set(cpu_kernels.QUANTS)))
+        if mode != "dense" and cpu_weights == "int4":
             from .kernels import cpu_q4
 
             cpu_q4.warmup()
+        runtime = None
         if mode in ("sparse", "hybrid", "oracle"):
-            from .sparse import build_sparse_engine
+            from .sparse import load_sparse
 
-            engine = build_sparse_engine(cls, model_dir, config, tokenizer, mode, ctx, vram_budget, ram_budget,
-                                         device, progress, cold_quant)
+            parts = load_sparse(model_dir, config, mode, ctx, vram_budget, ram_budget, device, progress, cpu_weights)
+            model_obj, runtime = parts.model, parts.runtime
+            cache = cls.make_cache(config, ctx, parts.layer_devices, parts.layer_dtypes)
+            runtime.cache = cache  # a re-placement moves each layer's KV cache with the layer
         else:
             dev = torch.device(device or "cpu")
             model_obj = load_transformer(model_dir, config, [dev] * config.num_layers, dev, ctx, progress)
             cache = cls.make_cache(config, ctx, [dev] * config.num_layers,
                                    [model_obj.layers[0].dtype] * config.num_layers)
-            engine = cls(model_dir, config, tokenizer, model_obj, cache, mode, ctx,
-                         cls.eos_from(model_dir, config, tokenizer), cls.defaults_from(model_dir))
+        engine = cls(model_dir, config, tokenizer, model_obj, cache, mode, ctx,
+                     cls.eos_from(model_dir, config, tokenizer), cls.defaults_from(model_dir), sparse=runtime)
         engine.warnings = notes  # things the user should hear about, not errors (the CLI prints them)
         return engine
 

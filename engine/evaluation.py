@@ -4,7 +4,7 @@ The same token windows are scored (teacher forcing) three ways by one sparse-loa
 `dense` (every neuron), `sparse` (the predictors choose, skipped neurons give 0) and `oracle`
 (exactly the neurons that fire: must equal dense, a check of the sparse path itself).
 All three read the same weights (the CPU tier's in int8 unless the engine was loaded with
-cold_quant="fp32"), so the sparse/dense ratio measures the predictors alone; `cpu_weights`
+cpu_weights="fp32"), so the sparse/dense ratio measures the predictors alone; `cpu_weights`
 in the report says which were read.
 
 - ppl_*: exp of the mean next-token negative log-likelihood over all scored positions.
@@ -130,6 +130,6 @@ def evaluate(engine, corpus: list[str | Path] | None = None, settings: EvalSetti
         "precision": mean("precision"),
         "predicted_sparsity": mean("predicted_sparsity"),
         "predictor_source": predictors.source if predictors else "router",
-        "cpu_weights": engine.sparse.cold_quant,
+        "cpu_weights": engine.sparse.cpu_weights,
         "per_layer": per_layer,
     }

@@ -29,12 +29,13 @@ from typing import Callable
 
 import numpy as np
 
+from .activations import NAMES
 from .errors import ModelFormatError, UserError
 
 POWERINFER_MAGIC = b"PWRI"
 GGUF_MAGIC = b"GGUF"
 ARCHITECTURES = ("llama", "bamboo")
-ACTIVATIONS = ("relu", "fatrelu", "drelu", "relu2")
+ACTIVATIONS = NAMES
 Progress = Callable[[float, str], None]
 
 _ROWS_PER_STEP = 4096  # rows dequantized at a time: bounds the fp32 copy
@@ -145,7 +146,7 @@ def read_gguf(path: str | Path) -> GgufModel:
         reader = _reader_class()(path, "r")
     except _Refused as exc:
         raise (UserError if exc.user else ModelFormatError)(f"{path.name}: {exc}") from None
-    except Exception as exc:  # the reader's ValueError/IndexError/struct errors on bad headers
+    except Exception as exc:  # noqa: BLE001 - the reader's ValueError/IndexError/struct errors on bad headers
         raise ModelFormatError(f"{path.name} is truncated or corrupt: its header cannot be read ({exc})") from None
     fields = {}
     for name, field in reader.fields.items():

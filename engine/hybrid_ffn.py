@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from .kernels import cpu as cpu_kernels
 from .kernels import cpu_q4
 from .kernels.cpu_quant import dequantize_rows_int8
-from .model import activate
+from .kernels.reference import activations
 
 _PREFILL_CHUNK = 4096  # rows dequantized at a time when a prefill reads int8 cold rows
 
@@ -73,11 +73,11 @@ class ColdRows:
 
 class HybridFfn:
     def __init__(self, layer: int, gated: bool, activation: str, threshold: float, n_ff: int,
-                 hot: HotRows, cold: ColdRows, runtime):
+                 hot: HotRows, cold: ColdRows, context):
         self.layer, self.gated, self.activation, self.threshold = layer, gated, activation, threshold
         self.n_ff = n_ff
         self.hot, self.cold = hot, cold
-        self.runtime = runtime  # predictors, mode, counters, the scoring switch
+        self.context = context  # engine.sparse_tokens.FfnContext: predictor, threshold, mode, counters
 
     @property
     def nbytes(self) -> int:
@@ -85,22 +85,21 @@ class HybridFfn:
 
     # ------------------------------------------------------------------ decode
     def __call__(self, x: torch.Tensor, pred_input: torch.Tensor, layer: int, observer=None) -> torch.Tensor:
-        runtime = self.runtime
         if x.shape[0] > 1 or observer is not None:
             if observer is None and self._prefill_predicted():
                 return self._predicted_tokens(x, pred_input)
             return self._batched(x, pred_input, observer)
-        if runtime.mode == "oracle":
+        if self.context.mode == "oracle":
             logits = mask = None  # compute every neuron, project those that fired
         else:
-            logits = runtime.predictor_logits(self.layer, pred_input[0])
-            mask = logits >= runtime.thresholds[self.layer]
+            logits = self.context.logits(pred_input[0])
+            mask = logits >= self.context.threshold
         # The cold part needs the logits on the CPU: copy them before the hot kernel is
         # queued, so the GPU computes the hot rows while the CPU computes the cold ones.
         cold_logits = None if logits is None or not len(self.cold) else logits.to("cpu")
         y_hot = self._hot_decode(x[0], logits)
         y_cold = self._cold_decode(x[0], cold_logits)
-        counters = runtime.counters
+        counters = self.context.counters
         counters.considered += self.n_ff
         if mask is None:
             counters.computed += self.n_ff
@@ -117,7 +116,7 @@ class HybridFfn:
         hot = self.hot
         if not len(hot):
             return None
-        threshold = self.runtime.thresholds[self.layer]
+        threshold = self.context.threshold
         if hot.cpu_rows is not None:
             return self._cpu_rows(x.float(), hot.cpu_rows, logits, threshold, hot.ids)
         from .kernels.triton_ffn import sparse_ffn_triton
@@ -131,7 +130,7 @@ class HybridFfn:
         if not len(self.cold):
             return torch.zeros(x.shape[-1], dtype=torch.float32)
         return self._cpu_rows(x.to("cpu", torch.float32), self.cold.rows, logits,
-                              self.runtime.thresholds[self.layer], self.cold.ids)
+                              self.context.threshold, self.cold.ids)
 
     def _cpu_rows(self, x, rows, logits, threshold, ids) -> torch.Tensor:
         """The CPU kernel over a tier's rows: all of them (oracle) or those predicted active,
@@ -146,18 +145,16 @@ class HybridFfn:
     def _prefill_predicted(self) -> bool:
         """Whether many tokens compute their predicted neurons (sparse and hybrid modes,
         and scoring as them) rather than every neuron (oracle, the exactness reference)."""
-        runtime = self.runtime
-        mode = runtime.scoring_mode or runtime.mode
-        return mode in ("sparse", "hybrid") and runtime.predictors is not None
+        mode = self.context.scoring_mode or self.context.mode
+        return mode in ("sparse", "hybrid") and self.context.has_predictors
 
     def _predicted_tokens(self, x: torch.Tensor, pred_input: torch.Tensor) -> torch.Tensor:
         """A prefill as decoding each token alone would compute it: per token, the neurons
         its predictor selects. Each cold row is read once for all tokens, in its int8 or
         fp32 storage (no dequantized copy of the layer); a row no token selects is not read,
         so the time grows with the prompt, not with the layer's cold rows."""
-        runtime = self.runtime
-        threshold = runtime.thresholds[self.layer]
-        logits = runtime.predictor_logits(self.layer, pred_input).to("cpu", torch.float32)
+        threshold = self.context.threshold
+        logits = self.context.logits(pred_input).to("cpu", torch.float32)
         xc = x.to("cpu", torch.float32)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
         if len(self.cold) and self.cold.rows.quant == cpu_q4.QUANT:
@@ -178,7 +175,7 @@ class HybridFfn:
             else:  # the GPU: its dense matmuls over the hot rows, masked per token
                 xh = x.to(hot.device, hot.up.dtype)
                 gate = F.linear(xh, hot.gate) if self.gated else None
-                acts = activate(self.activation, self.threshold, F.linear(xh, hot.up), gate)
+                acts = activations(gate, F.linear(xh, hot.up), self.activation, self.threshold)
                 acts = acts * (hot_logits >= threshold).to(hot.device)
                 out += (acts @ hot.down_t).to("cpu", torch.float32)
         return out.to(x.device, x.dtype)
@@ -207,7 +204,7 @@ class HybridFfn:
         if len(self.hot):
             xh = x.to(self.hot.device, self.hot.up.dtype)
             gate = F.linear(xh, self.hot.gate) if self.gated else None
-            hot_acts = activate(self.activation, self.threshold, F.linear(xh, self.hot.up), gate)
+            hot_acts = activations(gate, F.linear(xh, self.hot.up), self.activation, self.threshold)
             acts[:, self.hot.ids.cpu()] = hot_acts.to("cpu", torch.float32)
         xc = x.to("cpu", torch.float32)
         rows = self.cold.rows
@@ -215,11 +212,11 @@ class HybridFfn:
             up = cpu_q4.matmul_q4(xc, rows.up, rows.dim)
             if up is not None:
                 gate = cpu_q4.matmul_q4(xc, rows.gate, rows.dim) if self.gated else None
-                acts[:, self.cold.ids] = activate(self.activation, self.threshold, up, gate)
+                acts[:, self.cold.ids] = activations(gate, up, self.activation, self.threshold)
                 return acts
         for ids, gate, up, _ in self._cold_chunks():
-            acts[:, ids] = activate(self.activation, self.threshold, F.linear(xc, up),
-                                    F.linear(xc, gate) if gate is not None else None)
+            acts[:, ids] = activations(F.linear(xc, gate) if gate is not None else None, F.linear(xc, up),
+                                       self.activation, self.threshold)
         return acts
 
     def _project(self, acts: torch.Tensor) -> torch.Tensor:
@@ -236,8 +233,8 @@ class HybridFfn:
         acts = self._tier_activations(x)
         if observer is not None:
             observer(self.layer, pred_input, acts)
-        if self.runtime.scoring_mode in ("sparse", "hybrid"):
+        if self.context.scoring_mode in ("sparse", "hybrid"):
             # Per-token predicted sets: what decoding each token alone would compute.
-            logits = self.runtime.predictor_logits(self.layer, pred_input)
-            acts = acts * (logits >= self.runtime.thresholds[self.layer]).to("cpu")
+            logits = self.context.logits(pred_input)
+            acts = acts * (logits >= self.context.threshold).to("cpu")
         return self._project(acts).to(x.device, x.dtype)

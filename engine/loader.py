@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from .arch import arch_module
-from .arch.common import Converter, Placement
+from .arch.common import Converter, LoadTarget
 from .config import ModelConfig
 from .errors import UserError
 from .model import Layer, Transformer
@@ -18,16 +18,13 @@ from .weights import WeightSource
 Progress = Callable[[float, str], None]
 
 
-def resolve_model_dir(model: str | Path) -> Path:
-    """A local folder, or a catalogue id / repo id resolved by the model registry."""
+def model_folder(model: str | Path) -> Path:
+    """The folder `Engine.load` was given; names (`demo`, catalogue and repo ids) resolve in
+    the callers (`models_registry.resolve_model`, `app.open_model`)."""
     path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    try:
-        from models_registry import resolve_model
-    except ImportError:
-        raise UserError(f"model {model!r} is not a folder") from None
-    return Path(resolve_model(str(model)))
+    if not path.is_dir():
+        raise UserError(f"model folder {model} does not exist (names resolve with models_registry.resolve_model)")
+    return path
 
 
 def compute_dtype(device: torch.device, storage: torch.dtype) -> torch.dtype:
@@ -94,8 +91,8 @@ def load_transformer(model_dir: Path, config: ModelConfig, layer_devices: list[t
     conv = Converter(source, config)
     headers = _HeaderConverter(conv) if prepared is not None else None
     arch = arch_module(config.arch)
-    cpu = Placement(torch.device("cpu"), compute_dtype(torch.device("cpu"), storage))
-    head = Placement(head_device, compute_dtype(head_device, storage))
+    cpu = LoadTarget(torch.device("cpu"), compute_dtype(torch.device("cpu"), storage))
+    head = LoadTarget(head_device, compute_dtype(head_device, storage))
     if headers is not None and globals_from_prepared and prepared.has_globals():
         embed, final_norm, lm_head = arch.load_globals(headers, cpu, head)
         embed, final_norm, lm_head = prepared.fill_globals(embed, final_norm, lm_head, lm_head is embed)
@@ -105,7 +102,7 @@ def load_transformer(model_dir: Path, config: ModelConfig, layer_devices: list[t
     for i, device in enumerate(layer_devices):
         if progress:
             progress(i / config.num_layers, f"loading layer {i + 1} of {config.num_layers}")
-        where = Placement(device, compute_dtype(device, storage))
+        where = LoadTarget(device, compute_dtype(device, storage))
         mapped = headers is not None and from_prepared is not None and from_prepared(i) and prepared.has_layer(i)
         use = headers if mapped else conv
         use.skip_ffn = read_ffn is not None and not read_ffn(i)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .kernels import cpu as cpu_kernels
+from .kernels.reference import activations
 from .kv_cache import KVCache
 from .moe import route
 from .quantized import Int8Matrix, QuantMatrix, matrix_nbytes
@@ -68,22 +69,6 @@ def _nbytes(*tensors: torch.Tensor | Int8Matrix | None) -> int:
     return sum(matrix_nbytes(t) for t in tensors)
 
 
-def activate(activation: str, threshold: float, up_pre: torch.Tensor, gate_pre: torch.Tensor | None) -> torch.Tensor:
-    """FFN activations (docs/ARCHITECTURE.md); a neuron fired iff its value is not 0."""
-    if activation == "drelu":
-        return F.relu(gate_pre) * F.relu(up_pre)
-    pre = gate_pre if gate_pre is not None else up_pre
-    if activation == "relu":
-        act = F.relu(pre)
-    elif activation == "fatrelu":
-        act = torch.where(pre >= threshold, pre, torch.zeros((), dtype=pre.dtype, device=pre.device)) if threshold > 0 else F.relu(pre)
-    elif activation == "relu2":
-        act = F.relu(pre).square()
-    else:
-        raise ValueError(f"unknown activation {activation}")
-    return act * up_pre if gate_pre is not None else act
-
-
 class DenseFfn:
     """The whole FFN with dense matmuls: prefill, the `dense` mode, and the reference.
 
@@ -116,7 +101,7 @@ class DenseFfn:
             gate_pre, up_pre = pre[..., : self.n_ff], pre[..., self.n_ff :]
         else:
             gate_pre, up_pre = None, linear(x, self.gate_up, self.up_bias)
-        return activate(self.activation, self.threshold, up_pre, gate_pre)
+        return activations(gate_pre, up_pre, self.activation, self.threshold)
 
     def project(self, act: torch.Tensor) -> torch.Tensor:
         if act.shape[0] == 1 and act.device.type == "cpu" and act.dtype == torch.float32:

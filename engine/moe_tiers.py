@@ -45,7 +45,7 @@ from .loader import compute_dtype, load_transformer
 from .moe import DenseMoe, Routing, experts_by_token, reglu
 from .placement import COLD_INT4, COLD_INT8, INDEX_BYTES
 from .quantized import quantize_matrix
-from .sparse import SparseRuntime, cold_rows_from_dense, default_budgets, pick_fast_device, problem_for_model
+from .sparse import SparseParts, SparseRuntime, cold_rows_from_dense, default_budgets, pick_fast_device, problem_for_model
 from .weights import WeightSource
 
 
@@ -372,7 +372,7 @@ class MoeRuntime(SparseRuntime):
         """Split a freshly loaded fp32 CPU layer of experts into the two tiers: the
         placement's units `hot_units` (neuron j of expert e is e * n + j) on the fast tier."""
         hot = HotExperts(*self._where(True))
-        cold = ColdExperts(self.cold_quant)
+        cold = ColdExperts(self.cpu_weights)
         n = dense.n_ff
         hot_units = np.asarray(hot_units, dtype=np.int64)
         for e in range(dense.num_experts):
@@ -384,8 +384,8 @@ class MoeRuntime(SparseRuntime):
         """A tied head on an int8 or 4-bit CPU tier is a copy of the embeddings in that format
         (counted by the placement, ModelBytes.int8_head_copy): it is most of a token's bytes
         otherwise."""
-        if not on_fast and self.config.tie_word_embeddings and self.cold_quant in (COLD_INT8, COLD_INT4):
-            return quantize_matrix(self.model.embed, self.cold_quant)
+        if not on_fast and self.config.tie_word_embeddings and self.cpu_weights in (COLD_INT8, COLD_INT4):
+            return quantize_matrix(self.model.embed, self.cpu_weights)
         return super()._head_weights(on_fast)
 
     def convert_layer_dense(self, layer, on_fast: bool) -> None:
@@ -411,15 +411,16 @@ class MoeRuntime(SparseRuntime):
             split_expert(e, ids, *whole, ffn.hot, ffn.cold)
 
 
-def build_moe_engine(engine_cls, model_dir, config, tokenizer, mode: str, ctx: int, vram_budget: int | None,
-                     ram_budget: int | None, device: str | None, progress, cold_quant: str = "int8"):
+def load_moe(model_dir, config, mode: str, ctx: int, vram_budget: int | None, ram_budget: int | None,
+             device: str | None, progress, cpu_weights: str = "int8") -> SparseParts:
+    """`engine.sparse.load_sparse` for a mixture of experts: the parts `Engine.load` assembles."""
     fast = pick_fast_device(device)
     default_vram, default_ram = default_budgets(fast, mode)
     vram = default_vram if vram_budget is None else vram_budget
     ram = default_ram if ram_budget is None else ram_budget
     storage = WeightSource(model_dir).dtype()
-    problem = problem_for_model(model_dir, config, ctx, fast, cold_quant, None, storage)
-    runtime = MoeRuntime(threading.RLock(), config, mode, fast, storage, None, problem, cold_quant)
+    problem = problem_for_model(model_dir, config, ctx, fast, cpu_weights, None, storage)
+    runtime = MoeRuntime(threading.RLock(), config, mode, fast, storage, None, problem, cpu_weights)
     plan = runtime.solve(vram, ram)
     runtime.budgets = (vram, ram)
     runtime.plan = plan
@@ -431,9 +432,6 @@ def build_moe_engine(engine_cls, model_dir, config, tokenizer, mode: str, ctx: i
         ffn_builder=lambda i, dense: runtime.split_experts(i, dense, plan.hot_ids[i]),
         on_layer=lambda i, layer: runtime.convert_layer_dense(layer, plan.layer_on_fast[i]),
     )
-    cache = engine_cls.make_cache(config, ctx, layer_devices, [compute_dtype(d, storage) for d in layer_devices])
-    runtime.model, runtime.cache = model, cache
+    runtime.model = model
     model.lm_head = runtime._head_weights(plan.head_on_fast)
-    return engine_cls(model_dir, config, tokenizer, model, cache, mode, ctx,
-                      engine_cls.eos_from(model_dir, config, tokenizer), engine_cls.defaults_from(model_dir),
-                      sparse=runtime)
+    return SparseParts(model, runtime, layer_devices, [compute_dtype(d, storage) for d in layer_devices])

@@ -113,40 +113,40 @@ INDEX_BYTES = 8     # the int64 id kept with every hot and cold neuron
 Q4_BLOCK, Q4_BLOCK_BYTES = 32, 18  # engine.kernels.cpu_q4 (not imported here: no torch)
 
 
-def cpu_matrix_bytes(params: int, rows: int, cold_quant: str) -> int:
+def cpu_matrix_bytes(params: int, rows: int, cpu_weights: str) -> int:
     """Bytes of weight matrices on the CPU tier: int8 values and an fp32 scale per row,
     4-bit rows of whole 32-weight blocks (exact when the rows share one length), or fp32."""
-    if cold_quant == COLD_INT4:
+    if cpu_weights == COLD_INT4:
         if not rows:
             return 0
         cols = -(-params // rows)
         return rows * -(-cols // Q4_BLOCK) * Q4_BLOCK_BYTES
-    return params + rows * CPU_BYTES if cold_quant == COLD_INT8 else params * CPU_BYTES
+    return params + rows * CPU_BYTES if cpu_weights == COLD_INT8 else params * CPU_BYTES
 
 
-def predictor_cpu_bytes(model: "ModelBytes", params: int, cold_quant: str) -> int:
+def predictor_cpu_bytes(model: "ModelBytes", params: int, cpu_weights: str) -> int:
     """Bytes of one layer's predictor (fc1 [rank, d], fc2 [n_ff, rank]: params elements) on
     the CPU tier."""
     rank = params // (model.d + model.n_ff)
-    if cold_quant == COLD_INT4:  # rows of two lengths: d (fc1) and rank (fc2)
-        return cpu_matrix_bytes(rank * model.d, rank, cold_quant) + cpu_matrix_bytes(model.n_ff * rank, model.n_ff,
-                                                                                      cold_quant)
-    return cpu_matrix_bytes(params, rank + model.n_ff if params else 0, cold_quant)
+    if cpu_weights == COLD_INT4:  # rows of two lengths: d (fc1) and rank (fc2)
+        return cpu_matrix_bytes(rank * model.d, rank, cpu_weights) + cpu_matrix_bytes(model.n_ff * rank, model.n_ff,
+                                                                                      cpu_weights)
+    return cpu_matrix_bytes(params, rank + model.n_ff if params else 0, cpu_weights)
 
 
-def attention_cpu_bytes(model: "ModelBytes", params: int, cold_quant: str) -> int:
+def attention_cpu_bytes(model: "ModelBytes", params: int, cpu_weights: str) -> int:
     """Bytes of one layer's attention matrices (params weights, no biases) on the CPU tier.
     4-bit rows: q|k|v rows of d weights and d output rows of heads * head_dim counted apart."""
-    if cold_quant != COLD_INT4:
-        return cpu_matrix_bytes(params, model.attention_rows, cold_quant)
+    if cpu_weights != COLD_INT4:
+        return cpu_matrix_bytes(params, model.attention_rows, cpu_weights)
     qkv_rows = model.attention_rows - model.d
     out_cols = (params - qkv_rows * model.d) // model.d
-    return cpu_matrix_bytes(qkv_rows * model.d, qkv_rows, cold_quant) + cpu_matrix_bytes(model.d * out_cols, model.d,
-                                                                                         cold_quant)
+    return cpu_matrix_bytes(qkv_rows * model.d, qkv_rows, cpu_weights) + cpu_matrix_bytes(model.d * out_cols, model.d,
+                                                                                         cpu_weights)
 
 
 def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: list[np.ndarray], ctx: int,
-                  fast_weight_bytes: int, fast_kv_bytes: int, cold_quant: str,
+                  fast_weight_bytes: int, fast_kv_bytes: int, cpu_weights: str,
                   fast_device: str = "cuda:0") -> PlacementProblem:
     """Bytes of every placeable part, exactly as the engine allocates them.
 
@@ -154,27 +154,27 @@ def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: l
     layer's attention, norms, predictor and KV cache, hot neurons (rows + id). CPU tier:
     the embeddings (always, fp32), whatever of those did not fit, cold neurons (rows +
     id). On the CPU tier the weight matrices (attention, an untied head, predictors, FFN
-    rows) are int8 rows with an fp32 scale each when cold_quant is int8, else fp32; the
+    rows) are int8 rows with an fp32 scale each when cpu_weights is int8, else fp32; the
     rest is fp32.
     """
     layers = []
     attention_matrices = model.attention_params - model.attention_bias_params
     for params in predictor_params:
         dense = model.attention_params + model.norm_params + params
-        dense_cpu = (attention_cpu_bytes(model, attention_matrices, cold_quant)
-                     + predictor_cpu_bytes(model, params, cold_quant)
+        dense_cpu = (attention_cpu_bytes(model, attention_matrices, cpu_weights)
+                     + predictor_cpu_bytes(model, params, cpu_weights)
                      + (model.attention_bias_params + model.norm_params) * CPU_BYTES)
         kv = model.kv_per_position * ctx
         layers.append(LayerCost(dense * fast_weight_bytes, dense_cpu, kv * fast_kv_bytes, kv * CPU_BYTES))
     rows = model.ffn_matrices
     head = model.vocab * model.d
-    shares_embeddings = model.tied_embeddings and not (model.int8_head_copy and cold_quant in (COLD_INT8, COLD_INT4))
-    head_cpu = 0 if shares_embeddings else cpu_matrix_bytes(head, model.vocab, cold_quant)
+    shares_embeddings = model.tied_embeddings and not (model.int8_head_copy and cpu_weights in (COLD_INT8, COLD_INT4))
+    head_cpu = 0 if shares_embeddings else cpu_matrix_bytes(head, model.vocab, cpu_weights)
     return PlacementProblem(
         layers=layers,
         frequencies=frequencies,
         neuron_fast=rows * model.d * fast_weight_bytes + INDEX_BYTES,
-        neuron_cpu=cpu_matrix_bytes(rows * model.d, rows, cold_quant) + INDEX_BYTES,
+        neuron_cpu=cpu_matrix_bytes(rows * model.d, rows, cpu_weights) + INDEX_BYTES,
         head_fast=(head + model.final_norm_params) * fast_weight_bytes,
         head_cpu=model.final_norm_params * CPU_BYTES + head_cpu,
         embed_cpu=head * CPU_BYTES,

@@ -161,7 +161,7 @@ def import_powerinfer_predictors(src_dir: Path, model_dir: Path) -> Path:
     for number in sorted(files):  # numeric order: layer 10 after layer 2
         try:
             state = torch.load(files[number], map_location="cpu", weights_only=True)
-        except Exception as exc:  # weights_only refuses anything but plain tensors
+        except Exception as exc:  # noqa: BLE001 - weights_only refuses anything but plain tensors
             raise ModelFormatError(f"cannot load {files[number].name} safely: {exc}") from None
         if not isinstance(state, dict):
             raise ModelFormatError(f"{files[number].name} is not a state dict")

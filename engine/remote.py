@@ -57,12 +57,10 @@ class RemoteEngine:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def load(cls, spec: str, ctx: int | None = None, **_ignored) -> "RemoteEngine":
-        """Look the entry up, read its key, and ask the server which models it has (fails fast)."""
-        from models_registry.remotes import api_key_for, get_remote
-
-        remote = get_remote(spec)
-        engine = cls(remote, api_key_for(remote), ctx)
+    def connect(cls, remote, api_key: str | None, ctx: int | None = None) -> "RemoteEngine":
+        """Ask the server of a registry entry (`models_registry.remotes.get_remote`) which models
+        it has (fails fast); the caller looked the entry and its key up."""
+        engine = cls(remote, api_key, ctx)
         engine._check_model()
         return engine
 

@@ -57,7 +57,7 @@ class Tokenizer:
 
             try:
                 self._hf = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
-            except Exception as exc:  # the Rust library raises a bare Exception
+            except Exception as exc:  # noqa: BLE001 - the Rust library raises a bare Exception
                 raise ModelFormatError(f"cannot read tokenizer.json: {exc}") from None
         elif (model_dir / "tokenizer.model").is_file():
             import sentencepiece

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.budget_policy import RAM_RESERVE_FRACTION, RAM_RESERVE_MIN, VRAM_RESERVE, usable_ram, usable_vram  # noqa: F401
 from engine.placement import ModelBytes, build_problem, predictor_cpu_bytes, solve
 from engine.units import format_size
 
@@ -141,7 +142,7 @@ class BytesModel:
 
     gpu_weight_bytes: int = 2  # fp16 / bf16 on CUDA (a CPU stand-in device holds fp32: 4)
     gpu_kv_bytes: int = 2
-    cold_quant: str = "int8"  # CPU matrices: "int8" rows + one fp32 scale per row; "fp32"
+    cpu_weights: str = "int8"  # CPU matrices: "int8" rows + one fp32 scale per row; "fp32"
 
 
 @dataclass
@@ -230,14 +231,14 @@ def place_bytes(shape: ModelShape, *, ctx: int, vram_budget: int, ram_budget: in
     model = placement_bytes(shape)
     frequencies = [np.ones(model.n_ff, dtype=np.float32) for _ in range(shape.n_layers)]
     problem = build_problem(model, predictor_params, frequencies, ctx, bm.gpu_weight_bytes,
-                            bm.gpu_kv_bytes, bm.cold_quant)
+                            bm.gpu_kv_bytes, bm.cpu_weights)
     plan = solve(problem, max(int(vram_budget), 0), ram_budget)
     tiers = plan.tier_bytes
     on_gpu = plan.layer_on_fast
     est = FitEstimate(ctx=ctx, vram_budget=vram_budget, ram_budget=ram_budget,
                       total_params=shape.total_params, shape=asdict(shape))
     est.predictor_gpu_bytes = sum(p for p, fast in zip(predictor_params, on_gpu) if fast) * bm.gpu_weight_bytes
-    est.predictor_cpu_bytes = sum(predictor_cpu_bytes(model, p, bm.cold_quant)
+    est.predictor_cpu_bytes = sum(predictor_cpu_bytes(model, p, bm.cpu_weights)
                                   for p, fast in zip(predictor_params, on_gpu) if not fast)
     est.dense_gpu_bytes = tiers["fast_dense"] - est.predictor_gpu_bytes
     est.dense_cpu_bytes = tiers["cpu_dense"] - est.predictor_cpu_bytes
@@ -270,20 +271,13 @@ def gpu_bytes_for_everything(shape: ModelShape, ctx: int, predictor_params: list
     return est.vram_bytes
 
 
-# What the suggestion leaves free: CUDA context, activations and allocator slack on the GPU;
-# the OS, the app and page cache in RAM.
-VRAM_RESERVE = 768 * 1024**2
-RAM_RESERVE_FRACTION = 0.15
-RAM_RESERVE_MIN = 2 * GiB
-
-
 def suggest_budgets(shape: ModelShape, ctx: int, *, vram_free: int, ram_available: int,
                     predictor_params: list[int] | None = None,
                     bytes_model: BytesModel = BytesModel()) -> tuple[int, int]:
-    """(VRAM budget, RAM budget) for a machine: as much GPU as useful, then the RAM it leaves."""
-    usable_vram = max(0, vram_free - VRAM_RESERVE) if vram_free > 0 else 0
-    vram = min(usable_vram, gpu_bytes_for_everything(shape, ctx, predictor_params, bytes_model))
-    ram_usable = max(0, ram_available - max(RAM_RESERVE_MIN, int(ram_available * RAM_RESERVE_FRACTION)))
+    """(VRAM budget, RAM budget) for a machine: as much GPU as useful, then the RAM it leaves
+    (the engine's default budgets, `engine.budget_policy`, capped at what the model needs)."""
+    vram = min(usable_vram(vram_free), gpu_bytes_for_everything(shape, ctx, predictor_params, bytes_model))
+    ram_usable = usable_ram(ram_available)
     need = place_bytes(shape, ctx=ctx, vram_budget=vram, ram_budget=0,
                        predictor_params=predictor_params, bytes_model=bytes_model).ram_bytes
     ram = need if need <= ram_usable else ram_usable

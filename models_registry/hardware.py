@@ -71,7 +71,7 @@ def _probe_nvml() -> tuple[list[GpuInfo], str]:
         return [], "nvidia-ml-py is not installed"
     try:
         pynvml.nvmlInit()
-    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...: no usable GPU
+    except Exception as exc:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...: no usable GPU
         return [], f"NVML unavailable ({exc})"
     try:
         driver = pynvml.nvmlSystemGetDriverVersion()
@@ -84,12 +84,12 @@ def _probe_nvml() -> tuple[list[GpuInfo], str]:
             gpus.append(GpuInfo(i, name.decode() if isinstance(name, bytes) else str(name),
                                 int(mem.total), int(mem.free), driver, "nvml"))
         return gpus, ""
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any NVML failure means no GPU figures, said in words
         return [], f"NVML query failed ({exc})"
     finally:
         try:
             pynvml.nvmlShutdown()
-        except Exception:
+        except Exception:  # noqa: BLE001 - shutting NVML down is best effort
             pass
 
 
@@ -139,7 +139,7 @@ def _llvm_features() -> set[str]:
         return set()
     try:
         raw = binding.get_host_cpu_features()
-    except Exception:
+    except Exception:  # noqa: BLE001 - a broken llvmlite only means no feature list
         return set()
     return {_LLVM_NAMES.get(name, name.replace(".", "_")) for name, on in raw.items() if on}
 

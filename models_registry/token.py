@@ -56,5 +56,5 @@ def get_token() -> str | None:
         from huggingface_hub import get_token as hf_get_token
 
         return hf_get_token()
-    except Exception:  # an unreadable huggingface config is not our error to raise
+    except Exception:  # noqa: BLE001 - an unreadable huggingface config is not our error to raise
         return None

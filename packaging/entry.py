@@ -71,10 +71,11 @@ def _prepare_kernels() -> int:
           f"(compiled {info['compiled']}, from cache {info['cache_hits']}, numba {info['numba']})")
     t0 = time.perf_counter()
     try:
-        from engine import Engine, SamplingParams
+        from app.open_model import open_engine
+        from engine import SamplingParams
 
         for mode in ("hybrid", "dense"):
-            Engine.load("demo", mode=mode, ctx=64).generate("Hello", SamplingParams(max_new_tokens=2, temperature=0))
+            open_engine("demo", mode=mode, ctx=64).generate("Hello", SamplingParams(max_new_tokens=2, temperature=0))
         print(f"thermocline: demo model answered in both modes ({time.perf_counter() - t0:.1f} s)")
     except Exception as exc:  # noqa: BLE001 - a missing demo model only means less is cached
         print(f"thermocline: demo model not run ({exc})")

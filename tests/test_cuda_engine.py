@@ -35,7 +35,7 @@ def test_hybrid_oracle_on_cuda_matches_dense(tiny_models, family, fraction):
     dense = Engine.load(tiny_models[family], device="cuda")
     probe = Engine.load(tiny_models[family], mode="oracle", device="cuda", vram_budget=0, ram_budget=RAM)
     engine = Engine.load(tiny_models[family], mode="oracle", device="cuda", vram_budget=vram_for(probe, fraction),
-                         ram_budget=RAM, cold_quant="fp32")
+                         ram_budget=RAM, cpu_weights="fp32")
     assert engine.sparse.plan.head_on_fast
     ref = dense.score(PROMPT).cpu()
     engine.cache.reset(0)
@@ -43,10 +43,10 @@ def test_hybrid_oracle_on_cuda_matches_dense(tiny_models, family, fraction):
     assert (steps.cpu() - ref).abs().max().item() < 2e-2
 
 
-@pytest.mark.parametrize("cold_quant", ["fp32", "int8"])  # int8: layers move between int8 rows and fp16
-def test_budget_moves_layers_between_gpu_and_cpu_mid_generation(llama_dir, cold_quant):
+@pytest.mark.parametrize("cpu_weights", ["fp32", "int8"])  # int8: layers move between int8 rows and fp16
+def test_budget_moves_layers_between_gpu_and_cpu_mid_generation(llama_dir, cpu_weights):
     engine = Engine.load(llama_dir, mode="oracle", device="cuda", vram_budget=0, ram_budget=RAM,
-                         cold_quant=cold_quant)
+                         cpu_weights=cpu_weights)
     engine.eos_ids = set()
     full = vram_for(engine, 1.0)
     devices = []

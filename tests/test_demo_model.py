@@ -13,6 +13,7 @@ from engine import Engine, SamplingParams
 from engine.activation_stats import ActivationStats
 from engine.evaluation import EvalSettings, default_corpus, evaluate
 from engine.predictors import PredictorSet
+from models_registry import resolve_model
 from models_registry.resolve import demo_model_dir
 
 DEMO = demo_model_dir()
@@ -57,7 +58,7 @@ def test_files_and_sizes():
 
 
 def test_loads_from_a_fresh_install_and_writes_english(fresh_install):
-    engine = Engine.load("demo", ctx=256)
+    engine = Engine.load(resolve_model("demo"), ctx=256)
     result = engine.generate("It is a truth universally acknowledged",
                              SamplingParams(max_new_tokens=40, temperature=0))
     words = re.findall(r"[A-Za-z]+", result.text)
@@ -73,7 +74,7 @@ def test_loads_from_a_fresh_install_and_writes_english(fresh_install):
 def test_sparse_mode_writes_english_computing_a_fraction_of_the_neurons(fresh_install):
     # Free-running greedy paths of sparse and dense part once one near-tie flips; their
     # token-by-token agreement is measured teacher-forced by the eval test below.
-    engine = Engine.load("demo", mode="sparse", ctx=128)
+    engine = Engine.load(resolve_model("demo"), mode="sparse", ctx=128)
     result = engine.generate("Emma was not sorry to see", SamplingParams(max_new_tokens=32, temperature=0))
     assert 0.0 < result.stats.ffn_active_fraction < 0.3
     words = re.findall(r"[A-Za-z]+", result.text)
@@ -82,7 +83,7 @@ def test_sparse_mode_writes_english_computing_a_fraction_of_the_neurons(fresh_in
 
 
 def test_quick_eval_within_the_targets():
-    engine = Engine.load("demo", mode="sparse", ctx=256)
+    engine = Engine.load(resolve_model("demo"), mode="sparse", ctx=256)
     report = evaluate(engine, None, EvalSettings(max_tokens=768, window=256))
     assert report["sparsity"] >= 0.80
     assert report["recall"] >= 0.95

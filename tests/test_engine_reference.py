@@ -129,9 +129,9 @@ def test_sharded_checkpoint_loads(tmp_path, llama_dir):
 
 
 def test_fatrelu_threshold_zeroes_small_activations():
-    from engine.model import activate
+    from engine.kernels.reference import activations
 
     gate = torch.tensor([[-1.0, 0.005, 0.02, 3.0]])
     up = torch.tensor([[2.0, 2.0, 2.0, 2.0]])
-    assert torch.allclose(activate("fatrelu", 0.01, up, gate), torch.tensor([[0.0, 0.0, 0.04, 6.0]]))
-    assert activate("drelu", 0.0, -up, gate).tolist() == [[0.0, 0.0, 0.0, 0.0]]
+    assert torch.allclose(activations(gate, up, "fatrelu", 0.01), torch.tensor([[0.0, 0.0, 0.04, 6.0]]))
+    assert activations(gate, -up, "drelu", 0.0).tolist() == [[0.0, 0.0, 0.0, 0.0]]

@@ -45,9 +45,9 @@ def test_fit_estimate_counts_the_cpu_weight_format(tmp_path, tiny_models, cpu_we
     config = json.loads((model / "config.json").read_text())
     cfg = Engine.load(model).config
     random_predictors(cfg, rank=12).save(model)
-    engine = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=RAM, ctx=256, cold_quant=cpu_weights)
+    engine = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=RAM, ctx=256, cpu_weights=cpu_weights)
     real = engine.memory()
     estimate = estimate_fit(config, ctx=256, vram_budget=0, ram_budget=RAM, model_dir=model,
-                            bytes_model=BytesModel(gpu_weight_bytes=4, gpu_kv_bytes=4, cold_quant=cpu_weights))
+                            bytes_model=BytesModel(gpu_weight_bytes=4, gpu_kv_bytes=4, cpu_weights=cpu_weights))
     for tier, size in estimate.tier_bytes().items():
         assert size == pytest.approx(real["tiers"][tier], rel=0.02, abs=64), tier

@@ -97,7 +97,7 @@ def test_q4_0_gguf_rows_are_the_engines_4bit_rows(registry_env, hf_model, tmp_pa
     assert (logits - f16_ref).abs().max().item() < 0.3
     assert torch.nn.functional.cosine_similarity(logits, f16_ref, dim=-1).min().item() > 0.95
     # with 4-bit CPU rows the engine holds the file's own Q4_0 bytes: no requantisation loss
-    engine = Engine.load(model, mode="oracle", vram_budget=0, ram_budget=1 << 30, cold_quant="int4")
+    engine = Engine.load(model, mode="oracle", vram_budget=0, ram_budget=1 << 30, cpu_weights="int4")
     m = _reader_class()(path, "r")
     raw = {t.name: np.asarray(t.data) for t in m.tensors}
     for i, layer in enumerate(engine.model.layers):

@@ -27,7 +27,7 @@ def test_prompt_streams_tokens_into_the_view(qtbot, window):
     seen = []
     window.client.worker.token.connect(lambda _r, t: seen.append(t))
     shown = []
-    orig = window.chat._flush
+    orig = window.chat.session.flush
 
     def spy():
         orig()
@@ -35,8 +35,8 @@ def test_prompt_streams_tokens_into_the_view(qtbot, window):
         if last is not None and last.role == "assistant":
             shown.append(last.text())
 
-    window.chat._flush_timer.timeout.disconnect()
-    window.chat._flush_timer.timeout.connect(spy)
+    window.chat.session.flush_timer.timeout.disconnect()
+    window.chat.session.flush_timer.timeout.connect(spy)
     window.settings["chat.max_new_tokens"] = 300  # long enough to be seen in pieces
     send(qtbot, window, "tell me about the fox")
     assert window.client.busy
@@ -230,7 +230,7 @@ class Bot:  # just enough of qtbot for make_window/send, in a plain process
 from pathlib import Path
 w = make_window(Bot(), Path({tmp!r}), Path({model!r}), max_new_tokens=5000)
 send(Bot(), w, "tell me a long story")
-Bot().waitUntil(lambda: len(w.chat._answer_text) > 40 and w.chat.view.last().text() == w.chat._answer_text, 180000)
+Bot().waitUntil(lambda: len(w.chat.session.answer_text) > 40 and w.chat.view.last().text() == w.chat.session.answer_text, 180000)
 Path({shown!r}).write_text(w.chat.view.last().text())  # what the user saw, at the moment of the kill
 os.kill(os.getpid(), signal.SIGKILL)
 """

@@ -82,7 +82,7 @@ def test_stop_while_reading_the_prompt_keeps_no_answer(qtbot, window):
     import engine.engine as engine_module
 
     w = window
-    eng = w.client.worker.engine
+    eng = w.client.engine
     text = "the quick brown fox jumps over the lazy dog " * 12
     n_prompt = len(eng.tokenizer.encode_chat(w.chat._draft_messages(text)))
     assert n_prompt > engine_module.PREFILL_CHUNK  # read in more than one chunk
@@ -120,7 +120,7 @@ def test_stop_while_reading_the_prompt_keeps_no_answer(qtbot, window):
 
 def test_a_new_chat_while_the_prompt_is_read_leaves_the_old_chat_clean(qtbot, window):
     w = window
-    eng = w.client.worker.engine
+    eng = w.client.engine
     reading, pressed = threading.Event(), threading.Event()
     forward = eng.model.forward
 

@@ -138,6 +138,7 @@ def test_disk_full_during_download_resumes_after_space_returns(hub, tmp_path, tm
 
 
 # -- profile and predictor training on a full disk ----------------------------------------------
+@pytest.mark.slow  # profiles and trains twice, around a full disk (~80 s)
 def test_disk_full_during_profile_and_train_predictors_then_both_resume(tmp_path, tmpfs):
     disk = tmpfs(tmp_path / "models" / "disk", "4m")
     model = demo_copy(disk / "demo")  # weights linked from the package: only the sidecar is written here

@@ -11,7 +11,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import cpu, reference
+from engine.kernels import cpu, numba_pool, reference
 from engine.kernels.cpu_quant import dequantize_rows_int8, quantize_rows_int8
 
 ACTS = ("relu", "fatrelu", "drelu", "relu2")
@@ -117,7 +117,7 @@ def test_numba_kernel_matches_dense(quant, gated, activation):
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
 @pytest.mark.parametrize("activation", ACTS)
 def test_torch_fallback_matches_dense(monkeypatch, quant, gated, activation):
-    monkeypatch.setattr(cpu, "_numba", False)
+    monkeypatch.setattr(numba_pool, "_numba", False)
     assert not cpu.available()
     n, d = SHAPES[1]
     x, gate, up, down_t, g = _rows(n, d, gated, 7)
@@ -134,7 +134,7 @@ def test_predicted_selection_in_kernel(monkeypatch, use_numba, quant, activation
     if use_numba and not cpu.available():
         pytest.skip("numba missing or disabled")
     if not use_numba:
-        monkeypatch.setattr(cpu, "_numba", False)
+        monkeypatch.setattr(numba_pool, "_numba", False)
     n, d = 600, 384
     x, gate, up, down_t, g = _rows(n, d, True, 21)
     layer = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant=quant)
@@ -173,7 +173,7 @@ def test_batch_matches_per_token(monkeypatch, use_numba, quant, gated, activatio
     if use_numba and not cpu.available():
         pytest.skip("numba missing or disabled")
     if not use_numba:
-        monkeypatch.setattr(cpu, "_numba", False)
+        monkeypatch.setattr(numba_pool, "_numba", False)
     n, d = 400, 300
     x, gate, up, down_t, g = _rows(n, d, gated, 31)
     rows = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant=quant)
@@ -258,7 +258,7 @@ def test_quantizer_numba_equals_torch(monkeypatch):
     w[7] = 0.0
     w[9, :5] = torch.tensor([0.5, -0.5, 1.5, 2.5, -127.5]) * (w[9].abs().max() / 127)
     fast = quantize_rows_int8(w)
-    monkeypatch.setattr(cpu, "_numba", False)
+    monkeypatch.setattr(numba_pool, "_numba", False)
     slow = quantize_rows_int8(w)
     assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
 
@@ -323,7 +323,7 @@ def test_concurrent_calls_from_threads():
         try:
             for _ in range(30):
                 results.append(cpu.sparse_ffn(x, rows, active, "relu"))
-        except Exception as e:  # surfaced below
+        except Exception as e:  # noqa: BLE001 - surfaced below
             errors.append(e)
 
     threads = [threading.Thread(target=work) for _ in range(3)]
@@ -384,6 +384,7 @@ _CACHE_PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # compiles the kernel module from scratch, twice (~3 min on 2 busy cores)
 @needs_numba
 def test_numba_disk_cache_unwritable_and_reused(tmp_path):
     """The kernel module imports and runs when no cache directory is writable (numba would
@@ -435,13 +436,14 @@ def test_bench_ffn_smoke():
 
 _FIRST_ANSWER_PROBE = textwrap.dedent("""
     from engine import Engine
+    from models_registry import resolve_model
     from engine.kernels import cpu
     from engine.sampling import SamplingParams
 
     kern = cpu._kernels()
     fns = (kern.matvec_rows, kern.combine_rows, kern.ffn_rows)
     for mode in ("dense", "hybrid"):
-        eng = Engine.load("demo", mode=mode)
+        eng = Engine.load(resolve_model("demo"), mode=mode)
         before = [len(f.signatures) for f in fns]
         for _ in eng.stream("Mr. Darcy", SamplingParams(max_new_tokens=3)):
             pass
@@ -466,7 +468,7 @@ def test_matvec_int8_equals_the_dequantized_product(monkeypatch, numba_on, n, d)
     if numba_on and not cpu.available():
         pytest.skip("numba unavailable")
     if not numba_on:
-        monkeypatch.setattr(cpu, "_numba", False)
+        monkeypatch.setattr(numba_pool, "_numba", False)
     g = torch.Generator().manual_seed(n + d)
     q, scale = cpu.quantize_rows_int8(torch.randn(n, d, generator=g))
     x = torch.randn(d, generator=g)
@@ -527,7 +529,7 @@ def test_matmul_int8_declines_shapes_it_does_not_cover(n, d):
 
 
 def test_matmul_int8_without_numba_declines(monkeypatch):
-    monkeypatch.setattr(cpu, "_numba", False)
+    monkeypatch.setattr(numba_pool, "_numba", False)
     q, scale = cpu.quantize_rows_int8(torch.randn(8, 128))
     assert not cpu.int8_activations_available(128)
     assert cpu.matmul_int8(torch.randn(1, 128), q, scale) is None
@@ -558,7 +560,7 @@ def test_sparse_ffn_tokens_matches_fp64_per_token(monkeypatch, use_numba, quant,
     if use_numba and not cpu.available():
         pytest.skip("numba missing or disabled")
     if not use_numba:
-        monkeypatch.setattr(cpu, "_numba", False)
+        monkeypatch.setattr(numba_pool, "_numba", False)
     shapes = [(64, 256, 1), (300, 200, 5), (777, 1000, 19)] if use_numba else [(300, 200, 5)]
     for seed, (n, d, T) in enumerate(shapes):
         _, gate, up, down_t, g = _rows(n, d, gated, seed + 11)

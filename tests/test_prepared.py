@@ -23,7 +23,7 @@ FRESH = shutil.ignore_patterns("prepared-*")
 
 
 def _load(model, fmt, **kw):
-    engine = Engine.load(model, mode="sparse", ram_budget=RAM, cold_quant=fmt, **kw)
+    engine = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights=fmt, **kw)
     engine.eos_ids = set()
     return engine
 
@@ -111,13 +111,13 @@ def test_layers_with_hot_neurons_read_the_checkpoint(tmp_path, llama_dir):
     checkpoint's precision on the fast tier, and their cold rows equal the prepared ones."""
     model = tmp_path / "m"
     shutil.copytree(llama_dir, model, ignore=FRESH)
-    Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cold_quant="int4")  # prepares
+    Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cpu_weights="int4")  # prepares
     from test_sparse import vram_for
 
-    probe = Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cold_quant="int4")
+    probe = Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cpu_weights="int4")
     assert _mapped(probe)
     # neurons by number without statistics: a quarter of them fills half of layer 0
-    hybrid = Engine.load(model, mode="oracle", vram_budget=vram_for(probe, 0.25), ram_budget=RAM, cold_quant="int4")
+    hybrid = Engine.load(model, mode="oracle", vram_budget=vram_for(probe, 0.25), ram_budget=RAM, cpu_weights="int4")
     first, second = hybrid.model.layers
     assert 0 < len(first.ffn.hot) < 160 and len(second.ffn.hot) == 0
     mapped = hybrid.sparse.prepared_rows
@@ -135,12 +135,12 @@ def test_fast_tier_layers_and_head_read_the_checkpoint(tmp_path, llama_dir, monk
     (the CPU standing in for a GPU here): those weights keep the checkpoint's precision."""
     model = tmp_path / "m"
     shutil.copytree(llama_dir, model, ignore=FRESH)
-    Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cold_quant="int4")  # prepares
-    cpu_only = Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cold_quant="int4")
+    Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cpu_weights="int4")  # prepares
+    cpu_only = Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cpu_weights="int4")
     assert _dense_mapped(cpu_only)
-    fast = Engine.load(model, mode="oracle", vram_budget=1 << 30, ram_budget=RAM, cold_quant="int4")
+    fast = Engine.load(model, mode="oracle", vram_budget=1 << 30, ram_budget=RAM, cpu_weights="int4")
     monkeypatch.setenv(DISABLE_ENV, "1")
-    plain = Engine.load(model, mode="oracle", vram_budget=1 << 30, ram_budget=RAM, cold_quant="int4")
+    plain = Engine.load(model, mode="oracle", vram_budget=1 << 30, ram_budget=RAM, cpu_weights="int4")
     assert all(fast.sparse.plan.layer_on_fast) and fast.sparse.plan.head_on_fast
     for a, b in zip(fast.model.layers, plain.model.layers):
         assert isinstance(a.qkv, torch.Tensor) and torch.equal(a.qkv, b.qkv) and torch.equal(a.out, b.out)

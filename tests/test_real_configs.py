@@ -233,7 +233,7 @@ def test_oracle_mode_equals_dense_with_each_familys_quirks(real_models, family, 
     path, _, _ = real_models[family]
     shutil.copytree(path, tmp_path / family)
     dense = Engine.load(tmp_path / family).score(PROMPT)
-    oracle = Engine.load(tmp_path / family, mode="oracle", ram_budget=RAM, cold_quant="fp32")
+    oracle = Engine.load(tmp_path / family, mode="oracle", ram_budget=RAM, cpu_weights="fp32")
     assert (oracle.score(PROMPT, "oracle") - dense).abs().max().item() <= 1e-4 * max(1.0, dense.abs().max().item())
 
 
@@ -323,7 +323,7 @@ def test_turbosparse_sparse_mode_uses_the_predictors_in_its_checkpoint(real_mode
     path = tmp_path / "turbo"
     shutil.copytree(src, path)
     assert not PredictorSet.exists(path)
-    engine = Engine.load(path, mode="sparse", ram_budget=RAM, cold_quant="fp32")
+    engine = Engine.load(path, mode="sparse", ram_budget=RAM, cpu_weights="fp32")
     stored = PredictorSet.load(path)
     assert stored.source == "checkpoint" and stored.thresholds == [0.0] * facts["num_hidden_layers"]
     for (fc1, fc2), a, b in zip(facts["predictors"], stored.fc1, stored.fc2):

@@ -70,7 +70,7 @@ def test_everything_on_cpu_follows_the_cpu_byte_rules():
     attention = L * (64 * 64 * 2 + 2 * 64 * kvh * hd + (64 + 2 * kvh * hd + 64) * 4)  # int8 q|k|v and o, row scales
     assert est.dense_cpu_bytes == embed_norms + head + attention
     fp32 = place_bytes(shape, ctx=32, vram_budget=0, ram_budget=1 << 40, predictor_rank=8,
-                       bytes_model=BytesModel(cold_quant="fp32"))
+                       bytes_model=BytesModel(cpu_weights="fp32"))
     assert fp32.dense_cpu_bytes == (embed_norms // 4 + 100 * 64 + L * (64 * 64 * 2 + 2 * 64 * kvh * hd)) * 4
     assert est.predictor_cpu_bytes == L * (8 * (d + f) + (8 + f) * 4)  # int8 rows of fc1 and fc2, fp32 scales
     assert fp32.predictor_cpu_bytes == L * 8 * (d + f) * 4

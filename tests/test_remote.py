@@ -29,8 +29,9 @@ def registry(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def engine():
     from engine import Engine
+    from models_registry import resolve_model
 
-    return Engine.load("demo", mode="dense")
+    return Engine.load(resolve_model("demo"), mode="dense")
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,9 @@ CHAT = [{"role": "user", "content": "Tell me a story about a cat."}]
 @pytest.fixture(scope="module")
 def engine():
     from engine import Engine
+    from models_registry import resolve_model
 
-    return Engine.load("demo", mode="dense")
+    return Engine.load(resolve_model("demo"), mode="dense")
 
 
 @pytest.fixture(scope="module")

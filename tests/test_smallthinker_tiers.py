@@ -44,9 +44,9 @@ def dense(model):
 
 @pytest.mark.parametrize("experts_on_fast", [None, 0, 11, 32])  # None: not even the dense parts
 def test_every_split_computes_the_dense_logits(model, dense, experts_on_fast, one_torch_thread):
-    probe = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG, cold_quant="fp32")
+    probe = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG, cpu_weights="fp32")
     vram = 0 if experts_on_fast is None else dense_part(probe) + experts_on_fast * expert_bytes(probe)
-    engine = Engine.load(model, mode="hybrid", vram_budget=vram, ram_budget=BIG, cold_quant="fp32")
+    engine = Engine.load(model, mode="hybrid", vram_budget=vram, ram_budget=BIG, cpu_weights="fp32")
     tiers = engine.sparse.plan.summary()["experts_per_tier"]
     assert tiers == {"fast": experts_on_fast or 0, "split": 0, "cpu": 32 - (experts_on_fast or 0)}
     expected = dense.score(PROMPT)
@@ -99,9 +99,9 @@ def test_profile_counts_expert_use_and_neuron_firing_and_the_solver_places_the_h
 
 
 def test_budget_changes_move_experts_live_and_keep_the_conversation(model, dense, one_torch_thread):
-    probe = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG, cold_quant="fp32")
+    probe = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG, cpu_weights="fp32")
     base, one = dense_part(probe), expert_bytes(probe)
-    engine = Engine.load(model, mode="hybrid", vram_budget=base + 4 * one, ram_budget=BIG, cold_quant="fp32")
+    engine = Engine.load(model, mode="hybrid", vram_budget=base + 4 * one, ram_budget=BIG, cpu_weights="fp32")
     dense.eos_ids = engine.eos_ids = set()
     params = SamplingParams(max_new_tokens=6, temperature=0)
     expected = dense.generate(PROMPT, params).token_ids
@@ -120,8 +120,8 @@ def test_decode_reads_only_chosen_experts_and_their_fired_neurons(model, one_tor
     """Poison (NaN) every expert a decode step does not choose, and inside the chosen ones
     the up and down rows of every neuron whose relu(gate) is 0: the step's logits stay
     exactly as they were, so none of those rows was read."""
-    probe = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG, cold_quant="fp32")
-    engine = Engine.load(model, mode="hybrid", ram_budget=BIG, cold_quant="fp32",
+    probe = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG, cpu_weights="fp32")
+    engine = Engine.load(model, mode="hybrid", ram_budget=BIG, cpu_weights="fp32",
                          vram_budget=dense_part(probe) + 12 * expert_bytes(probe) + 16 * probe.sparse.problem.neuron_fast)
     assert engine.sparse.plan.summary()["experts_per_tier"]["split"] == 1  # half an expert on each tier
     layers = engine.model.layers
@@ -232,7 +232,7 @@ def test_eval_of_a_mixture_scores_sparse_as_dense_and_counts_experts(model, tmp_
 
     heldout = tmp_path / "heldout.txt"
     heldout.write_text(" ".join(WORDS[::-1] * 3))
-    engine = Engine.load(model, mode="sparse", ram_budget=BIG, cold_quant="fp32", ctx=64)
+    engine = Engine.load(model, mode="sparse", ram_budget=BIG, cpu_weights="fp32", ctx=64)
     report = evaluate(engine, [heldout], EvalSettings(max_tokens=80, window=32))
     assert report["predictor_source"] == "router"
     assert report["ppl_sparse"] == pytest.approx(report["ppl_dense"], rel=1e-5)
@@ -245,7 +245,7 @@ def test_int4_experts_hold_the_planned_bytes_and_match_their_dequantized_rows(mo
     """4-bit (Q4_0) cold experts: the bytes held are the planned ones (4-bit rows, a 4-bit
     copy of the tied head), a decode step's expert output is the fp32 computation over the
     dequantized rows, and the logits keep the dense model's direction."""
-    engine = Engine.load(model, mode="sparse", ram_budget=BIG, cold_quant="int4")
+    engine = Engine.load(model, mode="sparse", ram_budget=BIG, cpu_weights="int4")
     assert engine.memory()["tiers"] == engine.sparse.plan.tier_bytes
     ffn = engine.model.layers[0].ffn
     assert all(rows.quant == "int4" for rows in ffn.cold.rows.values())
@@ -312,10 +312,10 @@ def test_pre_attention_prefetch_reads_the_chosen_cold_experts_while_attention_ru
                                                                                    one_torch_thread):
     """With prefetching on, each decode layer hands the worker the gate rows of exactly
     its chosen cold experts before its attention starts; the tokens stay the dense ones."""
-    probe = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG, cold_quant="fp32")
+    probe = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG, cpu_weights="fp32")
     monkeypatch.setenv("THERMOCLINE_MOE_PREFETCH", "1")
     engine = Engine.load(model, mode="hybrid", vram_budget=dense_part(probe) + 10 * expert_bytes(probe),
-                         ram_budget=BIG, cold_quant="fp32")
+                         ram_budget=BIG, cpu_weights="fp32")
     prefetcher = engine.sparse.prefetcher
     assert prefetcher is not None
     events = []
@@ -358,7 +358,7 @@ def test_decode_bytes_are_the_chosen_experts_fired_rows_and_no_more(model, quant
     # fp32 activations, so the neurons recounted here from x fire exactly where the kernel's do
     # (8-bit activation rounding can flip a gate that is within a rounding step of zero).
     monkeypatch.setattr(cpu_q4, "USE_INT8_ACTIVATIONS", False)
-    engine = Engine.load(model, mode="sparse", ram_budget=BIG, cold_quant=quant)
+    engine = Engine.load(model, mode="sparse", ram_budget=BIG, cpu_weights=quant)
     cfg = engine.config
     seen = {}
     for layer in engine.model.layers:
@@ -396,9 +396,9 @@ def test_a_split_expert_on_a_torch_fast_tier_adds_up_to_the_whole_expert(model, 
     from engine.moe import Routing, reglu
     from engine.moe_tiers import HotExperts
 
-    probe = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG, cold_quant="fp32")
+    probe = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG, cpu_weights="fp32")
     neuron = probe.sparse.problem.neuron_fast
-    engine = Engine.load(model, mode="hybrid", ram_budget=BIG, cold_quant="fp32",
+    engine = Engine.load(model, mode="hybrid", ram_budget=BIG, cpu_weights="fp32",
                          vram_budget=dense_part(probe) + (3 * 32 + 16) * neuron)
     ffn = engine.model.layers[0].ffn
     torch_tier = HotExperts(torch.device("cpu"), torch.float64)

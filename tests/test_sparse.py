@@ -43,10 +43,10 @@ def dense_refs(tiny_models):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_oracle_equals_dense_for_every_split(tiny_models, dense_refs, family):
     ref_logits, ref_tokens = dense_refs[family]
-    probe = Engine.load(tiny_models[family], mode="oracle", vram_budget=0, ram_budget=RAM, cold_quant="fp32")
+    probe = Engine.load(tiny_models[family], mode="oracle", vram_budget=0, ram_budget=RAM, cpu_weights="fp32")
     for fraction in (0.0, 0.25, 0.5, 0.75, 1.0):
         engine = Engine.load(tiny_models[family], mode="oracle", vram_budget=vram_for(probe, fraction),
-                             ram_budget=RAM, cold_quant="fp32")
+                             ram_budget=RAM, cpu_weights="fp32")
         hot = sum(len(layer.ffn.hot) for layer in engine.model.layers)
         total = engine.config.num_layers * engine.config.intermediate_size
         assert hot == int(fraction * total)
@@ -62,7 +62,7 @@ def test_oracle_equals_dense_for_every_split(tiny_models, dense_refs, family):
 
 def test_replacement_during_generation_changes_no_token(llama_dir, dense_refs):
     _, ref_tokens = dense_refs["llama"]
-    engine = Engine.load(llama_dir, mode="oracle", vram_budget=0, ram_budget=RAM, cold_quant="fp32")
+    engine = Engine.load(llama_dir, mode="oracle", vram_budget=0, ram_budget=RAM, cpu_weights="fp32")
     engine.eos_ids = set()
     plan = {2: 0.6, 6: 0.1, 9: 1.0, 12: 0.0}
     reports, hot_counts = [], []
@@ -81,7 +81,7 @@ def test_replacement_during_generation_changes_no_token(llama_dir, dense_refs):
 
 
 def test_replacement_moves_only_changed_rows_and_keeps_the_conversation(llama_dir):
-    engine = Engine.load(llama_dir, mode="oracle", vram_budget=0, ram_budget=RAM, cold_quant="fp32")
+    engine = Engine.load(llama_dir, mode="oracle", vram_budget=0, ram_budget=RAM, cpu_weights="fp32")
     engine.set_budgets(vram=vram_for(engine, 0.5))
     layer = engine.model.layers[0]
     before_hot = set(layer.ffn.hot.ids.tolist())
@@ -133,10 +133,10 @@ def test_sparse_mode_computes_the_predicted_neurons(tmp_path, llama_dir):
     dense = Engine.load(model)
     everything = random_predictors(dense.config, threshold=-1e9)  # predicts every neuron: equals dense
     everything.save(model)
-    engine = Engine.load(model, mode="sparse", ram_budget=RAM, cold_quant="fp32")
+    engine = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights="fp32")
     assert (engine.score(PROMPT, "sparse") - dense.score(PROMPT)).abs().max().item() <= 1e-4
     random_predictors(dense.config).save(model)
-    engine = Engine.load(model, mode="sparse", ram_budget=RAM, cold_quant="fp32")
+    engine = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights="fp32")
     batched = engine.score(PROMPT, "sparse")
     assert (batched - dense.score(PROMPT)).abs().max().item() > 1e-3  # skipping neurons shows
     engine.cache.reset(0)
@@ -148,7 +148,7 @@ def test_sparse_mode_computes_the_predicted_neurons(tmp_path, llama_dir):
 
 def test_int8_cold_rows_stay_close_to_dense(llama_dir):
     dense = Engine.load(llama_dir).score(PROMPT)
-    int8 = Engine.load(llama_dir, mode="oracle", vram_budget=0, ram_budget=RAM, cold_quant="int8")
+    int8 = Engine.load(llama_dir, mode="oracle", vram_budget=0, ram_budget=RAM, cpu_weights="int8")
     assert (int8.score(PROMPT, "oracle") - dense).abs().max().item() < 0.05
 
 
@@ -158,7 +158,7 @@ def test_int8_cpu_tier_holds_attention_and_head_as_int8_rows(tiny_models, dense_
     logits stay close to the fp32 model's, and a layer promoted to the fast tier and
     demoted again computes what it computed before."""
     model = tiny_models[family]
-    engine = Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cold_quant="int8")
+    engine = Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cpu_weights="int8")
     layers = engine.model.layers
     assert all(isinstance(layer.qkv, Int8Matrix) and isinstance(layer.out, Int8Matrix) for layer in layers)
     assert isinstance(engine.model.lm_head, Int8Matrix) != engine.config.tie_word_embeddings
@@ -182,8 +182,8 @@ def test_int8_cpu_tier_runs_int8_predictors(tmp_path, llama_dir):
     shutil.copytree(llama_dir, model)
     config = Engine.load(model).config
     random_predictors(config).save(model)
-    int8 = Engine.load(model, mode="sparse", ram_budget=RAM, cold_quant="int8")
-    fp32 = Engine.load(model, mode="sparse", ram_budget=RAM, cold_quant="fp32")
+    int8 = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights="int8")
+    fp32 = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights="fp32")
     assert all(isinstance(w, Int8Matrix) for w in int8.sparse.predictors.fc1 + int8.sparse.predictors.fc2)
     assert not any(isinstance(w, Int8Matrix) for w in fp32.sparse.predictors.fc1)
     x = torch.randn(len(PROMPT), config.hidden_size, generator=torch.Generator().manual_seed(0))

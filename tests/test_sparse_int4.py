@@ -20,7 +20,7 @@ from test_sparse import PROMPT, RAM, random_predictors, vram_for
 def test_int4_cpu_tier_stays_close_and_moves_between_tiers(tiny_models, family):
     model = tiny_models[family]
     dense = Engine.load(model).score(PROMPT)
-    engine = Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cold_quant="int4")
+    engine = Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cpu_weights="int4")
     layers = engine.model.layers
     assert all(isinstance(layer.qkv, Q4Matrix) and isinstance(layer.out, Q4Matrix) for layer in layers)
     assert all(isinstance(layer.ffn.cold.rows, Q4FfnRows) for layer in layers)
@@ -58,9 +58,9 @@ def test_int4_cpu_tier_runs_4bit_predictors(tmp_path, llama_dir):
     shutil.copytree(llama_dir, model)
     config = Engine.load(model).config
     random_predictors(config).save(model)
-    int4 = Engine.load(model, mode="sparse", ram_budget=RAM, cold_quant="int4")
-    int8 = Engine.load(model, mode="sparse", ram_budget=RAM, cold_quant="int8")
-    fp32 = Engine.load(model, mode="sparse", ram_budget=RAM, cold_quant="fp32")
+    int4 = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights="int4")
+    int8 = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights="int8")
+    fp32 = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights="fp32")
     assert all(isinstance(w, Q4Matrix) for w in int4.sparse.predictors.fc1 + int4.sparse.predictors.fc2)
     x = torch.randn(len(PROMPT), config.hidden_size, generator=torch.Generator().manual_seed(0))
     for layer in range(config.num_layers):

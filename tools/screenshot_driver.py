@@ -105,7 +105,7 @@ def main() -> int:
     from app.gui.main import build_window, make_application, preload_engine
     from app.settings import Settings
 
-    app = make_application(["thermocline"])
+    app = make_application(["thermocline"])  # noqa: F841 - kept alive while the window runs
     preload_engine()
     settings = Settings()
     settings["model.active"] = model
@@ -155,7 +155,7 @@ def main() -> int:
     pump(180, lambda: not window.chat.busy)
     ask("My notes so far:\n```python\nsuitors = {\"Darcy\": \"proud, or only shy?\",  # first ball\n"
         "           \"Bingley\": \"all ease\"}\n```\nWhat would Elizabeth say of them?")
-    pump(60, lambda: len(window.chat._answer_text) > 60 or not window.chat.busy)
+    pump(60, lambda: len(window.chat.session.answer_text) > 60 or not window.chat.busy)
     shot("chat-streaming")
     pump(180, lambda: not window.chat.busy)
     shot("chat")

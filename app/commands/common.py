@@ -69,11 +69,11 @@ def load_engine(args: argparse.Namespace):
     import sys
 
     check_options(args)  # before importing the engine (torch): a bad option fails in a blink
-    from engine import Engine
+    from app.open_model import open_engine
 
-    engine = Engine.load(args.model, mode=args.mode, ctx=args.ctx, vram_budget=args.vram_budget,
+    engine = open_engine(args.model, mode=args.mode, ctx=args.ctx, vram_budget=args.vram_budget,
                          ram_budget=args.ram_budget, device=args.device, threads=args.threads,
-                         cold_quant=args.cpu_weights)
+                         cpu_weights=args.cpu_weights)
     for note in getattr(engine, "warnings", ()):
         sys.stderr.write(f"warning: {note}\n")
     return engine

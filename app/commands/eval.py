@@ -24,14 +24,14 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from engine import Engine
+    from app.open_model import open_engine
     from engine.errors import UserError
     from engine.evaluation import EvalSettings, evaluate
 
     if args.max_tokens < 2 or args.window < 2:
         raise UserError("--max-tokens and --window must be at least 2")
-    engine = Engine.load(args.model, mode="sparse", ctx=args.window, device=args.device,
-                         threads=args.threads, cold_quant=args.cpu_weights)
+    engine = open_engine(args.model, mode="sparse", ctx=args.window, device=args.device,
+                         threads=args.threads, cpu_weights=args.cpu_weights)
     bar = ProgressBar("eval", quiet=args.json)
     report = evaluate(engine, args.corpus, EvalSettings(args.max_tokens, args.window), progress=bar)
     bar.done()

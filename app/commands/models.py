@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from engine.activations import NAMES as ACTIVATION_NAMES
 from engine.errors import UserError
 from engine.units import format_size
 
@@ -45,7 +46,7 @@ def register(subparsers) -> None:
     p = sub.add_parser("import", help="add a local model folder (Hugging Face layout) or a .gguf file (llama.cpp's "
                                       "or PowerInfer's) as local/<name>")
     p.add_argument("folder", help="model folder or .gguf file")
-    p.add_argument("--activation", default=None, choices=("relu", "fatrelu", "drelu", "relu2"),
+    p.add_argument("--activation", default=None, choices=ACTIVATION_NAMES,
                    help="a plain llama GGUF's activation (GGUFs do not record it; PowerInfer's files are relu)")
     p.add_argument("--name", default=None, help="name under local/ (default: the folder's name)")
     p.add_argument("--predictors", default=None, metavar="DIR", help="PowerInfer predictor folder (model_N.pt)")
@@ -299,7 +300,7 @@ def cmd_fit(args) -> int:
     hw = probe_hardware()
     est = estimate_fit(config, ctx=args.ctx, vram_budget=args.vram_budget, ram_budget=args.ram_budget,
                        hardware=hw, model_dir=folder, known_activation=entry.activation if entry else None,
-                       bytes_model=BytesModel(cold_quant=args.cpu_weights))
+                       bytes_model=BytesModel(cpu_weights=args.cpu_weights))
     if args.json:
         print(json.dumps(dict(est.to_dict(), model=args.model), indent=2))
         return 0

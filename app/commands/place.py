@@ -24,14 +24,14 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from engine.config import ModelConfig
-    from engine.loader import resolve_model_dir
     from engine.placement import solve
     from engine.sparse import pick_fast_device, problem_for_model
+    from models_registry import resolve_model
 
     from engine.validation import check_ctx
 
     check_ctx(args.ctx, "--ctx")
-    model_dir = resolve_model_dir(args.model)
+    model_dir = resolve_model(args.model)
     config = ModelConfig.from_dir(model_dir)
     fast = pick_fast_device(args.device)
     problem = problem_for_model(model_dir, config, config.context_length(args.ctx), fast, args.cpu_weights)

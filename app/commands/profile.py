@@ -37,14 +37,14 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from engine import Engine
+    from app.open_model import open_engine
     from engine.profiling import ProfileSettings, profile
 
     if args.max_tokens < 2:
         raise UserError("--max-tokens must be at least 2")
     if args.window < 2:
         raise UserError("--window must be at least 2")
-    engine = Engine.load(args.model, mode="dense", ctx=args.window, device=args.device,
+    engine = open_engine(args.model, mode="dense", ctx=args.window, device=args.device,
                          threads=args.threads)
     bar = ProgressBar("profile", quiet=False)
     settings = ProfileSettings(max_tokens=args.max_tokens, max_pairs_bytes=args.max_pairs_bytes,

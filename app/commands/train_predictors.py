@@ -37,8 +37,8 @@ def run(args) -> int:
     import torch
 
     from engine.errors import UserError
-    from engine.loader import resolve_model_dir
     from engine.predictor_training import TrainSettings, train_predictors
+    from models_registry import resolve_model
 
     try:
         rank = _rank(args.rank)
@@ -53,7 +53,7 @@ def run(args) -> int:
     resolve_device(args.device)
     if check_threads(args.threads, "--threads"):
         torch.set_num_threads(args.threads)
-    model_dir = resolve_model_dir(args.model)
+    model_dir = resolve_model(args.model)
     settings = TrainSettings(target_recall=args.target_recall, rank=rank, epochs=args.epochs,
                              device=args.device)
     bar = ProgressBar("train-predictors")

@@ -264,7 +264,7 @@ class BudgetPanel(QScrollArea):
         self.ctx.currentIndexChanged.connect(self._ctx_changed)
         self.mode.currentIndexChanged.connect(self._ctx_changed)
         self.ctx_apply.clicked.connect(self._apply_ctx)
-        w = client.worker
+        w = client
         w.placement.connect(self.show_placement)
         w.placement_failed.connect(self.show_placement_error)
         w.placement_unavailable.connect(self.show_unavailable)

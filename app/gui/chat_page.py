@@ -1,26 +1,24 @@
 """The chat page: header (title, context used), messages, live readout, prompt box.
 
-This is the controller of a conversation: it saves to SQLite what it shows, asks the engine
-worker for answers, and turns the worker's signals into widgets. Tokens are buffered and
-flushed about 25 times a second; each flush updates the view and the database together, so
-whatever is on screen is also on disk.
+The view of a conversation: the answer in progress is `ChatSession`'s (chat_session.py:
+buffered tokens flushed about 25 times a second to the database and then here, so whatever is
+on screen is also on disk); this page turns the session's and the client's signals into widgets.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 
-from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QMenu, QProgressBar, QPushButton, QSizePolicy,
                                QToolButton, QVBoxLayout, QWidget)
 
 from app.settings import DEFAULT_SYSTEM_PROMPT, Settings
-from app.storage import (COMPLETE, FAILED, INTERRUPTED, STOPPED, STREAMING, WRITE_ERRORS, Conversation,
-                         Storage)
+from app.storage import COMPLETE, FAILED, STREAMING, WRITE_ERRORS, Conversation, Storage
 
 from . import formatting as fmt
+from .chat_session import FLUSH_MS, SAVE_RETRY_MS, AnswerStats, ChatSession  # noqa: F401 (re-exported)
 from .chat_view import ChatView
 from .context_policy import answer_room
 from .dialogs import ConversationSettingsDialog, show_error
@@ -29,11 +27,9 @@ from .worker import EngineClient
 
 log = logging.getLogger(__name__)
 
-FLUSH_MS = 40
 SHOWN_MESSAGES = 60  # a long conversation opens with its latest messages; older ones on request
 TITLE_CHARS = 48
 CONTEXT_WARN = 0.85
-SAVE_RETRY_MS = 3000  # a failed save (full disk) is tried again this often until it succeeds
 LONG_DRAFT_CHARS = 600  # a message this long is counted in tokens before it is sent
 DRAFT_TAG = -2          # token-count tag of a draft (conversation ids are positive)
 
@@ -139,17 +135,11 @@ class ChatPage(QWidget):
         self.setObjectName("chatPage")
         self.storage, self.settings, self.client = storage, settings, client
         self.conversation: Conversation | None = None
-        self._request: int | None = None
-        self._answer_id: int | None = None
-        self._answer_text = ""
-        self._dirty = False
+        self.session = ChatSession(storage, client, self)
         self._editing_id: int | None = None
         self._ctx_used: int | None = None
         self._ctx_total: int | None = None
-        self._started_at = 0.0
         self._dropped = 0             # oldest messages the model no longer reads
-        self._stopping = False        # Stop pressed; the worker has not answered yet
-        self._stopped_before_text = False
         self._draft: str | None = None  # a long message waiting for its token count
 
         layout = QVBoxLayout(self)
@@ -179,20 +169,19 @@ class ChatPage(QWidget):
         layout.addWidget(self.input)
         QShortcut(QKeySequence(Qt.Key.Key_Escape), self, activated=self.stop)
 
-        self._flush_timer = QTimer(self, singleShot=True, interval=FLUSH_MS)
-        self._flush_timer.timeout.connect(self._flush)
-        self._save_warned = False  # the user was told saving fails; once, until it works again
-        self._save_retry = QTimer(self, interval=SAVE_RETRY_MS)
-        self._save_retry.timeout.connect(self._retry_saves)
-        w = client.worker
-        w.token.connect(self._on_token)
-        w.live_stats.connect(self._on_live_stats)
-        w.finished.connect(self._on_finished)
-        w.failed.connect(self._on_failed)
-        w.context_report.connect(self._on_context_report)
-        w.loaded.connect(self._on_model_loaded)
-        w.load_failed.connect(self._on_model_event)
-        w.loading.connect(self._on_model_event)
+        s = self.session
+        s.answer_started.connect(self._on_answer_started)
+        s.text_changed.connect(self._on_answer_text)
+        s.live.connect(self._on_live_stats)
+        s.ended.connect(self._on_answer_ended)
+        s.dropped.connect(self._on_answer_dropped)
+        s.failed.connect(self._on_failed)
+        s.busy_changed.connect(self._set_busy)
+        s.save_problem.connect(self._show_save_problem)
+        client.context_report.connect(self._on_context_report)
+        client.loaded.connect(self._on_model_loaded)
+        client.load_failed.connect(self._on_model_event)
+        client.loading.connect(self._on_model_event)
         self._sync_ready()
         self._set_readout_idle()
 
@@ -262,7 +251,7 @@ class ChatPage(QWidget):
     @property
     def busy(self) -> bool:
         """An answer of this page is in progress (until its last signal has been handled)."""
-        return self._request is not None
+        return self.session.busy
 
     # -- conversations -------------------------------------------------------------------
     def open_conversation(self, conversation_id: int | None) -> None:
@@ -291,7 +280,7 @@ class ChatPage(QWidget):
         """The conversation was deleted elsewhere (the sidebar)."""
         if self.conversation and self.conversation.id == conversation_id:
             self.stop()
-            self._detach_answer()
+            self.session.abandon()
             self.conversation = None
             self._reload_view()
 
@@ -355,8 +344,8 @@ class ChatPage(QWidget):
             log.warning("could not save the message: %s", exc)
             if not self.input.edit.toPlainText():
                 self.input.edit.setPlainText(text)
-            self._save_failed(exc, "Nothing was sent; your message is back in the box. Free some disk "
-                                   "space, then send it again.")
+            self.session.save_failed(exc, "Nothing was sent; your message is back in the box. Free some disk "
+                                          "space, then send it again.")
 
     def _send(self, text: str) -> None:
         conv = self._ensure_conversation(text)
@@ -391,7 +380,7 @@ class ChatPage(QWidget):
             self.banner.hide()
             self._start_answer(earlier)
         except WRITE_ERRORS as exc:
-            self._save_failed(exc, "Nothing was changed. Free some disk space, then try again.")
+            self.session.save_failed(exc, "Nothing was changed. Free some disk space, then try again.")
 
     def show_version(self, message_id: int, index: int) -> None:
         """Page a regenerated answer to its version `index` (that one is what the chat continues from)."""
@@ -436,23 +425,13 @@ class ChatPage(QWidget):
         self._editing_id = None
 
     def stop(self) -> None:
-        if self.client.busy and self._request is not None and not self._stopping:
-            self._stopping = True
-            self._stopped_before_text = not self._answer_text
-            self.client.stop()
+        if self.session.stop():
             self.input.set_stopping()
             self.readout.setText("● Stopping…")
-        elif self.client.busy:
-            self.client.stop()
 
     def close_out(self) -> None:
         """The window is closing: stop, and keep the partial answer as stopped, not interrupted."""
-        self.stop()
-        if self._answer_id is not None:
-            # No dialog now: Storage.close tries once more, and quitting must work.
-            self.storage.save_message(self._answer_id, content=self._answer_text, status=STOPPED)
-            self._detach_answer()
-        self._save_retry.stop()
+        self.session.close_out()
 
     def _system_prompt(self) -> str:
         """The conversation's system prompt, unless it is the default assistant one and the model
@@ -490,158 +469,64 @@ class ChatPage(QWidget):
 
     def _start_answer(self, earlier: list[dict] | None = None) -> None:
         conv = self.conversation
-        messages = self._chat_messages()
-        self._earlier = list(earlier or [])
-        answer = self.storage.add_message(conv.id, "assistant", "", status=STREAMING,
-                                          stats={"versions": self._earlier} if self._earlier else None)
-        self._answer_id, self._answer_text, self._dirty = answer.id, "", False
-        self._answer_conv = conv.id  # the user may open another chat before the answer ends
-        self._stopping = self._stopped_before_text = False
-        self.view.add_message(answer.id, "assistant", "", STREAMING, None, answer.created_at, self._model_name())
-        self._started_at = time.perf_counter()
         params = {**self._sampling(), "context_policy": self.settings["chat.context_policy"],
                   "conversation_id": conv.id}
-        self._request = self.client.generate(messages, params)
-        self._set_busy(True)
+        self.session.start(conv.id, self._chat_messages(), params, earlier)
         self.readout.setText("● Reading the prompt…  (Esc stops)")
 
-    # -- worker signals ------------------------------------------------------------------
-    def _on_token(self, request_id: int, text: str) -> None:
-        if request_id != self._request:
-            return
-        self._answer_text += text
-        self._dirty = True
-        if not self._flush_timer.isActive():
-            self._flush_timer.start()
+    # -- session signals -------------------------------------------------------------------
+    def _on_answer_started(self, answer) -> None:
+        self.view.add_message(answer.id, "assistant", "", STREAMING, None, answer.created_at, self._model_name())
 
-    def _flush(self) -> None:
-        if not self._dirty or self._answer_id is None:
-            return
-        self._dirty = False
-        w = self.view.last()  # the screen first: a failed save must not stop the answer showing
-        if w is not None and w.message_id == self._answer_id:
-            w.set_text(self._answer_text)
-        self._save(self._answer_id, content=self._answer_text)
+    def _on_answer_text(self, answer_id: int, text: str) -> None:
+        w = self.view.last()
+        if w is not None and w.message_id == answer_id:
+            w.set_text(text)
 
-    # -- saving when the disk fails ------------------------------------------------------
-    def _save(self, message_id: int, **fields) -> None:
-        """Write an answer's fields; on failure they stay in memory, are retried, and the user
-        hears about it once."""
-        if not self.storage.save_message(message_id, **fields):
-            self._save_failed(self.storage.last_write_error,
-                              "The answer stays on screen and in memory; Thermocline saves it by itself "
-                              "as soon as there is room again. Free some disk space.")
-
-    def _save_failed(self, exc, todo: str) -> None:
-        if self.storage.has_pending and not self._save_retry.isActive():
-            self._save_retry.start()
-        if self._save_warned:
-            return
-        self._save_warned = True
-        log.warning("saving the conversation failed: %s", exc)
+    def _show_save_problem(self, exc, todo: str) -> None:
         self.save_error = show_error(self.window(), "Could not save the conversation",
                                      f"Writing to {self.storage.path} failed: {exc}", todo)
 
-    def _retry_saves(self) -> None:
-        if self.storage.retry_pending():
-            self._save_retry.stop()
-            self._save_warned = False  # a later failure is news again
-            log.info("the conversation is saved again")
+    def _on_live_stats(self, stats: AnswerStats) -> None:
+        if not self.session.stopping:
+            self.readout.setText("● " + self.live_text(stats))
+        if stats.prompt_tokens:  # the context fills as the answer grows
+            self._ctx_used = int(stats.prompt_tokens) + stats.new_tokens
+            self._dropped = stats.dropped_messages
+            self._update_context()
 
-    def _try_write(self, write, *args) -> bool:
-        try:
-            write(*args)
-            return True
-        except WRITE_ERRORS as exc:
-            self._save_failed(exc, "Free some disk space; the conversation on screen is kept.")
-            return False
-
-    def _on_live_stats(self, request_id: int, stats: dict) -> None:
-        if request_id == self._request:
-            if not self._stopping:
-                self.readout.setText("● " + self.live_text(stats))
-            if stats.get("prompt_tokens"):  # the context fills as the answer grows
-                self._ctx_used = int(stats["prompt_tokens"]) + int(stats.get("new_tokens") or 0)
-                self._dropped = int(stats.get("dropped_messages") or 0)
-                self._update_context()
-
-    def _on_finished(self, request_id: int, stats: dict) -> None:
-        if request_id != self._request:
-            return
-        self._flush()
-        reason = stats.get("finish_reason", "stop")
-        stopped_early = reason == "cancelled" and (self._stopped_before_text or not self._answer_text)
-        if stopped_early or (not self._answer_text and reason == "context_full"):
-            # Nothing was said (stopped while reading the prompt, or no room): no empty answer
-            # stays behind; a regenerated one goes back to the version it replaced.
-            self._drop_answer()
-            if reason == "context_full":
-                self._show_context_full(stats)
-            else:
-                self.readout.setText("Stopped before the answer began.")
-            return
-        status = STOPPED if reason == "cancelled" else INTERRUPTED if reason == "interrupted" else COMPLETE
-        self._dropped = int(stats.get("dropped_messages") or self._dropped)
-        if getattr(self, "_earlier", None):
-            stats = {**stats, "versions": self._earlier}
-        self._end_answer(status, stats)
-        self.readout.setText(self.live_text(stats, final=True))
-        if reason == "interrupted":  # a remote stream broke off: the partial answer stays
-            show_error(self.window(), "The answer was interrupted", stats.get("error", ""),
-                       "The partial answer is kept. Check the remote server, then regenerate.")
-        if reason == "context_full":
-            self._show_context_full(stats)
-
-    def _on_failed(self, request_id: int, what: str, todo: str) -> None:
-        if request_id != self._request:
-            return
-        self._flush()
-        if self._answer_text:
-            self._end_answer(FAILED, {"versions": self._earlier} if getattr(self, "_earlier", None) else None)
-        else:  # nothing was said: do not keep an empty answer around
-            self._drop_answer()
-        self._set_readout_idle()
-        show_error(self.window(), "Could not answer", what, todo)
-
-    def _drop_answer(self) -> None:
-        """Remove the answer in progress (nothing was said); a regenerated answer falls back to
-        the version it was replacing."""
-        conv_id = getattr(self, "_answer_conv", None)
-        if self._answer_id is not None and conv_id is not None and \
-                self._try_write(self.storage.delete_messages_from, conv_id, self._answer_id):
-            earlier = getattr(self, "_earlier", [])
-            if earlier:
-                last = earlier[-1]
-                keep = dict(last.get("stats") or {})
-                if len(earlier) > 1:
-                    keep["versions"] = earlier[:-1]
-                self._try_write(lambda: self.storage.add_message(conv_id, "assistant", last["content"],
-                                                                 status=last.get("status", COMPLETE),
-                                                                 stats=keep or None))
-        self._detach_answer()
-        if self.conversation is not None and self.conversation.id == conv_id:
-            self._reload_view()
-
-    def _end_answer(self, status: str, stats: dict | None) -> None:
+    def _on_answer_ended(self, answer_id: int, status: str, stats: AnswerStats) -> None:
         w = self.view.last()
-        if w is not None and w.message_id == self._answer_id:
-            w.set_text(self._answer_text)
+        if w is not None and w.message_id == answer_id:
+            w.set_text(self.session.answer_text)
             w.set_status(status)
-            w.set_stats(stats)
-        self._save(self._answer_id, content=self._answer_text, status=status, stats=stats)
+            w.set_stats(stats.raw or None)
         if self.conversation is not None:
             self.conversations_changed.emit(self.conversation.id)
-        self._detach_answer()
         self._recount()
+        if status == FAILED:
+            return  # _on_failed says why
+        self._dropped = stats.dropped_messages or self._dropped
+        self.readout.setText(self.live_text(stats, final=True))
+        if stats.finish_reason == "interrupted":  # a remote stream broke off: the partial answer stays
+            show_error(self.window(), "The answer was interrupted", stats.error,
+                       "The partial answer is kept. Check the remote server, then regenerate.")
+        if stats.finish_reason == "context_full":
+            self._show_context_full()
 
-    def _detach_answer(self) -> None:
-        self._flush_timer.stop()
-        self._stopping = False
-        self._earlier = []
-        self._request = None
-        self._answer_id = None
-        self._answer_text = ""
-        self._set_busy(False)
+    def _on_answer_dropped(self, conversation_id: int, stats: AnswerStats | None) -> None:
+        if self.conversation is not None and self.conversation.id == conversation_id:
+            self._reload_view()
+        if stats is None:
+            return  # it failed: _on_failed says why
+        if stats.finish_reason == "context_full":
+            self._show_context_full()
+        else:
+            self.readout.setText("Stopped before the answer began.")
+
+    def _on_failed(self, what: str, todo: str) -> None:
+        self._set_readout_idle()
+        show_error(self.window(), "Could not answer", what, todo)
 
     def _set_busy(self, busy: bool) -> None:
         self.input.set_busy(busy)
@@ -651,43 +536,41 @@ class ChatPage(QWidget):
 
     # -- readouts ------------------------------------------------------------------------
     @staticmethod
-    def live_text(stats: dict, final: bool = False) -> str:
+    def live_text(stats: AnswerStats | dict, final: bool = False) -> str:
         """The readout under the chat, in words: speed, wait, neurons used, memory, device."""
+        s = stats if isinstance(stats, AnswerStats) else AnswerStats.from_dict(stats)
         parts = []
-        new = int(stats.get("new_tokens") or 0)
+        new = s.new_tokens
         if new:
             parts.append(fmt.count(new, "token"))
-        if stats.get("decode_tok_s") and new > 1:
-            parts.append(f"{fmt.rate(stats['decode_tok_s'])}")
-        if stats.get("prefill_tok_s"):
-            parts.append(f"read the prompt at {fmt.rate(stats['prefill_tok_s'])}")
-        if stats.get("ttft_s") is not None and new:
-            parts.append(f"first word after {fmt.seconds(stats['ttft_s'])}")
-        dense = stats.get("mode") == "dense"
-        device = stats.get("mem_device") or stats.get("device")
-        on_gpu = str(device or "").startswith("cuda")  # with no GPU there is no GPU share to show
-        hit = None if dense or not on_gpu else stats.get("hot_hit_fraction")
+        if s.decode_tok_s and new > 1:
+            parts.append(f"{fmt.rate(s.decode_tok_s)}")
+        if s.prefill_tok_s:
+            parts.append(f"read the prompt at {fmt.rate(s.prefill_tok_s)}")
+        if s.ttft_s is not None and new:
+            parts.append(f"first word after {fmt.seconds(s.ttft_s)}")
+        dense = s.mode == "dense"
+        on_gpu = s.on_gpu  # with no GPU there is no GPU share to show
+        hit = None if dense or not on_gpu else s.hot_hit_fraction
         if dense:
             parts.append("all neurons computed")
-        elif stats.get("ffn_active_fraction"):
-            parts.append(f"{fmt.percent(stats['ffn_active_fraction'])} of neurons used")
+        elif s.ffn_active_fraction:
+            parts.append(f"{fmt.percent(s.ffn_active_fraction)} of neurons used")
         if hit is not None:
             parts.append(f"GPU served {fmt.percent(hit)}")
-        elif on_gpu and stats.get("expected_hot_hit_fraction") is not None:
-            parts.append(f"GPU share ≈{fmt.percent(stats['expected_hot_hit_fraction'])} (expected)")
-        vram, ram = stats.get("mem_vram_bytes", stats.get("vram_bytes")), stats.get("mem_ram_bytes",
-                                                                                     stats.get("ram_bytes"))
-        for name, used, budget in (("VRAM", vram, stats.get("vram_budget")), ("RAM", ram, stats.get("ram_budget"))):
+        elif on_gpu and s.expected_hot_hit_fraction is not None:
+            parts.append(f"GPU share ≈{fmt.percent(s.expected_hot_hit_fraction)} (expected)")
+        for name, used, budget in (("VRAM", s.vram_bytes, s.vram_budget), ("RAM", s.ram_bytes, s.ram_budget)):
             if used is None or (name == "VRAM" and not used and not on_gpu):
                 continue
             # "of" a budget only where the budget is a real limit, not the amount in use.
             of = f" of {fmt.gib(budget)}" if budget and fmt.gib(budget) != fmt.gib(used) else ""
             parts.append(f"{name} {fmt.gib(used)}{of}")
-        if device:
-            parts.append(fmt.device_name(device))
-        if stats.get("dropped_messages"):
-            parts.append(f"oldest {fmt.count(stats['dropped_messages'], 'message')} not read")
-        if final and stats.get("finish_reason") == "cancelled":
+        if s.device:
+            parts.append(fmt.device_name(s.device))
+        if s.dropped_messages:
+            parts.append(f"oldest {fmt.count(s.dropped_messages, 'message')} not read")
+        if final and s.finish_reason == "cancelled":
             parts.insert(0, "stopped")
         return " · ".join(parts) if parts else "…"
 

@@ -131,7 +131,7 @@ class MainWindow(QMainWindow):
         self.chat.conversations_changed.connect(self.conversations.select)
         self.panel.reload_requested.connect(self.load_active_model)
         self.models.activate_requested.connect(self.switch_model)
-        w = self.client.worker
+        w = self.client
         w.loading.connect(self._on_loading)
         w.loaded.connect(self._on_loaded)
         w.load_failed.connect(self._on_load_failed)

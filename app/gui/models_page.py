@@ -394,9 +394,9 @@ class ModelsPage(QWidget):
         scroll.setWidget(self.list_widget)
         outer.addWidget(scroll, 1)
         self.list_widget.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
-        client.worker.loaded.connect(self._on_model_event)
-        client.worker.load_failed.connect(self._on_model_event)
-        client.worker.loading.connect(self._on_model_event)
+        client.loaded.connect(self._on_model_event)
+        client.load_failed.connect(self._on_model_event)
+        client.loading.connect(self._on_model_event)
 
     def active_spec(self) -> str:
         return self.settings["model.active"]

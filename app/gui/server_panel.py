@@ -72,10 +72,10 @@ class LocalServerPanel(QWidget):
 
     # -- the engine, as the server sees it (called on the server's threads) --------------
     def _engine(self):
-        return self.client.worker.engine
+        return self.client.engine
 
     def _model_id(self) -> str | None:
-        return self.client.worker.model_spec if self.client.worker.engine is not None else None
+        return self.client.model_spec
 
     # -- switching -----------------------------------------------------------------------
     def _toggled(self, on: bool) -> None:

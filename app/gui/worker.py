@@ -138,7 +138,7 @@ class EngineWorker(QObject):
         mode = options.get("mode", "hybrid")
         sparse_note = budget_note = ""
         try:
-            from engine import Engine  # heavy (torch): imported here, off the GUI thread
+            from app.open_model import open_engine  # heavy (torch): the engine is imported off the GUI thread
             from engine.errors import BudgetError
 
             def progress(fraction: float, text: str = "") -> None:
@@ -147,10 +147,10 @@ class EngineWorker(QObject):
             vram, ram = options.get("vram_budget"), options.get("ram_budget")
             self._budgets = (vram, ram)
             kwargs = dict(ctx=int(options.get("ctx", 2048)), vram_budget=vram, ram_budget=ram, progress=progress,
-                          cold_quant=options.get("cpu_weights", "int8"))
+                          cpu_weights=options.get("cpu_weights", "int8"))
             try:
                 try:
-                    eng = Engine.load(spec, mode=mode, **kwargs)
+                    eng = open_engine(spec, mode=mode, **kwargs)
                 except BudgetError as exc:
                     if vram is None and ram is None:
                         raise
@@ -158,7 +158,7 @@ class EngineWorker(QObject):
                     budget_note = f"The saved budgets cannot work for this model ({exc}); using the defaults."
                     kwargs.update(vram_budget=None, ram_budget=None)
                     self._budgets = (None, None)
-                    eng = Engine.load(spec, mode=mode, **kwargs)
+                    eng = open_engine(spec, mode=mode, **kwargs)
             except Exception as exc:  # noqa: BLE001
                 from engine.errors import RemoteError
 
@@ -166,7 +166,7 @@ class EngineWorker(QObject):
                     raise
                 # No predictors, or no sparse runtime in this build: run dense and say why.
                 log.warning("loading %s in %s mode failed (%s); trying dense", spec, mode, exc)
-                eng = Engine.load(spec, mode="dense", **kwargs)
+                eng = open_engine(spec, mode="dense", **kwargs)
                 sparse_note = dense_fallback_words(mode, exc)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a dialog
             log.exception("loading %s failed", spec)
@@ -199,8 +199,6 @@ class EngineWorker(QObject):
         eng = self.engine
         if getattr(eng, "remote", False):
             self.placement_unavailable.emit(REMOTE_NOTE.format(url=getattr(eng, "url", "another machine")))
-        elif not hasattr(eng, "set_budgets"):
-            self.placement_unavailable.emit("This engine build cannot re-place neurons live yet.")
         elif self._dense():
             self.placement_unavailable.emit(note or DENSE_NOTE)
         else:
@@ -226,9 +224,6 @@ class EngineWorker(QObject):
         self._budgets = pending
         if getattr(self.engine, "remote", False):
             self.placement_unavailable.emit(REMOTE_NOTE.format(url=getattr(self.engine, "url", "another machine")))
-            return
-        if not hasattr(self.engine, "set_budgets"):
-            self.placement_unavailable.emit("This engine build cannot re-place neurons live yet.")
             return
         if self._dense():
             self.placement_unavailable.emit(DENSE_NOTE + " The budgets are kept for the next load.")
@@ -402,7 +397,22 @@ class EngineWorker(QObject):
 
 
 class EngineClient(QObject):
-    """The GUI thread's handle on the worker: starts the thread, forwards calls as signals."""
+    """The GUI thread's handle on the worker: starts the thread, forwards calls as signals, and
+    re-emits the worker's signals on the GUI thread (widgets connect here, never to the worker),
+    after its own bookkeeping (busy, model_info) has seen them."""
+
+    loading = Signal(float, str)
+    loaded = Signal(dict)
+    load_failed = Signal(str, str)
+    token = Signal(int, str)
+    live_stats = Signal(int, dict)
+    finished = Signal(int, dict)
+    failed = Signal(int, str, str)
+    placement = Signal(dict)
+    placement_failed = Signal(str)
+    placement_unavailable = Signal(str)
+    token_count = Signal(int, int, int)
+    context_report = Signal(int, dict)
 
     _load = Signal(str, dict)
     _generate = Signal(int, list, dict, object)
@@ -424,6 +434,9 @@ class EngineClient(QObject):
         self.worker.load_failed.connect(self._on_load_failed)
         self.worker.finished.connect(self._on_done)
         self.worker.failed.connect(self._on_done)
+        for name in ("loading", "loaded", "load_failed", "token", "live_stats", "finished", "failed", "placement",
+                     "placement_failed", "placement_unavailable", "token_count", "context_report"):
+            getattr(self.worker, name).connect(getattr(self, name))  # queued to this (GUI) thread
         self.thread.start()
         self._next_request = 0
         self._cancel: threading.Event | None = None
@@ -434,6 +447,16 @@ class EngineClient(QObject):
     @property
     def busy(self) -> bool:
         return self.current_request is not None
+
+    @property
+    def engine(self):
+        """The loaded engine (the local server shares it), or None."""
+        return self.worker.engine
+
+    @property
+    def model_spec(self) -> str | None:
+        """What the loaded engine was loaded from, or None when none is loaded."""
+        return self.worker.model_spec if self.worker.engine is not None else None
 
     def load(self, spec: str, *, mode: str, ctx: int, vram_budget: int | None, ram_budget: int | None,
              cpu_weights: str = "int8") -> None:

@@ -13,7 +13,7 @@ from ..weights import WeightSource
 
 
 @dataclass
-class Placement:
+class LoadTarget:
     """Where and in which dtype one layer's tensors live."""
     device: torch.device
     dtype: torch.dtype
@@ -26,13 +26,13 @@ class Converter:
         self.source, self.config = source, config
         self.skip_ffn = False  # the sparse engine maps this layer's FFN rows from a prepared file
 
-    def get(self, name: str, shape: tuple[int, ...], where: Placement) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...], where: LoadTarget) -> torch.Tensor:
         return self.source.get(name, shape).to(device=where.device, dtype=where.dtype)
 
-    def maybe(self, name: str, shape: tuple[int, ...], where: Placement) -> torch.Tensor | None:
+    def maybe(self, name: str, shape: tuple[int, ...], where: LoadTarget) -> torch.Tensor | None:
         return self.get(name, shape, where) if self.source.has(name) else None
 
-    def stack_rows(self, parts: list[torch.Tensor], where: Placement) -> torch.Tensor:
+    def stack_rows(self, parts: list[torch.Tensor], where: LoadTarget) -> torch.Tensor:
         """Concatenate row blocks into one new tensor (one copy, straight from the map)."""
         rows = sum(p.shape[0] for p in parts)
         out = torch.empty(rows, parts[0].shape[1], dtype=where.dtype, device=where.device)
@@ -42,7 +42,7 @@ class Converter:
             offset += p.shape[0]
         return out
 
-    def output_head(self, embed: torch.Tensor, cpu: Placement, head: Placement,
+    def output_head(self, embed: torch.Tensor, cpu: LoadTarget, head: LoadTarget,
                     name: str = "lm_head.weight") -> torch.Tensor:
         """The output head: its own tensor, or the embeddings when tied or when the
         checkpoint has no head (shared where the two tiers agree in device and dtype)."""
@@ -52,7 +52,7 @@ class Converter:
             return embed if same else embed.to(head.device, head.dtype)
         return self.get(name, (cfg.vocab_size, cfg.hidden_size), head)
 
-    def ffn(self, gate_name: str | None, up_name: str, down_name: str, where: Placement,
+    def ffn(self, gate_name: str | None, up_name: str, down_name: str, where: LoadTarget,
             up_bias_name: str | None = None, down_bias_name: str | None = None) -> DenseFfn:
         if self.skip_ffn:
             return None
@@ -68,7 +68,7 @@ class Converter:
                         up_bias, down_bias)
 
 
-def load_gated_globals(conv: Converter, names, cpu: Placement, head: Placement):
+def load_gated_globals(conv: Converter, names, cpu: LoadTarget, head: LoadTarget):
     """Embeddings (on the CPU), final RMSNorm and output head of a Llama-layout checkpoint;
     `names` is an engine.arch.llama.GatedTensors."""
     cfg = conv.config
@@ -78,7 +78,7 @@ def load_gated_globals(conv: Converter, names, cpu: Placement, head: Placement):
     return embed, norm, conv.output_head(embed, cpu, head, names.lm_head)
 
 
-def load_gated_layer(conv: Converter, names, i: int, where: Placement, ffn_where: Placement | None = None) -> Layer:
+def load_gated_layer(conv: Converter, names, i: int, where: LoadTarget, ffn_where: LoadTarget | None = None) -> Layer:
     """One Llama-layout layer: separate q/k/v/o projections (optional biases), two RMSNorms,
     a gated FFN."""
     cfg = conv.config

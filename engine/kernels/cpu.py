@@ -11,75 +11,25 @@ gives the same result.
 
 from __future__ import annotations
 
-import os
-import threading
 import time
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from engine import host_memory
-from engine.kernels import reference
+from engine.kernels import numba_pool, reference
 from engine.kernels.cpu_quant import dequantize_rows_int8, quantize_rows_int8
 
 QUANTS = ("int8", "fp32")
 
-_lock = threading.Lock()  # numba's workqueue threading layer aborts on concurrent launches
-_numba = None  # the cpu_numba module once imported; False when unavailable
-_threads = None  # set_num_threads's value; numba's own setting is per calling thread
-_applied = threading.local()  # .n: the count last applied on this calling thread
-
-
-def _kernels():
-    """The cpu_numba module, or None when numba is missing or disabled."""
-    global _numba
-    if _numba is None:
-        if os.environ.get("THERMOCLINE_NO_NUMBA", "").strip() not in ("", "0"):
-            _numba = False
-        else:
-            try:
-                from engine.kernels import cpu_numba
-                _numba = cpu_numba
-            except Exception as e:  # ImportError, or a broken numba/llvmlite install
-                warnings.warn(f"numba CPU kernels unavailable ({e}); using the torch fallback",
-                              RuntimeWarning, stacklevel=2)
-                _numba = False
-    return _numba or None
-
-
-def _use_threads(kern) -> int:
-    """Applies set_num_threads's value on the calling thread; returns the thread count.
-
-    Remembered per thread: numba's get/set calls cost tens of microseconds when the caches
-    are cold, as they are between two layers' FFNs."""
-    applied = getattr(_applied, "n", None)
-    if applied is None or (_threads is not None and applied != _threads):
-        if _threads is not None:
-            kern.numba.set_num_threads(_threads)
-        applied = _applied.n = kern.numba.get_num_threads()
-    return applied
-
-
-def available() -> bool:
-    """True when the numba kernels are importable and enabled."""
-    return _kernels() is not None
-
-
-def num_threads() -> int:
-    """Threads the kernels use (numba's pool; 1 on the torch fallback)."""
-    k = _kernels()
-    return _use_threads(k) if k is not None else 1
-
-
-def set_num_threads(n: int) -> None:
-    """Threads for every later kernel call, from any calling thread (1..cores)."""
-    global _threads
-    k = _kernels()
-    if k is not None:
-        n = max(1, min(int(n), k.numba.config.NUMBA_NUM_THREADS))
-        _threads = n
+# The numba state is shared with cpu_quant and cpu_q4 (numba_pool); the short names stay for this module's calls.
+_lock = numba_pool.lock
+_kernels = numba_pool.kernels
+_use_threads = numba_pool.use_threads
+available = numba_pool.available
+num_threads = numba_pool.num_threads
+set_num_threads = numba_pool.set_num_threads
 
 
 @dataclass(eq=False, frozen=True)

@@ -29,9 +29,11 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-# Activation codes; the names are those of docs/ARCHITECTURE.md.
-ACTIVATION_CODES = {"relu": 0, "fatrelu": 1, "drelu": 2, "relu2": 3}
-_RELU, _FATRELU, _DRELU, _RELU2 = 0, 1, 2, 3
+from engine.activations import CODES as ACTIVATION_CODES
+
+# The activation codes the kernels branch on (engine.activations, their one home); numba reads
+# these globals as compile-time constants.
+_RELU, _FATRELU, _DRELU, _RELU2 = (ACTIVATION_CODES[n] for n in ("relu", "fatrelu", "drelu", "relu2"))
 
 # Elements per inner block: the dot keeps vector accumulators inside a block of constant
 # trip count (a variable one stops LLVM vectorising) and issues the prefetches of the row

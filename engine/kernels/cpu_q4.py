@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from engine import host_memory
-from engine.kernels import reference
+from engine.kernels import numba_pool, reference
 
 QK = 32            # weights per block
 BLOCK_BYTES = 18   # fp16 scale + 16 bytes of nibbles
@@ -118,7 +118,7 @@ try:
     from numba import prange, types
     from numba.core import cgutils
     from numba.extending import intrinsic
-except Exception:  # ImportError, or a broken numba/llvmlite install: torch computes instead
+except Exception:  # noqa: BLE001 - ImportError, or a broken numba/llvmlite install: torch computes instead
     numba = None
 
 
@@ -126,9 +126,7 @@ def _kernels():
     """This module (its jitted kernels), or None (no numba, or THERMOCLINE_NO_NUMBA=1)."""
     import sys
 
-    from engine.kernels import cpu as cpu_kernels
-
-    if numba is None or cpu_kernels._kernels() is None:
+    if numba is None or numba_pool.kernels() is None:
         return None
     return sys.modules[__name__]
 
@@ -660,8 +658,6 @@ _DEQUANT_ROWS = 2048
 
 def matvec_q4(x: torch.Tensor, q: torch.Tensor, cols: int) -> torch.Tensor:
     """x fp32 [cols] times every 4-bit row of q uint8 [n, row_bytes(cols)] -> fp32 [n]."""
-    from engine.kernels import cpu as cpu_kernels
-
     kern = _kernels()
     xp = padded(x, cols)
     if kern is None:
@@ -672,8 +668,8 @@ def matvec_q4(x: torch.Tensor, q: torch.Tensor, cols: int) -> torch.Tensor:
         return out
     if q.shape[0] == 0:
         return torch.empty(0, dtype=torch.float32)
-    with cpu_kernels._lock:
-        chunks = _DENSE_CHUNKS_PER_THREAD * cpu_kernels._use_threads(kern)
+    with numba_pool.lock:
+        chunks = _DENSE_CHUNKS_PER_THREAD * numba_pool.use_threads(kern)
         if int8_activations(kern):
             return torch.from_numpy(kern.matvec_q4_avx2(q.numpy(), *_quantized_act(kern, xp.numpy()), chunks))
         return torch.from_numpy(kern.matvec_rows_q4(q.numpy(), xp.numpy(), chunks))
@@ -683,8 +679,6 @@ def matmul_q4(x: torch.Tensor, q: torch.Tensor, cols: int) -> torch.Tensor | Non
     """x fp32 [T, cols] times every 4-bit row of q -> fp32 [T, n] with x quantized to int8
     blocks (the int8 x 4-bit kernel, each row read once for all tokens); None where that
     kernel does not run (no numba or AVX2, or it is turned off): the caller takes another path."""
-    from engine.kernels import cpu as cpu_kernels
-
     kern = _kernels()
     if not int8_activations(kern) or q.shape[0] == 0 or not q.is_contiguous():
         return None
@@ -694,8 +688,8 @@ def matmul_q4(x: torch.Tensor, q: torch.Tensor, cols: int) -> torch.Tensor | Non
     xq = np.empty((tokens, width), dtype=np.int8)
     xd = np.empty((tokens, nb), dtype=np.float32)
     xm = np.empty((tokens, nb, 8), dtype=np.int32)
-    with cpu_kernels._lock:
-        chunks = _DENSE_CHUNKS_PER_THREAD * cpu_kernels._use_threads(kern)
+    with numba_pool.lock:
+        chunks = _DENSE_CHUNKS_PER_THREAD * numba_pool.use_threads(kern)
         kern.quantize_act_q4_rows(xp, xq, xd, xm)
         return torch.from_numpy(kern.matmul_q4_avx2(q.numpy(), xq, xd, xm, chunks))
 
@@ -809,14 +803,12 @@ def _torch_ffn(x, rows: Q4FfnRows, active, activation, act_threshold, out_acts):
 
 
 def _launch(kern, x, rows: Q4FfnRows, idx, pred, pred_ids, pthr, activation, act_threshold, acts):
-    from engine.kernels import cpu as cpu_kernels
-
     xp = padded(x, rows.dim).numpy()
     gate, up, down = rows._numpy_views()
     use_idx, use_pred = idx is not None, pred is not None
     k = idx.shape[0] if use_idx else rows.n_neurons
-    with cpu_kernels._lock:
-        nchunks = max(1, min(cpu_kernels._use_threads(kern), k))
+    with numba_pool.lock:
+        nchunks = max(1, min(numba_pool.use_threads(kern), k))
         if int8_activations(kern):
             y = kern.ffn_rows_q4_avx2(*_quantized_act(kern, xp), gate, up, down, idx if use_idx else _EMPTY_IDS,
                                       use_idx, pred if use_pred else _EMPTY_F32,

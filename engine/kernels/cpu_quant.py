@@ -21,15 +21,15 @@ def quantize_rows_int8(w: torch.Tensor, out_q: torch.Tensor | None = None,
     n, d = w.shape
     q = torch.empty((n, d), dtype=torch.int8) if out_q is None else out_q
     scale = torch.empty(n, dtype=torch.float32) if out_scale is None else out_scale
-    from engine.kernels.cpu import _kernels, _lock, _use_threads  # here: cpu imports us
+    from engine.kernels import numba_pool
 
-    kern = _kernels()
+    kern = numba_pool.kernels()
     for lo in range(0, n, _ROWS_PER_STEP):
         hi = min(n, lo + _ROWS_PER_STEP)
         block = w[lo:hi].detach().to(device="cpu", dtype=torch.float32).contiguous()
         if kern is not None and q.is_contiguous():  # one pass per row, ~memory speed
-            with _lock:
-                _use_threads(kern)
+            with numba_pool.lock:
+                numba_pool.use_threads(kern)
                 kern.quantize_rows_int8(block.numpy(), q[lo:hi].numpy(), scale[lo:hi].numpy())
             continue
         # torch: same fp32 operations, several passes (round/clamp/convert are slow here)

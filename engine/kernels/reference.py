@@ -5,12 +5,8 @@ Row layout (docs/ARCHITECTURE.md): neuron i is row i of `gate` [n, d] (optional)
 and `down_t` [n, d] (= down_proj.weight.T, contiguous). Accumulation is fp32 whatever the
 row dtype.
 
-Activations (the nonlinearity acts on the gate when there is one, else on up):
-  relu     gated: relu(g) * u            ungated: relu(u)
-  fatrelu  as relu, but values below act_threshold become 0 (ProSparse's FATReLU)
-  drelu    gated: relu(g) * relu(u)      ungated: relu(u)
-  relu2    gated: relu(g)^2 * u          ungated: relu(u)^2
-`act_threshold` only matters for fatrelu.
+Activations (the nonlinearity acts on the gate when there is one, else on up): the table of
+`engine.activations`. `act_threshold` only matters for fatrelu.
 """
 
 from __future__ import annotations
@@ -18,26 +14,27 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ACTIVATIONS = ("relu", "fatrelu", "drelu", "relu2")
+from engine import activations as activation_names
 
-
-def check_activation(activation: str) -> None:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+ACTIVATIONS = activation_names.NAMES
+check_activation = activation_names.check
 
 
 def gate_nonlinearity(g: torch.Tensor, activation: str, act_threshold: float = 0.0) -> torch.Tensor:
-    """The nonlinearity applied to the gate (gated FFN) or to up (ungated FFN)."""
+    """The nonlinearity applied to the gate (gated FFN) or to up (ungated FFN). FATReLU at
+    threshold 0 is a plain relu, so NaN stays NaN (a broken checkpoint is caught, not masked)."""
     check_activation(activation)
-    if activation == "fatrelu":
-        return torch.where(g >= act_threshold, g, torch.zeros_like(g))
+    if activation == "fatrelu" and act_threshold > 0:
+        return torch.where(g >= act_threshold, g, torch.zeros((), dtype=g.dtype, device=g.device))
     r = torch.relu(g)
     return r * r if activation == "relu2" else r
 
 
 def activations(g: torch.Tensor | None, u: torch.Tensor, activation: str,
                 act_threshold: float = 0.0) -> torch.Tensor:
-    """Per-neuron activation from the gate and up pre-activations (g None: ungated)."""
+    """Per-neuron activation from the gate and up pre-activations (g None: ungated): the one
+    torch definition, used by the model's dense FFN, the hybrid FFN and every kernel's check;
+    a neuron fired iff its value is not 0."""
     if g is None:
         return gate_nonlinearity(u, activation, act_threshold)
     if activation == "drelu":

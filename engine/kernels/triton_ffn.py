@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-ACTIVATIONS = ("relu", "fatrelu", "drelu", "relu2")
+from engine.activations import NAMES as ACTIVATIONS
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -53,7 +53,7 @@ def _interpret_mode() -> bool:
 def _triton_importable() -> bool:
     try:
         import triton  # noqa: F401
-    except Exception:  # ImportError, or a broken install on an unsupported platform
+    except Exception:  # noqa: BLE001 - ImportError, or a broken install on an unsupported platform
         return False
     return True
 
@@ -76,7 +76,7 @@ def _kernels():
 class LaunchConfig:
     """Block sizes (powers of two) and warps of the kernels. The defaults are a reasoned
     guess for 7B-class layers (d = 4096, n = 11008..14336) on recent NVIDIA GPUs, not yet
-    measured; `python -m engine.kernels.triton_tune` sweeps alternatives on a GPU.
+    measured; `python -m bench.triton_tune` sweeps alternatives on a GPU.
 
     Each program of the row kernel owns `act_chunk_n` neurons; with `packed` it gathers the
     live ones into tiles of `act_tile_n` rows (full loads at any sparsity), without it one

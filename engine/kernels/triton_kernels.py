@@ -13,14 +13,16 @@ contiguous (unit stride along d); rows may have any stride, so views into bundle
 import triton
 import triton.language as tl
 
+from engine.activations import CODES, IDENTITY_CODE
+
 # Activation codes. Globals read inside @triton.jit must be constexpr; the launcher passes
 # the plain ints of ACTIVATION_CODES. IDENTITY is internal: the predictor's fc2 uses it.
-RELU = tl.constexpr(0)
-FATRELU = tl.constexpr(1)
-DRELU = tl.constexpr(2)
-RELU2 = tl.constexpr(3)
-IDENTITY = tl.constexpr(4)
-ACTIVATION_CODES = {"relu": 0, "fatrelu": 1, "drelu": 2, "relu2": 3, "identity": 4}
+RELU = tl.constexpr(CODES["relu"])
+FATRELU = tl.constexpr(CODES["fatrelu"])
+DRELU = tl.constexpr(CODES["drelu"])
+RELU2 = tl.constexpr(CODES["relu2"])
+IDENTITY = tl.constexpr(IDENTITY_CODE)
+ACTIVATION_CODES = {**CODES, "identity": IDENTITY_CODE}
 
 
 @triton.jit

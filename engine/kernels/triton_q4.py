@@ -20,10 +20,12 @@ import functools
 
 import torch
 
+from engine.activations import CODES, IDENTITY_CODE
+
 from .cpu_q4 import BLOCK_BYTES, QK, n_blocks, row_bytes
 from .triton_ffn import ACTIVATIONS, available  # noqa: F401  (available: re-exported)
 
-_CODES = {"relu": 0, "fatrelu": 1, "drelu": 2, "relu2": 3, "identity": 4}
+_CODES = {**CODES, "identity": IDENTITY_CODE}
 BLOCK_N = 32
 
 

@@ -1,7 +1,7 @@
 """Measure the Triton sparse FFN launch configurations on a GPU and print JSON.
 
-    python -m engine.kernels.triton_tune [--fraction 0.1] [--json]
-    TRITON_INTERPRET=1 python -m engine.kernels.triton_tune --smoke   (CPU, tiny shapes:
+    python -m bench.triton_tune [--fraction 0.1] [--json]
+    TRITON_INTERPRET=1 python -m bench.triton_tune --smoke   (CPU, tiny shapes:
                                                                       checks the script only)
 
 For 7B-class layer shapes at the given active fraction it times dense cuBLAS (the
@@ -24,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .triton_ffn import LaunchConfig, available, ffn_activations_triton, predictor_torch, \
+from engine.kernels.triton_ffn import LaunchConfig, available, ffn_activations_triton, predictor_torch, \
     predictor_triton, sparse_ffn_triton, with_overrides
 
 # (name, d, n, activation, gated): LLaMA-2-7B / ReluLLaMA, Mistral-7B / TurboSparse.

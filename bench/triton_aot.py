@@ -5,7 +5,7 @@ compile: constexpr rules, types across branches and register use only show up in
 compiler. This lowers each variant the launcher can ask for to a cubin for the given
 architectures (triton ships ptxas) and reports registers and spills from `ptxas -v`.
 
-    python -m engine.kernels.triton_aot [--arch 90 --arch 80] [--quick] [--json]
+    python -m bench.triton_aot [--arch 90 --arch 80] [--quick] [--json]
                                         (default: sm_90, every variant)
 
 Exit status 1 when a variant fails to compile or spills registers.
@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 
-from .triton_ffn import DEFAULT_CONFIG, PREDICTOR_CONFIG, LaunchConfig
+from engine.kernels.triton_ffn import DEFAULT_CONFIG, PREDICTOR_CONFIG, LaunchConfig
 
 # Interpreted kernels cannot be compiled; this tool needs the real decorators.
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -31,7 +31,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from . import triton_kernels as K  # noqa: E402
+from engine.kernels import triton_kernels as K  # noqa: E402
 
 
 def _ptxas_stats(ptx: str, arch: int) -> dict:
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
                 row.update(_compile(fn, sig, consts, warps, arch))
                 # Every variant must read its weight rows with 128-bit loads.
                 failed |= row["spill_bytes"] > 0 or row["vector_loads"] == 0
-            except Exception as e:  # report every failing variant, not just the first
+            except Exception as e:  # noqa: BLE001 - report every failing variant, not just the first
                 row["error"] = f"{type(e).__name__}: {e}"[:2000]
                 failed = True
             results.append(row)

@@ -1,0 +1,71 @@
+"""The numba kernels' shared state: the loaded kernel module, the launch lock and the thread count.
+
+Every CPU kernel family (`cpu` fp32/int8, `cpu_quant`, `cpu_q4`) launches through this one
+state, so a thread count set once applies to all of them and no two launches overlap.
+
+    kern = numba_pool.kernels()          # the cpu_numba module, or None (torch fallback)
+    with numba_pool.lock:
+        threads = numba_pool.use_threads(kern)
+        kern.some_kernel(..., threads)
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+
+lock = threading.Lock()  # numba's workqueue threading layer aborts on concurrent launches
+_numba = None  # the cpu_numba module once imported; False when unavailable (tests set False)
+_threads = None  # set_num_threads's value; numba's own setting is per calling thread
+_applied = threading.local()  # .n: the count last applied on this calling thread
+
+
+def kernels():
+    """The cpu_numba module, or None when numba is missing or disabled (THERMOCLINE_NO_NUMBA=1)."""
+    global _numba
+    if _numba is None:
+        if os.environ.get("THERMOCLINE_NO_NUMBA", "").strip() not in ("", "0"):
+            _numba = False
+        else:
+            try:
+                from engine.kernels import cpu_numba
+                _numba = cpu_numba
+            except Exception as e:  # noqa: BLE001 - ImportError, or a broken numba/llvmlite install
+                warnings.warn(f"numba CPU kernels unavailable ({e}); using the torch fallback",
+                              RuntimeWarning, stacklevel=2)
+                _numba = False
+    return _numba or None
+
+
+def use_threads(kern) -> int:
+    """Applies set_num_threads's value on the calling thread; returns the thread count.
+
+    Remembered per thread: numba's get/set calls cost tens of microseconds when the caches
+    are cold, as they are between two layers' FFNs."""
+    applied = getattr(_applied, "n", None)
+    if applied is None or (_threads is not None and applied != _threads):
+        if _threads is not None:
+            kern.numba.set_num_threads(_threads)
+        applied = _applied.n = kern.numba.get_num_threads()
+    return applied
+
+
+def available() -> bool:
+    """True when the numba kernels are importable and enabled."""
+    return kernels() is not None
+
+
+def num_threads() -> int:
+    """Threads the kernels use (numba's pool; 1 on the torch fallback)."""
+    k = kernels()
+    return use_threads(k) if k is not None else 1
+
+
+def set_num_threads(n: int) -> None:
+    """Threads for every later kernel call, from any calling thread (1..cores)."""
+    global _threads
+    k = kernels()
+    if k is not None:
+        n = max(1, min(int(n), k.numba.config.NUMBA_NUM_THREADS))
+        _threads = n
