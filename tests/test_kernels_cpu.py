@@ -481,15 +481,19 @@ needs_q8 = pytest.mark.skipif(not cpu.int8_activations_available(128),
                               reason="no AVX2 host or numba: the int8-activation kernel does not run")
 
 
-def _q8_reference(x, q, scale, block):
-    """x quantized per block of `block` values as the kernel documents (scale = max|x| / 127,
-    round half to even, clamp), then the product in float64."""
+def _q8_dequantized(x, block):
+    """x [T, d] quantized per block of `block` values as the kernels document (scale =
+    max|x| / 127, round half to even, clamp), back in float64."""
     T, d = x.shape
     xb = x.double().reshape(T, d // block, block)
     s = xb.abs().amax(dim=2, keepdim=True) / 127.0
     xq = torch.where(s > 0, torch.round(xb / torch.where(s > 0, s, torch.ones_like(s))), torch.zeros_like(xb))
-    xd = (xq.clamp(-127, 127) * s).reshape(T, d)
-    return xd @ (q.double() * scale.double()[:, None]).T
+    return (xq.clamp(-127, 127) * s).reshape(T, d)
+
+
+def _q8_reference(x, q, scale, block):
+    """x quantized per block (`_q8_dequantized`), then the product in float64."""
+    return _q8_dequantized(x, block) @ (q.double() * scale.double()[:, None]).T
 
 
 @needs_q8
@@ -559,20 +563,25 @@ def test_sparse_ffn_tokens_matches_fp64_per_token(monkeypatch, use_numba, quant,
         pytest.skip("numba missing or disabled")
     if not use_numba:
         monkeypatch.setattr(cpu, "_numba", False)
-    shapes = [(64, 256, 1), (300, 200, 5), (777, 1000, 19)] if use_numba else [(300, 200, 5)]
+    # T <= 4 runs the decode kernel per token; int8 rows with d a multiple of 128 on an AVX2
+    # host run int8 x int8 with the tokens quantized in blocks (the reference does the same)
+    shapes = [(64, 256, 1), (300, 200, 5), (777, 1000, 19), (130, 384, 9), (513, 512, 33)] if use_numba \
+        else [(300, 200, 5)]
     for seed, (n, d, T) in enumerate(shapes):
         _, gate, up, down_t, g = _rows(n, d, gated, seed + 11)
         rows = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant=quant)
         xs = torch.randn(T, d, generator=g)
         logits = torch.randn(T, n, generator=g)
         logits[0] = -5.0  # a token that selects nothing
+        q8 = use_numba and quant == "int8" and T > cpu._TOKENS_AS_DECODE and cpu.int8_activations_available(d)
+        xs_ref = _q8_dequantized(xs, 128) if q8 else xs.double()
         for pred in (logits, None):
             ys = cpu.sparse_ffn_tokens(xs, rows, pred, 0.8, activation, FAT_THRESHOLD)
             assert ys.dtype == torch.float32 and ys.shape == (T, d)
             dg, du, dd = rows.dequantized()
             for t in range(T):
                 active = None if pred is None else torch.nonzero(pred[t] >= 0.8).flatten()
-                y_ref, a_all = _dense_masked(xs[t], dg, du, dd, active, activation, FAT_THRESHOLD)
+                y_ref, a_all = _dense_masked(xs_ref[t], dg, du, dd, active, activation, FAT_THRESHOLD)
                 scale = (a_all.abs() @ dd.double().abs()).max().item()
                 _close(ys[t], y_ref, scale)
             if pred is not None:
@@ -581,10 +590,12 @@ def test_sparse_ffn_tokens_matches_fp64_per_token(monkeypatch, use_numba, quant,
 
 @needs_numba
 @pytest.mark.parametrize("quant", cpu.QUANTS)
-def test_sparse_ffn_tokens_equals_decoding_each_token(quant):
+@pytest.mark.parametrize("T", [3, 12])
+def test_sparse_ffn_tokens_equals_decoding_each_token(quant, T):
     """The prefill kernel computes what the decode kernel computes for each token alone,
-    including over a subset of a layer's rows addressed by row ids."""
-    n, d, T = 500, 384, 12
+    including over a subset of a layer's rows addressed by row ids (d 200: the fp32-activation
+    kernels; int8 x int8 is checked against its fp64 reference above)."""
+    n, d = 500, 200
     _, gate, up, down_t, g = _rows(n, d, True, 5)
     rows = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant=quant)
     xs = torch.randn(T, d, generator=g)
