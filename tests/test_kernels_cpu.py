@@ -615,3 +615,49 @@ def test_sparse_ffn_tokens_refuses_bad_shapes():
         cpu.sparse_ffn_tokens(torch.randn(3, 16), rows, torch.randn(3, 11), 0.0, "relu")
     with pytest.raises(ValueError):
         cpu.sparse_ffn_tokens(torch.randn(3, 16), rows, None, 0.0, "gelu")
+
+
+# ---- decode attention over the 16-bit CPU KV cache ------------------------------------------
+@pytest.mark.parametrize("use_numba", [True, False], ids=["numba", "torch"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,length", [(4, 4, 16, 1), (8, 2, 64, 37), (32, 32, 128, 300),
+                                                            (6, 3, 80, 5), (16, 1, 32, 129)])
+def test_decode_attention_matches_fp64(monkeypatch, use_numba, heads, kv_heads, head_dim, length):
+    """One query against the first `length` slots of an fp16 cache == softmax(q k^T s) v in
+    float64 over the same fp16 keys and values, grouped query heads included."""
+    if use_numba and not cpu.available():
+        pytest.skip("numba missing or disabled")
+    if not use_numba:
+        monkeypatch.setattr(cpu, "_numba", False)
+    g = torch.Generator().manual_seed(length + heads)
+    slots = length + 9  # positions past `length` hold other data and must not be read
+    q = torch.randn(heads, head_dim, generator=g)
+    k = (torch.randn(kv_heads, slots, head_dim, generator=g) * 3).half()
+    v = torch.randn(kv_heads, slots, head_dim, generator=g).half()
+    k[:, length:] = 1000.0
+    scale = head_dim ** -0.5
+    out = cpu.decode_attention(q, k, v, length, scale)
+    assert out.dtype == torch.float32 and out.shape == (heads, head_dim)
+    qd = q.double().reshape(kv_heads, heads // kv_heads, head_dim)
+    ref = torch.softmax(qd @ k[:, :length].double().transpose(1, 2) * scale, -1) @ v[:, :length].double()
+    torch.testing.assert_close(out.double(), ref.reshape(heads, head_dim), rtol=1e-5, atol=1e-5)
+    # an fp32 cache (the kernel's other specialisation), and a strided one (torch's path)
+    for k32, v32 in ((k.float(), v.float()), (k.float().transpose(0, 1).contiguous().transpose(0, 1), v.float())):
+        out32 = cpu.decode_attention(q, k32, v32, length, scale)
+        torch.testing.assert_close(out32.double(), ref.reshape(heads, head_dim), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_kv_cache_is_16_bit_and_clamps():
+    from engine.kv_cache import KVCache
+
+    assert KVCache(1, 2, 8, 16, [torch.float32], [torch.device("cpu")], cpu_16bit=False).k[0].dtype == torch.float32
+    cache = KVCache(2, 2, 8, 16, [torch.float32, torch.float16], [torch.device("cpu")] * 2, cpu_16bit=True)
+    assert cache.k[0].dtype == torch.float16 and cache.k[1].dtype == torch.float16
+    assert cache.storage_dtype("cpu", torch.bfloat16) == torch.bfloat16
+    assert cache.storage_dtype("cuda", torch.float32) == torch.float32
+    k = torch.randn(2, 3, 8)
+    k[0, 0, 0] = 1e6  # beyond fp16: stored as its largest finite value, not inf
+    cache.prepare(0, 3)
+    cache.write(0, k, -k, 0)
+    keys, values = cache.keys_values(0, 3)
+    assert torch.isfinite(keys).all() and float(keys[0, 0, 0]) == 65504.0
+    torch.testing.assert_close(keys[1].float(), k[1], rtol=1e-3, atol=1e-3)

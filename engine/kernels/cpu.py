@@ -430,6 +430,9 @@ def warmup(quants: tuple[str, ...] = QUANTS, batch: bool = False, dense: bool = 
             kern.matvec_rows(wn, xn, 1)
             kern.combine_rows(xn, wn, 1)
             kern.matvec_rows_int8(q.numpy(), scale.numpy(), xn, 1)
+        for dtype in _CACHE_VIEWS:  # the KV caches (fp32, 16-bit)
+            cache = torch.zeros(1, 4, 8, dtype=dtype)
+            decode_attention(torch.randn(2, 8, generator=g), cache, cache, 2, 0.35)
         if int8_activations_available(128):
             rows = CpuFfnRows.from_dense(*torch.randn(3, 8, 128, generator=g), quant="int8")
             sparse_ffn_tokens(torch.randn(_TOKENS_AS_DECODE + 1, 128, generator=g), rows, None, 0.0, "relu")
@@ -438,10 +441,12 @@ def warmup(quants: tuple[str, ...] = QUANTS, batch: bool = False, dense: bool = 
             xs = np.ones((1, 1), dtype=np.float32)
             kern.quantize_act_q8(np.zeros((1, 128), dtype=np.float32), xq, xs)
             kern.matmul_q8_avx2(wq.numpy(), ws.numpy(), xq, xs, 1)
+            kern.linear_q8(wq.numpy(), ws.numpy(), np.zeros((1, 128), dtype=np.float32), 1)
     fns = ((kern.ffn_rows, kern.quantize_rows_int8) + ((kern.ffn_rows_tokens,) if quants else ())
            + ((kern.ffn_rows_batch,) if batch else ())
-           + ((kern.matvec_rows, kern.combine_rows, kern.matvec_rows_int8) if dense else ())
-           + ((kern.quantize_act_q8, kern.matmul_q8_avx2, kern.ffn_rows_tokens_q8)
+           + ((kern.matvec_rows, kern.combine_rows, kern.matvec_rows_int8, kern.decode_attention_cache)
+              if dense else ())
+           + ((kern.quantize_act_q8, kern.matmul_q8_avx2, kern.ffn_rows_tokens_q8, kern.linear_q8)
               if dense and int8_activations_available(128) else ()))
     return {"seconds": time.perf_counter() - t0,
             "cache_hits": sum(sum(f.stats.cache_hits.values()) for f in fns),
@@ -513,13 +518,9 @@ def matmul_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
         return None
     kern = _kernels()
     xn = _numpy(x, torch.float32)
-    tokens = xn.shape[0]
-    xq = np.empty((tokens, d), dtype=np.int8)
-    xs = np.empty((tokens, d // kern._ACT_BLOCK), dtype=np.float32)
-    with _lock:
-        kern.quantize_act_q8(xn, xq, xs)
-        return torch.from_numpy(kern.matmul_q8_avx2(q.numpy(), scale.numpy(), xq, xs,
-                                                    _DENSE_CHUNKS_PER_THREAD * _use_threads(kern)))
+    with _lock:  # quantize and multiply in one call: one Python transition per product
+        return torch.from_numpy(kern.linear_q8(q.numpy(), scale.numpy(), xn,
+                                               _DENSE_CHUNKS_PER_THREAD * _use_threads(kern)))
 
 
 # Rows dequantized at a time where torch computes over int8 rows: bounds the fp32 copy.
@@ -539,21 +540,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scale: float) -> torch.Tensor:
     """softmax(q k^T * scale) v for one query token over positions 0..length-1: q fp32 [H, hd],
     k_cache/v_cache [kv_heads, slots, hd] (a layer's whole cache, fp16 or fp32; query head h
-    reads kv head h // (H // kv_heads)) -> fp32 [H, hd]. A contiguous fp16 cache goes through
-    the numba kernel (no fp32 copy of the cache); otherwise torch's batched products."""
+    reads kv head h // (H // kv_heads)) -> fp32 [H, hd]. A contiguous CPU cache goes through
+    one numba call (no fp32 copy of an fp16 cache); otherwise torch's batched products."""
     H, hd = q.shape
     kvh = k_cache.shape[0]
     kern = _kernels()
-    if (kern is not None and k_cache.dtype == torch.float16 and v_cache.dtype == torch.float16
+    if (kern is not None and k_cache.dtype in _CACHE_VIEWS and v_cache.dtype == k_cache.dtype
             and k_cache.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous()
             and 0 < length <= k_cache.shape[1] and H % kvh == 0):
+        view = _CACHE_VIEWS[k_cache.dtype]
         out = np.empty((H, hd), dtype=np.float32)
         with _lock:
             _use_threads(kern)
-            kern.decode_attention_f16(_numpy(q, torch.float32), k_cache.view(torch.int16).numpy(),
-                                      v_cache.view(torch.int16).numpy(), int(length), float(scale), out)
+            kern.decode_attention_cache(_numpy(q, torch.float32), k_cache.view(view).numpy(),
+                                        v_cache.view(view).numpy(), int(length), float(scale), out)
         return torch.from_numpy(out)
     qg = q.float().reshape(kvh, H // kvh, hd)
     keys, values = k_cache[:, :length].float(), v_cache[:, :length].float()
     scores = torch.softmax(torch.bmm(qg, keys.transpose(1, 2)) * scale, dim=-1)
     return torch.bmm(scores, values).reshape(H, hd)
+
+
+# Cache dtypes the attention kernel reads, and the dtype numba sees them as (it has no fp16).
+_CACHE_VIEWS = {torch.float16: torch.int16, torch.float32: torch.float32}

@@ -27,7 +27,7 @@ import numpy as np
 from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 # Activation codes; the names are those of docs/ARCHITECTURE.md.
 ACTIVATION_CODES = {"relu": 0, "fatrelu": 1, "drelu": 2, "relu2": 3}
@@ -875,12 +875,23 @@ def _half_bits_to_float(typingctx, bits):
     return sig, codegen
 
 
+def _kv_value(v):
+    """A cache element as fp32: fp16 bits (int16) widened, fp32 as is."""
+
+
+@overload(_kv_value, inline="always")
+def _kv_value_impl(v):
+    if isinstance(v, types.Integer):
+        return lambda v: _half_bits_to_float(v)
+    return lambda v: np.float32(v)
+
+
 @_njit(parallel=True, fastmath=True)
-def decode_attention_f16(q, kc, vc, length, scale, out):
+def decode_attention_cache(q, kc, vc, length, scale, out):
     """One query token against positions 0..length-1 of a layer's cache: q fp32 [H, hd],
-    kc/vc int16 [kv_heads, slots, hd] (fp16 bits), out fp32 [H, hd]; query head h reads kv
-    head h // (H // kv_heads). Scores, softmax (max-subtracted, fp32) and the weighted sum
-    of values in one pass per head, without fp32 copies of the cache."""
+    kc/vc [kv_heads, slots, hd] fp32 or int16 (fp16 bits), out fp32 [H, hd]; query head h
+    reads kv head h // (H // kv_heads). Scores, softmax (max-subtracted, fp32) and the
+    weighted sum of values in one call, heads over the threads, no copies of the cache."""
     H, hd = q.shape
     group = H // kc.shape[0]
     scale = np.float32(scale)
@@ -891,7 +902,7 @@ def decode_attention_f16(q, kc, vc, length, scale, out):
         for p in range(length):
             a = np.float32(0.0)
             for j in range(hd):
-                a += q[h, j] * _half_bits_to_float(kc[g, p, j])
+                a += q[h, j] * _kv_value(kc[g, p, j])
             a *= scale
             s[p] = a
             if a > m:
@@ -905,7 +916,18 @@ def decode_attention_f16(q, kc, vc, length, scale, out):
         for p in range(length):
             w = s[p]
             for j in range(hd):
-                acc[j] += w * _half_bits_to_float(vc[g, p, j])
+                acc[j] += w * _kv_value(vc[g, p, j])
         inv = np.float32(1.0) / total
         for j in range(hd):
             out[h, j] = acc[j] * inv
+
+
+@_njit()
+def linear_q8(q, scale, x, nchunks):
+    """matmul_q8_avx2 of x fp32 [T, d] quantized by quantize_act_q8, in one call from Python
+    (one transition per product instead of two, and no Python-side buffers)."""
+    T, d = x.shape
+    xq = np.empty((T, d), dtype=np.int8)
+    xs = np.empty((T, d // _ACT_BLOCK), dtype=np.float32)
+    quantize_act_q8(x, xq, xs)
+    return matmul_q8_avx2(q, scale, xq, xs, nchunks)
