@@ -1,30 +1,49 @@
 """A static KV cache, preallocated for the context and written in place.
 
 Shapes never change between steps (gpt-fast): keys and values of layer l live in
-`k[l]`, `v[l]` of shape [kv_heads, slots, head_dim]. Models with a sliding window may
+`k[l]`, `v[l]` of shape [kv_heads, slots, head_dim] (fp16 for fp32 CPU layers with
+`cpu_16bit`). Models with a sliding window may
 run past the context: slots are then reused round-robin and `slot_pos` remembers which
 absolute position each slot holds, so the attention mask stays exact.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .errors import ContextFullError
 
+_F16_MAX = 65504.0
+
 
 class KVCache:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, slots: int,
-                 dtypes: list[torch.dtype], devices: list[torch.device], sliding_window: int | None = None):
+                 dtypes: list[torch.dtype], devices: list[torch.device], sliding_window: int | None = None,
+                 cpu_16bit: bool | None = None):
+        # Opt-in for now (THERMOCLINE_KV16=1): the placement planner counts the cache in the
+        # compute dtype, and the exactness tests against transformers expect fp32 keys.
+        self.cpu_16bit = (os.environ.get("THERMOCLINE_KV16", "").strip() not in ("", "0")
+                          if cpu_16bit is None else cpu_16bit)
         self.slots = slots
         self.rolling = sliding_window is not None and sliding_window <= slots
         self.window = sliding_window
-        # Each layer's cache lives with its layer, in that layer's compute dtype.
-        self.k = [torch.zeros(kv_heads, slots, head_dim, dtype=dtypes[i], device=devices[i]) for i in range(num_layers)]
-        self.v = [torch.zeros(kv_heads, slots, head_dim, dtype=dtypes[i], device=devices[i]) for i in range(num_layers)]
+        # Each layer's cache lives with its layer, in `storage_dtype` of its compute dtype.
+        self.k = [torch.zeros(kv_heads, slots, head_dim, dtype=self.storage_dtype(devices[i], dtypes[i]),
+                              device=devices[i]) for i in range(num_layers)]
+        self.v = [torch.zeros_like(k) for k in self.k]
         # Bookkeeping stays on the CPU; masks are moved to a layer's device when used.
         self.slot_pos = torch.full((slots,), -1, dtype=torch.long)
         self.length = 0  # positions 0 .. length-1 have been written
+
+    def storage_dtype(self, device: torch.device | str, dtype: torch.dtype) -> torch.dtype:
+        """The cache's dtype for a layer computing in `dtype` on `device`: with `cpu_16bit`,
+        fp16 for fp32 CPU layers (half the bytes each decoded token reads in a long chat;
+        llama.cpp's default), else the compute dtype."""
+        if self.cpu_16bit and torch.device(device).type == "cpu" and dtype == torch.float32:
+            return torch.float16
+        return dtype
 
     @property
     def nbytes(self) -> int:
@@ -58,6 +77,8 @@ class KVCache:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """k, v: [kv_heads, T, head_dim] for positions start .. start+T-1."""
         count = k.shape[1]
+        if self.k[layer].dtype == torch.float16 and k.dtype != torch.float16:
+            k, v = k.clamp(-_F16_MAX, _F16_MAX), v.clamp(-_F16_MAX, _F16_MAX)  # no inf in the cache
         if self.rolling:
             first = start % self.slots
             if first + count <= self.slots:

@@ -230,7 +230,14 @@ class Transformer:
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
         cache.write(index, k, v, start)
+        if count == 1 and mask is None and q.device.type == "cpu" and not cache.rolling:
+            # Decode on the CPU: one numba call over the cache, fp32 or 16-bit (cpu.decode_attention).
+            out = cpu_kernels.decode_attention(q[:, 0], cache.k[index], cache.v[index], start + count,
+                                               self.scale).to(q.dtype).reshape(1, self.q_size)
+            return linear(out, layer.out, layer.out_bias)
         keys, values = cache.keys_values(index, start + count)
+        if keys.dtype != q.dtype:  # a 16-bit CPU cache under fp32 compute
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
         if count == 1 and mask is None:
             # Decode: group query heads by their KV head, two small batched matmuls.
             group = cfg.num_heads // cfg.num_kv_heads

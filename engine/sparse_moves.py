@@ -130,8 +130,9 @@ class TierMoves:
                 norm.bias = None if norm.bias is None else norm.bias.to(device, dtype)
         layer.device = device
         self.place_predictor(i, to_fast)
-        self.cache.k[i] = self.cache.k[i].to(device, dtype)  # the conversation moves with its layer
-        self.cache.v[i] = self.cache.v[i].to(device, dtype)
+        kv_dtype = self.cache.storage_dtype(device, dtype)  # the conversation moves with its layer
+        self.cache.k[i] = self.cache.k[i].to(device, kv_dtype)
+        self.cache.v[i] = self.cache.v[i].to(device, kv_dtype)
         self._ensure_rotary(device, dtype)
 
     def _move_neurons(self, ffn: HybridFfn, new_hot: np.ndarray) -> None:

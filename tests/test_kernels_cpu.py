@@ -483,15 +483,19 @@ needs_q8 = pytest.mark.skipif(not cpu.int8_activations_available(128),
                               reason="no AVX2 host or numba: the int8-activation kernel does not run")
 
 
-def _q8_reference(x, q, scale, block):
-    """x quantized per block of `block` values as the kernel documents (scale = max|x| / 127,
-    round half to even, clamp), then the product in float64."""
+def _q8_dequantized(x, block):
+    """x [T, d] quantized per block of `block` values as the kernels document (scale =
+    max|x| / 127, round half to even, clamp), back in float64."""
     T, d = x.shape
     xb = x.double().reshape(T, d // block, block)
     s = xb.abs().amax(dim=2, keepdim=True) / 127.0
     xq = torch.where(s > 0, torch.round(xb / torch.where(s > 0, s, torch.ones_like(s))), torch.zeros_like(xb))
-    xd = (xq.clamp(-127, 127) * s).reshape(T, d)
-    return xd @ (q.double() * scale.double()[:, None]).T
+    return (xq.clamp(-127, 127) * s).reshape(T, d)
+
+
+def _q8_reference(x, q, scale, block):
+    """x quantized per block (`_q8_dequantized`), then the product in float64."""
+    return _q8_dequantized(x, block) @ (q.double() * scale.double()[:, None]).T
 
 
 @needs_q8
@@ -561,20 +565,25 @@ def test_sparse_ffn_tokens_matches_fp64_per_token(monkeypatch, use_numba, quant,
         pytest.skip("numba missing or disabled")
     if not use_numba:
         monkeypatch.setattr(numba_pool, "_numba", False)
-    shapes = [(64, 256, 1), (300, 200, 5), (777, 1000, 19)] if use_numba else [(300, 200, 5)]
+    # T <= 4 runs the decode kernel per token; int8 rows with d a multiple of 128 on an AVX2
+    # host run int8 x int8 with the tokens quantized in blocks (the reference does the same)
+    shapes = [(64, 256, 1), (300, 200, 5), (777, 1000, 19), (130, 384, 9), (513, 512, 33)] if use_numba \
+        else [(300, 200, 5)]
     for seed, (n, d, T) in enumerate(shapes):
         _, gate, up, down_t, g = _rows(n, d, gated, seed + 11)
         rows = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant=quant)
         xs = torch.randn(T, d, generator=g)
         logits = torch.randn(T, n, generator=g)
         logits[0] = -5.0  # a token that selects nothing
+        q8 = use_numba and quant == "int8" and T > cpu._TOKENS_AS_DECODE and cpu.int8_activations_available(d)
+        xs_ref = _q8_dequantized(xs, 128) if q8 else xs.double()
         for pred in (logits, None):
             ys = cpu.sparse_ffn_tokens(xs, rows, pred, 0.8, activation, FAT_THRESHOLD)
             assert ys.dtype == torch.float32 and ys.shape == (T, d)
             dg, du, dd = rows.dequantized()
             for t in range(T):
                 active = None if pred is None else torch.nonzero(pred[t] >= 0.8).flatten()
-                y_ref, a_all = _dense_masked(xs[t], dg, du, dd, active, activation, FAT_THRESHOLD)
+                y_ref, a_all = _dense_masked(xs_ref[t], dg, du, dd, active, activation, FAT_THRESHOLD)
                 scale = (a_all.abs() @ dd.double().abs()).max().item()
                 _close(ys[t], y_ref, scale)
             if pred is not None:
@@ -583,10 +592,12 @@ def test_sparse_ffn_tokens_matches_fp64_per_token(monkeypatch, use_numba, quant,
 
 @needs_numba
 @pytest.mark.parametrize("quant", cpu.QUANTS)
-def test_sparse_ffn_tokens_equals_decoding_each_token(quant):
+@pytest.mark.parametrize("T", [3, 12])
+def test_sparse_ffn_tokens_equals_decoding_each_token(quant, T):
     """The prefill kernel computes what the decode kernel computes for each token alone,
-    including over a subset of a layer's rows addressed by row ids."""
-    n, d, T = 500, 384, 12
+    including over a subset of a layer's rows addressed by row ids (d 200: the fp32-activation
+    kernels; int8 x int8 is checked against its fp64 reference above)."""
+    n, d = 500, 200
     _, gate, up, down_t, g = _rows(n, d, True, 5)
     rows = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant=quant)
     xs = torch.randn(T, d, generator=g)
@@ -606,3 +617,49 @@ def test_sparse_ffn_tokens_refuses_bad_shapes():
         cpu.sparse_ffn_tokens(torch.randn(3, 16), rows, torch.randn(3, 11), 0.0, "relu")
     with pytest.raises(ValueError):
         cpu.sparse_ffn_tokens(torch.randn(3, 16), rows, None, 0.0, "gelu")
+
+
+# ---- decode attention over the 16-bit CPU KV cache ------------------------------------------
+@pytest.mark.parametrize("use_numba", [True, False], ids=["numba", "torch"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,length", [(4, 4, 16, 1), (8, 2, 64, 37), (32, 32, 128, 300),
+                                                            (6, 3, 80, 5), (16, 1, 32, 129)])
+def test_decode_attention_matches_fp64(monkeypatch, use_numba, heads, kv_heads, head_dim, length):
+    """One query against the first `length` slots of an fp16 cache == softmax(q k^T s) v in
+    float64 over the same fp16 keys and values, grouped query heads included."""
+    if use_numba and not cpu.available():
+        pytest.skip("numba missing or disabled")
+    if not use_numba:
+        monkeypatch.setattr(numba_pool, "_numba", False)
+    g = torch.Generator().manual_seed(length + heads)
+    slots = length + 9  # positions past `length` hold other data and must not be read
+    q = torch.randn(heads, head_dim, generator=g)
+    k = (torch.randn(kv_heads, slots, head_dim, generator=g) * 3).half()
+    v = torch.randn(kv_heads, slots, head_dim, generator=g).half()
+    k[:, length:] = 1000.0
+    scale = head_dim ** -0.5
+    out = cpu.decode_attention(q, k, v, length, scale)
+    assert out.dtype == torch.float32 and out.shape == (heads, head_dim)
+    qd = q.double().reshape(kv_heads, heads // kv_heads, head_dim)
+    ref = torch.softmax(qd @ k[:, :length].double().transpose(1, 2) * scale, -1) @ v[:, :length].double()
+    torch.testing.assert_close(out.double(), ref.reshape(heads, head_dim), rtol=1e-5, atol=1e-5)
+    # an fp32 cache (the kernel's other specialisation), and a strided one (torch's path)
+    for k32, v32 in ((k.float(), v.float()), (k.float().transpose(0, 1).contiguous().transpose(0, 1), v.float())):
+        out32 = cpu.decode_attention(q, k32, v32, length, scale)
+        torch.testing.assert_close(out32.double(), ref.reshape(heads, head_dim), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_kv_cache_is_16_bit_and_clamps():
+    from engine.kv_cache import KVCache
+
+    assert KVCache(1, 2, 8, 16, [torch.float32], [torch.device("cpu")], cpu_16bit=False).k[0].dtype == torch.float32
+    cache = KVCache(2, 2, 8, 16, [torch.float32, torch.float16], [torch.device("cpu")] * 2, cpu_16bit=True)
+    assert cache.k[0].dtype == torch.float16 and cache.k[1].dtype == torch.float16
+    assert cache.storage_dtype("cpu", torch.bfloat16) == torch.bfloat16
+    assert cache.storage_dtype("cuda", torch.float32) == torch.float32
+    k = torch.randn(2, 3, 8)
+    k[0, 0, 0] = 1e6  # beyond fp16: stored as its largest finite value, not inf
+    cache.prepare(0, 3)
+    cache.write(0, k, -k, 0)
+    keys, values = cache.keys_values(0, 3)
+    assert torch.isfinite(keys).all() and float(keys[0, 0, 0]) == 65504.0
+    torch.testing.assert_close(keys[1].float(), k[1], rtol=1e-3, atol=1e-3)

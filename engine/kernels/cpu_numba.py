@@ -27,7 +27,7 @@ import numpy as np
 from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from engine.activations import CODES as ACTIVATION_CODES
 
@@ -672,3 +672,264 @@ def ffn_rows_tokens(xs, gate, gate_s, up, up_s, down, down_s, pred, pthr, use_pr
                     for j in range(lo, hi):
                         ys[t, j] += a * np.float32(down[i, j])
     return ys
+
+
+# ---- many tokens over int8 rows, int8 x int8 (a sparse prefill on AVX2 hosts) --------------
+# `ffn_rows_tokens` converts every int8 weight to fp32 once per token that selects its row;
+# a 200-token prefill of one 7B layer spent about 1.3 s there. Here the tokens' activations
+# are quantized in blocks (as `matmul_q8_avx2` does) and each row runs against four tokens
+# per pass in int8: |w| is taken once per 32 weights and shared by the four products.
+
+def _dot_row_q8_codegen(ntok):
+    """Codegen of `_dot_row_q8x{ntok}_avx2`: (q[i] . x[t_k]) for ntok tokens, fp32."""
+
+    def codegen(context, builder, signature, args):
+        qty, ity, xty, xsty = signature.args[:4]
+        qa = context.make_array(qty)(context, builder, args[0])
+        xa = context.make_array(xty)(context, builder, args[2])
+        xsa = context.make_array(xsty)(context, builder, args[3])
+        i64 = ir.IntType(64)
+        zero64 = i64(0)
+        row = context.cast(builder, args[1], ity, types.int64)
+        toks = [context.cast(builder, args[4 + k], signature.args[4 + k], types.int64) for k in range(ntok)]
+        v32i8 = ir.VectorType(ir.IntType(8), 32)
+        v16i16 = ir.VectorType(ir.IntType(16), 16)
+        v8i32 = ir.VectorType(ir.IntType(32), 8)
+        v8f32 = ir.VectorType(ir.FloatType(), 8)
+        d = cgutils.unpack_tuple(builder, qa.shape)[1]
+        nb = builder.sdiv(d, i64(_ACT_BLOCK))
+        rptr = cgutils.get_item_pointer(context, builder, qty, qa, [row, zero64], wraparound=False)
+        xptrs = [cgutils.get_item_pointer(context, builder, xty, xa, [t, zero64], wraparound=False) for t in toks]
+        xsptrs = [cgutils.get_item_pointer(context, builder, xsty, xsa, [t, zero64], wraparound=False)
+                  for t in toks]
+        ones = ir.Constant(v16i16, [ir.Constant(ir.IntType(16), 1)] * 16)
+        accf = [cgutils.alloca_once_value(builder, ir.Constant(v8f32, None)) for _ in range(ntok)]
+        acci = [cgutils.alloca_once_value(builder, ir.Constant(v8i32, None)) for _ in range(ntok)]
+
+        def load32(ptr, off):
+            p = builder.bitcast(builder.gep(ptr, [off]), v32i8.as_pointer())
+            return builder.load(p, align=1)
+
+        with cgutils.for_range(builder, nb) as blk:
+            base = builder.mul(blk.index, i64(_ACT_BLOCK))
+            for k in range(ntok):
+                builder.store(ir.Constant(v8i32, None), acci[k])
+            for u in range(_ACT_BLOCK // 32):
+                off = builder.add(base, i64(32 * u))
+                wv = load32(rptr, off)
+                aw = _avx2_fn(builder, "llvm.x86.avx2.psign.b", v32i8, wv, wv)
+                for k in range(ntok):
+                    sx = _avx2_fn(builder, "llvm.x86.avx2.psign.b", v32i8, load32(xptrs[k], off), wv)
+                    p16 = _avx2_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, aw, sx)
+                    p32 = _avx2_fn(builder, "llvm.x86.avx2.pmadd.wd", v8i32, p16, ones)
+                    builder.store(builder.add(builder.load(acci[k]), p32), acci[k])
+            for k in range(ntok):
+                scale = builder.load(builder.gep(xsptrs[k], [blk.index]))
+                vs = ir.Constant(v8f32, None)
+                for lane in range(8):
+                    vs = builder.insert_element(vs, scale, ir.IntType(32)(lane))
+                f = builder.sitofp(builder.load(acci[k]), v8f32)
+                builder.store(builder.fadd(builder.load(accf[k]), builder.fmul(f, vs)), accf[k])
+        sums = []
+        for k in range(ntok):
+            v = builder.load(accf[k])
+            s = builder.extract_element(v, ir.IntType(32)(0))
+            for lane in range(1, 8):
+                s = builder.fadd(s, builder.extract_element(v, ir.IntType(32)(lane)))
+            sums.append(s)
+        if ntok == 1:
+            return sums[0]
+        return context.make_tuple(builder, signature.return_type, sums)
+
+    return codegen
+
+
+@intrinsic
+def _dot_row_q8x4_avx2(typingctx, q, i, x, xs, t0, t1, t2, t3):
+    """(q[i] . x[t_k]) for the four tokens t0..t3, fp32: q int8 [n, d], x int8 [T, d] in
+    blocks of _ACT_BLOCK with fp32 scales xs [T, d // _ACT_BLOCK]; d a multiple of
+    _ACT_BLOCK. maddubs(|w|, sign(x, w)): pairs of products fit int16 (|w|, |x| <= 127);
+    |w| is taken once per 32 weights for the four tokens."""
+    return types.UniTuple(types.float32, 4)(q, i, x, xs, t0, t1, t2, t3), _dot_row_q8_codegen(4)
+
+
+@intrinsic
+def _dot_row_q8x1_avx2(typingctx, q, i, x, xs, t0):
+    """q[i] . x[t0], fp32: `_dot_row_q8x4_avx2` for one token (a row's last few tokens)."""
+    return types.float32(q, i, x, xs, t0), _dot_row_q8_codegen(1)
+
+
+@_njit(inline="always", fastmath=True)
+def _q8_row_tokens(w, w_s, i, xq, xsc, sel, m, acts, first, code, thr):
+    """Row i of w against the m tokens sel[0..m), four per pass: first (gate) pass
+    acts[i, t] = nonlinearity(v), else (up) acts[i, t] *= v (dReLU: clamped at 0)."""
+    j = 0
+    while j < m:
+        if m - j >= 4:
+            s = _dot_row_q8x4_avx2(w, i, xq, xsc, sel[j], sel[j + 1], sel[j + 2], sel[j + 3])
+            _q8_store(acts, i, sel[j], s[0] * w_s[i], first, code, thr)
+            _q8_store(acts, i, sel[j + 1], s[1] * w_s[i], first, code, thr)
+            _q8_store(acts, i, sel[j + 2], s[2] * w_s[i], first, code, thr)
+            _q8_store(acts, i, sel[j + 3], s[3] * w_s[i], first, code, thr)
+            j += 4
+        else:  # the last 1-3 tokens one at a time: no wasted products on repeated tokens
+            _q8_store(acts, i, sel[j], _dot_row_q8x1_avx2(w, i, xq, xsc, sel[j]) * w_s[i], first, code, thr)
+            j += 1
+
+
+@_njit(inline="always", fastmath=True)
+def _q8_store(acts, i, t, v, first, code, thr):
+    if first:
+        acts[i, t] = _nonlinearity(v, code, thr)
+    else:
+        if code == _DRELU and v < 0.0:
+            v = np.float32(0.0)
+        acts[i, t] *= v
+
+
+@_njit(parallel=True, fastmath=True)
+def ffn_rows_tokens_q8(xq, xsc, gate, gate_s, up, up_s, down, down_s, pred, pthr, use_pred, gated, code,
+                       thr, acts, nchunks, dchunks):
+    """`ffn_rows_tokens` over int8 rows with int8 activations: xq int8 [T, d], xsc fp32
+    [T, d // _ACT_BLOCK] (quantize_act_q8 of the tokens), pred fp32 [k, T] (neuron-major);
+    the other arguments as there (rows always scaled). Gate and up rows run int8 x int8 for the tokens that need them;
+    the down pass converts each fired row's slice to fp32 once for all its tokens."""
+    T, d = xq.shape
+    k = up.shape[0]
+    thr = np.float32(thr)
+    pthr = np.float32(pthr)
+    live = np.zeros(k, dtype=np.uint8)
+    per = (k + nchunks - 1) // nchunks
+    for c in prange(nchunks):
+        sel = np.empty(max(T, 1), dtype=np.int64)
+        for i in range(c * per, min(k, (c + 1) * per)):
+            m = 0
+            for t in range(T):
+                acts[i, t] = 0.0
+                if not use_pred or pred[i, t] >= pthr:
+                    sel[m] = t
+                    m += 1
+            if m == 0:
+                continue
+            if gated:
+                _q8_row_tokens(gate, gate_s, i, xq, xsc, sel, m, acts, True, code, thr)
+                m2 = 0
+                for j in range(m):
+                    if acts[i, sel[j]] != 0.0:
+                        sel[m2] = sel[j]
+                        m2 += 1
+                if m2:
+                    _q8_row_tokens(up, up_s, i, xq, xsc, sel, m2, acts, False, code, thr)
+            else:
+                _q8_row_tokens(up, up_s, i, xq, xsc, sel, m, acts, True, code, thr)
+            for j in range(m):
+                if acts[i, sel[j]] != 0.0:
+                    live[i] = 1
+                    break
+    nlive = 0
+    for i in range(k):
+        if live[i]:
+            nlive += 1
+    rows = np.empty(nlive, dtype=np.int64)
+    nlive = 0
+    for i in range(k):
+        if live[i]:
+            rows[nlive] = i
+            nlive += 1
+    ys = np.zeros((T, d), dtype=np.float32)
+    span = (d + dchunks - 1) // dchunks
+    span = (span + 63) // 64 * 64
+    ahead = 8  # slices of the rows ahead in flight: each is on its own page
+    for c in prange(dchunks):
+        lo = min(d, c * span)
+        hi = min(d, lo + span)
+        buf = np.empty(max(hi - lo, 1), dtype=np.float32)
+        for r in range(min(ahead, nlive)):
+            _prefetch_span(down, rows[r], lo, hi)
+        for r in range(nlive):
+            i = rows[r]
+            if r + ahead < nlive:
+                _prefetch_span(down, rows[r + ahead], lo, hi)
+            s = down_s[i]
+            for j in range(lo, hi):
+                buf[j - lo] = np.float32(down[i, j]) * s
+            for t in range(T):
+                a = acts[i, t]
+                if a != 0.0:
+                    for j in range(lo, hi):
+                        ys[t, j] += a * buf[j - lo]
+    return ys
+
+
+# ---- decode attention over a 16-bit KV cache ------------------------------------------------
+# The CPU cache holds keys and values in fp16 (half the bytes a long chat reads per token);
+# numba has no float16 arrays, so they arrive as int16 bit patterns and are widened here
+# (LLVM's fpext from half: vcvtph2ps where the host has F16C).
+
+@intrinsic
+def _half_bits_to_float(typingctx, bits):
+    """The fp32 value of an fp16 bit pattern held in an int16/uint16."""
+    sig = types.float32(bits)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+def _kv_value(v):
+    """A cache element as fp32: fp16 bits (int16) widened, fp32 as is."""
+
+
+@overload(_kv_value, inline="always")
+def _kv_value_impl(v):
+    if isinstance(v, types.Integer):
+        return lambda v: _half_bits_to_float(v)
+    return lambda v: np.float32(v)
+
+
+@_njit(parallel=True, fastmath=True)
+def decode_attention_cache(q, kc, vc, length, scale, out):
+    """One query token against positions 0..length-1 of a layer's cache: q fp32 [H, hd],
+    kc/vc [kv_heads, slots, hd] fp32 or int16 (fp16 bits), out fp32 [H, hd]; query head h
+    reads kv head h // (H // kv_heads). Scores, softmax (max-subtracted, fp32) and the
+    weighted sum of values in one call, heads over the threads, no copies of the cache."""
+    H, hd = q.shape
+    group = H // kc.shape[0]
+    scale = np.float32(scale)
+    for h in prange(H):
+        g = h // group
+        s = np.empty(length, dtype=np.float32)
+        m = np.float32(-np.inf)
+        for p in range(length):
+            a = np.float32(0.0)
+            for j in range(hd):
+                a += q[h, j] * _kv_value(kc[g, p, j])
+            a *= scale
+            s[p] = a
+            if a > m:
+                m = a
+        total = np.float32(0.0)
+        for p in range(length):
+            e = np.exp(s[p] - m)
+            s[p] = e
+            total += e
+        acc = np.zeros(hd, dtype=np.float32)
+        for p in range(length):
+            w = s[p]
+            for j in range(hd):
+                acc[j] += w * _kv_value(vc[g, p, j])
+        inv = np.float32(1.0) / total
+        for j in range(hd):
+            out[h, j] = acc[j] * inv
+
+
+@_njit()
+def linear_q8(q, scale, x, nchunks):
+    """matmul_q8_avx2 of x fp32 [T, d] quantized by quantize_act_q8, in one call from Python
+    (one transition per product instead of two, and no Python-side buffers)."""
+    T, d = x.shape
+    xq = np.empty((T, d), dtype=np.int8)
+    xs = np.empty((T, d // _ACT_BLOCK), dtype=np.float32)
+    quantize_act_q8(x, xq, xs)
+    return matmul_q8_avx2(q, scale, xq, xs, nchunks)
