@@ -14,7 +14,7 @@ def open_engine(spec: str, **options):
     """`Engine.load` options (mode, ctx, budgets, device, threads, cpu_weights, progress);
     a remote model takes only ctx."""
     if str(spec).startswith(REMOTE_PREFIX):  # a model served elsewhere (models add-remote)
-        from engine.remote import RemoteEngine
+        from engine.runtime.remote import RemoteEngine
         from models_registry.remotes import api_key_for, get_remote
 
         remote = get_remote(str(spec))

@@ -33,7 +33,7 @@ def _child(model: str, fmt: str, mode: str, active: float, tokens: int, decode: 
     import torch
 
     from engine import Engine, SamplingParams
-    from engine.activation_stats import ActivationStats
+    from engine.hotcold.activation_stats import ActivationStats
 
     t0 = time.perf_counter()
     engine = Engine.load(model, mode=mode, cpu_weights=fmt, ctx=64, ram_budget=None)

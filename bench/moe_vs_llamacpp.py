@@ -208,7 +208,7 @@ def spawn(args: list[str]) -> dict:
 
 def expert_bytes(cfg: dict, fmt: str) -> int:
     """Bytes of one whole expert (3 x n rows of d) in a row format."""
-    from engine.placement import cpu_matrix_bytes
+    from engine.hotcold.placement import cpu_matrix_bytes
 
     rows, d = 3 * cfg["moe_ffn_hidden_size"], cfg["hidden_size"]
     return cpu_matrix_bytes(rows * d, rows, fmt)

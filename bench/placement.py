@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.placement import solve
-from engine.sparse import placement_problem
+from engine.hotcold.placement import solve
+from engine.hotcold.sparse import placement_problem
 
 SHAPES = {
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,

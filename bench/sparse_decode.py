@@ -31,8 +31,8 @@ from safetensors.torch import save_file
 from bench import emit
 
 from engine import Engine, SamplingParams
-from engine.activation_stats import ActivationStats
-from engine.predictors import PredictorSet
+from engine.hotcold.activation_stats import ActivationStats
+from engine.hotcold.predictors import PredictorSet
 
 
 def power_law(n: int, active: float, rng: np.random.Generator, alpha: float = 1.0) -> np.ndarray:

@@ -15,9 +15,9 @@ if "torch" not in sys.modules:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _EXPORTS = {
-    "MODES": "engine.engine", "Engine": "engine.engine", "GenerationResult": "engine.engine",
-    "GenerationStats": "engine.engine", "TokenEvent": "engine.engine",
-    "SamplingParams": "engine.sampling",
+    "MODES": "engine.runtime.engine", "Engine": "engine.runtime.engine", "GenerationResult": "engine.runtime.engine",
+    "GenerationStats": "engine.runtime.engine", "TokenEvent": "engine.runtime.engine",
+    "SamplingParams": "engine.runtime.sampling",
     "UserError": "engine.errors", "ModelFormatError": "engine.errors", "BudgetError": "engine.errors",
     "ContextFullError": "engine.errors",
 }

@@ -4,7 +4,7 @@ Order of work: pin the revision to a commit; fetch config.json and refuse unsupp
 architectures before any weights; check free disk; fetch every file resumably into
 `thermocline/partial/`, verify it against the Hub's sha256 (LFS) or git blob id, move it
 into place; then hand the predictor folder to `on_predictors_downloaded(src, model_dir)`
-(the CLI passes `engine.predictors.import_powerinfer_predictors`). A file whose hash does
+(the CLI passes `engine.hotcold.predictors.import_powerinfer_predictors`). A file whose hash does
 not match is reported with a `corrupt` event, removed and fetched again; a second mismatch
 stops the download with an error. The model is marked ready only when every file checked.
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from engine.confine import confined
+from engine.loading.confine import confined
 from engine.errors import UserError
 from engine.units import format_size
 

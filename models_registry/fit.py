@@ -1,6 +1,6 @@
 """Will a model fit? The engine's placement rules applied to config.json alone.
 
-The rules themselves live in `engine.placement` (torch-free, so this package may use
+The rules themselves live in `engine.hotcold.placement` (torch-free, so this package may use
 them): fast device first for the output head, then each layer's attention, norms,
 predictor and KV cache in layer order, then, once every layer's dense part is there, hot
 FFN neurons; the CPU keeps the embeddings and everything else, its weight matrices
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.budget_policy import RAM_RESERVE_FRACTION, RAM_RESERVE_MIN, VRAM_RESERVE, usable_ram, usable_vram  # noqa: F401
-from engine.placement import ModelBytes, build_problem, predictor_cpu_bytes, solve
+from engine.hotcold.placement import ModelBytes, build_problem, predictor_cpu_bytes, solve
 from engine.units import format_size
 
 from .arch import ArchInfo, detect_architecture

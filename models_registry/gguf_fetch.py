@@ -175,9 +175,9 @@ def import_gguf_predictors_from_hub(endpoint: str, plan: RepoPlan, model_dir: Pa
 
 
 def _import_in_subprocess(src: Path, model_dir: Path) -> None:
-    """engine.gguf_predictors in a child process: this package does not import torch."""
+    """engine.loading.gguf_predictors in a child process: this package does not import torch."""
     gguf = sorted(Path(src).glob("*.gguf"))
-    proc = subprocess.run([sys.executable, "-m", "engine.gguf_predictors", str(gguf[0]), str(model_dir)],
+    proc = subprocess.run([sys.executable, "-m", "engine.loading.gguf_predictors", str(gguf[0]), str(model_dir)],
                           capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from urllib.parse import quote
 
-from engine.confine import check_relative_name
+from engine.loading.confine import check_relative_name
 from engine.errors import UserError
 
 DEFAULT_ENDPOINT = "https://huggingface.co"

@@ -1,6 +1,6 @@
 """PyTorch-pickle checkpoints in a model folder: have them converted, record the result.
 
-The conversion itself needs torch (`engine.checkpoint_convert`), which this package must
+The conversion itself needs torch (`engine.loading.checkpoint_convert`), which this package must
 not import. The caller hands a converter in (the CLI passes the engine function); without
 one, the engine module runs in a child process, so the window's downloads convert too.
 """
@@ -32,8 +32,8 @@ def has_pickle_weights(folder: Path) -> bool:
 
 
 def convert_in_subprocess(model_dir: Path) -> dict:
-    """`python -m engine.checkpoint_convert MODEL_DIR` in a child process."""
-    proc = subprocess.run([sys.executable, "-m", "engine.checkpoint_convert", str(model_dir)],
+    """`python -m engine.loading.checkpoint_convert MODEL_DIR` in a child process."""
+    proc = subprocess.run([sys.executable, "-m", "engine.loading.checkpoint_convert", str(model_dir)],
                           capture_output=True, text=True, check=False)
     if proc.returncode == 0:
         return json.loads(proc.stdout.strip().splitlines()[-1])

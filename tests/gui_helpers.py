@@ -11,14 +11,6 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 LOAD_TIMEOUT_MS = 120_000
 
 
-def sparse_engine_available() -> bool:
-    try:
-        import engine.sparse  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def make_window(qtbot, tmp_path, model_dir, *, mode="dense", max_new_tokens=32, temperature=0.0,
                 start=True, monkeypatch=None):
     """A MainWindow over fresh storage/settings in tmp_path, loading `model_dir`."""

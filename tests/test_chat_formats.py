@@ -1,4 +1,4 @@
-"""Built-in chat formats (engine/chat_formats.py) and the stop tokens they bring."""
+"""Built-in chat formats (engine/runtime/chat_formats.py) and the stop tokens they bring."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from app.cli import main
-from engine.chat_formats import BASE_MODEL_NOTE, FORMATS, stop_tokens
-from engine.tokenizer import Tokenizer
+from engine.runtime.chat_formats import BASE_MODEL_NOTE, FORMATS, stop_tokens
+from engine.runtime.tokenizer import Tokenizer
 from hub_server import HubRepo, local_hub, registry_env  # noqa: F401
 from model_factory import WORDS, mistral_drelu
 

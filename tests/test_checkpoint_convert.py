@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from app.cli import main
-from engine.checkpoint_convert import convert_pytorch_checkpoint, safetensors_name
+from engine.loading.checkpoint_convert import convert_pytorch_checkpoint, safetensors_name
 from engine.errors import UnsafePickleError, UserError
 from hub_server import HubRepo, local_hub, registry_env  # noqa: F401
 from model_factory import llama_relu
@@ -54,8 +54,8 @@ def _hostile_bin(path: Path, victim: Path, zip_format: bool = True) -> None:
 
 
 def _greedy(model_dir: Path, prompt: str = "the quick brown", n: int = 8) -> list[int]:
-    from engine.engine import Engine
-    from engine.sampling import SamplingParams
+    from engine.runtime.engine import Engine
+    from engine.runtime.sampling import SamplingParams
 
     engine = Engine.load(model_dir, mode="dense")
     ids = [ev.token_id for ev in engine.stream(prompt, SamplingParams(temperature=0.0, max_new_tokens=n))]
@@ -141,7 +141,7 @@ def test_a_rerun_after_a_crash_finishes_the_conversion(tmp_path):
     tensors = _as_pickles(folder, shards=2)
     # An earlier run converted shard 1 (renamed after its check) and died before deleting its pickle.
     part = torch.load(folder / "pytorch_model-00001-of-00002.bin", weights_only=True)
-    from engine.checkpoint_convert import write_safetensors
+    from engine.loading.checkpoint_convert import write_safetensors
 
     write_safetensors(part, folder / "model-00001-of-00002.safetensors")
     result = convert_pytorch_checkpoint(folder)

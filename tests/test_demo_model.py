@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from engine import Engine, SamplingParams
-from engine.activation_stats import ActivationStats
-from engine.evaluation import EvalSettings, default_corpus, evaluate
-from engine.predictors import PredictorSet
+from engine.hotcold.activation_stats import ActivationStats
+from engine.calibration.evaluation import EvalSettings, default_corpus, evaluate
+from engine.hotcold.predictors import PredictorSet
 from models_registry import resolve_model
 from models_registry.resolve import demo_model_dir
 

@@ -14,10 +14,10 @@ import model_factory
 from app.cli import main as cli_main
 from engine import Engine
 from engine.errors import UserError
-from engine.evaluation import EvalSettings, evaluate
-from engine.predictor_training import TrainSettings, train_predictors
-from engine.profiling import ProfileSettings, corpus_windows, profile
-from engine.sidecar import sidecar_dir
+from engine.calibration.evaluation import EvalSettings, evaluate
+from engine.calibration.predictor_training import TrainSettings, train_predictors
+from engine.calibration.profiling import ProfileSettings, corpus_windows, profile
+from engine.loading.sidecar import sidecar_dir
 
 WINDOW = 64
 
@@ -89,7 +89,7 @@ def test_predictor_figures_per_layer(trained):
 
 
 def test_predicting_every_neuron_makes_sparse_equal_dense(trained, tmp_path):
-    from engine.predictors import PredictorSet
+    from engine.hotcold.predictors import PredictorSet
 
     model, heldout = trained
     preds = PredictorSet.load(model)

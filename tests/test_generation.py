@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine import ContextFullError, Engine, SamplingParams, UserError
-from engine.sampling import Sampler
-from engine.tokenizer import StreamDecoder, Tokenizer
+from engine.runtime.sampling import Sampler
+from engine.runtime.tokenizer import StreamDecoder, Tokenizer
 
 
 def test_tokenizer_round_trips_unicode(llama_dir):
@@ -138,7 +138,7 @@ def test_chat_messages_use_the_template(llama_dir):
 def test_stop_while_reading_the_prompt_lands_between_chunks(llama_dir):
     """A stop during prefill takes effect at the next chunk boundary: no token, no answer,
     and what was read stays cached for the next try."""
-    import engine.engine as engine_module
+    import engine.runtime.engine as engine_module
 
     engine = Engine.load(llama_dir)
     engine.eos_ids = set()

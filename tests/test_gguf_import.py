@@ -16,11 +16,11 @@ import gguf_factory as gf
 import model_factory as mf
 from app.cli import main
 from engine import Engine, SamplingParams
-from engine.gguf_import import _reader_class
+from engine.loading.gguf_import import _reader_class
 from engine.kernels import cpu_q4
 from engine.kernels.cpu_q4 import row_bytes
-from engine.prepared import prepared_path
-from engine.predictors import PredictorSet
+from engine.loading.prepared import prepared_path
+from engine.hotcold.predictors import PredictorSet
 from hub_server import registry_env  # noqa: F401
 
 gguf = pytest.importorskip("gguf")

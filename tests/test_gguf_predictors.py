@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine.errors import ModelFormatError, UserError
-from engine.gguf_predictors import import_gguf_predictors, read_gguf_predictors
-from engine.predictors import PredictorSet
+from engine.loading.gguf_predictors import import_gguf_predictors, read_gguf_predictors
+from engine.hotcold.predictors import PredictorSet
 from gguf_factory import powerinfer_gguf
 from hub_server import HubRepo, local_hub, registry_env  # noqa: F401
 from model_factory import llama_relu

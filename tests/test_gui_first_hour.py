@@ -37,7 +37,7 @@ def window(qtbot, tmp_path, llama_dir, monkeypatch):
 def hybrid_model(tmp_path, llama_dir):
     import torch
 
-    from engine.predictors import PredictorSet
+    from engine.hotcold.predictors import PredictorSet
 
     model = tmp_path / "hybrid"
     shutil.copytree(llama_dir, model)
@@ -79,7 +79,7 @@ def test_delete_from_the_menu_asks_then_deletes(qtbot, window):
 
 # -- 2. Stop while the model reads the prompt ----------------------------------------------
 def test_stop_while_reading_the_prompt_keeps_no_answer(qtbot, window):
-    import engine.engine as engine_module
+    import engine.runtime.engine as engine_module
 
     w = window
     eng = w.client.engine

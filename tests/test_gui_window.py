@@ -10,7 +10,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import pytest  # noqa: E402
 from PySide6.QtWidgets import QApplication, QMessageBox  # noqa: E402
 
-from gui_helpers import (StallMeter, close_window, make_window, send, sparse_engine_available,  # noqa: E402
+from gui_helpers import (StallMeter, close_window, make_window, send,  # noqa: E402
                          wait_idle)
 
 pytestmark = pytest.mark.timeout(300)
@@ -178,7 +178,7 @@ def hybrid_model(tmp_path, llama_dir):
     """The tiny model plus random activation predictors, so it loads in hybrid mode."""
     import torch
 
-    from engine.predictors import PredictorSet
+    from engine.hotcold.predictors import PredictorSet
 
     model = tmp_path / "hybrid"
     shutil.copytree(llama_dir, model)
@@ -222,7 +222,6 @@ def test_event_loop_never_stalls(qtbot, tmp_path, hybrid_model, monkeypatch):
         close_window(w)
 
 
-@pytest.mark.skipif(not sparse_engine_available(), reason="the sparse engine (engine.sparse) has not landed yet")
 def test_vram_slider_during_generation_replaces_live(qtbot, tmp_path, hybrid_model, monkeypatch):
     w = make_window(qtbot, tmp_path, hybrid_model, mode="hybrid", max_new_tokens=400, monkeypatch=monkeypatch)
     try:

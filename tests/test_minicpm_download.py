@@ -83,7 +83,7 @@ def test_minicpm_s_1b_downloads_with_gguf_predictors_and_chats_in_sparse_mode(lo
     assert ranged and all(r["range"] for r in ranged)
     assert sum(r.get("sent", 0) for r in ranged) < gguf_path.stat().st_size
 
-    from engine.predictors import PredictorSet
+    from engine.hotcold.predictors import PredictorSet
 
     predictors = PredictorSet.load(model_dir, 2, 96, 240)
     for i in range(2):
@@ -94,7 +94,7 @@ def test_minicpm_s_1b_downloads_with_gguf_predictors_and_chats_in_sparse_mode(lo
     sparse = _generate("minicpm-s-1b", "sparse", capsys)
     assert sparse["mode"] == "sparse" and sparse["new_tokens"] > 0
     assert sparse["token_ids"] == dense["token_ids"]
-    from engine.tokenizer import Tokenizer
+    from engine.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer(model_dir)
     assert tok.chat_format == "minicpm" and tok.is_chat_model is True

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.activation_stats import ActivationStats
+from engine.hotcold.activation_stats import ActivationStats
 from engine.config import ModelConfig
-from engine.placement import solve
-from engine.sparse import placement_problem
+from engine.hotcold.placement import solve
+from engine.hotcold.sparse import placement_problem
 
 CONFIG = ModelConfig.from_dict({
     "model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 6,

@@ -12,11 +12,11 @@ import model_factory
 from app.cli import main as cli_main
 from engine import Engine
 from engine.errors import UserError
-from engine.predictor_training import (
+from engine.calibration.predictor_training import (
     TrainSettings, auto_rank, choose_threshold, firing_skew, prediction_metrics, train_predictors,
 )
-from engine.predictors import PredictorSet
-from engine.profiling import ProfileSettings, load_pairs, profile
+from engine.hotcold.predictors import PredictorSet
+from engine.calibration.profiling import ProfileSettings, load_pairs, profile
 
 WINDOW = 64
 
@@ -100,7 +100,7 @@ def test_finished_layers_are_not_trained_again(profiled, monkeypatch):
     def refuse(*_args, **_kwargs):
         raise AssertionError("a finished layer was trained again")
 
-    monkeypatch.setattr("engine.predictor_training.train_layer", refuse)
+    monkeypatch.setattr("engine.calibration.predictor_training.train_layer", refuse)
     again = train_predictors(profiled, settings)
     assert [r.to_dict() for r in again] == [r.to_dict() for r in first]
     with pytest.raises(AssertionError, match="trained again"):

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import Engine, SamplingParams
-from engine.predictors import PredictorSet
-from engine.prepared import DISABLE_ENV, prepared_path
-from engine.weights import WeightSource
+from engine.hotcold.predictors import PredictorSet
+from engine.loading.prepared import DISABLE_ENV, prepared_path
+from engine.loading.weights import WeightSource
 
 from test_sparse import PROMPT, RAM, random_predictors
 

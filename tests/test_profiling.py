@@ -12,9 +12,9 @@ import torch
 import model_factory
 from app.cli import main as cli_main
 from engine import Engine
-from engine.activation_stats import ActivationStats
+from engine.hotcold.activation_stats import ActivationStats
 from engine.errors import UserError
-from engine.profiling import (
+from engine.calibration.profiling import (
     ProfileSettings, corpus_windows, load_pairs, profile, profile_dir, read_profile_state,
 )
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import linear
-from engine.quantized import Int8Matrix, matrix_nbytes
+from engine.runtime.model import linear
+from engine.loading.quantized import Int8Matrix, matrix_nbytes
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 7, 20])  # 20: the converted-block path

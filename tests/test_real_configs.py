@@ -317,7 +317,7 @@ def test_turbosparse_chatml_tokens_round_trip(real_models):
 
 def test_turbosparse_sparse_mode_uses_the_predictors_in_its_checkpoint(real_models, tmp_path):
     from engine import Engine
-    from engine.predictors import PredictorSet
+    from engine.hotcold.predictors import PredictorSet
 
     src, ref, facts = real_models["turbosparse"]
     path = tmp_path / "turbo"
@@ -338,7 +338,7 @@ def test_turbosparse_sparse_mode_uses_the_predictors_in_its_checkpoint(real_mode
 def test_checkpoint_predictors_with_wrong_shapes_are_refused(real_models, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from engine.predictors import import_checkpoint_predictors
+    from engine.hotcold.predictors import import_checkpoint_predictors
 
     src, _, facts = real_models["turbosparse"]
     path = tmp_path / "turbo"

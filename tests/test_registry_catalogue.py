@@ -128,7 +128,7 @@ def test_chat_and_base_models_are_marked():
         entry = get_entry(model_id)
         assert entry.kind_note == BASE_MODEL_NOTE and entry.chat_format == "plain"
         assert BASE_MODEL_NOTE in entry.description
-    from engine.chat_formats import FORMATS
+    from engine.runtime.chat_formats import FORMATS
 
     assert all(e.chat_format in FORMATS for e in load_catalogue() if e.chat_format)
     assert get_entry("turbosparse-mistral").chat_format == "chatml"

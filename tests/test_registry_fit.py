@@ -177,8 +177,8 @@ def test_no_gpu_and_too_little_ram_is_does_not_fit():
 def test_estimate_matches_the_engine_placement_solver(config):
     """Same bytes per tier as engine.placement.solve over engine.sparse.placement_problem."""
     torch = pytest.importorskip("torch")
-    sparse = pytest.importorskip("engine.sparse")
-    placement = pytest.importorskip("engine.placement")
+    sparse = pytest.importorskip("engine.hotcold.sparse")
+    placement = pytest.importorskip("engine.hotcold.placement")
     from engine.config import ModelConfig
 
     engine_config = ModelConfig.from_dict(config)

@@ -8,7 +8,7 @@ import pytest
 import smallthinker_factory as sf
 from engine import Engine
 from engine.config import ModelConfig
-from engine.placement import ModelBytes
+from engine.hotcold.placement import ModelBytes
 from models_registry.arch import detect_architecture
 from models_registry.catalogue import get_entry
 from models_registry.fit import VERDICT_HYBRID, VERDICT_NO, estimate_fit, placement_bytes, shape_from_config

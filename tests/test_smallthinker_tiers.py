@@ -12,8 +12,8 @@ import torch
 
 import smallthinker_factory as sf
 from engine import Engine, SamplingParams
-from engine.activation_stats import ActivationStats
-from engine.profiling import ProfileSettings, profile
+from engine.hotcold.activation_stats import ActivationStats
+from engine.calibration.profiling import ProfileSettings, profile
 
 PROMPT = [3, 5, 9, 17, 33, 100, 7, 8, 250, 4, 42, 61, 90]
 BIG = 1 << 40
@@ -71,7 +71,7 @@ def test_profile_counts_expert_use_and_neuron_firing_and_the_solver_places_the_h
 
     from model_factory import WORDS
 
-    from engine.moe import placement_frequencies
+    from engine.hotcold.moe import placement_frequencies
 
     model = shutil.copytree(model, tmp_path / "m")  # the profile is written beside the model
     corpus = tmp_path / "corpus.txt"
@@ -217,7 +217,7 @@ def test_place_cli_reports_experts_per_tier(model, capsys):
 
 def test_train_predictors_explains_a_mixture_needs_none(model):
     from engine.errors import UserError
-    from engine.predictor_training import train_predictors
+    from engine.calibration.predictor_training import train_predictors
 
     with pytest.raises(UserError, match="mixture of experts"):
         train_predictors(model)
@@ -228,7 +228,7 @@ def test_eval_of_a_mixture_scores_sparse_as_dense_and_counts_experts(model, tmp_
     and oracle perplexities equal the dense one, and sparsity is 1 - k/E per layer."""
     from model_factory import WORDS
 
-    from engine.evaluation import EvalSettings, evaluate
+    from engine.calibration.evaluation import EvalSettings, evaluate
 
     heldout = tmp_path / "heldout.txt"
     heldout.write_text(" ".join(WORDS[::-1] * 3))
@@ -250,7 +250,7 @@ def test_int4_experts_hold_the_planned_bytes_and_match_their_dequantized_rows(mo
     ffn = engine.model.layers[0].ffn
     assert all(rows.quant == "int4" for rows in ffn.cold.rows.values())
     x = torch.randn(1, engine.config.hidden_size, generator=torch.Generator().manual_seed(3))
-    from engine.moe import reglu, route
+    from engine.hotcold.moe import reglu, route
 
     routing = route(engine.model.layers[0].router, x, engine.config.experts_per_token, engine.config.router_softmax)
     expected = torch.zeros(x.shape[1], dtype=torch.float64)
@@ -277,7 +277,7 @@ def test_int4_experts_hold_the_planned_bytes_and_match_their_dequantized_rows(mo
 def test_the_profile_observer_counts_firing_inside_each_chosen_expert():
     """DenseMoe reports, per chosen expert, on how many of the tokens that chose it each
     neuron fired: checked against a plain fp64 computation."""
-    from engine.moe import DenseMoe, route
+    from engine.hotcold.moe import DenseMoe, route
 
     g = torch.Generator().manual_seed(5)
     experts, n, d, t = 6, 16, 24, 11
@@ -353,7 +353,7 @@ def test_decode_bytes_are_the_chosen_experts_fired_rows_and_no_more(model, quant
     layer's input), which is at most the k chosen experts whole; the dense parts read are
     attention, router and norms. Nothing else is read per layer."""
     from engine.kernels import cpu_q4
-    from engine.moe_tiers import _row_bytes
+    from engine.hotcold.moe_tiers import _row_bytes
 
     # fp32 activations, so the neurons recounted here from x fire exactly where the kernel's do
     # (8-bit activation rounding can flip a gate that is within a rounding step of zero).
@@ -393,8 +393,8 @@ def test_a_split_expert_on_a_torch_fast_tier_adds_up_to_the_whole_expert(model, 
     """The fast tier's torch path (a GPU's; here fp64 on the CPU, so no kernel stands in):
     an expert split between it and the CPU tier, for one token and for many, equals the
     whole expert in fp64, before and after a re-split."""
-    from engine.moe import Routing, reglu
-    from engine.moe_tiers import HotExperts
+    from engine.hotcold.moe import Routing, reglu
+    from engine.hotcold.moe_tiers import HotExperts
 
     probe = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG, cpu_weights="fp32")
     neuron = probe.sparse.problem.neuron_fast

@@ -115,7 +115,7 @@ def run(args) -> int:
     if args.model == "demo":
         print("(the demo model was trained only on Jane Austen's novels: it writes pastiche, not facts)")
     elif tokenizer is not None and tokenizer.is_chat_model is False:
-        from engine.chat_formats import BASE_MODEL_NOTE
+        from engine.runtime.chat_formats import BASE_MODEL_NOTE
 
         print(f"note: {BASE_MODEL_NOTE}")
     interrupted = False

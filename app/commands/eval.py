@@ -26,7 +26,7 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from app.open_model import open_engine
     from engine.errors import UserError
-    from engine.evaluation import EvalSettings, evaluate
+    from engine.calibration.evaluation import EvalSettings, evaluate
 
     if args.max_tokens < 2 or args.window < 2:
         raise UserError("--max-tokens and --window must be at least 2")

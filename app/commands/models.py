@@ -86,7 +86,7 @@ def cmd_list(args) -> int:
     from models_registry.paths import models_dir
     from models_registry.remotes import list_remotes
 
-    from engine.validation import check_ctx
+    from engine.runtime.validation import check_ctx
 
     check_ctx(args.ctx, "--ctx")
     listings = list_models(hardware=probe_hardware(), ctx=args.ctx)
@@ -153,11 +153,11 @@ class _Printer:
 
 
 def _predictor_importer():
-    """engine.predictors.import_powerinfer_predictors, or None while the engine lacks it."""
+    """engine.hotcold.predictors.import_powerinfer_predictors, or None while the engine lacks it."""
     try:
-        from engine.predictors import import_powerinfer_predictors
+        from engine.hotcold.predictors import import_powerinfer_predictors
     except ModuleNotFoundError as exc:
-        if exc.name != "engine.predictors":
+        if exc.name != "engine.hotcold.predictors":
             raise
         return None
     except ImportError as exc:
@@ -168,8 +168,8 @@ def _predictor_importer():
 
 
 def _pickle_converter():
-    """engine.checkpoint_convert in this process (the registry would start a child process)."""
-    from engine.checkpoint_convert import convert_pytorch_checkpoint
+    """engine.loading.checkpoint_convert in this process (the registry would start a child process)."""
+    from engine.loading.checkpoint_convert import convert_pytorch_checkpoint
 
     return convert_pytorch_checkpoint
 
@@ -193,7 +193,7 @@ def cmd_download(args) -> int:
         return 130
     if result.predictors == "downloaded" and importer is None:
         sys.stderr.write("warning: predictors downloaded but not imported: this engine has no "
-                         "engine.predictors.import_powerinfer_predictors\n")
+                         "engine.hotcold.predictors.import_powerinfer_predictors\n")
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -238,7 +238,7 @@ def cmd_import(args) -> int:
 
 
 def _import_gguf(args) -> int:
-    from engine.gguf_import import import_gguf
+    from engine.loading.gguf_import import import_gguf
     from models_registry.manage import LOCAL_ORG, import_gguf_file
 
     from .progress_bar import ProgressBar
@@ -285,7 +285,7 @@ def cmd_fit(args) -> int:
     from models_registry.hardware import probe_hardware
     from models_registry.resolve import resolve_model
 
-    from engine.validation import check_ctx
+    from engine.runtime.validation import check_ctx
 
     check_ctx(args.ctx, "--ctx")
     entry = find_entry(args.model)

@@ -24,11 +24,11 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from engine.config import ModelConfig
-    from engine.placement import solve
-    from engine.sparse import pick_fast_device, problem_for_model
+    from engine.hotcold.placement import solve
+    from engine.hotcold.sparse import pick_fast_device, problem_for_model
     from models_registry import resolve_model
 
-    from engine.validation import check_ctx
+    from engine.runtime.validation import check_ctx
 
     check_ctx(args.ctx, "--ctx")
     model_dir = resolve_model(args.model)

@@ -38,7 +38,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from app.open_model import open_engine
-    from engine.profiling import ProfileSettings, profile
+    from engine.calibration.profiling import ProfileSettings, profile
 
     if args.max_tokens < 2:
         raise UserError("--max-tokens must be at least 2")

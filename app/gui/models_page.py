@@ -531,7 +531,7 @@ class ModelsPage(QWidget):
     def import_gguf_file(self, path: str) -> None:
         """Convert the file into the models folder off the GUI thread, then list it."""
         def work():
-            from engine.gguf_import import import_gguf
+            from engine.loading.gguf_import import import_gguf
             from models_registry.manage import import_gguf_file
 
             return import_gguf_file(path, convert=import_gguf)

@@ -186,7 +186,7 @@ class EngineWorker(QObject):
         # A base model (the demo, or one without a chat template) continues text: an assistant
         # system prompt would only take room from its context.
         info["base_model"] = spec == "demo" or not getattr(tok, "has_chat_template", True)
-        from engine.runtime_info import torch_build
+        from engine.runtime.runtime_info import torch_build
 
         info["build"] = torch_build()  # CPU or CUDA build of torch, and whether a GPU is usable
         self.loading.emit(1.0, "Ready")

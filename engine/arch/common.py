@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
-from ..model import DenseFfn, Layer, Norm
-from ..weights import WeightSource
+from engine.runtime.model import DenseFfn, Layer, Norm
+from engine.loading.weights import WeightSource
 
 
 @dataclass

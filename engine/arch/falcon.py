@@ -64,7 +64,7 @@ def parse(read: ConfigFields, activation_hint: str | None = None) -> ModelConfig
 
 
 def _layer_norm(conv, prefix: str, where):
-    from ..model import Norm
+    from engine.runtime.model import Norm
 
     d = conv.config.hidden_size
     return Norm(conv.get(prefix + ".weight", (d,), where), conv.get(prefix + ".bias", (d,), where),
@@ -95,7 +95,7 @@ def load_globals(conv, cpu, head):
 def load_layer(conv, i: int, where, ffn_where=None):
     import torch
 
-    from ..model import Layer
+    from engine.runtime.model import Layer
 
     cfg = conv.config
     d, hd, heads, kv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads

@@ -110,8 +110,8 @@ def load_experts(conv, i: int, where):
 
 
 def load_layer(conv, i: int, where, ffn_where=None):
-    from ..model import Layer, Norm
-    from ..moe import DenseMoe
+    from engine.runtime.model import Layer, Norm
+    from engine.hotcold.moe import DenseMoe
 
     cfg = conv.config
     d, hd = cfg.hidden_size, cfg.head_dim

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine import host_memory
+from engine.loading import host_memory
 from engine.kernels import numba_pool, reference
 from engine.kernels.cpu_quant import dequantize_rows_int8, quantize_rows_int8
 

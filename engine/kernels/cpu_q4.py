@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine import host_memory
+from engine.loading import host_memory
 from engine.kernels import numba_pool, reference
 
 QK = 32            # weights per block

@@ -2,7 +2,7 @@
 
 Byte level so that any text the user types encodes (no unknown token). The post-processor
 puts `<s>` before every encoded text, as Llama tokenizers do; the chat template writes its own
-`<s>` because chat prompts are encoded without special tokens (engine/tokenizer.py).
+`<s>` because chat prompts are encoded without special tokens (engine/runtime/tokenizer.py).
 """
 
 from __future__ import annotations

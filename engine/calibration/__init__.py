@@ -1,0 +1,1 @@
+"""Offline calibration: activation profiling, predictor training, evaluation."""

@@ -1,0 +1,135 @@
+"""Quality of sparse inference on held-out text: perplexity, agreement, predictor figures.
+
+The same token windows are scored (teacher forcing) three ways by one sparse-loaded engine:
+`dense` (every neuron), `sparse` (the predictors choose, skipped neurons give 0) and `oracle`
+(exactly the neurons that fire: must equal dense, a check of the sparse path itself).
+All three read the same weights (the CPU tier's in int8 unless the engine was loaded with
+cpu_weights="fp32"), so the sparse/dense ratio measures the predictors alone; `cpu_weights`
+in the report says which were read.
+
+- ppl_*: exp of the mean next-token negative log-likelihood over all scored positions.
+- greedy_agreement: share of positions where sparse and dense pick the same greedy (argmax)
+  next token. Teacher-forced, so one early difference does not count every later token.
+- Per layer, from the dense pass with an FFN observer: the true firing set against the
+  predictor's (logit >= the layer's threshold): recall, precision, actual and predicted
+  sparsity. Model-level figures are the means over layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.errors import UserError
+from engine.calibration.profiling import corpus_windows, read_corpus
+from engine.loading.sidecar import SIDECAR, sidecar_dir
+
+Progress = Callable[[float, str], None]
+EVAL_TEXT = "eval.txt"  # optional held-out text shipped in a model's sidecar folder
+MODES = ("dense", "sparse", "oracle")
+
+
+@dataclass
+class EvalSettings:
+    max_tokens: int = 2048
+    window: int = 256
+
+
+def default_corpus(model_dir: Path) -> Path:
+    path = sidecar_dir(model_dir) / EVAL_TEXT
+    if not path.is_file():
+        raise UserError(f"{model_dir} ships no held-out text ({SIDECAR}/{EVAL_TEXT}): "
+                        "pass --corpus FILE with text the model was not profiled on")
+    return path
+
+
+class _LayerTally:
+    """Confusion counts of predicted against true firing for one layer."""
+
+    def __init__(self):
+        self.tp = self.pos = self.pred = self.n = 0
+
+    def add(self, predicted: torch.Tensor, fired: torch.Tensor) -> None:
+        self.tp += int((predicted & fired).sum())
+        self.pos += int(fired.sum())
+        self.pred += int(predicted.sum())
+        self.n += fired.numel()
+
+    def figures(self) -> dict:
+        return {
+            "sparsity": 1.0 - self.pos / self.n,
+            "predicted_sparsity": 1.0 - self.pred / self.n,
+            "recall": self.tp / self.pos if self.pos else 1.0,
+            "precision": self.tp / self.pred if self.pred else 1.0,
+        }
+
+
+def evaluate(engine, corpus: list[str | Path] | None = None, settings: EvalSettings | None = None,
+             progress: Progress | None = None) -> dict:
+    """Evaluate an engine loaded in a sparse mode (see the module docstring)."""
+    from engine.hotcold.predictors import PredictorSet
+
+    settings = settings or EvalSettings()
+    if engine.sparse is None:
+        raise UserError("evaluation needs the model loaded in sparse mode")
+    model_dir = Path(engine.model_dir)
+    text = read_corpus(corpus or [default_corpus(model_dir)])
+    windows = corpus_windows(engine.tokenizer, text, min(settings.window, engine.ctx),
+                             settings.max_tokens)
+    predictors = engine.sparse.predictors  # as the engine runs them (int8 on an int8 CPU tier)
+    if predictors is None and not engine.config.is_moe:
+        predictors = PredictorSet.load(model_dir)
+    tallies = [_LayerTally() for _ in range(engine.config.num_layers)]
+
+    def observe(layer: int, pred_input: torch.Tensor, act: torch.Tensor) -> None:
+        if predictors is None:  # a mixture of experts: the router chooses, exactly (act = experts)
+            fired = (act != 0).cpu()
+            tallies[layer].add(fired, fired)
+            return
+        logits = predictors.logits(layer, pred_input.to(predictors.fc1[layer].device))
+        tallies[layer].add((logits >= predictors.thresholds[layer]).cpu(), (act != 0).cpu())
+
+    nll = {m: 0.0 for m in MODES}
+    agree = scored = 0
+    previous = engine.model.ffn_observer
+    try:
+        for i, ids in enumerate(windows):
+            target = torch.tensor(ids[1:])
+            logits = {}
+            for mode in MODES:
+                engine.model.ffn_observer = observe if mode == "dense" else None
+                out = engine.score(ids, mode)[:-1].float().cpu()
+                logits[mode] = out
+                nll[mode] += float(F.cross_entropy(out, target, reduction="sum"))
+            agree += int((logits["sparse"].argmax(-1) == logits["dense"].argmax(-1)).sum())
+            scored += len(target)
+            if progress:
+                progress((i + 1) / len(windows), f"{scored} tokens scored")
+    finally:
+        engine.model.ffn_observer = previous
+    per_layer = [{"layer": i, "threshold": float(predictors.thresholds[i]) if predictors else 0.0, **t.figures()}
+                 for i, t in enumerate(tallies)]
+    mean = lambda key: sum(layer[key] for layer in per_layer) / len(per_layer)  # noqa: E731
+    ppl = {m: math.exp(nll[m] / scored) for m in MODES}
+    return {
+        "model": str(model_dir),
+        "tokens": scored,
+        "windows": len(windows),
+        "ppl_dense": ppl["dense"],
+        "ppl_sparse": ppl["sparse"],
+        "ppl_oracle": ppl["oracle"],
+        "ppl_sparse_ratio": ppl["sparse"] / ppl["dense"],
+        "greedy_agreement": agree / scored,
+        "sparsity": mean("sparsity"),
+        "recall": mean("recall"),
+        "precision": mean("precision"),
+        "predicted_sparsity": mean("predicted_sparsity"),
+        "predictor_source": predictors.source if predictors else "router",
+        "cpu_weights": engine.sparse.cpu_weights,
+        "per_layer": per_layer,
+    }

@@ -1,0 +1,437 @@
+"""A mixture of experts placed by budget: the most-used experts, and the hot neurons of
+others, on the fast device; the rest on the CPU, computed only when the router chooses it.
+
+Placement (engine.placement with `ModelBytes.for_experts`): the unit is one neuron of one
+expert (its gate, up and down rows), ranked by `engine.hotcold.moe.placement_frequencies`: the
+CPU rows a token would read while it stays cold, from the profile's expert use and the
+firing of each expert's neurons (`thermocline profile`). The solver reserves the dense
+parts first, then fills the fast device with the top units across all layers, so often
+chosen experts go whole and the next ones split: their hot neurons on the fast device,
+the rest on the CPU tier (int8 rows with a scale each, 4-bit Q4_0 rows, or fp32).
+
+Decode (one token): the router ran before attention (engine.model), so the layer knows
+its k experts before attention starts (`before_attention`: a worker thread reads the
+chosen cold experts' gate rows ahead, where that pays; see ColdPrefetcher). Each part of
+a chosen expert is computed where it lives, by the CPU kernels (cold; and hot when the
+CPU stands in for the fast device) or by torch on the GPU; ReGLU sums over neurons, so
+the parts add up to the expert exactly. Inside a chosen expert the kernels compute the
+gate rows first and read the up and down rows of the neurons whose relu(gate) is not 0
+only: the second level of sparsity, exact. Experts not chosen are never read.
+
+Prefill and scoring (many tokens): each chosen expert once for the tokens that chose it,
+with dense matmuls (int8 / 4-bit experts dequantized one at a time).
+
+Re-placement (budget sliders): `set_budgets` re-solves and `_move_neurons` re-splits only
+the experts whose hot neurons change, at the next token boundary during a generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.errors import UserError
+from engine.kernels import cpu as cpu_kernels
+from engine.kernels import cpu_q4
+from engine.loading.loader import compute_dtype, load_transformer
+from engine.hotcold.moe import DenseMoe, Routing, experts_by_token, reglu
+from engine.hotcold.placement import COLD_INT4, COLD_INT8, INDEX_BYTES
+from engine.loading.quantized import quantize_matrix
+from engine.hotcold.sparse import SparseParts, SparseRuntime, cold_rows_from_dense, default_budgets, pick_fast_device, problem_for_model
+from engine.loading.weights import WeightSource
+
+
+@dataclass
+class MoeCounters:
+    """Per generation, over decoded tokens: neurons of all experts (considered), neurons
+    whose up and down rows were read (fired inside a chosen expert), of those on the fast
+    tier; experts chosen, and how many of them the fast tier served (an expert split
+    between the tiers counts its share of neurons there); bytes of expert rows read."""
+    considered: int = 0
+    computed: int = 0
+    computed_hot: int = 0
+    experts_chosen: int = 0
+    experts_hot: float = 0.0
+    expert_bytes: int = 0
+    prefetched_bytes: int = 0  # cold gate rows read ahead, while attention ran
+    prefetch_wait_s: float = 0.0  # time the experts waited for those reads (0: fully overlapped)
+
+    def fractions(self) -> tuple[float, float]:
+        """(share of all expert neurons computed, share of chosen experts served by the fast tier)."""
+        return (float(self.computed) / self.considered if self.considered else 0.0,
+                self.experts_hot / self.experts_chosen if self.experts_chosen else 0.0)
+
+
+class _ExpertTier:
+    """What both tiers share: `rows` maps an expert id to its rows held here (all of the
+    expert's neurons, or some: `neuron_ids` maps it to their sorted ids in the expert)."""
+
+    rows: dict
+    neuron_ids: dict
+
+    def __contains__(self, e: int) -> bool:
+        return e in self.rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def ids(self) -> np.ndarray:
+        """Experts with neurons here."""
+        return np.array(sorted(self.rows), dtype=np.int64)
+
+    def neurons(self, e: int) -> int:
+        return len(self.neuron_ids[e]) if e in self.neuron_ids else 0
+
+    def unit_ids(self, n: int) -> np.ndarray:
+        """The placement's units held here (neuron j of expert e is e * n + j), sorted."""
+        parts = [e * n + self.neuron_ids[e].numpy() for e in sorted(self.neuron_ids)]
+        return np.concatenate(parts).astype(np.int64) if parts else np.empty(0, dtype=np.int64)
+
+
+class HotExperts(_ExpertTier):
+    """Experts' neurons on the fast device: gate, up, down_t [k, d] each in its compute
+    dtype. With the CPU standing in for it, fp32 rows the CPU kernels read (second level
+    included)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.device, self.dtype = device, dtype
+        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.cpu_rows: dict[int, cpu_kernels.CpuFfnRows] = {}
+        self.neuron_ids: dict[int, torch.Tensor] = {}
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device.type == "cpu" and self.dtype == torch.float32
+
+    def add(self, e: int, ids: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down_t: torch.Tensor) -> None:
+        self.neuron_ids[e] = ids
+        if self.on_cpu:
+            rows = cpu_kernels.CpuFfnRows.from_dense(gate, up, down_t, quant="fp32")
+            self.cpu_rows[e] = rows
+            self.rows[e] = (rows.gate, rows.up, rows.down_t)
+        else:
+            self.rows[e] = tuple(t.to(self.device, self.dtype).contiguous() for t in (gate, up, down_t))
+
+    def pop(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(neuron ids, gate, up, down_t fp32 on the CPU) of expert e's rows here, removed."""
+        self.cpu_rows.pop(e, None)
+        return (self.neuron_ids.pop(e), *(t.to("cpu", torch.float32) for t in self.rows.pop(e)))
+
+    @property
+    def nbytes(self) -> int:
+        """Rows plus the 8-byte id the placement counts per neuron."""
+        return sum(t.numel() * t.element_size() for rows in self.rows.values() for t in rows) \
+            + INDEX_BYTES * sum(len(ids) for ids in self.neuron_ids.values())
+
+
+class ColdExperts(_ExpertTier):
+    """Experts' neurons on the CPU tier, in the CPU kernels' storage: int8 rows + scales,
+    4-bit rows (ggml's Q4_0 blocks, engine.kernels.cpu_q4), or fp32."""
+
+    def __init__(self, quant: str):
+        self.quant = quant
+        self.rows: dict[int, cpu_kernels.CpuFfnRows | cpu_q4.Q4FfnRows] = {}
+        self.neuron_ids: dict[int, torch.Tensor] = {}
+
+    def add(self, e: int, ids: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down_t: torch.Tensor) -> None:
+        self.neuron_ids[e] = ids
+        self.rows[e] = cold_rows_from_dense(gate, up, down_t, self.quant)
+
+    def pop(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows = self.rows.pop(e)
+        g, u, d = rows.dequantized()
+        return self.neuron_ids.pop(e), g.clone(), u.clone(), d.clone()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.rows.values()) \
+            + INDEX_BYTES * sum(len(ids) for ids in self.neuron_ids.values())
+
+
+def split_expert(e: int, hot_ids: np.ndarray, gate: torch.Tensor, up: torch.Tensor, down_t: torch.Tensor,
+                 hot: HotExperts, cold: ColdExperts) -> None:
+    """Expert e's fp32 rows [n, d] into the tiers: neurons `hot_ids` (sorted) on the fast
+    tier, the rest on the CPU tier."""
+    n = gate.shape[0]
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[torch.as_tensor(hot_ids, dtype=torch.long)] = True
+    for tier, pick in ((hot, mask), (cold, ~mask)):
+        ids = torch.nonzero(pick).flatten()
+        if len(ids) == n:
+            tier.add(e, ids, gate, up, down_t)
+        elif len(ids):
+            tier.add(e, ids, gate[ids], up[ids], down_t[ids])
+
+
+class ColdPrefetcher:
+    """One daemon thread that reads rows ahead of the kernels: `start` hands it the chosen
+    cold experts before attention, `wait` (before the experts run) returns once it is
+    done. The reads are numpy reductions, which release the GIL, so they run beside
+    attention's torch ops. Worth it where attention leaves a core idle (a GPU computing
+    it, or spare cores); on a CPU busy with attention it competes (bench.moe_vs_llamacpp
+    measures both)."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._bytes = 0
+        threading.Thread(target=self._run, name="moe-prefetch", daemon=True).start()
+
+    def start(self, rows: list) -> None:
+        self._idle.wait()  # one batch at a time (a step's layers run in order)
+        self._idle.clear()
+        self._jobs.put(rows)
+
+    def wait(self, counters: MoeCounters) -> None:
+        if not self._idle.is_set():
+            t = time.perf_counter()
+            self._idle.wait()
+            counters.prefetch_wait_s += time.perf_counter() - t
+        counters.prefetched_bytes += self._bytes
+        self._bytes = 0
+
+    def _run(self) -> None:
+        while True:
+            rows = self._jobs.get()
+            try:
+                for r in rows:
+                    self._bytes += _read_through(r.gate)
+            finally:
+                self._idle.set()
+
+
+def _read_through(t: torch.Tensor) -> int:
+    """Read every byte of a CPU tensor (into the caches); returns the bytes read."""
+    a = t.numpy().reshape(-1).view(np.uint8)
+    if a.size % 8 == 0:
+        a = a.view(np.uint64)
+    np.bitwise_xor.reduce(a)
+    return t.numel() * t.element_size()
+
+
+# Up to this many tokens per expert, a prefill computes the expert with the CPU kernel
+# (rows read once, quiet neurons skipped); more, with a dense matmul over its rows.
+_KERNEL_TOKENS = 8
+
+
+def _row_bytes(rows) -> int:
+    """Bytes of one neuron's row in one matrix (with its scale for int8; whole 18-byte
+    blocks for 4-bit rows)."""
+    if rows.quant == COLD_INT4:
+        return cpu_q4.row_bytes(rows.dim)
+    return rows.dim * rows.up.element_size() + (4 if rows.quant == COLD_INT8 else 0)
+
+
+def _sparse_ffn(x: torch.Tensor, rows, out_acts: torch.Tensor | None = None) -> torch.Tensor:
+    """One expert on one token with the CPU kernel of its row format (relu on the gate:
+    the up and down rows of a neuron whose gate is 0 are not read)."""
+    kernel = cpu_q4.sparse_ffn if rows.quant == COLD_INT4 else cpu_kernels.sparse_ffn
+    return kernel(x, rows, None, "relu", 0.0, out_acts=out_acts)
+
+
+class TieredMoe:
+    """One layer's experts split between the fast tier and the CPU tier."""
+
+    def __init__(self, layer: int, num_experts: int, n_ff: int, hot: HotExperts, cold: ColdExperts, runtime):
+        self.layer, self.num_experts, self.n_ff = layer, num_experts, n_ff
+        self.hot, self.cold, self.runtime = hot, cold, runtime
+
+    @property
+    def nbytes(self) -> int:
+        return self.hot.nbytes + self.cold.nbytes
+
+    def before_attention(self, routing: Routing) -> None:
+        """Called by the model as soon as the router has chosen, before attention runs.
+        In a decode step, when the runtime prefetches, a worker thread starts reading the
+        chosen cold experts' gate rows (the rows a chosen expert reads whatever fires)
+        into the CPU's caches while attention runs. The experts' input is the
+        post-attention state, so no expert arithmetic can start before attention; the
+        reads can."""
+        prefetcher = self.runtime.prefetcher
+        if prefetcher is None or routing.experts.shape[0] != 1:
+            return
+        rows = [self.cold.rows[e] for e in routing.experts[0].tolist() if e in self.cold]
+        if rows:
+            prefetcher.start(rows)
+
+    # ------------------------------------------------------------------ decode
+    def __call__(self, x: torch.Tensor, routing: Routing, layer: int, observer=None) -> torch.Tensor:
+        if x.shape[0] > 1 or observer is not None:
+            return self._batched(x, routing, observer)
+        counters = self.runtime.counters
+        experts = routing.experts[0].tolist()
+        weights = routing.weights[0].to("cpu", torch.float32).tolist()
+        hot, cold = self.hot, self.cold
+        y_gpu, gpu_fired = None, 0
+        x_cpu = x[0].to("cpu", torch.float32)
+        y_cpu = torch.zeros(x.shape[-1], dtype=torch.float32)
+        # GPU parts first: their kernels are queued, then the CPU computes the rest.
+        for e, w in zip(experts, weights):
+            if e in hot and not hot.on_cpu:
+                gate, up, down_t = hot.rows[e]
+                xe = x[0].to(gate.dtype)
+                act = F.relu(gate @ xe) * (up @ xe)
+                y = (act @ down_t) * w
+                y_gpu = y if y_gpu is None else y_gpu + y
+                gpu_fired = gpu_fired + (act != 0).sum()  # no host sync
+                counters.expert_bytes += 3 * gate.numel() * gate.element_size()
+        cpu_fired = cpu_hot_fired = 0
+        if self.runtime.prefetcher is not None:  # reads started before attention end first
+            self.runtime.prefetcher.wait(counters)
+        for e, w in zip(experts, weights):
+            parts = [(cold.rows[e], False)] if e in cold else []
+            if e in hot and hot.on_cpu:
+                parts.append((hot.cpu_rows[e], True))
+            for rows, is_hot in parts:
+                acts = torch.empty(rows.n_neurons, dtype=torch.float32)
+                y_cpu += _sparse_ffn(x_cpu, rows, acts) * w
+                fired = int(torch.count_nonzero(acts))
+                cpu_fired += fired
+                cpu_hot_fired += fired if is_hot else 0
+                # every gate row; up and down rows of the neurons that fired only
+                counters.expert_bytes += (rows.n_neurons + 2 * fired) * _row_bytes(rows)
+        counters.considered += self.num_experts * self.n_ff
+        counters.computed = counters.computed + gpu_fired + cpu_fired
+        counters.computed_hot = counters.computed_hot + gpu_fired + cpu_hot_fired
+        counters.experts_chosen += len(experts)
+        counters.experts_hot += sum(hot.neurons(e) for e in experts) / self.n_ff
+        if y_gpu is None:
+            return y_cpu.to(x.device, x.dtype)[None]
+        return (y_gpu.float() + y_cpu.to(y_gpu.device)).to(x.dtype)[None]
+
+    # ------------------------------------------------------------- many tokens
+    def _part(self, xs: torch.Tensor, e: int, on_hot: bool) -> torch.Tensor:
+        """Expert e's neurons in one tier on tokens xs [t, d] -> fp32 [t, d] on xs' device.
+        ReGLU sums over neurons, so the tiers' parts add up to the whole expert."""
+        if on_hot and not self.hot.on_cpu:
+            gate, up, down_t = self.hot.rows[e]
+            return reglu(xs.to(gate.device, gate.dtype), gate, up, down_t).float().to(xs.device)
+        rows = self.hot.cpu_rows[e] if on_hot else self.cold.rows[e]
+        xc = xs.to("cpu", torch.float32)
+        if len(xs) <= _KERNEL_TOKENS and rows.quant == COLD_INT4:  # no batched 4-bit kernel: token by token
+            y = torch.stack([_sparse_ffn(xc[t], rows) for t in range(xc.shape[0])])
+        elif len(xs) <= _KERNEL_TOKENS:
+            # few tokens chose this expert: the CPU kernel reads each row once for all of
+            # them (and skips quiet neurons' rows), no dequantized copy of the expert
+            y = cpu_kernels.sparse_ffn_batch(xc.contiguous(), rows, None, "relu")
+        else:
+            y = reglu(xc, *rows.dequantized())
+        return y.to(xs.device)
+
+    def _batched(self, x: torch.Tensor, routing: Routing, observer) -> torch.Tensor:
+        if observer is not None:
+            observer(self.layer, routing.inputs, routing.scattered(self.num_experts))
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        for e, tokens, weights in experts_by_token(routing):
+            xs = x[tokens.to(x.device)]
+            y = sum(self._part(xs, e, on_hot) for on_hot, tier in ((True, self.hot), (False, self.cold)) if e in tier)
+            out.index_add_(0, tokens.to(x.device), y * weights.to(x.device)[:, None])
+        return out.to(x.dtype)
+
+
+class MoeRuntime(SparseRuntime):
+    """SparseRuntime with experts as the placed unit; the router replaces the predictors."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.counters = MoeCounters()
+        self.prefetcher: ColdPrefetcher | None = None
+        # Read the chosen cold experts ahead while attention runs: by default where a GPU
+        # computes attention (the CPU idles then); THERMOCLINE_MOE_PREFETCH=1/0 forces it.
+        forced = os.environ.get("THERMOCLINE_MOE_PREFETCH")
+        self.set_prefetch(self.fast.type == "cuda" if forced is None else forced == "1")
+
+    def set_prefetch(self, on: bool) -> None:
+        self.prefetcher = (self.prefetcher or ColdPrefetcher()) if on else None
+
+    def begin_generation(self) -> None:
+        self.counters = MoeCounters()
+        self.at_token_boundary()
+
+    @contextlib.contextmanager
+    def scoring(self, mode: str):
+        if mode not in ("sparse", "hybrid", "oracle"):
+            raise UserError(f"unknown scoring mode {mode}")
+        self.scoring_mode = mode  # the router is exact: every mode computes the same experts
+        try:
+            yield
+        finally:
+            self.scoring_mode = None
+
+    def split_experts(self, layer: int, dense: DenseMoe, hot_units: np.ndarray) -> TieredMoe:
+        """Split a freshly loaded fp32 CPU layer of experts into the two tiers: the
+        placement's units `hot_units` (neuron j of expert e is e * n + j) on the fast tier."""
+        hot = HotExperts(*self._where(True))
+        cold = ColdExperts(self.cpu_weights)
+        n = dense.n_ff
+        hot_units = np.asarray(hot_units, dtype=np.int64)
+        for e in range(dense.num_experts):
+            ids = hot_units[(hot_units >= e * n) & (hot_units < (e + 1) * n)] - e * n
+            split_expert(e, ids, *dense.expert(e), hot, cold)
+        return TieredMoe(layer, dense.num_experts, n, hot, cold, self)
+
+    def _head_weights(self, on_fast: bool):
+        """A tied head on an int8 or 4-bit CPU tier is a copy of the embeddings in that format
+        (counted by the placement, ModelBytes.int8_head_copy): it is most of a token's bytes
+        otherwise."""
+        if not on_fast and self.config.tie_word_embeddings and self.cpu_weights in (COLD_INT8, COLD_INT4):
+            return quantize_matrix(self.model.embed, self.cpu_weights)
+        return super()._head_weights(on_fast)
+
+    def convert_layer_dense(self, layer, on_fast: bool) -> None:
+        super().convert_layer_dense(layer, on_fast)
+        layer.router = self._tier_matrix(layer.router, on_fast)
+
+    def _move_neurons(self, ffn: TieredMoe, new_hot: np.ndarray) -> None:
+        """Re-split only the experts whose hot neurons change: the expert's rows are put
+        back together from both tiers (fp32) and split again."""
+        n, d = ffn.n_ff, self.config.hidden_size
+        new_hot = np.asarray(new_hot, dtype=np.int64)
+        for e in range(ffn.num_experts):
+            ids = new_hot[(new_hot >= e * n) & (new_hot < (e + 1) * n)] - e * n
+            old = ffn.hot.neuron_ids[e].numpy() if e in ffn.hot else np.empty(0, dtype=np.int64)
+            if np.array_equal(ids, old):
+                continue
+            whole = [torch.empty(n, d, dtype=torch.float32) for _ in range(3)]
+            for tier in (ffn.hot, ffn.cold):
+                if e in tier:
+                    rows_ids, *parts = tier.pop(e)
+                    for dst, src in zip(whole, parts):
+                        dst[rows_ids] = src
+            split_expert(e, ids, *whole, ffn.hot, ffn.cold)
+
+
+def load_moe(model_dir, config, mode: str, ctx: int, vram_budget: int | None, ram_budget: int | None,
+             device: str | None, progress, cpu_weights: str = "int8") -> SparseParts:
+    """`engine.hotcold.sparse.load_sparse` for a mixture of experts: the parts `Engine.load` assembles."""
+    fast = pick_fast_device(device)
+    default_vram, default_ram = default_budgets(fast, mode)
+    vram = default_vram if vram_budget is None else vram_budget
+    ram = default_ram if ram_budget is None else ram_budget
+    storage = WeightSource(model_dir).dtype()
+    problem = problem_for_model(model_dir, config, ctx, fast, cpu_weights, None, storage)
+    runtime = MoeRuntime(threading.RLock(), config, mode, fast, storage, None, problem, cpu_weights)
+    plan = runtime.solve(vram, ram)
+    runtime.budgets = (vram, ram)
+    runtime.plan = plan
+    cpu = torch.device("cpu")
+    layer_devices = [fast if on else cpu for on in plan.layer_on_fast]
+    head_device = fast if plan.head_on_fast else cpu
+    model = load_transformer(
+        model_dir, config, layer_devices, head_device, ctx, progress,
+        ffn_builder=lambda i, dense: runtime.split_experts(i, dense, plan.hot_ids[i]),
+        on_layer=lambda i, layer: runtime.convert_layer_dense(layer, plan.layer_on_fast[i]),
+    )
+    runtime.model = model
+    model.lm_head = runtime._head_weights(plan.head_on_fast)
+    return SparseParts(model, runtime, layer_devices, [compute_dtype(d, storage) for d in layer_devices])

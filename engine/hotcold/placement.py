@@ -1,0 +1,321 @@
+"""Neuron placement: which tensors live on the fast device under a VRAM and a RAM budget.
+
+The solver first reserves the dense parts (output head, then each layer's attention,
+norms, predictor and KV cache) on the fast device while they fit. Once every dense part
+is there, the rest of the VRAM budget goes to FFN neurons, chosen across all layers by
+activation frequency: every neuron costs the same bytes, so taking the most frequent
+ones maximises the expected share of activated neurons served by the fast device. That
+is a top-k over all neurons (argpartition, linear time), so it runs while a slider
+moves. Everything not on the fast device must fit the RAM budget, or the answer is
+"does not fit" with the minimum RAM.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    dense_fast: int  # attention + norms + predictor, stored on the fast device
+    dense_cpu: int   # the same stored on the CPU
+    kv_fast: int
+    kv_cpu: int
+
+
+@dataclass(frozen=True)
+class PlacementProblem:
+    layers: list[LayerCost]
+    frequencies: list[np.ndarray]  # per layer, float [n_ff]: how often each neuron fires
+    neuron_fast: int  # bytes of one hot neuron (its rows and index entry)
+    neuron_cpu: int   # bytes of one cold neuron
+    head_fast: int    # output head + final norm on the fast device
+    head_cpu: int     # ... on the CPU (0 extra for the head when tied to the embeddings)
+    embed_cpu: int    # token embeddings always stay on the CPU (a lookup)
+    fast_device: str = "cuda:0"
+    unit: str = "neurons"  # what is placed: FFN neurons, or neurons of a mixture's experts (engine/hotcold/moe_tiers.py)
+    expert_size: int = 0   # a mixture: neurons per expert (a layer's units are expert e's at e*size..)
+
+
+@dataclass(frozen=True)
+class ModelBytes:
+    """The element counts that decide placement. Torch-free: the model registry builds
+    one from config.json before a download, the engine from its loaded config."""
+    d: int
+    n_ff: int
+    n_layers: int
+    vocab: int
+    attention_params: int  # per layer: q, k, v, o and their biases
+    attention_rows: int    # per layer: rows of the qkv and output matrices (one int8 scale each)
+    attention_bias_params: int  # per layer: the part of attention_params that is biases
+    norm_params: int       # per layer
+    final_norm_params: int
+    kv_per_position: int   # per layer: 2 (k, v) * kv_heads * head_dim
+    ffn_matrices: int      # rows per neuron: gate, up, down (3) or up, down (2)
+    tied_embeddings: bool
+    unit: str = "neurons"  # "experts": the units are the neurons of a mixture's experts
+    expert_size: int = 0   # "experts": neurons per expert; n_ff = experts * expert_size
+    # A tied head gets its own int8 (4-bit) copy on an int8 (int4) CPU tier (the embeddings
+    # stay fp32 for the lookup): a quarter (an eighth) of the bytes per token. A mixture reads few FFN bytes per token,
+    # so there the fp32 head would be most of them.
+    int8_head_copy: bool = False
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> "ModelBytes":
+        if config.num_experts:
+            return cls.for_experts(config)
+        d, hd = config.hidden_size, config.head_dim
+        layer_norm = config.norm_kind == "layer"  # LayerNorm has a bias
+        one_norm = config.parallel_attn and config.num_ln_in_parallel_attn == 1
+        q_kv_rows = (config.num_heads + 2 * config.num_kv_heads) * hd
+        bias = (q_kv_rows + d) if config.attention_bias else 0
+        return cls(
+            d=d, n_ff=config.intermediate_size, n_layers=config.num_layers, vocab=config.vocab_size,
+            attention_params=q_kv_rows * d + d * config.num_heads * hd + bias,
+            attention_rows=q_kv_rows + d, attention_bias_params=bias,
+            norm_params=(2 if layer_norm else 1) * d * (1 if one_norm else 2),
+            final_norm_params=(2 if layer_norm else 1) * d,
+            kv_per_position=2 * config.num_kv_heads * hd,
+            ffn_matrices=3 if config.gated else 2,
+            tied_embeddings=config.tie_word_embeddings,
+        )
+
+    @classmethod
+    def for_experts(cls, config: ModelConfig) -> "ModelBytes":
+        """A mixture of experts placed by expert and by neuron: the unit is one neuron of one
+        expert (its gate, up and down rows of d; expert e's neurons are units e*n..e*n+n-1),
+        so the solver can take whole experts or the hot neurons of one. The router [E, d]
+        is a dense matrix of the layer like attention (it reads the layer input)."""
+        d, hd, experts = config.hidden_size, config.head_dim, config.num_experts
+        q_kv_rows = (config.num_heads + 2 * config.num_kv_heads) * hd
+        return cls(
+            d=d, n_ff=experts * config.intermediate_size, n_layers=config.num_layers, vocab=config.vocab_size,
+            attention_params=q_kv_rows * d + d * config.num_heads * hd + experts * d,
+            attention_rows=q_kv_rows + d + experts, attention_bias_params=0,
+            norm_params=2 * d, final_norm_params=d,
+            kv_per_position=2 * config.num_kv_heads * hd,
+            ffn_matrices=3,
+            tied_embeddings=config.tie_word_embeddings,
+            unit="experts", expert_size=config.intermediate_size,
+            int8_head_copy=config.tie_word_embeddings,
+        )
+
+
+COLD_INT8 = "int8"  # CPU weights as int8 rows with one fp32 scale per row
+COLD_INT4 = "int4"  # CPU weights as 4-bit rows: ggml's Q4_0 blocks, 18 bytes per 32 weights
+CPU_BYTES = 4       # fp32 on the CPU: embeddings, norms, biases, KV cache, and weights stored as fp32
+INDEX_BYTES = 8     # the int64 id kept with every hot and cold neuron
+Q4_BLOCK, Q4_BLOCK_BYTES = 32, 18  # engine.kernels.cpu_q4 (not imported here: no torch)
+
+
+def cpu_matrix_bytes(params: int, rows: int, cpu_weights: str) -> int:
+    """Bytes of weight matrices on the CPU tier: int8 values and an fp32 scale per row,
+    4-bit rows of whole 32-weight blocks (exact when the rows share one length), or fp32."""
+    if cpu_weights == COLD_INT4:
+        if not rows:
+            return 0
+        cols = -(-params // rows)
+        return rows * -(-cols // Q4_BLOCK) * Q4_BLOCK_BYTES
+    return params + rows * CPU_BYTES if cpu_weights == COLD_INT8 else params * CPU_BYTES
+
+
+def predictor_cpu_bytes(model: "ModelBytes", params: int, cpu_weights: str) -> int:
+    """Bytes of one layer's predictor (fc1 [rank, d], fc2 [n_ff, rank]: params elements) on
+    the CPU tier."""
+    rank = params // (model.d + model.n_ff)
+    if cpu_weights == COLD_INT4:  # rows of two lengths: d (fc1) and rank (fc2)
+        return cpu_matrix_bytes(rank * model.d, rank, cpu_weights) + cpu_matrix_bytes(model.n_ff * rank, model.n_ff,
+                                                                                      cpu_weights)
+    return cpu_matrix_bytes(params, rank + model.n_ff if params else 0, cpu_weights)
+
+
+def attention_cpu_bytes(model: "ModelBytes", params: int, cpu_weights: str) -> int:
+    """Bytes of one layer's attention matrices (params weights, no biases) on the CPU tier.
+    4-bit rows: q|k|v rows of d weights and d output rows of heads * head_dim counted apart."""
+    if cpu_weights != COLD_INT4:
+        return cpu_matrix_bytes(params, model.attention_rows, cpu_weights)
+    qkv_rows = model.attention_rows - model.d
+    out_cols = (params - qkv_rows * model.d) // model.d
+    return cpu_matrix_bytes(qkv_rows * model.d, qkv_rows, cpu_weights) + cpu_matrix_bytes(model.d * out_cols, model.d,
+                                                                                         cpu_weights)
+
+
+def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: list[np.ndarray], ctx: int,
+                  fast_weight_bytes: int, fast_kv_bytes: int, cpu_weights: str,
+                  fast_device: str = "cuda:0") -> PlacementProblem:
+    """Bytes of every placeable part, exactly as the engine allocates them.
+
+    Fast tier: the output head (its own copy even when tied to the embeddings), each
+    layer's attention, norms, predictor and KV cache, hot neurons (rows + id). CPU tier:
+    the embeddings (always, fp32), whatever of those did not fit, cold neurons (rows +
+    id). On the CPU tier the weight matrices (attention, an untied head, predictors, FFN
+    rows) are int8 rows with an fp32 scale each when cpu_weights is int8, else fp32; the
+    rest is fp32.
+    """
+    layers = []
+    attention_matrices = model.attention_params - model.attention_bias_params
+    for params in predictor_params:
+        dense = model.attention_params + model.norm_params + params
+        dense_cpu = (attention_cpu_bytes(model, attention_matrices, cpu_weights)
+                     + predictor_cpu_bytes(model, params, cpu_weights)
+                     + (model.attention_bias_params + model.norm_params) * CPU_BYTES)
+        kv = model.kv_per_position * ctx
+        layers.append(LayerCost(dense * fast_weight_bytes, dense_cpu, kv * fast_kv_bytes, kv * CPU_BYTES))
+    rows = model.ffn_matrices
+    head = model.vocab * model.d
+    shares_embeddings = model.tied_embeddings and not (model.int8_head_copy and cpu_weights in (COLD_INT8, COLD_INT4))
+    head_cpu = 0 if shares_embeddings else cpu_matrix_bytes(head, model.vocab, cpu_weights)
+    return PlacementProblem(
+        layers=layers,
+        frequencies=frequencies,
+        neuron_fast=rows * model.d * fast_weight_bytes + INDEX_BYTES,
+        neuron_cpu=cpu_matrix_bytes(rows * model.d, rows, cpu_weights) + INDEX_BYTES,
+        head_fast=(head + model.final_norm_params) * fast_weight_bytes,
+        head_cpu=model.final_norm_params * CPU_BYTES + head_cpu,
+        embed_cpu=head * CPU_BYTES,
+        fast_device=fast_device,
+        unit=model.unit,
+        expert_size=model.expert_size,
+    )
+
+
+@dataclass
+class Placement:
+    head_on_fast: bool
+    layer_on_fast: list[bool]
+    hot_ids: list[np.ndarray]  # sorted neuron ids per layer
+    vram_bytes: int
+    ram_bytes: int
+    tier_bytes: dict[str, int]
+    hot_hit_fraction: float
+    fits: bool
+    verdict: str
+    min_ram_bytes: int
+    solve_s: float
+    device: str
+    hot_fraction_per_layer: list[float] = field(default_factory=list)
+    unit: str = "neurons"
+    total_units: int = 0  # neurons (of experts, for a mixture) of all layers
+    expert_size: int = 0  # a mixture: neurons per expert
+
+    def summary(self) -> dict:
+        out = {
+            "device": self.device,
+            "fits": self.fits,
+            "verdict": self.verdict,
+            "vram_bytes": self.vram_bytes,
+            "ram_bytes": self.ram_bytes,
+            "min_ram_bytes": self.min_ram_bytes,
+            "tier_bytes": self.tier_bytes,
+            "hot_hit_fraction": self.hot_hit_fraction,
+            "head_on_fast": self.head_on_fast,
+            "layers": [
+                {"layer": i, "dense_on_fast": fast, "hot_neurons": int(len(ids)), "hot_fraction": frac}
+                for i, (fast, ids, frac) in enumerate(zip(self.layer_on_fast, self.hot_ids,
+                                                          self.hot_fraction_per_layer))
+            ],
+            "solve_s": self.solve_s,
+        }
+        if self.unit == "experts":  # a mixture of experts: whole and split experts per tier and layer
+            n = self.expert_size
+            experts = self.total_units // max(n, 1)
+            whole = split = 0
+            out["unit"] = "experts"
+            for layer, ids in zip(out["layers"], self.hot_ids):
+                per_expert = np.bincount(np.asarray(ids, dtype=np.int64) // n, minlength=experts // len(self.hot_ids))
+                layer["hot_experts"] = int((per_expert == n).sum())
+                layer["split_experts"] = int(((per_expert > 0) & (per_expert < n)).sum())
+                whole += layer["hot_experts"]
+                split += layer["split_experts"]
+            out["experts_per_tier"] = {"fast": whole, "split": split, "cpu": experts - whole - split}
+        return out
+
+
+def _top_neurons(frequencies: list[np.ndarray], count: int) -> list[np.ndarray]:
+    """The `count` most frequent neurons over all layers; ties go to the lower (layer, id)."""
+    sizes = [len(f) for f in frequencies]
+    if count <= 0:
+        return [np.empty(0, dtype=np.int64) for _ in sizes]
+    flat = np.concatenate(frequencies)
+    if count >= flat.size:
+        chosen = np.arange(flat.size)
+    else:
+        kth = np.partition(flat, flat.size - count)[flat.size - count]
+        above = np.flatnonzero(flat > kth)
+        ties = np.flatnonzero(flat == kth)[: count - above.size]  # flatnonzero is ascending
+        chosen = np.sort(np.concatenate([above, ties]))
+    bounds = np.cumsum([0] + sizes)
+    return [chosen[(chosen >= lo) & (chosen < hi)] - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def solve(problem: PlacementProblem, vram_budget: int, ram_budget: int) -> Placement:
+    start = time.perf_counter()
+    layers = problem.layers
+    used = 0
+    head_on_fast = problem.head_fast <= vram_budget
+    if head_on_fast:
+        used += problem.head_fast
+    layer_on_fast = []
+    for cost in layers:
+        fits = used + cost.dense_fast + cost.kv_fast <= vram_budget
+        layer_on_fast.append(fits)
+        if fits:
+            used += cost.dense_fast + cost.kv_fast
+
+    # Hot neurons only once every dense part is on the fast device: a layer computed on
+    # the CPU gains nothing from a few rows on the GPU, and this keeps the solution
+    # monotone in the budget.
+    hot_count = 0
+    if all(layer_on_fast) and problem.neuron_fast > 0:
+        total_neurons = sum(len(f) for f in problem.frequencies)
+        hot_count = min(total_neurons, (vram_budget - used) // problem.neuron_fast)
+    hot_ids = _top_neurons(problem.frequencies, hot_count)
+    hot_bytes = hot_count * problem.neuron_fast
+    cold_count = sum(len(f) for f in problem.frequencies) - hot_count
+
+    tiers = {
+        "fast_dense": (problem.head_fast if head_on_fast else 0)
+        + sum(c.dense_fast for c, fast in zip(layers, layer_on_fast) if fast),
+        "fast_kv": sum(c.kv_fast for c, fast in zip(layers, layer_on_fast) if fast),
+        "fast_ffn": hot_bytes,
+        "cpu_dense": problem.embed_cpu + (0 if head_on_fast else problem.head_cpu)
+        + sum(c.dense_cpu for c, fast in zip(layers, layer_on_fast) if not fast),
+        "cpu_kv": sum(c.kv_cpu for c, fast in zip(layers, layer_on_fast) if not fast),
+        "cpu_ffn": cold_count * problem.neuron_cpu,
+    }
+    vram = tiers["fast_dense"] + tiers["fast_kv"] + tiers["fast_ffn"]
+    ram = tiers["cpu_dense"] + tiers["cpu_kv"] + tiers["cpu_ffn"]
+
+    total_freq = sum(float(f.sum()) for f in problem.frequencies)
+    hot_freq = sum(float(f[ids].sum()) for f, ids in zip(problem.frequencies, hot_ids))
+    hit = hot_freq / total_freq if total_freq > 0 else (hot_count / max(hot_count + cold_count, 1))
+    fits = ram <= ram_budget
+    if not fits:
+        verdict = "does not fit"
+    elif cold_count == 0 and all(layer_on_fast) and head_on_fast:
+        verdict = "fits"
+    else:
+        verdict = "fits with cold neurons on CPU"
+    return Placement(
+        head_on_fast=head_on_fast,
+        layer_on_fast=layer_on_fast,
+        hot_ids=hot_ids,
+        vram_bytes=vram,
+        ram_bytes=ram,
+        tier_bytes=tiers,
+        hot_hit_fraction=hit,
+        fits=fits,
+        verdict=verdict,
+        min_ram_bytes=ram,  # at this VRAM budget; more VRAM lowers it
+        solve_s=time.perf_counter() - start,
+        device=problem.fast_device,
+        hot_fraction_per_layer=[len(ids) / max(len(f), 1) for ids, f in zip(hot_ids, problem.frequencies)],
+        unit=problem.unit,
+        total_units=sum(len(f) for f in problem.frequencies),
+        expert_size=problem.expert_size,
+    )

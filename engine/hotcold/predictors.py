@@ -1,0 +1,206 @@
+"""Per-layer activation predictors: logits = fc2(relu(fc1(x))), a neuron is predicted
+active when its logit >= the layer's threshold.
+
+Ours are stored as safetensors in the sidecar folder; PowerInfer's published ones
+(`model_{N}.pt` state dicts, one per layer) are imported with `weights_only=True` and
+ordered by layer number, never as strings; those a checkpoint carries (TurboSparse,
+found by the names its architecture module lists) are copied from it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from engine.errors import ModelFormatError
+from engine.loading.quantized import QuantMatrix, matrix_nbytes, quantize_matrix
+from engine.loading.sidecar import group_by_layer, sidecar_dir
+
+FILENAME = "predictors.safetensors"
+_POWERINFER_FILE = re.compile(r"^model_(\d+)\.pt$")
+
+
+@dataclass
+class PredictorSet:
+    fc1: list[torch.Tensor]  # [rank_i, d]
+    fc2: list[torch.Tensor]  # [n_ff, rank_i]
+    thresholds: list[float]
+    source: str = "thermocline"
+    extra: dict = field(default_factory=dict)  # per-layer quality figures, training settings
+
+    def __len__(self) -> int:
+        return len(self.fc1)
+
+    @property
+    def ranks(self) -> list[int]:
+        return [w.shape[0] for w in self.fc1]
+
+    def nbytes(self, layer: int) -> int:
+        return matrix_nbytes(self.fc1[layer]) + matrix_nbytes(self.fc2[layer])
+
+    def logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Logits [n_ff] for one token x [d], or [T, n_ff] for x [T, d]."""
+        from engine.runtime.model import linear
+
+        fc1, fc2 = self.fc1[layer], self.fc2[layer]
+        dtype = torch.float32 if isinstance(fc1, QuantMatrix) else fc1.dtype
+        rows = x.to(dtype).reshape(-1, x.shape[-1])
+        out = linear(torch.relu(linear(rows, fc1)), fc2)
+        return out.reshape(*x.shape[:-1], fc2.shape[0])
+
+    def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return self.logits(layer, x) >= self.thresholds[layer]
+
+    def to(self, layer: int, device: torch.device, dtype: torch.dtype, int8: bool = False,
+           quant: str | None = None) -> None:
+        """Move a layer's predictor to a tier: device and dtype, or int8 (or `quant`: int4)
+        rows on the CPU."""
+        quant = quant or ("int8" if int8 else None)
+
+        def place(w):
+            if quant in ("int8", "int4"):
+                return quantize_matrix(w, quant)
+            return w.to_dense(device, dtype) if isinstance(w, QuantMatrix) else w.to(device, dtype)
+
+        self.fc1[layer], self.fc2[layer] = place(self.fc1[layer]), place(self.fc2[layer])
+
+    # ---------------------------------------------------------------- storage
+    def save(self, model_dir: Path) -> Path:
+        folder = sidecar_dir(model_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {}
+        for i, (a, b) in enumerate(zip(self.fc1, self.fc2)):
+            tensors[f"layers.{i}.fc1.weight"] = a.detach().float().cpu().contiguous()
+            tensors[f"layers.{i}.fc2.weight"] = b.detach().float().cpu().contiguous()
+        metadata = {"thresholds": json.dumps(self.thresholds), "source": self.source,
+                    "extra": json.dumps(self.extra)}
+        path = folder / FILENAME
+        tmp = path.with_suffix(".tmp")
+        save_file(tensors, str(tmp), metadata=metadata)
+        tmp.replace(path)  # never leave a half-written file where a good one was
+        return path
+
+    @classmethod
+    def exists(cls, model_dir: Path) -> bool:
+        return (sidecar_dir(model_dir) / FILENAME).is_file()
+
+    @classmethod
+    def load(cls, model_dir: Path, num_layers: int | None = None, dim: int | None = None,
+             n_ff: int | None = None) -> "PredictorSet":
+        path = sidecar_dir(model_dir) / FILENAME
+        if not path.is_file():
+            raise ModelFormatError(
+                f"{Path(model_dir).name} has no activation predictors; run `thermocline train-predictors "
+                f"--model {model_dir}` or import PowerInfer's with `thermocline models import`"
+            )
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as handle:
+                metadata = handle.metadata() or {}
+            tensors = load_file(str(path))
+            thresholds = json.loads(metadata.get("thresholds", "[]"))
+            extra = json.loads(metadata.get("extra", "{}"))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ModelFormatError(f"predictor file {path} is corrupt ({exc}); train or import them again") from None
+        layers = group_by_layer(tensors)
+        predictors = cls._from_layers(layers, thresholds, metadata.get("source", "thermocline"), path)
+        predictors.extra = extra
+        predictors.check(num_layers, dim, n_ff)
+        return predictors
+
+    @classmethod
+    def _from_layers(cls, layers: dict[int, dict], thresholds: list[float], source: str, where) -> "PredictorSet":
+        if list(layers) != list(range(len(layers))):
+            raise ModelFormatError(f"predictor layers in {where} are not numbered 0..N-1: {list(layers)}")
+        try:
+            fc1 = [layers[i]["fc1.weight"].float() for i in layers]
+            fc2 = [layers[i]["fc2.weight"].float() for i in layers]
+        except KeyError as exc:
+            raise ModelFormatError(f"predictor in {where} lacks {exc}") from None
+        if len(thresholds) != len(fc1):
+            thresholds = [float(thresholds[0]) if thresholds else 0.0] * len(fc1)
+        return cls(fc1, fc2, [float(t) for t in thresholds], source)
+
+    def check(self, num_layers: int | None, dim: int | None, n_ff: int | None) -> None:
+        if num_layers is not None and len(self) != num_layers:
+            raise ModelFormatError(f"predictors cover {len(self)} layers but the model has {num_layers}")
+        for i, (a, b) in enumerate(zip(self.fc1, self.fc2)):
+            if a.shape[0] != b.shape[1] or (dim and a.shape[1] != dim) or (n_ff and b.shape[0] != n_ff):
+                raise ModelFormatError(
+                    f"predictor of layer {i} has shapes fc1 {tuple(a.shape)}, fc2 {tuple(b.shape)}, which do not "
+                    f"fit the model (d={dim}, n_ff={n_ff})"
+                )
+
+
+def import_powerinfer_predictors(src_dir: Path, model_dir: Path) -> Path:
+    """PowerInfer's `model_{N}.pt` files (+ optional config.json sparse_threshold) -> our sidecar."""
+    src_dir = Path(src_dir)
+    files = {int(m.group(1)): p for p in src_dir.iterdir() if (m := _POWERINFER_FILE.match(p.name))}
+    ggufs = sorted(src_dir.glob("*.gguf"))
+    if not files and ggufs:  # PowerInfer's GGUF carries them as blk.N.fc1/fc2
+        from engine.loading.gguf_predictors import import_gguf_predictors
+
+        return import_gguf_predictors(ggufs[0], model_dir)
+    if not files:
+        raise ModelFormatError(f"{src_dir} has no model_N.pt predictor files")
+    threshold = 0.0
+    config = src_dir / "config.json"
+    if config.is_file():
+        try:
+            threshold = float(json.loads(config.read_text(encoding="utf-8")).get("sparse_threshold", 0.0))
+        except (OSError, ValueError, TypeError):
+            raise ModelFormatError(f"cannot read {config}") from None
+    layers = {}
+    for number in sorted(files):  # numeric order: layer 10 after layer 2
+        try:
+            state = torch.load(files[number], map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - weights_only refuses anything but plain tensors
+            raise ModelFormatError(f"cannot load {files[number].name} safely: {exc}") from None
+        if not isinstance(state, dict):
+            raise ModelFormatError(f"{files[number].name} is not a state dict")
+        layers[number] = {k: v for k, v in state.items() if k in ("fc1.weight", "fc2.weight")}
+    predictors = PredictorSet._from_layers(layers, [threshold] * len(layers), "powerinfer", src_dir)
+    if (Path(model_dir) / "config.json").is_file():
+        from engine.config import ModelConfig
+
+        cfg = ModelConfig.from_dir(model_dir)
+        predictors.check(cfg.num_layers, cfg.hidden_size, cfg.intermediate_size)
+    return predictors.save(model_dir)
+
+
+def import_checkpoint_predictors(model_dir: Path, config) -> Path | None:
+    """Predictors carried inside the checkpoint -> our sidecar (its path), unless there is
+    one already. None when the architecture or this checkpoint carries none.
+
+    The names come from the architecture module's `PREDICTOR_TENSORS` (engine/arch); every
+    layer must have both, with shapes that fit the model. They are read with the threshold
+    0: TurboSparse fires a neuron when sigmoid(logit) > 0.5, i.e. logit > 0 (equality has
+    measure zero).
+    """
+    from engine.arch import arch_module
+    from engine.loading.weights import WeightSource
+
+    names = getattr(arch_module(config.arch), "PREDICTOR_TENSORS", None)
+    if names is None or PredictorSet.exists(model_dir):
+        return None
+    source = WeightSource(model_dir)
+    fc1_name, fc2_name = names
+    layers = range(config.num_layers)
+    present = [source.has(fc1_name.format(i=i)) and source.has(fc2_name.format(i=i)) for i in layers]
+    if not any(present):
+        return None
+    if not all(present):
+        missing = [i for i in layers if not present[i]]
+        raise ModelFormatError(f"the checkpoint carries predictors for some layers only (none for {missing[:8]})")
+    fc1 = [source.get(fc1_name.format(i=i)).float() for i in layers]
+    fc2 = [source.get(fc2_name.format(i=i)).float() for i in layers]
+    predictors = PredictorSet(fc1, fc2, [0.0] * config.num_layers, source="checkpoint")
+    predictors.check(config.num_layers, config.hidden_size, config.intermediate_size)
+    return predictors.save(model_dir)

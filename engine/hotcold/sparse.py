@@ -1,0 +1,234 @@
+"""The sparse engine: placement applied to a loaded model, and live re-placement.
+
+`load_sparse` loads a model for the `sparse`, `hybrid` and `oracle` modes: dense parts go
+where the placement puts them, each layer's FFN is split into hot rows (fast device) and cold
+rows (CPU), and `Engine.load` assembles the engine from the parts it returns.
+`SparseRuntime.set_budgets` re-solves and moves only the rows and tensors that change tier;
+during a generation the move happens at the next token boundary, and the KV cache (the
+conversation) is kept. The runtime's jobs live in sparse_tokens, sparse_solve, sparse_moves
+and sparse_memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import UserError
+from engine.hotcold.hybrid_ffn import FfnCounters
+from engine.loading.loader import compute_dtype, load_transformer
+from engine.runtime.model import Transformer
+from engine.hotcold.placement import Placement, PlacementProblem
+from engine.hotcold.predictors import PredictorSet, import_checkpoint_predictors
+from engine.hotcold.sparse_memory import MemoryAccounting
+from engine.hotcold.sparse_moves import TierMoves, cold_rows_from_dense
+from engine.hotcold.sparse_solve import (  # noqa: F401 (re-exported: the CLI, moe_tiers, benchmarks and tests import them here)
+    PlacementReport,
+    Solving,
+    default_budgets,
+    pick_fast_device,
+    placement_problem,
+    problem_for_model,
+)
+from engine.hotcold.sparse_tokens import TokenHooks
+from engine.loading.weights import WeightSource
+
+COLD_QUANTS = ("int4", "int8", "fp32")
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SparseParts:
+    """What a sparse load hands `Engine.load`: the model, its runtime, and where each layer's
+    KV cache lives (device and dtype). The runtime gets the cache once it is made."""
+    model: Transformer
+    runtime: "SparseRuntime"
+    layer_devices: list[torch.device]
+    layer_dtypes: list[torch.dtype]
+
+
+class SparseRuntime(TokenHooks, Solving, TierMoves, MemoryAccounting):
+    """The hot/cold split of one loaded model, by job: per-token hooks (sparse_tokens),
+    solving (sparse_solve), moving tensors (sparse_moves), memory accounting (sparse_memory)."""
+
+    def __init__(self, engine_lock: threading.RLock, config: ModelConfig, mode: str, fast: torch.device,
+                 storage: torch.dtype, predictors: PredictorSet | None, problem: PlacementProblem,
+                 cpu_weights: str):
+        self.lock = engine_lock
+        self.config, self.mode, self.fast, self.storage = config, mode, fast, storage
+        self.predictors = predictors
+        self.thresholds = list(predictors.thresholds) if predictors else [0.0] * config.num_layers
+        self.problem, self.cpu_weights = problem, cpu_weights
+        self.counters = FfnCounters()
+        self.scoring_mode: str | None = None
+        self.plan: Placement | None = None
+        self.model: Transformer | None = None
+        self.cache = None
+        self._pending: Placement | None = None
+        self._pending_lock = threading.Lock()
+        self.override_masks = None  # benchmarks: callable(layer) -> bool mask [n_ff] replacing the threshold
+        self.prepared_path: Path | None = None  # the prepared rows file read or written at load
+        self.prepared_rows = None  # engine.loading.prepared.PreparedRows when this load mapped one
+
+
+
+def _prepared_source(model_dir: Path, config: ModelConfig, cpu_weights: str):
+    """(mapped prepared rows, None) when a current prepared file exists; else (None, a
+    writer for one) for the int8/int4 formats; (None, None) when preparing is off or the
+    model's folder cannot be written (a read-only install)."""
+    from engine.loading import prepared
+
+    if cpu_weights not in prepared.FORMATS or not prepared.enabled() or prepared.is_bundled(model_dir):
+        return None, None
+    rows = prepared.PreparedRows.open_if_current(model_dir, cpu_weights)
+    if rows is not None:
+        return rows, None
+    try:
+        writer = prepared.PreparedWriter(model_dir, cpu_weights, prepared.checkpoint_key(model_dir, cpu_weights),
+                                         config.intermediate_size, config.hidden_size, config.gated,
+                                         config.num_layers)
+    except OSError as exc:
+        log.warning("not preparing %s: %s", model_dir, exc)
+        return None, None
+    return None, writer
+
+
+_MAPPED = "prepared"  # PredictorSet.source of predictors mapped from a prepared file
+
+
+def _prepared_dense(model_dir: Path, cpu_weights: str):
+    """The current prepared dense file (engine.loading.prepared.PreparedDense), or None."""
+    from engine.loading import prepared
+
+    if cpu_weights not in prepared.FORMATS or not prepared.enabled() or prepared.is_bundled(model_dir):
+        return None
+    return prepared.PreparedDense.open_if_current(model_dir, cpu_weights)
+
+
+def _mapped_predictors(dense_file, model_dir: Path, config: ModelConfig) -> PredictorSet | None:
+    """The predictors in the CPU format from the prepared file (their thresholds from the
+    predictors file's header), or None when it does not hold them."""
+    if dense_file is None or not PredictorSet.exists(model_dir) or not dense_file.has_predictors(config.num_layers):
+        return None
+    import json
+
+    from safetensors import safe_open
+
+    from engine.loading.sidecar import sidecar_dir
+
+    with safe_open(str(sidecar_dir(model_dir) / "predictors.safetensors"), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    thresholds = [float(t) for t in json.loads(metadata.get("thresholds", "[]"))]
+    fc1, fc2 = [], []
+    for i in range(config.num_layers):
+        rank = dense_file.rows(f"predictors.{i}.fc1")
+        fc1.append(dense_file.matrix(f"predictors.{i}.fc1", (rank, config.hidden_size)))
+        fc2.append(dense_file.matrix(f"predictors.{i}.fc2", (config.intermediate_size, rank)))
+    if len(thresholds) != config.num_layers:
+        thresholds = [thresholds[0] if thresholds else 0.0] * config.num_layers
+    predictors = PredictorSet(fc1, fc2, thresholds, _MAPPED)
+    predictors.extra = json.loads(metadata.get("extra", "{}"))
+    return predictors
+
+
+def _write_prepared_dense(model_dir: Path, cpu_weights: str, runtime, progress) -> None:
+    """Write the dense prepared file from the model just loaded (its CPU layers, globals
+    when the head is on the CPU, predictors); a failure only logs."""
+    from engine.loading import prepared
+
+    plan = runtime.plan
+    cpu_layers = [i for i, on in enumerate(plan.layer_on_fast) if not on]
+    if progress:
+        progress(1.0, "writing the prepared layout (first load only)")
+    try:
+        tensors = prepared.dense_tensors(runtime.model, runtime.predictors, cpu_layers, not plan.head_on_fast)
+        prepared.write_tensors(prepared.dense_path(model_dir, cpu_weights), tensors,
+                               {"key": prepared.dense_key(model_dir, cpu_weights), "format": cpu_weights})
+    except (OSError, ValueError) as exc:
+        log.warning("could not write the prepared layout of %s: %s", model_dir, exc)
+
+
+def load_sparse(model_dir: Path, config: ModelConfig, mode: str, ctx: int, vram_budget: int | None,
+                ram_budget: int | None, device: str | None, progress, cpu_weights: str = "int8") -> SparseParts:
+    """The model of a sparse/hybrid/oracle load with its runtime; `Engine.load` assembles the
+    engine (its KV cache goes where `SparseParts.layer_devices` say, then to the runtime)."""
+    if cpu_weights not in COLD_QUANTS:
+        raise UserError(f"unknown CPU weight format {cpu_weights!r}: choose int4, int8 or fp32")
+    if config.is_moe:  # placed expert by expert, routed by the model's own router
+        from engine.hotcold.moe_tiers import load_moe
+
+        return load_moe(model_dir, config, mode, ctx, vram_budget, ram_budget, device, progress, cpu_weights)
+    if config.mlp_bias:
+        raise UserError("sparse modes do not support FFN biases yet; use --mode dense for this model")
+    fast = pick_fast_device(device)
+    default_vram, default_ram = default_budgets(fast, mode)
+    vram = default_vram if vram_budget is None else vram_budget
+    ram = default_ram if ram_budget is None else ram_budget
+    predictors = None
+    import_checkpoint_predictors(model_dir, config)  # TurboSparse: the checkpoint's own, once
+    dense_file = _prepared_dense(model_dir, cpu_weights)
+    if mode != "oracle" or PredictorSet.exists(model_dir):
+        predictors = _mapped_predictors(dense_file, model_dir, config) or PredictorSet.load(
+            model_dir, config.num_layers, config.hidden_size, config.intermediate_size)
+    storage = WeightSource(model_dir).dtype()
+    problem = problem_for_model(model_dir, config, ctx, fast, cpu_weights, predictors, storage)
+    runtime = SparseRuntime(threading.RLock(), config, mode, fast, storage, predictors, problem, cpu_weights)
+    plan = runtime.solve(vram, ram)
+    if predictors is not None and predictors.source == _MAPPED and any(plan.layer_on_fast):
+        # the fast tier takes the predictors at the checkpoint's precision, not the CPU format's
+        predictors = PredictorSet.load(model_dir, config.num_layers, config.hidden_size, config.intermediate_size)
+        runtime.predictors = predictors
+    runtime.budgets = (vram, ram)
+    runtime.plan = plan
+    cpu = torch.device("cpu")
+    layer_devices = [fast if on else cpu for on in plan.layer_on_fast]
+    head_device = fast if plan.head_on_fast else cpu
+    prepared_rows, writer = _prepared_source(model_dir, config, cpu_weights)
+    runtime.prepared_path = prepared_rows.path if prepared_rows is not None else None
+    runtime.prepared_rows = prepared_rows
+
+    def mapped(i: int) -> bool:  # this layer's FFN comes from the prepared file
+        return prepared_rows is not None and len(plan.hot_ids[i]) == 0 and prepared_rows.has_layer(i)
+
+    def build_ffn(i: int, dense):
+        if dense is None:
+            return runtime.cold_ffn(i, prepared_rows.layer_rows(i, config.hidden_size))
+        all_rows = None
+        if writer is not None:
+            if progress:
+                progress(i / config.num_layers, f"preparing layer {i + 1} of {config.num_layers} "
+                                                f"({cpu_weights} rows, first load only)")
+            all_rows = cold_rows_from_dense(dense.gate, dense.up, dense.down_t, cpu_weights)
+            writer.add_layer(i, all_rows)
+        return runtime.split_ffn(i, dense, plan.hot_ids[i], all_rows)
+
+    try:
+        model = load_transformer(
+            model_dir, config, layer_devices, head_device, ctx, progress, ffn_builder=build_ffn,
+            on_layer=lambda i, layer: runtime.convert_layer_dense(layer, plan.layer_on_fast[i]),
+            read_ffn=lambda i: not mapped(i), prepared=dense_file,
+            from_prepared=lambda i: not plan.layer_on_fast[i], globals_from_prepared=not plan.head_on_fast,
+        )
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if writer is not None:
+        try:
+            runtime.prepared_path = writer.finish()
+        except OSError as exc:
+            writer.abort()
+            log.warning("could not write the prepared rows of %s: %s", model_dir, exc)
+    for i, on_fast in enumerate(plan.layer_on_fast):
+        runtime.place_predictor(i, on_fast)
+    runtime.model = model
+    model.lm_head = runtime._head_weights(plan.head_on_fast)
+    runtime.prepared_dense = dense_file
+    if dense_file is None and (writer is not None or prepared_rows is not None):
+        _write_prepared_dense(model_dir, cpu_weights, runtime, progress)
+    return SparseParts(model, runtime, layer_devices, [compute_dtype(d, storage) for d in layer_devices])

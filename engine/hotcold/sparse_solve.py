@@ -1,0 +1,141 @@
+"""The sparse runtime's placement: the problem of a model folder, the default budgets, the
+solve under budgets (with the error that names the minimum), and the report the budget panel
+shows. `Solving` is a mixin of `engine.hotcold.sparse.SparseRuntime` (reads mode, fast, problem,
+budgets, lock; calls `apply` and `memory`).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.hotcold.activation_stats import ActivationStats
+from engine.config import ModelConfig
+from engine.errors import BudgetError, UserError
+from engine.loading.loader import compute_dtype
+from engine.hotcold.placement import ModelBytes, Placement, PlacementProblem, build_problem, solve
+from engine.hotcold.predictors import PredictorSet, import_checkpoint_predictors
+from engine.units import format_size
+from engine.loading.weights import WeightSource
+
+
+def pick_fast_device(device: str | None) -> torch.device:
+    if device:
+        from engine.runtime.validation import resolve_device
+
+        return resolve_device(device)
+    return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def default_budgets(fast: torch.device, mode: str) -> tuple[int, int]:
+    """`engine.budget_policy` on this machine now: VRAM 0 without a GPU (the CPU stand-in
+    starts empty) and in the sparse mode; RAM what the policy leaves of what is available."""
+    import psutil
+
+    from engine.budget_policy import usable_ram, usable_vram
+
+    vram = 0
+    if mode != "sparse" and fast.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(fast)
+        vram = usable_vram(free)
+    return vram, usable_ram(psutil.virtual_memory().available)
+
+
+@dataclass
+class PlacementReport:
+    """What the app's budget panel shows (see docs/ARCHITECTURE.md)."""
+    hot_fraction_per_layer: list[float]
+    tier_bytes: dict[str, int]
+    vram_bytes: int
+    ram_bytes: int
+    hot_hit_fraction: float
+    verdict: str
+    solve_s: float
+    device: str
+    applied: bool  # False: queued for the next token boundary of a running generation
+    allocated: dict[str, int] | None = None  # bytes really held after applying
+
+    @classmethod
+    def from_placement(cls, plan: Placement, applied: bool, allocated: dict | None) -> "PlacementReport":
+        return cls(plan.hot_fraction_per_layer, dict(plan.tier_bytes), plan.vram_bytes, plan.ram_bytes,
+                   plan.hot_hit_fraction, plan.verdict, plan.solve_s, plan.device, applied, allocated)
+
+
+def placement_problem(config: ModelConfig, predictor_ranks: list[int], frequencies: list[np.ndarray],
+                      ctx: int, fast: torch.device, storage: torch.dtype, cpu_weights: str) -> PlacementProblem:
+    """The engine's placement problem: the fast tier holds its compute dtype."""
+    fast_bytes = torch.finfo(compute_dtype(fast, storage)).bits // 8
+    params = [rank * (config.hidden_size + config.intermediate_size) for rank in predictor_ranks]
+    return build_problem(ModelBytes.from_config(config), params, frequencies, ctx, fast_bytes, fast_bytes,
+                         cpu_weights, str(fast))
+
+
+def problem_for_model(model_dir: Path, config: ModelConfig, ctx: int, fast: torch.device, cpu_weights: str,
+                      predictors: PredictorSet | None = None, storage: torch.dtype | None = None) -> PlacementProblem:
+    """The placement problem of a model folder, from its config, predictors and statistics."""
+    import_checkpoint_predictors(model_dir, config)  # those a checkpoint carries count too
+    if predictors is None and PredictorSet.exists(model_dir):
+        predictors = PredictorSet.load(model_dir, config.num_layers, config.hidden_size, config.intermediate_size)
+    if config.is_moe:  # the neurons of the experts, ranked by expert use and firing (engine.moe)
+        from engine.hotcold.moe import placement_frequencies
+
+        stats = ActivationStats.load(model_dir) if ActivationStats.exists(model_dir) else None
+        try:
+            frequencies = placement_frequencies(stats, config.num_experts, config.intermediate_size,
+                                                config.num_layers)
+        except ValueError:
+            raise UserError(f"activation statistics of {model_dir} do not match the model; profile it again") from None
+    elif ActivationStats.exists(model_dir):
+        frequencies = [f.numpy() for f in ActivationStats.load(model_dir).frequencies()]
+        if len(frequencies) != config.num_layers or any(len(f) != config.n_ff for f in frequencies):
+            raise UserError(f"activation statistics of {model_dir} do not match the model; profile it again")
+    else:  # no profile yet: every neuron alike, placement by neuron order
+        frequencies = [np.ones(config.n_ff) for _ in range(config.num_layers)]
+    ranks = predictors.ranks if predictors else [0] * config.num_layers
+    storage = storage or WeightSource(model_dir).dtype()
+    return placement_problem(config, ranks, frequencies, ctx, fast, storage, cpu_weights)
+
+
+class Solving:
+    budgets: tuple[int, int]
+    lock: threading.RLock
+
+    def solve(self, vram: int, ram: int) -> Placement:
+        if self.mode == "sparse":
+            vram = 0
+        if self.fast.type == "cuda" and vram > 0:
+            total = torch.cuda.get_device_properties(self.fast).total_memory
+            if vram > total:
+                raise BudgetError(f"VRAM budget {format_size(vram)} exceeds the GPU's {format_size(total)}")
+        plan = solve(self.problem, vram, ram)
+        if not plan.fits:
+            best = solve(self.problem, 1 << 62, 1 << 62)
+            raise BudgetError(
+                f"RAM budget {format_size(ram)} is too small: at a VRAM budget of {format_size(vram)} the CPU "
+                f"side needs {format_size(plan.ram_bytes)}; raise the RAM budget to at least that"
+                + (f" (or give {format_size(best.vram_bytes)} of VRAM, which lowers it to "
+                   f"{format_size(best.ram_bytes)})" if self.mode != "sparse" and self.fast.type == "cuda" else "")
+            )
+        return plan
+
+    def set_budgets(self, vram: int | None, ram: int | None) -> PlacementReport:
+        vram = self.budgets[0] if vram is None else int(vram)
+        ram = self.budgets[1] if ram is None else int(ram)
+        plan = self.solve(vram, ram)
+        self.budgets = (vram, ram)
+        if self.lock.acquire(blocking=False):
+            try:
+                self.apply(plan)
+                return PlacementReport.from_placement(plan, True, self.memory()["tiers"])
+            finally:
+                self.lock.release()
+        with self._pending_lock:  # a generation holds the engine: move at its next token
+            self._pending = plan
+        return PlacementReport.from_placement(plan, False, None)
+
+    def report(self) -> PlacementReport:
+        return PlacementReport.from_placement(self.plan, True, self.memory()["tiers"])

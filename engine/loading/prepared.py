@@ -1,0 +1,375 @@
+"""The prepared layout: a model's FFN rows in the CPU tier's format, written once into the
+sidecar (`thermocline/prepared-<format>.safetensors`) and memory-mapped by later loads.
+
+Every load used to read the checkpoint's 16/32-bit FFN tensors, transpose the down
+projections and quantize every row. The first load with a CPU format (int8 or int4) now
+also writes each layer's rows, neuron-major and quantized, into this file (a progress
+line per layer); later loads map it, and a layer whose neurons all sit on the CPU takes
+the mapped rows as its cold rows as they are: no conversion, no copy, only the pages a
+token reads become resident. Layers with hot neurons still read the checkpoint, so the
+fast tier keeps the checkpoint's precision.
+
+The file is keyed by the checkpoint (each weight file's name, size and modification time,
+and config.json's bytes, hashed), the format and `LAYOUT_VERSION`; a different key means
+the file is rebuilt. It lives in the model's folder, so `models remove` deletes it too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.kernels import cpu as cpu_kernels
+from engine.kernels import cpu_q4
+from engine.loading.sidecar import sidecar_dir
+
+log = logging.getLogger(__name__)
+
+LAYOUT_VERSION = 1  # bump when the rows' layout or this file's names change
+FORMATS = ("int8", "int4")
+DISABLE_ENV = "THERMOCLINE_NO_PREPARED"  # 1: neither read nor write prepared files
+_DTYPES = {torch.uint8: ("U8", 1), torch.int8: ("I8", 1), torch.float32: ("F32", 4)}
+_NUMPY = {"U8": np.uint8, "I8": np.int8, "F32": np.float32}
+
+
+def enabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip() in ("", "0")
+
+
+def is_bundled(model_dir: Path) -> bool:
+    """A model shipped inside Thermocline (the demo): never written to, it is small anyway."""
+    import resources
+
+    try:
+        Path(model_dir).resolve().relative_to(Path(resources.__file__).resolve().parent)
+    except ValueError:
+        return False
+    return True
+
+
+def prepared_path(model_dir: Path, fmt: str) -> Path:
+    return sidecar_dir(model_dir) / f"prepared-{fmt}.safetensors"
+
+
+def checkpoint_key(model_dir: Path, fmt: str) -> str:
+    """What the prepared rows were made from: the weight files' names, sizes and times,
+    config.json's bytes, the format and the layout version, hashed."""
+    model_dir = Path(model_dir)
+    h = hashlib.sha256(f"{LAYOUT_VERSION}:{fmt}".encode())
+    for path in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.index.json")):
+        st = path.stat()
+        h.update(f"{path.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    config = model_dir / "config.json"
+    if config.is_file():
+        h.update(config.read_bytes())
+    return h.hexdigest()
+
+
+def _names(i: int, gated: bool, fmt: str) -> list[str]:
+    parts = (["gate"] if gated else []) + ["up", "down_t"]
+    names = [f"layers.{i}.{p}" for p in parts]
+    if fmt == "int8":
+        names += [f"layers.{i}.{p}_scale" for p in parts]
+    return names
+
+
+def _layer_tensors(i: int, rows, fmt: str) -> dict[str, torch.Tensor]:
+    out = {f"layers.{i}.up": rows.up, f"layers.{i}.down_t": rows.down_t}
+    if rows.gate is not None:
+        out[f"layers.{i}.gate"] = rows.gate
+    if fmt == "int8":
+        out[f"layers.{i}.up_scale"], out[f"layers.{i}.down_t_scale"] = rows.up_scale, rows.down_scale
+        if rows.gate is not None:
+            out[f"layers.{i}.gate_scale"] = rows.gate_scale
+    return out
+
+
+def _shapes(n: int, d: int, gated: bool, fmt: str, layers: int) -> list[tuple[str, str, tuple[int, ...]]]:
+    entries = []
+    for i in range(layers):
+        for name in _names(i, gated, fmt):
+            if name.endswith("_scale"):
+                entries.append((name, "F32", (n,)))
+            elif fmt == "int4":
+                entries.append((name, "U8", (n, cpu_q4.row_bytes(d))))
+            else:
+                entries.append((name, "I8", (n, d)))
+    return entries
+
+
+class PreparedWriter:
+    """Writes the rows layer by layer, in order, into a temporary file; `finish` renames it
+    into place (a half-written file is never taken for a prepared one)."""
+
+    def __init__(self, model_dir: Path, fmt: str, key: str, n: int, d: int, gated: bool, layers: int):
+        self.path = prepared_path(model_dir, fmt)
+        self.tmp = self.path.with_suffix(".partial")
+        self.fmt, self.gated, self.layers = fmt, gated, layers
+        entries = _shapes(n, d, gated, fmt, layers)
+        header, offset = {"__metadata__": {"key": key, "format": fmt, "layout_version": str(LAYOUT_VERSION)}}, 0
+        for name, dtype, shape in entries:
+            size = math.prod(shape) * (4 if dtype == "F32" else 1)
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self.order = [e[0] for e in sorted(entries, key=lambda e: header[e[0]]["data_offsets"][0])]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = open(self.tmp, "wb")
+        self.f.write(struct.pack("<Q", len(blob)) + blob)
+        self.next = 0
+
+    def add_layer(self, i: int, rows) -> None:
+        tensors = _layer_tensors(i, rows, self.fmt)
+        for name in _names(i, self.gated, self.fmt):
+            if self.order[self.next] != name:
+                raise RuntimeError(f"prepared rows written out of order: {name}")
+            self.f.write(tensors[name].contiguous().numpy().tobytes())
+            self.next += 1
+
+    def finish(self) -> Path:
+        self.f.close()
+        if self.next != len(self.order):
+            raise RuntimeError("prepared file incomplete")
+        self.tmp.replace(self.path)
+        return self.path
+
+    def abort(self) -> None:
+        self.f.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+class PreparedRows:
+    """A prepared file, memory-mapped (copy-on-write, so the tensors are writable views that
+    share the file's pages until written, which the engine never does)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            self.header = json.loads(f.read(length))
+        self.metadata = self.header.pop("__metadata__", {})
+        self.fmt = self.metadata.get("format")
+        self._map = np.memmap(path, mode="c")
+        self._base = 8 + length
+
+    @classmethod
+    def open_if_current(cls, model_dir: Path, fmt: str) -> "PreparedRows | None":
+        """The prepared file of this format when its key matches the checkpoint, else None."""
+        path = prepared_path(model_dir, fmt)
+        if not enabled() or fmt not in FORMATS or not path.is_file():
+            return None
+        try:
+            rows = cls(path)
+        except (OSError, ValueError, struct.error) as exc:
+            log.warning("ignoring unreadable prepared rows %s (%s)", path, exc)
+            return None
+        return rows if rows.metadata.get("key") == checkpoint_key(model_dir, fmt) else None
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """t's memory lies in this mapped file (it was not copied)."""
+        lo = self._map.ctypes.data
+        return lo <= t.data_ptr() < lo + self._map.size
+
+    def tensor(self, name: str) -> torch.Tensor:
+        entry = self.header[name]
+        lo, hi = entry["data_offsets"]
+        array = self._map[self._base + lo:self._base + hi].view(_NUMPY[entry["dtype"]]).reshape(entry["shape"])
+        return torch.from_numpy(array)
+
+    def has_layer(self, i: int) -> bool:
+        return f"layers.{i}.up" in self.header
+
+    def layer_rows(self, i: int, dim: int):
+        """Layer i's rows in the CPU kernels' storage, backed by the mapped file."""
+        gate = self.tensor(f"layers.{i}.gate") if f"layers.{i}.gate" in self.header else None
+        up, down_t = self.tensor(f"layers.{i}.up"), self.tensor(f"layers.{i}.down_t")
+        if self.fmt == "int4":
+            return cpu_q4.Q4FfnRows(gate, up, down_t, dim)
+        scale = {p: self.tensor(f"layers.{i}.{p}_scale") for p in ("up", "down_t")}
+        gate_scale = self.tensor(f"layers.{i}.gate_scale") if gate is not None else None
+        return cpu_kernels.CpuFfnRows(gate, up, down_t, gate_scale, scale["up"], scale["down_t"], quant="int8")
+
+
+# ------------------------------------------------------------------ everything but the FFN rows
+# A second file, `prepared-<format>-dense.safetensors`, holds the rest of what a load builds
+# for the CPU tier in its final form: each CPU layer's norms, biases and attention matrices
+# (int8 or 4-bit rows, as `convert_layer_dense` leaves them), the embeddings and final norm,
+# the output head in the CPU format, and the predictors in it. With it and the FFN rows, a
+# load of a model placed on the CPU reads nothing from the checkpoint but its headers: the
+# layers are built over shape-only (meta) tensors and then given the mapped ones.
+DENSE_LAYOUT_VERSION = 1
+
+
+def dense_path(model_dir: Path, fmt: str) -> Path:
+    return sidecar_dir(model_dir) / f"prepared-{fmt}-dense.safetensors"
+
+
+def dense_key(model_dir: Path, fmt: str) -> str:
+    """The checkpoint's key, the predictors file's size and time, and this layout's version."""
+    from engine.hotcold.predictors import FILENAME
+
+    h = hashlib.sha256(f"dense{DENSE_LAYOUT_VERSION}:{checkpoint_key(model_dir, fmt)}".encode())
+    pred = sidecar_dir(model_dir) / FILENAME
+    if pred.is_file():
+        st = pred.stat()
+        h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def _matrix_parts(name: str, w) -> dict[str, torch.Tensor]:
+    """A weight in its stored form: a plain tensor, or a quantized matrix's arrays."""
+    from engine.loading.quantized import Int8Matrix, Q4Matrix
+
+    if isinstance(w, Int8Matrix):
+        return {f"{name}.q": w.q, f"{name}.scale": w.scale}
+    if isinstance(w, Q4Matrix):
+        return {f"{name}.q4": w.q}
+    return {name: w}
+
+
+def dense_tensors(model, predictors, cpu_layers: list[int], head_on_cpu: bool) -> dict[str, torch.Tensor]:
+    """What the dense file holds, by name, from a loaded model (references, no copies)."""
+    from engine.runtime.model import Norm
+
+    out: dict[str, torch.Tensor] = {}
+    for i in cpu_layers:
+        layer = model.layers[i]
+        for field in ("attn_norm", "mlp_norm", "qkv", "qkv_bias", "out", "out_bias"):
+            value = getattr(layer, field)
+            if value is None:
+                continue
+            if isinstance(value, Norm):
+                out[f"layers.{i}.{field}.weight"] = value.weight
+                if value.bias is not None:
+                    out[f"layers.{i}.{field}.bias"] = value.bias
+            else:
+                out.update(_matrix_parts(f"layers.{i}.{field}", value))
+        if predictors is not None:
+            out.update(_matrix_parts(f"predictors.{i}.fc1", predictors.fc1[i]))
+            out.update(_matrix_parts(f"predictors.{i}.fc2", predictors.fc2[i]))
+    if head_on_cpu:
+        out["embed"] = model.embed
+        out["final_norm.weight"] = model.final_norm.weight
+        if model.final_norm.bias is not None:
+            out["final_norm.bias"] = model.final_norm.bias
+        if model.head_nbytes:  # an own head (not the embeddings themselves)
+            out.update(_matrix_parts("lm_head", model.lm_head))
+    return out
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
+    """A safetensors file of CPU tensors, streamed tensor by tensor (no copy of the whole),
+    written under a temporary name and renamed into place."""
+    header, offset = {"__metadata__": metadata}, 0
+    arrays = {}
+    for name, t in tensors.items():
+        if t.device.type != "cpu" or t.dtype not in _DTYPES:
+            raise ValueError(f"{name}: cannot prepare a {t.dtype} tensor on {t.device}")
+        a = t.contiguous().numpy()
+        arrays[name] = a
+        header[name] = {"dtype": _DTYPES[t.dtype][0], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)) + blob)
+            for a in arrays.values():
+                f.write(memoryview(a.reshape(-1).view(np.uint8)))
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+class PreparedDense(PreparedRows):
+    """The dense file, memory-mapped: tensors and quantized matrices by name."""
+
+    @classmethod
+    def open_if_current(cls, model_dir: Path, fmt: str) -> "PreparedDense | None":
+        path = dense_path(model_dir, fmt)
+        if not enabled() or fmt not in FORMATS or not path.is_file():
+            return None
+        try:
+            dense = cls(path)
+        except (OSError, ValueError, struct.error) as exc:
+            log.warning("ignoring unreadable prepared file %s (%s)", path, exc)
+            return None
+        return dense if dense.metadata.get("key") == dense_key(model_dir, fmt) else None
+
+    def has(self, name: str) -> bool:
+        return any(f"{name}{suffix}" in self.header for suffix in ("", ".q", ".q4"))
+
+    def matrix(self, name: str, shape: tuple[int, int] | None = None):
+        """A weight as stored: a mapped tensor or a quantized matrix over mapped arrays;
+        `shape` ([n, cols], the checkpoint's) is checked against it."""
+        from engine.loading.quantized import Int8Matrix, Q4Matrix
+
+        if f"{name}.q4" in self.header:
+            q = self.tensor(f"{name}.q4")
+            if shape is None:
+                raise ValueError(f"{name}: the 4-bit matrix needs its column count")
+            w = Q4Matrix(q, shape[1])
+            if q.shape[1] != cpu_q4.row_bytes(shape[1]):
+                raise ValueError(f"{name}: 4-bit rows of {q.shape[1]} bytes do not hold {shape[1]} columns")
+        elif f"{name}.q" in self.header:
+            w = Int8Matrix(self.tensor(f"{name}.q"), self.tensor(f"{name}.scale"))
+        else:
+            w = self.tensor(name)
+        if shape is not None and tuple(w.shape) != tuple(shape):
+            raise ValueError(f"{name}: prepared shape {tuple(w.shape)}, the checkpoint's {tuple(shape)}")
+        return w
+
+    def rows(self, name: str) -> int:
+        """The row count of a stored weight (from the header)."""
+        for suffix in ("", ".q", ".q4"):
+            if f"{name}{suffix}" in self.header:
+                return self.header[f"{name}{suffix}"]["shape"][0]
+        raise KeyError(name)
+
+    def has_layer(self, i: int) -> bool:
+        return f"layers.{i}.attn_norm.weight" in self.header
+
+    def has_globals(self) -> bool:
+        return "embed" in self.header
+
+    def has_predictors(self, layers: int) -> bool:
+        return all(self.has(f"predictors.{i}.fc1") for i in range(layers))
+
+    def fill_layer(self, i: int, layer) -> None:
+        """Replace the shape-only (meta) tensors of a layer built from the checkpoint's
+        headers with the mapped ones."""
+        from engine.runtime.model import Norm
+
+        for field in ("attn_norm", "mlp_norm", "qkv", "qkv_bias", "out", "out_bias"):
+            value = getattr(layer, field)
+            if value is None:
+                continue
+            if isinstance(value, Norm):
+                value.weight = self.matrix(f"layers.{i}.{field}.weight", tuple(value.weight.shape))
+                if value.bias is not None:
+                    value.bias = self.matrix(f"layers.{i}.{field}.bias", tuple(value.bias.shape))
+            else:
+                setattr(layer, field, self.matrix(f"layers.{i}.{field}", tuple(value.shape)))
+
+    def fill_globals(self, embed, norm, head, tied: bool):
+        """(embed, final norm, head) in place of meta tensors of the same shapes."""
+        embed = self.matrix("embed", tuple(embed.shape))
+        norm.weight = self.matrix("final_norm.weight", tuple(norm.weight.shape))
+        if norm.bias is not None:
+            norm.bias = self.matrix("final_norm.bias", tuple(norm.bias.shape))
+        head = embed if tied or not self.has("lm_head") else self.matrix("lm_head", tuple(head.shape))
+        return embed, norm, head

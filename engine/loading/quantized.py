@@ -1,0 +1,149 @@
+"""Dense weight matrices kept in int8 or 4-bit rows on the CPU tier.
+
+A decode step reads every weight of the attention projections, the output head and the
+predictors once, so on the CPU their bytes set the speed. Stored as int8 rows with one fp32 scale per row
+(the format of the cold FFN rows, `engine.kernels.cpu_quant`), they take a quarter of the
+RAM and of the time of fp32. A few tokens go through the int8 matrix-vector kernel, one
+token at a time; many (a long prefill) through torch on a block of rows converted at a time.
+On AVX2 hosts both go through the int8 x int8 kernel instead (the activation quantized in
+blocks, as llama.cpp does), which reads each row once whatever the token count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import cpu as cpu_kernels
+from engine.kernels import cpu_q4
+from engine.kernels.cpu_quant import dequantize_rows_int8, quantize_rows_int8
+
+# Rows converted per step of a many-token product: bounds the fp32 copy to a few MB.
+_BLOCK_ROWS = 1024
+# Up to this many tokens, one int8 matrix-vector product per token beats converting the
+# matrix for torch's product (32000 x 4096 head, 2 cores: 2 tokens 10 vs 55 ms for fp32
+# weights, 16 tokens 79 vs 102 ms; 128 tokens favour the conversion).
+_PER_TOKEN_MAX = 16
+
+
+class QuantMatrix:
+    """A weight matrix [n, d] in quantized rows: `linear`, `dequantize`, `to_dense`, `nbytes`."""
+
+
+@dataclass(eq=False, frozen=True)
+class Int8Matrix(QuantMatrix):
+    """A weight matrix [n, d]: q int8 [n, d] and scale fp32 [n], row i = q[i] * scale[i]."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> "Int8Matrix":
+        """From a float matrix on any device."""
+        return cls(*quantize_rows_int8(w))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * 4
+
+    def dequantize(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Rows lo..hi as fp32."""
+        return dequantize_rows_int8(self.q[lo:hi], self.scale[lo:hi])
+
+    def to_dense(self, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+        """The whole matrix as a plain tensor (moving to another tier)."""
+        return self.dequantize().to(device, dtype)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x fp32 [T, d] (CPU) @ this^T -> fp32 [T, n]."""
+        x = x.float()
+        out = cpu_kernels.matmul_int8(x, self.q, self.scale)  # int8 x int8, where the host can
+        if out is not None:
+            return out
+        if x.shape[0] <= _PER_TOKEN_MAX:
+            return torch.stack([cpu_kernels.matvec_int8(row, self.q, self.scale) for row in x])
+        n = self.q.shape[0]
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        for lo in range(0, n, _BLOCK_ROWS):
+            hi = min(lo + _BLOCK_ROWS, n)
+            # the row scales apply to output columns: scale after the product, not the rows
+            out[:, lo:hi] = F.linear(x, self.q[lo:hi].float()).mul_(self.scale[lo:hi])
+        return out
+
+
+@dataclass(eq=False, frozen=True)
+class Q4Matrix(QuantMatrix):
+    """A weight matrix [n, cols] as 4-bit rows (`engine.kernels.cpu_q4`: ggml's Q4_0 blocks):
+    q uint8 [n, row_bytes(cols)]. 4.5 bits per weight, half the bytes of int8 rows."""
+
+    q: torch.Tensor
+    cols: int
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> "Q4Matrix":
+        """From a float matrix on any device."""
+        return cls(cpu_q4.quantize_rows_q4(w), w.shape[1])
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.q.shape[0], self.cols))
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel()
+
+    def dequantize(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Rows lo..hi as fp32."""
+        return cpu_q4.dequantize_rows_q4(self.q[lo:hi], self.cols)
+
+    def to_dense(self, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+        return self.dequantize().to(device, dtype)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x fp32 [T, cols] (CPU) @ this^T -> fp32 [T, n]."""
+        x = x.float()
+        out = cpu_q4.matmul_q4(x, self.q, self.cols)  # int8 x 4-bit, where the host can
+        if out is not None:
+            return out
+        if x.shape[0] <= _PER_TOKEN_MAX:
+            return torch.stack([cpu_q4.matvec_q4(row, self.q, self.cols) for row in x])
+        n = self.q.shape[0]
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        for lo in range(0, n, _BLOCK_ROWS):
+            hi = min(lo + _BLOCK_ROWS, n)
+            out[:, lo:hi] = F.linear(x, self.dequantize(lo, hi))
+        return out
+
+
+# The CPU tier's matrix formats by name (--cpu-weights); fp32 is a plain tensor.
+MATRIX_FORMATS = {"int8": Int8Matrix, "int4": Q4Matrix}
+
+
+def quantize_matrix(w: torch.Tensor | QuantMatrix, fmt: str) -> QuantMatrix:
+    """w in the CPU tier's format `fmt` (int8 or int4); a matrix already in it is kept."""
+    cls = MATRIX_FORMATS[fmt]
+    if isinstance(w, cls):
+        return w
+    return cls.quantize(w.to_dense("cpu", torch.float32) if isinstance(w, QuantMatrix) else w)
+
+
+def matrix_nbytes(w: torch.Tensor | QuantMatrix | None) -> int:
+    if w is None:
+        return 0
+    if isinstance(w, QuantMatrix):
+        return w.nbytes
+    return w.numel() * w.element_size()

@@ -1,0 +1,370 @@
+"""The engine the app and the CLI talk to: load a model, stream tokens, report stats.
+
+One generation runs at a time (a lock); `stream` is a generator meant to run on a
+worker thread, cancellable through a `threading.Event` between tokens and between chunks
+of the prompt. The KV cache is kept between calls: a prompt that extends the previous
+conversation only pays for its new tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from engine.config import DEFAULT_CTX, ModelConfig  # noqa: F401 (DEFAULT_CTX: older imports)
+from engine.errors import ContextFullError, ModelFormatError, UserError
+from engine.runtime.kv_cache import KVCache
+from engine.loading.loader import Progress, load_transformer, model_folder
+from engine.runtime.sampling import Sampler, SamplingParams
+from engine.runtime.tokenizer import StreamDecoder, Tokenizer
+from engine.runtime.validation import check_ctx, check_kv_fits, check_text, check_threads, resolve_device
+
+MODES = ("dense", "sparse", "hybrid", "oracle")
+PREFILL_CHUNK = 128  # prompt tokens per forward: a stop is honoured between chunks
+
+
+@dataclass
+class TokenEvent:
+    """One step of a stream; a last event with token_id -1 carries text held back until the end."""
+    text: str
+    token_id: int
+    index: int
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    cached_tokens: int = 0
+    ttft_s: float = 0.0
+    prefill_tok_s: float = 0.0
+    decode_tok_s: float = 0.0
+    mode: str = "dense"
+    ffn_active_fraction: float = 0.0
+    hot_hit_fraction: float = 0.0
+    vram_bytes: int = 0
+    ram_bytes: int = 0
+    device: str = "cpu"
+    finish_reason: str = "length"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _stop_holdback(text: str, stops: list[str]) -> int:
+    """Characters at the end of `text` that could still grow into a stop string."""
+    best = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                best = max(best, k)
+                break
+    return best
+
+
+class Engine:
+    def __init__(self, model_dir: Path, config: ModelConfig, tokenizer: Tokenizer, model, cache: KVCache,
+                 mode: str, ctx: int, eos_ids: set[int], generation_defaults: dict, sparse=None):
+        self.model_dir, self.config, self.tokenizer = model_dir, config, tokenizer
+        self.model, self.cache, self.mode, self.ctx = model, cache, mode, ctx
+        self.eos_ids = eos_ids
+        self.generation_defaults = generation_defaults
+        self.last_stats = GenerationStats(mode=mode)
+        self.sparse = sparse  # engine.hotcold.sparse.SparseRuntime for sparse/hybrid/oracle modes
+        # One generation or re-placement at a time; the sparse runtime shares the lock so a
+        # budget change can tell whether a generation is running.
+        self._lock = sparse.lock if sparse is not None else threading.RLock()
+        self._cached_ids: list[int] = []
+        self.warnings: list[str] = []
+        self._logits_checked = False  # NaN/Inf weights are caught on the first token after a load
+        # Rows of the head past the tokenizer's vocabulary (padding) are never sampled.
+        self.sampled_vocab = tokenizer.vocab_size if tokenizer.vocab_size < config.vocab_size else None
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(cls, model: str | Path, *, mode: str = "dense", ctx: int | None = None,
+             vram_budget: int | None = None, ram_budget: int | None = None,
+             device: str | None = None, threads: int | None = None, cpu_weights: str = "int8",
+             progress: Progress | None = None) -> "Engine":
+        if mode not in MODES:
+            raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+        ctx, threads = check_ctx(ctx), check_threads(threads)
+        device = str(resolve_device(device)) if device is not None else None
+        if threads:
+            torch.set_num_threads(threads)
+        model_dir = model_folder(model)
+        config = ModelConfig.from_dir(model_dir)
+        check_ctx(ctx)
+        notes = []
+        if ctx is not None and ctx > config.max_positions:
+            notes.append(f"context {ctx} is capped at the {config.max_positions} positions {model_dir.name} "
+                         f"was trained on")
+        ctx = config.context_length(ctx)  # no longer than the model was trained for (as place/fit count)
+        check_kv_fits(config, ctx, device)
+        tokenizer = Tokenizer(model_dir)
+        # Load the CPU kernels' machine code now (numba's disk cache), not in the first token.
+        from engine.kernels import cpu as cpu_kernels
+
+        cpu_kernels.warmup(quants=() if mode == "dense" else tuple({cpu_weights, "fp32"} & set(cpu_kernels.QUANTS)))
+        if mode != "dense" and cpu_weights == "int4":
+            from engine.kernels import cpu_q4
+
+            cpu_q4.warmup()
+        runtime = None
+        if mode in ("sparse", "hybrid", "oracle"):
+            from engine.hotcold.sparse import load_sparse
+
+            parts = load_sparse(model_dir, config, mode, ctx, vram_budget, ram_budget, device, progress, cpu_weights)
+            model_obj, runtime = parts.model, parts.runtime
+            cache = cls.make_cache(config, ctx, parts.layer_devices, parts.layer_dtypes)
+            runtime.cache = cache  # a re-placement moves each layer's KV cache with the layer
+        else:
+            dev = torch.device(device or "cpu")
+            model_obj = load_transformer(model_dir, config, [dev] * config.num_layers, dev, ctx, progress)
+            cache = cls.make_cache(config, ctx, [dev] * config.num_layers,
+                                   [model_obj.layers[0].dtype] * config.num_layers)
+        engine = cls(model_dir, config, tokenizer, model_obj, cache, mode, ctx,
+                     cls.eos_from(model_dir, config, tokenizer), cls.defaults_from(model_dir), sparse=runtime)
+        engine.warnings = notes  # things the user should hear about, not errors (the CLI prints them)
+        return engine
+
+    @staticmethod
+    def make_cache(config: ModelConfig, ctx: int, devices: list[torch.device], dtypes: list[torch.dtype]) -> KVCache:
+        return KVCache(config.num_layers, config.num_kv_heads, config.head_dim, ctx, dtypes, devices,
+                       config.sliding_window)
+
+    @staticmethod
+    def eos_from(model_dir: Path, config: ModelConfig, tokenizer: Tokenizer) -> set[int]:
+        eos = set(config.eos_token_ids) | set(tokenizer.stop_ids)  # + the template's end of turn
+        if tokenizer.eos_id is not None:
+            eos.add(tokenizer.eos_id)
+        gen = model_dir / "generation_config.json"
+        if gen.is_file():
+            try:
+                value = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+            except (OSError, ValueError):
+                value = None
+            if value is not None:
+                eos.update(value if isinstance(value, list) else [value])
+        return eos
+
+    @staticmethod
+    def defaults_from(model_dir: Path) -> dict:
+        gen = model_dir / "generation_config.json"
+        try:
+            data = json.loads(gen.read_text(encoding="utf-8")) if gen.is_file() else {}
+        except (OSError, ValueError):
+            data = {}
+        keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+        return {k: data[k] for k in keys if k in data}
+
+    # --------------------------------------------------------------- generation
+    def encode_prompt(self, prompt: str | list[dict] | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(check_text(prompt, "the prompt"))
+        elif prompt and isinstance(prompt[0], dict):
+            for m in prompt:
+                check_text(m.get("content") if isinstance(m, dict) else m, "a message")
+            ids = self.tokenizer.encode_chat(prompt)
+        else:
+            ids = [int(i) for i in prompt]
+        if not ids:
+            raise UserError("the prompt is empty")
+        if any(i < 0 or i >= self.config.vocab_size for i in ids):
+            raise UserError("the prompt has token ids outside the model's vocabulary")
+        return ids
+
+    def reset(self) -> None:
+        """Forget the cached conversation."""
+        with self._lock:
+            self._cached_ids = []
+            self.cache.reset(0)
+
+    def stream(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None,
+               cancel: threading.Event | None = None) -> Iterator[TokenEvent]:
+        params = params or SamplingParams()
+        params.validate()
+        ids = self.encode_prompt(prompt)
+        if not self.cache.rolling and len(ids) >= self.ctx:
+            raise ContextFullError(
+                f"the prompt has {len(ids)} tokens but the context holds {self.ctx}; "
+                "shorten it, start a new conversation or raise the context length"
+            )
+        with self._lock:
+            yield from self._generate(ids, params, cancel)
+
+    def _generate(self, ids: list[int], params: SamplingParams, cancel: threading.Event | None):
+        stats = GenerationStats(prompt_tokens=len(ids), mode=self.mode)
+        self.last_stats = stats
+        sampler = Sampler(params, self.sampled_vocab)
+        decoder = StreamDecoder(self.tokenizer)
+        if self.sparse is not None:
+            self.sparse.begin_generation()
+        reuse = min(_common_prefix(self._cached_ids, ids), len(ids) - 1)
+        self.cache.reset(reuse)
+        self._cached_ids = self._cached_ids[:reuse]
+        stats.cached_tokens = reuse
+        start = time.perf_counter()
+        logits = self._prefill(ids, reuse, cancel)
+        if logits is None:  # stopped while reading the prompt: nothing was generated
+            stats.finish_reason = "cancelled"
+            stats.ttft_s = time.perf_counter() - start
+            self._fill_memory_stats(stats)
+            self.last_text, self.last_token_ids = "", []
+            return
+        self._check_finite(logits[-1])
+        prefill_done = time.perf_counter()
+        stats.ttft_s = prefill_done - start
+        stats.prefill_tok_s = (len(ids) - reuse) / max(stats.ttft_s, 1e-9)
+        history = list(ids)
+        generated: list[int] = []
+        emitted, pending = "", ""
+        stats.finish_reason = "length"
+        try:
+            while True:
+                token = sampler(logits[-1], history)
+                if token in self.eos_ids:
+                    stats.finish_reason = "stop"
+                    break
+                generated.append(token)
+                history.append(token)
+                pending += decoder.push(token)
+                full = emitted + pending
+                hit = min((i for i in (full.find(s, max(0, len(emitted) - len(s))) for s in params.stop if s)
+                           if i >= 0), default=-1)
+                if hit >= 0:
+                    piece = full[len(emitted):hit]
+                    emitted = full[:hit]
+                    yield TokenEvent(piece, token, len(generated) - 1)
+                    stats.finish_reason = "stop"
+                    break
+                keep = _stop_holdback(pending, params.stop)
+                piece = pending[: len(pending) - keep]
+                emitted += piece
+                pending = pending[len(piece):]
+                yield TokenEvent(piece, token, len(generated) - 1)
+                if len(generated) >= params.max_new_tokens:
+                    break
+                if cancel is not None and cancel.is_set():
+                    stats.finish_reason = "cancelled"
+                    break
+                position = len(history) - 1
+                if not self.cache.rolling and position >= self.ctx:
+                    stats.finish_reason = "context_full"
+                    break
+                if self.sparse is not None:
+                    self.sparse.at_token_boundary()
+                logits = self.model.forward(torch.tensor([token]), position, self.cache)
+                self._cached_ids.append(token)
+            if stats.finish_reason in ("length", "cancelled", "context_full"):
+                tail = pending + decoder.flush()
+                if tail:  # text held back at the end; it belongs to no new token
+                    emitted += tail
+                    yield TokenEvent(tail, -1, len(generated) - 1)
+        finally:
+            end = time.perf_counter()
+            stats.new_tokens = len(generated)
+            decode_steps = max(len(generated) - 1, 0)
+            stats.decode_tok_s = decode_steps / (end - prefill_done) if decode_steps and end > prefill_done else 0.0
+            self._fill_memory_stats(stats)
+            self.last_text = emitted
+            self.last_token_ids = generated
+
+    def _check_finite(self, logits: torch.Tensor) -> None:
+        """Once per load: weights holding NaN or Inf (a damaged or badly converted checkpoint)
+        give NaN logits, which would sample garbage or nothing at all without a word."""
+        if self._logits_checked:
+            return
+        # -inf for a token can be a deliberate mask; NaN, +inf or no finite score at all cannot.
+        broken = bool(torch.isnan(logits).any() or torch.isposinf(logits).any()
+                      or not torch.isfinite(logits).any(dim=-1).all())
+        if broken:
+            self.cache.reset(0)
+            self._cached_ids = []
+            raise ModelFormatError(
+                f"{self.model_dir.name} computed NaN or infinite scores on its first token: its weights are "
+                "broken (NaN/Inf values, or a failed conversion); download or convert the model again")
+        self._logits_checked = True
+
+    def _prefill(self, ids: list[int], reuse: int, cancel: threading.Event | None) -> torch.Tensor | None:
+        """Read the prompt from position `reuse` on, in chunks of about PREFILL_CHUNK tokens so a
+        stop lands between chunks; None when `cancel` was set (the cache keeps what was read)."""
+        new = len(ids) - reuse
+        chunks = max(1, -(-new // PREFILL_CHUNK))
+        bounds = [reuse + new * i // chunks for i in range(chunks + 1)]  # even sizes: none of 1 token
+        logits = None
+        for lo, hi in zip(bounds, bounds[1:]):
+            if cancel is not None and cancel.is_set():
+                return None
+            logits = self.model.forward(torch.tensor(ids[lo:hi]), lo, self.cache)
+            self._cached_ids = list(ids[:hi])
+        if cancel is not None and cancel.is_set():
+            return None
+        return logits
+
+    def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None,
+                 cancel: threading.Event | None = None) -> GenerationResult:
+        text = "".join(event.text for event in self.stream(prompt, params, cancel))
+        return GenerationResult(text, list(self.last_token_ids), self.last_stats)
+
+    # -------------------------------------------------------------- inspection
+    def _fill_memory_stats(self, stats: GenerationStats) -> None:
+        mem = self.memory()
+        stats.vram_bytes, stats.ram_bytes, stats.device = mem["vram_bytes"], mem["ram_bytes"], mem["device"]
+        if self.sparse is not None:
+            stats.ffn_active_fraction, stats.hot_hit_fraction = self.sparse.generation_fractions()
+
+    def memory(self) -> dict:
+        """Bytes of weights and KV cache per tier, as allocated."""
+        if self.sparse is not None:
+            return self.sparse.memory()
+        m = self.model
+        total = sum(t.numel() * t.element_size() for t in (m.embed, m.final_norm.weight)) + m.head_nbytes
+        total += sum(layer.dense_nbytes + layer.ffn.nbytes for layer in m.layers) + self.cache.nbytes
+        on_gpu = m.layers[0].device.type != "cpu"
+        return {"vram_bytes": total if on_gpu else 0, "ram_bytes": 0 if on_gpu else total,
+                "device": str(m.layers[0].device)}
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int], mode: str | None = None) -> torch.Tensor:
+        """Logits [T, vocab] for a whole sequence (teacher forcing) under `mode`."""
+        mode = mode or self.mode
+        with self._lock:
+            self._cached_ids = []
+            self.cache.reset(0)
+            ids = torch.tensor(token_ids)
+            if mode == "dense" or self.sparse is None:
+                if mode != "dense":
+                    raise UserError(f"mode {mode} needs the engine loaded in a sparse mode")
+                logits = self.model.forward(ids, 0, self.cache, all_logits=True)
+            else:
+                with self.sparse.scoring(mode):
+                    logits = self.model.forward(ids, 0, self.cache, all_logits=True)
+            self._check_finite(logits)
+            return logits
+
+    def set_budgets(self, vram: int | None = None, ram: int | None = None):
+        if self.sparse is None:
+            raise UserError("budgets apply to the sparse and hybrid modes; load the model with --mode hybrid")
+        return self.sparse.set_budgets(vram, ram)

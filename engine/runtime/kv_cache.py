@@ -1,0 +1,115 @@
+"""A static KV cache, preallocated for the context and written in place.
+
+Shapes never change between steps (gpt-fast): keys and values of layer l live in
+`k[l]`, `v[l]` of shape [kv_heads, slots, head_dim] (fp16 for fp32 CPU layers with
+`cpu_16bit`). Models with a sliding window may
+run past the context: slots are then reused round-robin and `slot_pos` remembers which
+absolute position each slot holds, so the attention mask stays exact.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine.errors import ContextFullError
+
+_F16_MAX = 65504.0
+
+
+class KVCache:
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, slots: int,
+                 dtypes: list[torch.dtype], devices: list[torch.device], sliding_window: int | None = None,
+                 cpu_16bit: bool | None = None):
+        # Opt-in for now (THERMOCLINE_KV16=1): the placement planner counts the cache in the
+        # compute dtype, and the exactness tests against transformers expect fp32 keys.
+        self.cpu_16bit = (os.environ.get("THERMOCLINE_KV16", "").strip() not in ("", "0")
+                          if cpu_16bit is None else cpu_16bit)
+        self.slots = slots
+        self.rolling = sliding_window is not None and sliding_window <= slots
+        self.window = sliding_window
+        # Each layer's cache lives with its layer, in `storage_dtype` of its compute dtype.
+        self.k = [torch.zeros(kv_heads, slots, head_dim, dtype=self.storage_dtype(devices[i], dtypes[i]),
+                              device=devices[i]) for i in range(num_layers)]
+        self.v = [torch.zeros_like(k) for k in self.k]
+        # Bookkeeping stays on the CPU; masks are moved to a layer's device when used.
+        self.slot_pos = torch.full((slots,), -1, dtype=torch.long)
+        self.length = 0  # positions 0 .. length-1 have been written
+
+    def storage_dtype(self, device: torch.device | str, dtype: torch.dtype) -> torch.dtype:
+        """The cache's dtype for a layer computing in `dtype` on `device`: with `cpu_16bit`,
+        fp16 for fp32 CPU layers (half the bytes each decoded token reads in a long chat;
+        llama.cpp's default), else the compute dtype."""
+        if self.cpu_16bit and torch.device(device).type == "cpu" and dtype == torch.float32:
+            return torch.float16
+        return dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def reset(self, length: int = 0) -> None:
+        """Forget everything from `length` on (prefix reuse keeps the first `length`)."""
+        if self.length > self.slots:
+            length = 0  # a rolling cache wrapped: early positions were overwritten
+        self.length = length
+        self.slot_pos[length:] = -1  # until a wrap, slot i holds position i
+
+    def check_room(self, start: int, count: int) -> None:
+        if self.rolling:
+            if count > self.slots:
+                raise ContextFullError(f"{count} tokens at once exceed the context of {self.slots}")
+            return
+        if start + count > self.slots:
+            raise ContextFullError(
+                f"the conversation needs {start + count} tokens but the context holds {self.slots}; "
+                "start a new conversation or raise the context length"
+            )
+
+    def prepare(self, start: int, count: int) -> None:
+        """Claim the slots of positions start .. start+count-1 before any layer writes them."""
+        self.check_room(start, count)
+        pos = torch.arange(start, start + count)
+        self.slot_pos[pos % self.slots] = pos
+        self.length = max(self.length, start + count)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """k, v: [kv_heads, T, head_dim] for positions start .. start+T-1."""
+        count = k.shape[1]
+        if self.k[layer].dtype == torch.float16 and k.dtype != torch.float16:
+            k, v = k.clamp(-_F16_MAX, _F16_MAX), v.clamp(-_F16_MAX, _F16_MAX)  # no inf in the cache
+        if self.rolling:
+            first = start % self.slots
+            if first + count <= self.slots:
+                self.k[layer][:, first : first + count] = k
+                self.v[layer][:, first : first + count] = v
+            else:
+                idx = (torch.arange(start, start + count) % self.slots).to(k.device)
+                self.k[layer][:, idx] = k
+                self.v[layer][:, idx] = v
+        else:
+            self.k[layer][:, start : start + count] = k
+            self.v[layer][:, start : start + count] = v
+
+    def keys_values(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the written part (no copy); rolling caches return every slot."""
+        if self.rolling:
+            return self.k[layer], self.v[layer]
+        return self.k[layer][:, :end], self.v[layer][:, :end]
+
+    def mask(self, start: int, count: int) -> torch.Tensor | None:
+        """Boolean [count, keys] mask (True = attend) or None when plain causal suffices."""
+        end = start + count
+        query_pos = torch.arange(start, end)[:, None]
+        if self.rolling:
+            key_pos = self.slot_pos[None, :]
+            ok = (key_pos >= 0) & (key_pos <= query_pos)
+        else:
+            key_pos = torch.arange(end)[None, :]
+            ok = key_pos <= query_pos
+        if self.window is not None:
+            ok &= key_pos > query_pos - self.window
+        elif not self.rolling and count == 1:
+            return None  # a single new token sees every written position
+        return ok
