@@ -281,8 +281,12 @@ def _best(old: dict | None, new: dict) -> dict:
     """Per figure, the better of two rounds (shorter times, higher token rate)."""
     if old is None:
         return new
-    return {k: (max(v, new[k]) if k == "decode_tok_s" else min(v, new[k]) if k.endswith("_s") else v)
+    best = {k: (max(v, new[k]) if k == "decode_tok_s" else min(v, new[k]) if k.endswith("_s") else v)
             for k, v in old.items()}
+    if new.get("load_s", float("inf")) < old.get("load_s", float("inf")):
+        # the load's memory figures and whether it mapped a prepared file belong to that load
+        best.update({k: v for k, v in new.items() if not k.endswith("_s") and k != "ffn_active_fraction"})
+    return best
 
 
 def machine() -> dict:
