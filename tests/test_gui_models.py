@@ -121,3 +121,20 @@ def test_add_file_imports_a_gguf_and_refuses_junk(qtbot, window, tmp_path, llama
     for dialog in error_dialogs():
         dialog.close()
     assert "local/junk" not in window.models.cards
+
+
+def test_cards_wrap_to_the_pane_with_no_sideways_scroll(qtbot, window):
+    """A long title ("minicpm-s-1b · recommended first download · 1.2B") wraps: every card,
+    its state and its verdict fit a pane under 700 px wide, with no sideways scroll."""
+    from PySide6.QtWidgets import QScrollArea
+
+    window.resize(1000, 720)
+    qtbot.wait(100)
+    scroll = window.models.findChild(QScrollArea, "modelsScroll")
+    assert not scroll.horizontalScrollBar().isVisible()
+    viewport = scroll.viewport().width()
+    assert viewport < 700  # narrow enough that the longest title cannot sit on one line
+    for card in window.models.cards.values():
+        assert card.width() <= viewport, card.spec
+        assert card.state.geometry().right() <= card.width(), card.spec
+        assert card.verdict.geometry().right() <= card.state.geometry().left(), card.spec

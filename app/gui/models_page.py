@@ -152,15 +152,17 @@ class ModelCard(QFrame):
         self.title = QLabel(self)
         self.title.setObjectName("modelTitle")
         self.title.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        # A long title ("… · recommended first download · 1.2B") wraps rather than widening the
+        # card past the pane, which would hide the state and buttons behind a sideways scroll.
+        self.title.setWordWrap(True)
         self.verdict = QLabel(self)
         self.verdict.setObjectName("verdictChip")
         self.state = QLabel(self)
         self.state.setObjectName("modelState")
         head = QHBoxLayout()
-        head.addWidget(self.title)
-        head.addWidget(self.verdict)
-        head.addStretch(1)
-        head.addWidget(self.state)
+        head.addWidget(self.title, 1)
+        head.addWidget(self.verdict, 0, Qt.AlignmentFlag.AlignTop)  # a chip keeps its height by a wrapped title
+        head.addWidget(self.state, 0, Qt.AlignmentFlag.AlignTop)
         grid.addLayout(head, 0, 0, 1, 2)
         self.facts = QLabel(self)
         self.facts.setObjectName("facts")
@@ -385,6 +387,7 @@ class ModelsPage(QWidget):
         scroll.setObjectName("modelsScroll")
         scroll.setWidgetResizable(True)
         scroll.setFrameShape(QFrame.Shape.NoFrame)
+        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)  # cards wrap to the pane
         self.list_widget = QWidget(scroll)
         self.list_widget.setObjectName("chatCanvas")
         self.list_layout = QVBoxLayout(self.list_widget)
