@@ -25,9 +25,47 @@ class Converter:
     def __init__(self, source: WeightSource, config: ModelConfig):
         self.source, self.config = source, config
         self.skip_ffn = False  # the sparse engine maps this layer's FFN rows from a prepared file
+        # The sparse engine's int4 CPU tier: weights stored as Q4_0 blocks stay the file's
+        # 4-bit rows (no dequantize-requantize): matrices of this layer (keep_q4) and FFN
+        # rows (keep_q4_ffn, attached to the DenseFfn as `q4_rows`).
+        self.keep_q4 = False
+        self.keep_q4_ffn = False
 
     def get(self, name: str, shape: tuple[int, ...], where: LoadTarget) -> torch.Tensor:
         return self.source.get(name, shape).to(device=where.device, dtype=where.dtype)
+
+    def _q4(self, name: str, shape: tuple[int, ...], transposed: bool = False) -> torch.Tensor | None:
+        """The stored 4-bit rows of `name` (of its transpose), shape-checked, or None."""
+        q4_rows = getattr(self.source, "q4_rows", None)
+        rows = q4_rows(name, transposed) if q4_rows is not None else None
+        if rows is not None and tuple(self.source.shape(name)) != tuple(shape):
+            from engine.errors import ModelFormatError
+
+            raise ModelFormatError(f"tensor {name} has shape {tuple(self.source.shape(name))} but config.json "
+                                   f"implies {tuple(shape)}")
+        return rows
+
+    def matrix(self, name: str, shape: tuple[int, int], where: LoadTarget):
+        """A weight matrix: with keep_q4 (a CPU-tier layer) a Q4_0 one as its own 4-bit rows
+        (engine.loading.quantized.Q4Matrix over the mapped file), else `get`."""
+        if self.keep_q4 and where.device.type == "cpu":
+            rows = self._q4(name, shape)
+            if rows is not None:
+                from engine.loading.quantized import Q4Matrix
+
+                return Q4Matrix(rows, shape[1])
+        return self.get(name, shape, where)
+
+    def matrix_rows(self, parts: list[tuple[str, tuple[int, int]]], where: LoadTarget):
+        """Weights (name, shape) stacked by rows (q/k/v): 4-bit rows as `matrix` when every
+        part is stored Q4_0, else one float tensor (`stack_rows`)."""
+        if self.keep_q4 and where.device.type == "cpu":
+            rows = [self._q4(name, shape) for name, shape in parts]
+            if all(r is not None for r in rows):
+                from engine.loading.quantized import Q4Matrix
+
+                return Q4Matrix(torch.cat(rows), parts[0][1][1])
+        return self.stack_rows([self.source.get(name, shape) for name, shape in parts], where)
 
     def maybe(self, name: str, shape: tuple[int, ...], where: LoadTarget) -> torch.Tensor | None:
         return self.get(name, shape, where) if self.source.has(name) else None
@@ -50,7 +88,7 @@ class Converter:
         if cfg.tie_word_embeddings or not self.source.has(name):
             same = head.device == cpu.device and head.dtype == cpu.dtype
             return embed if same else embed.to(head.device, head.dtype)
-        return self.get(name, (cfg.vocab_size, cfg.hidden_size), head)
+        return self.matrix(name, (cfg.vocab_size, cfg.hidden_size), head)
 
     def ffn(self, gate_name: str | None, up_name: str, down_name: str, where: LoadTarget,
             up_bias_name: str | None = None, down_bias_name: str | None = None) -> DenseFfn:
@@ -64,8 +102,23 @@ class Converter:
         down_t = self.source.get(down_name, (d, n)).t().to(device=where.device, dtype=where.dtype).contiguous()
         up_bias = self.maybe(up_bias_name, (n,), where) if up_bias_name else None
         down_bias = self.maybe(down_bias_name, (d,), where) if down_bias_name else None
-        return DenseFfn(gate_up, down_t, gate_name is not None, cfg.activation, cfg.activation_threshold,
-                        up_bias, down_bias)
+        ffn = DenseFfn(gate_up, down_t, gate_name is not None, cfg.activation, cfg.activation_threshold,
+                       up_bias, down_bias)
+        ffn.q4_rows = self._q4_ffn(gate_name, up_name, down_name) if self.keep_q4_ffn else None
+        return ffn
+
+    def _q4_ffn(self, gate_name: str | None, up_name: str, down_name: str):
+        """The layer's FFN as the checkpoint's own 4-bit rows (engine.kernels.cpu_q4.Q4FfnRows)
+        when gate, up and the down projection's transpose are all stored as Q4_0 rows."""
+        d, n = self.config.hidden_size, self.config.intermediate_size
+        up = self._q4(up_name, (n, d))
+        gate = self._q4(gate_name, (n, d)) if gate_name else None
+        down_t = self._q4(down_name, (d, n), transposed=True)
+        if up is None or down_t is None or (gate_name and gate is None):
+            return None
+        from engine.kernels.cpu_q4 import Q4FfnRows
+
+        return Q4FfnRows(gate, up, down_t, d)
 
 
 def load_gated_globals(conv: Converter, names, cpu: LoadTarget, head: LoadTarget):
@@ -86,10 +139,10 @@ def load_gated_layer(conv: Converter, names, i: int, where: LoadTarget, ffn_wher
     p = names.layer.format(i=i)
     q_rows, kv_rows = cfg.num_heads * hd, cfg.num_kv_heads * hd
     src = conv.source
-    qkv = conv.stack_rows([
-        src.get(p + names.q + ".weight", (q_rows, d)),
-        src.get(p + names.k + ".weight", (kv_rows, d)),
-        src.get(p + names.v + ".weight", (kv_rows, d)),
+    qkv = conv.matrix_rows([
+        (p + names.q + ".weight", (q_rows, d)),
+        (p + names.k + ".weight", (kv_rows, d)),
+        (p + names.v + ".weight", (kv_rows, d)),
     ], where)
     qkv_bias = None
     if src.has(p + names.q + ".bias"):
@@ -103,7 +156,7 @@ def load_gated_layer(conv: Converter, names, i: int, where: LoadTarget, ffn_wher
         mlp_norm=Norm(conv.get(p + names.mlp_norm, (d,), where), None, cfg.norm_eps),
         qkv=qkv,
         qkv_bias=qkv_bias,
-        out=conv.get(p + names.o + ".weight", (d, q_rows), where),
+        out=conv.matrix(p + names.o + ".weight", (d, q_rows), where),
         out_bias=conv.maybe(p + names.o + ".bias", (d,), where),
         ffn=conv.ffn(p + names.gate, p + names.up, p + names.down, ffn_where or where),
         parallel=False,

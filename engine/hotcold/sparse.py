@@ -198,12 +198,14 @@ def load_sparse(model_dir: Path, config: ModelConfig, mode: str, ctx: int, vram_
     def build_ffn(i: int, dense):
         if dense is None:
             return runtime.cold_ffn(i, prepared_rows.layer_rows(i, config.hidden_size))
-        all_rows = None
+        # a checkpoint's own Q4_0 rows (int4 tier): taken as they are, never requantized
+        all_rows = getattr(dense, "q4_rows", None)
         if writer is not None:
             if progress:
                 progress(i / config.num_layers, f"preparing layer {i + 1} of {config.num_layers} "
                                                 f"({cpu_weights} rows, first load only)")
-            all_rows = cold_rows_from_dense(dense.gate, dense.up, dense.down_t, cpu_weights)
+            if all_rows is None:
+                all_rows = cold_rows_from_dense(dense.gate, dense.up, dense.down_t, cpu_weights)
             writer.add_layer(i, all_rows)
         return runtime.split_ffn(i, dense, plan.hot_ids[i], all_rows)
 
@@ -213,6 +215,8 @@ def load_sparse(model_dir: Path, config: ModelConfig, mode: str, ctx: int, vram_
             on_layer=lambda i, layer: runtime.convert_layer_dense(layer, plan.layer_on_fast[i]),
             read_ffn=lambda i: not mapped(i), prepared=dense_file,
             from_prepared=lambda i: not plan.layer_on_fast[i], globals_from_prepared=not plan.head_on_fast,
+            q4_layers=(lambda i: not plan.layer_on_fast[i]) if cpu_weights == "int4" else None,
+            q4_head=cpu_weights == "int4" and not plan.head_on_fast,
         )
     except BaseException:
         if writer is not None:

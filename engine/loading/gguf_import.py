@@ -9,9 +9,12 @@ the model registry's command without loading the engine. What is accepted:
 - tensors in F32, F16, BF16, Q8_0 and Q4_0 (other types, K-quants included, are refused:
   not one of them maps onto our rows without loss).
 Written: config.json, model.safetensors in Hugging Face names and layout (F16/BF16/F32
-kept as they are; Q8_0/Q4_0 dequantized to F32, which holds their values exactly, so the
-engine's int4 rows of a Q4_0 tensor stored along its rows are the file's bytes again),
-tokenizer.json rebuilt from the file's vocabulary, predictors into the sidecar.
+kept as they are; Q4_0/Q8_0 kept as the file's blocks, the checkpoint's quantized tensor
+kinds of engine.loading.weights: `NAME.q4_0` / `NAME.q8_0`, or `NAME.t.q4_0` for
+PowerInfer's transposed down projection, so the checkpoint is about the GGUF's size and
+the CPU tier's 4-bit rows are the file's bytes; `quantized=False` writes them as F32, the
+exact dequantized values), tokenizer.json rebuilt from the file's vocabulary, predictors
+(fp32) into the sidecar.
 
 Every size, offset and type is checked against the file before a byte is used: a
 truncated or lying file is refused with one message (ModelFormatError), never a traceback.
@@ -224,7 +227,7 @@ class _SafetensorsWriter:
     so a large model never sits in memory whole; BF16 bytes are copied as they are."""
 
     def __init__(self, path: Path, entries: list[tuple[str, str, tuple[int, ...]]]):
-        sizes = {"F32": 4, "F16": 2, "BF16": 2}
+        sizes = {"F32": 4, "F16": 2, "BF16": 2, "U8": 1}
         header, offset = {}, 0
         for name, dtype, shape in entries:
             n = math.prod(shape) * sizes[dtype]
@@ -354,6 +357,28 @@ def _safetensors_dtype(kind: str) -> str:
     return kind if kind in ("F32", "F16", "BF16") else "F32"
 
 
+def _stored_entry(hf: str, t: GgufTensor, how: str, quantized: bool) -> tuple[str, str, tuple[int, ...]]:
+    """(stored name, safetensors dtype, stored shape) of one weight in the checkpoint."""
+    from engine.loading.tensor_kinds import quant_name
+
+    if quantized and t.kind in ("Q4_0", "Q8_0") and len(t.shape) == 2:
+        rows = t.shape[0]
+        return quant_name(hf, t.kind, transposed=how == "transpose"), "U8", (rows, t.raw.nbytes // rows)
+    return hf, _safetensors_dtype(t.kind), t.shape[::-1] if how == "transpose" else t.shape
+
+
+def _quantized_rows(t: GgufTensor, how: str, config: dict) -> np.ndarray:
+    """A Q4_0/Q8_0 tensor's rows of blocks as stored: the file's bytes, rows reordered for
+    q/k (a row is self-contained, so undoing convert.py's permutation moves whole rows)."""
+    rows = t.shape[0]
+    raw = np.asarray(t.raw).reshape(rows, -1)
+    if how in ("unpermute_q", "unpermute_k"):
+        heads = config["num_attention_heads"] if how == "unpermute_q" else config["num_key_value_heads"]
+        order = _unpermute(np.arange(rows)[:, None], heads)[:, 0]
+        raw = raw[order]
+    return raw
+
+
 def _tensor_bytes(t: GgufTensor, how: str, config: dict):
     """The HF tensor's bytes (a numpy array), in pieces for big ones."""
     if how == "copy" and t.kind in ("F32", "F16", "BF16"):
@@ -384,9 +409,10 @@ def _restore_dtype(w: np.ndarray, kind: str) -> np.ndarray:
 
 
 def import_gguf(path: str | Path, target: Path, *, activation: str | None = None,
-                progress: Progress | None = None) -> dict:
+                progress: Progress | None = None, quantized: bool = True) -> dict:
     """Write the model of a GGUF file into the new folder `target` (removed again on failure).
-    Returns a summary: architecture, powerinfer, tensor types, predictors, threshold."""
+    Returns a summary: architecture, powerinfer, tensor types, predictors, threshold.
+    quantized: Q4_0/Q8_0 tensors stay blocks (else they are written as F32)."""
     m = read_gguf(path)
     config = _hf_config(m, activation)
     plan, predictors = _plan(m, config)
@@ -401,14 +427,14 @@ def import_gguf(path: str | Path, target: Path, *, activation: str | None = None
         (target / "tokenizer.json").write_text(json.dumps(tokenizer), encoding="utf-8")
         (target / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(m, tokenizer)), encoding="utf-8")
         plan.sort(key=lambda p: p[0])
-        writer = _SafetensorsWriter(target / "model.safetensors",
-                                    [(hf, _safetensors_dtype(t.kind), t.shape[::-1] if how == "transpose" else t.shape)
-                                     for hf, t, how in plan])
+        entries = [_stored_entry(hf, t, how, quantized) for hf, t, how in plan]
+        writer = _SafetensorsWriter(target / "model.safetensors", entries)
         try:
-            for k, (hf, t, how) in enumerate(plan):
+            for k, ((hf, t, how), entry) in enumerate(zip(plan, entries)):
                 if progress:
                     progress(k / max(1, len(plan)), f"converting {t.name}")
-                for piece in _tensor_bytes(t, how, config):
+                pieces = [_quantized_rows(t, how, config)] if entry[1] == "U8" else _tensor_bytes(t, how, config)
+                for piece in pieces:
                     writer.f.write(np.ascontiguousarray(piece).tobytes())
                 writer.written += 1
         finally:

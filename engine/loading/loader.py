@@ -77,7 +77,8 @@ def load_transformer(model_dir: Path, config: ModelConfig, layer_devices: list[t
                      on_layer: Callable[[int, Layer], None] | None = None,
                      read_ffn: Callable[[int], bool] | None = None, prepared=None,
                      from_prepared: Callable[[int], bool] | None = None,
-                     globals_from_prepared: bool = False) -> Transformer:
+                     globals_from_prepared: bool = False,
+                     q4_layers: Callable[[int], bool] | None = None, q4_head: bool = False) -> Transformer:
     """Load every layer onto its device. With `ffn_builder`, FFN rows are staged on the CPU
     in fp32 and handed over layer by layer (the sparse engine splits them into tiers), so
     the whole dense FFN never sits in memory at once; `on_layer` may then convert the rest
@@ -85,7 +86,10 @@ def load_transformer(model_dir: Path, config: ModelConfig, layer_devices: list[t
     False the checkpoint's FFN of layer i is not read: `ffn_builder` gets None (prepared rows).
     `prepared` (engine.loading.prepared.PreparedDense): the layers i it holds with `from_prepared(i)`
     (those on the CPU tier), and the globals with `globals_from_prepared`, are built from the
-    checkpoint's headers and take its mapped tensors, so nothing else of them is read."""
+    checkpoint's headers and take its mapped tensors, so nothing else of them is read.
+    `q4_layers(i)` / `q4_head` (an int4 CPU tier): weights the checkpoint stores as Q4_0 stay
+    its 4-bit rows in layers i (attention matrices) and the head, and every layer's FFN
+    hands `ffn_builder` its 4-bit rows as `q4_rows` (engine.arch.common.Converter)."""
     source = WeightSource(model_dir)
     storage = source.dtype()
     conv = Converter(source, config)
@@ -97,7 +101,9 @@ def load_transformer(model_dir: Path, config: ModelConfig, layer_devices: list[t
         embed, final_norm, lm_head = arch.load_globals(headers, cpu, head)
         embed, final_norm, lm_head = prepared.fill_globals(embed, final_norm, lm_head, lm_head is embed)
     else:
+        conv.keep_q4 = q4_head
         embed, final_norm, lm_head = arch.load_globals(conv, cpu, head)
+    conv.keep_q4_ffn = q4_layers is not None
     layers = []
     for i, device in enumerate(layer_devices):
         if progress:
@@ -106,6 +112,7 @@ def load_transformer(model_dir: Path, config: ModelConfig, layer_devices: list[t
         mapped = headers is not None and from_prepared is not None and from_prepared(i) and prepared.has_layer(i)
         use = headers if mapped else conv
         use.skip_ffn = read_ffn is not None and not read_ffn(i)
+        conv.keep_q4 = q4_layers is not None and q4_layers(i)
         layer = arch.load_layer(use, i, where, cpu if ffn_builder else None)
         if mapped:
             prepared.fill_layer(i, layer)

@@ -3,6 +3,11 @@
 Single files and shards (`model.safetensors.index.json`) are both served by
 `WeightSource.get(name)`, which returns a tensor backed by the mapped file: nothing is
 copied until the engine converts it into its own layout.
+
+Quantized tensor kinds (`engine.loading.tensor_kinds`, written by the GGUF import):
+`get(NAME)` of a weight stored as `NAME.q4_0` / `NAME.q8_0` / `NAME.t.q4_0` dequantizes
+(exact: fp32 holds every value); `q4_rows(NAME)` hands the 4-bit rows over as they are,
+so the CPU tier's Q4_0 rows are the file's bytes.
 """
 
 from __future__ import annotations
@@ -15,6 +20,21 @@ from safetensors import SafetensorError, safe_open
 
 from engine.loading.confine import check_relative_name
 from engine.errors import ModelFormatError
+from engine.loading.tensor_kinds import QUANT_KINDS, parse_quant_name as _parse_quant_name
+
+
+def dequantize_blocks(q: torch.Tensor, kind: str) -> torch.Tensor:
+    """uint8 rows of ggml blocks [n, row bytes] -> fp32 [n, cols] (exact)."""
+    _, block, size = QUANT_KINDS[kind.lower()]
+    n, nbytes = q.shape
+    blocks = q.reshape(n, nbytes // size, size)
+    d = blocks[:, :, :2].contiguous().view(torch.float16).to(torch.float32)  # [n, nb, 1]
+    if kind.lower() == "q8_0":
+        vals = blocks[:, :, 2:].contiguous().view(torch.int8).to(torch.float32)
+    else:  # low nibbles are weights 0..15 of a block, high nibbles 16..31
+        nib = blocks[:, :, 2:].to(torch.int16)
+        vals = torch.cat([nib & 15, nib >> 4], dim=2).to(torch.float32) - 8.0
+    return (vals * d).reshape(n, -1)
 
 
 class WeightSource:
@@ -44,6 +64,14 @@ class WeightSource:
             for f in files:
                 for name in self._open(f.name).keys():
                     self._where[name] = f.name
+        # quantized tensors answer under their weight's name
+        self._quant: dict[str, tuple[str, str, bool]] = {}
+        for stored in [n for n in self._where if _parse_quant_name(n)]:
+            name, suffix, transposed = _parse_quant_name(stored)
+            if name in self._where or name in self._quant:
+                raise ModelFormatError(f"tensor {name} is stored twice in {self.model_dir} ({stored})")
+            self._quant[name] = (stored, suffix, transposed)
+            self._where[name] = self._where.pop(stored)
 
     def _open(self, filename: str):
         handle = self._files.get(filename)
@@ -66,13 +94,44 @@ class WeightSource:
     def has(self, name: str) -> bool:
         return name in self._where
 
+    def quant_kind(self, name: str) -> tuple[str, bool] | None:
+        """(Q4_0 or Q8_0, whether its rows are the transpose's) of a quantized weight, else None."""
+        entry = self._quant.get(name)
+        return None if entry is None else (QUANT_KINDS[entry[1]][0], entry[2])
+
+    def _stored_blocks(self, name: str) -> torch.Tensor:
+        """A quantized weight's uint8 rows of blocks, as stored (mapped), checked."""
+        stored, suffix, _ = self._quant[name]
+        try:
+            q = self._open(self._where[name]).get_tensor(stored)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise ModelFormatError(f"cannot read tensor {stored} ({exc}); the file may be truncated") from None
+        kind, _, size = QUANT_KINDS[suffix]
+        if q.dtype != torch.uint8 or q.dim() != 2 or q.shape[1] == 0 or q.shape[1] % size:
+            raise ModelFormatError(f"tensor {stored} is not {kind} rows (uint8 [rows, a multiple of {size} "
+                                   f"bytes]): {q.dtype} {tuple(q.shape)}")
+        return q
+
+    def q4_rows(self, name: str, transposed: bool = False) -> torch.Tensor | None:
+        """The stored 4-bit rows (engine.kernels.cpu_q4's layout, uncopied) of weight `name`
+        (transposed: of its transpose), when it is stored so; else None."""
+        entry = self._quant.get(name)
+        if entry is None or entry[1] != "q4_0" or entry[2] != transposed:
+            return None
+        return self._stored_blocks(name)
+
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         if name not in self._where:
             raise ModelFormatError(f"tensor {name} is missing from the checkpoint in {self.model_dir}")
-        try:
-            tensor = self._open(self._where[name]).get_tensor(name)
-        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            raise ModelFormatError(f"cannot read tensor {name} ({exc}); the file may be truncated") from None
+        if name in self._quant:
+            _, suffix, transposed = self._quant[name]
+            tensor = dequantize_blocks(self._stored_blocks(name), suffix)
+            tensor = tensor.t().contiguous() if transposed else tensor
+        else:
+            try:
+                tensor = self._open(self._where[name]).get_tensor(name)
+            except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+                raise ModelFormatError(f"cannot read tensor {name} ({exc}); the file may be truncated") from None
         if shape is not None and tuple(tensor.shape) != tuple(shape):
             raise ModelFormatError(
                 f"tensor {name} has shape {tuple(tensor.shape)} but config.json implies {tuple(shape)}"
@@ -83,12 +142,20 @@ class WeightSource:
         """A tensor's shape from the file's header (nothing read)."""
         if name not in self._where:
             raise ModelFormatError(f"tensor {name} is missing from the checkpoint in {self.model_dir}")
+        if name in self._quant:
+            stored, suffix, transposed = self._quant[name]
+            rows, nbytes = self._open(self._where[name]).get_slice(stored).get_shape()
+            _, block, size = QUANT_KINDS[suffix]
+            shape = (rows, nbytes // size * block)
+            return shape[::-1] if transposed else shape
         return tuple(self._open(self._where[name]).get_slice(name).get_shape())
 
     def dtype(self) -> torch.dtype:
         """Storage dtype of the checkpoint (of its first floating tensor), from the headers:
         reading the tensor itself would copy it (the first name is often the 250 MB head)."""
         for name in sorted(self._where):
+            if name in self._quant:
+                continue  # blocks of ggml: not the storage dtype of the float tensors
             try:
                 dtype = _HEADER_DTYPES.get(self._open(self._where[name]).get_slice(name).get_dtype())
             except (SafetensorError, OSError, ValueError, RuntimeError, AttributeError):

@@ -1,0 +1,173 @@
+"""A GGUF's Q4_0 / Q8_0 tensors are imported as the checkpoint's quantized tensor kinds
+(`NAME.q4_0`, `NAME.t.q4_0`, engine.loading.tensor_kinds): the checkpoint is the GGUF's
+size, every load reads the same values as the F32 import did, and an int4 CPU tier takes
+the file's 4-bit codes as they are (cold rows, attention, head, prepared layout)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import gguf_factory as gf
+import model_factory as mf
+from app.cli import main
+from engine import Engine, SamplingParams
+from engine.kernels import cpu_q4
+from engine.loading.gguf_import import _reader_class, _unpermute, import_gguf
+from engine.loading.prepared import PreparedRows, prepared_path
+from engine.loading.quantized import Q4Matrix
+from engine.loading.weights import WeightSource
+from hub_server import registry_env  # noqa: F401
+
+gguf = pytest.importorskip("gguf")
+
+PROMPT = [0, 5, 9, 17, 33, 100, 7, 8]
+RANK = 32
+D, FF, HEADS, KV = 64, 160, 4, 2
+
+
+def _shift_zero_nibbles(path: Path) -> None:
+    """Make every Q4_0 block one ggml's quantizer would not write (no nibble 0, so its
+    largest magnitude is not -8 d): requantizing its values changes the codes."""
+    reader = _reader_class()(path, "r+")
+    for t in reader.tensors:
+        if t.tensor_type == gguf.GGMLQuantizationType.Q4_0:
+            blocks = t.data.reshape(-1, 18)
+            nib = blocks[:, 2:]
+            lo, hi = nib & 15, nib >> 4
+            lo[lo == 0], hi[hi == 0] = 1, 1
+            nib[...] = lo | (hi << 4)
+    reader.data.flush()
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """A PowerInfer-style Q4_0 GGUF of non-reference blocks, imported both ways."""
+    root = tmp_path_factory.mktemp("q4gguf")
+    hf = mf.llama_relu(root / "hf", dtype=torch.float16)
+    g = np.random.default_rng(0)
+    preds = ([g.standard_normal((RANK, D)).astype(np.float32) for _ in range(2)],
+             [g.standard_normal((FF, RANK)).astype(np.float32) for _ in range(2)])
+    path = gf.write_gguf(hf, root / "tiny-q4.powerinfer.gguf", qtype="Q4_0", predictors=preds,
+                         sparse_threshold=0.0)
+    _shift_zero_nibbles(path)
+    quant, f32 = root / "quant", root / "f32"
+    import_gguf(path, quant)
+    import_gguf(path, f32, quantized=False)
+    raw = {t.name: np.asarray(t.data).copy() for t in _reader_class()(path, "r").tensors}
+    return path, quant, f32, raw
+
+
+def _data_bytes(safetensors: Path) -> int:
+    with open(safetensors, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+    return safetensors.stat().st_size - 8 - n
+
+
+def test_quantized_checkpoint_is_the_gguf_size_and_reads_the_same_values(imported):
+    path, quant, f32, raw = imported
+    # the tensors' bytes are the GGUF's (predictors go to the sidecar, as before)
+    gguf_bytes = sum(a.nbytes for name, a in raw.items() if ".fc" not in name)
+    assert _data_bytes(quant / "model.safetensors") == gguf_bytes
+    assert (quant / "model.safetensors").stat().st_size < 0.2 * (f32 / "model.safetensors").stat().st_size
+    a, b = WeightSource(quant), WeightSource(f32)
+    assert a.names() == b.names()
+    assert a.quant_kind("model.layers.0.mlp.down_proj.weight") == ("Q4_0", True)
+    for name in sorted(b.names()):
+        assert a.shape(name) == b.shape(name), name
+        assert torch.equal(a.get(name), b.get(name)), name
+    # the dense path computes the same model: identical logits and greedy ids
+    ref, imp = Engine.load(f32), Engine.load(quant)
+    for e in (ref, imp):
+        e.eos_ids = set()
+    assert torch.equal(ref.score(PROMPT), imp.score(PROMPT))
+    greedy = SamplingParams(max_new_tokens=12, temperature=0)
+    assert ref.generate(PROMPT, greedy).token_ids == imp.generate(PROMPT, greedy).token_ids
+
+
+def _q4(a: np.ndarray, rows: int) -> np.ndarray:
+    return a.reshape(rows, -1)
+
+
+def test_int4_cpu_tier_maps_the_files_codes_bit_exactly(imported, monkeypatch):
+    path, quant, f32, raw = imported
+    # oracle: every neuron that fires is computed (the tiny model's predictors are random)
+    engine = Engine.load(quant, mode="oracle", vram_budget=0, ram_budget=1 << 30, cpu_weights="int4")
+    engine.eos_ids = set()
+    prepared = PreparedRows(prepared_path(quant, "int4"))
+    requantized_differs = False
+    for i, layer in enumerate(engine.model.layers):
+        want = {"gate": _q4(raw[f"blk.{i}.ffn_gate.weight"], FF), "up": _q4(raw[f"blk.{i}.ffn_up.weight"], FF),
+                "down_t": _q4(raw[f"blk.{i}.ffn_down_t.weight"], FF)}
+        assert torch.equal(layer.ffn.cold.ids, torch.arange(FF))
+        for part, codes in want.items():
+            assert np.array_equal(getattr(layer.ffn.cold.rows, part).numpy(), codes), (i, part)
+            assert np.array_equal(prepared.tensor(f"layers.{i}.{part}").numpy(), codes), (i, part)
+            # the F32 import requantized these values into other codes: this is what changed
+            deq = cpu_q4.dequantize_rows_q4(torch.from_numpy(codes), D)
+            requantized_differs |= not np.array_equal(cpu_q4.quantize_rows_q4(deq).numpy(), codes)
+        # attention: q/k rows unpermuted as whole rows, v and o as they are
+        hd = D // HEADS
+        q = _unpermute(_q4(raw[f"blk.{i}.attn_q.weight"], HEADS * hd), HEADS)
+        k = _unpermute(_q4(raw[f"blk.{i}.attn_k.weight"], KV * hd), KV)
+        v = _q4(raw[f"blk.{i}.attn_v.weight"], KV * hd)
+        assert isinstance(layer.qkv, Q4Matrix) and np.array_equal(layer.qkv.q.numpy(), np.concatenate([q, k, v]))
+        assert isinstance(layer.out, Q4Matrix) and np.array_equal(layer.out.q.numpy(), _q4(raw[f"blk.{i}.attn_output.weight"], D))
+    assert requantized_differs
+    assert isinstance(engine.model.lm_head, Q4Matrix)
+    assert np.array_equal(engine.model.lm_head.q.numpy(), _q4(raw["output.weight"], 300))
+    # those codes compute the file's values: with fp32 activations the oracle equals the
+    # dense (dequantized) model within float rounding, and greedy ids agree
+    dense = Engine.load(f32)
+    dense.eos_ids = set()
+    monkeypatch.setattr(cpu_q4, "USE_INT8_ACTIVATIONS", False)
+    assert (engine.score(PROMPT) - dense.score(PROMPT)).abs().max().item() < 1e-3
+    greedy = SamplingParams(max_new_tokens=12, temperature=0)
+    assert engine.generate(PROMPT, greedy).token_ids == dense.generate(PROMPT, greedy).token_ids
+    # a second load maps the prepared rows: the same codes again
+    again = Engine.load(quant, mode="sparse", vram_budget=0, ram_budget=1 << 30, cpu_weights="int4")
+    assert again.sparse.prepared_rows is not None
+    assert np.array_equal(again.model.layers[1].ffn.cold.rows.up.numpy(), _q4(raw["blk.1.ffn_up.weight"], FF))
+
+
+def _rewrite_header(src: Path, dst: Path, change) -> None:
+    data = src.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    change(header)
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    dst.write_bytes(struct.pack("<Q", len(blob)) + blob + data[8 + n:])
+
+
+def _generate_fails(capsys, model: Path, *words) -> None:
+    code = main(["generate", "--model", str(model), "--prompt", "hello", "--max-new-tokens", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert all(w in err[0] for w in words), err[0]
+
+
+def test_truncated_or_lying_quantized_tensor_is_one_error_line(imported, tmp_path, capsys):
+    _, quant, _, _ = imported
+    name = "model.layers.0.mlp.up_proj.weight.q4_0"
+    lying = tmp_path / "lying"
+    shutil.copytree(quant, lying, ignore=shutil.ignore_patterns("thermocline"))
+    # the same bytes said to be rows of 32 bytes: not whole Q4_0 blocks
+    _rewrite_header(quant / "model.safetensors", lying / "model.safetensors",
+                    lambda h: h[name].__setitem__("shape", [180, 32]))
+    _generate_fails(capsys, lying, name)
+    # rows of 18 bytes: whole blocks, but not the shape config.json implies
+    _rewrite_header(quant / "model.safetensors", lying / "model.safetensors",
+                    lambda h: h[name].__setitem__("shape", [320, 18]))
+    _generate_fails(capsys, lying, "up_proj", "shape")
+    cut = tmp_path / "cut"
+    shutil.copytree(quant, cut, ignore=shutil.ignore_patterns("thermocline"))
+    data = (quant / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
+    _generate_fails(capsys, cut)
