@@ -117,6 +117,8 @@ class HybridFfn:
         if not len(hot):
             return None
         threshold = self.context.threshold
+        if getattr(hot, "quant", None) == "int4":  # 4-bit hot rows: engine.hotcold.hot_q4
+            return hot.decode(x, logits, threshold, self.activation, self.threshold)
         if hot.cpu_rows is not None:
             return self._cpu_rows(x.float(), hot.cpu_rows, logits, threshold, hot.ids)
         from engine.kernels.triton_ffn import sparse_ffn_triton

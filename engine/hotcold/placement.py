@@ -147,7 +147,7 @@ def attention_cpu_bytes(model: "ModelBytes", params: int, cpu_weights: str) -> i
 
 def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: list[np.ndarray], ctx: int,
                   fast_weight_bytes: int, fast_kv_bytes: int, cpu_weights: str,
-                  fast_device: str = "cuda:0") -> PlacementProblem:
+                  fast_device: str = "cuda:0", hot_weights: str | None = None) -> PlacementProblem:
     """Bytes of every placeable part, exactly as the engine allocates them.
 
     Fast tier: the output head (its own copy even when tied to the embeddings), each
@@ -155,7 +155,7 @@ def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: l
     the embeddings (always, fp32), whatever of those did not fit, cold neurons (rows +
     id). On the CPU tier the weight matrices (attention, an untied head, predictors, FFN
     rows) are int8 rows with an fp32 scale each when cpu_weights is int8, else fp32; the
-    rest is fp32.
+    rest is fp32. hot_weights "int4": hot neurons are 4-bit rows (engine.hotcold.hot_q4).
     """
     layers = []
     attention_matrices = model.attention_params - model.attention_bias_params
@@ -173,7 +173,8 @@ def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: l
     return PlacementProblem(
         layers=layers,
         frequencies=frequencies,
-        neuron_fast=rows * model.d * fast_weight_bytes + INDEX_BYTES,
+        neuron_fast=(cpu_matrix_bytes(rows * model.d, rows, COLD_INT4) if hot_weights == COLD_INT4
+                     else rows * model.d * fast_weight_bytes) + INDEX_BYTES,
         neuron_cpu=cpu_matrix_bytes(rows * model.d, rows, cpu_weights) + INDEX_BYTES,
         head_fast=(head + model.final_norm_params) * fast_weight_bytes,
         head_cpu=model.final_norm_params * CPU_BYTES + head_cpu,

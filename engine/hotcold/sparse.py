@@ -21,6 +21,7 @@ import torch
 from engine.config import ModelConfig
 from engine.errors import UserError
 from engine.hotcold.hybrid_ffn import FfnCounters
+from engine.hotcold.hot_q4 import hot_weights
 from engine.loading.loader import compute_dtype, load_transformer
 from engine.runtime.model import Transformer
 from engine.hotcold.placement import Placement, PlacementProblem
@@ -74,6 +75,8 @@ class SparseRuntime(TokenHooks, Solving, TierMoves, MemoryAccounting):
         self.override_masks = None  # benchmarks: callable(layer) -> bool mask [n_ff] replacing the threshold
         self.prepared_path: Path | None = None  # the prepared rows file read or written at load
         self.prepared_rows = None  # engine.loading.prepared.PreparedRows when this load mapped one
+        # the hot tier's rows: 4-bit (engine.hotcold.hot_q4) or None (the fast tier's dtype)
+        self.hot_weights = None if config.is_moe else hot_weights(fast, cpu_weights)
 
 
 

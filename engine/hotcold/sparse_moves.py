@@ -12,6 +12,7 @@ import torch
 
 from engine.loading import host_memory
 from engine.hotcold.hybrid_ffn import ColdRows, HotRows, HybridFfn
+from engine.hotcold.hot_q4 import HOT_INT4, Q4HotRows, move_neurons_q4
 from engine.kernels import cpu as cpu_kernels
 from engine.kernels import cpu_q4
 from engine.loading.loader import compute_dtype
@@ -38,11 +39,18 @@ class TierMoves:
         cold_idx = torch.nonzero(cold_mask).flatten()
         device, dtype = self._where(True)
         gate, up, down_t = dense.gate, dense.up, dense.down_t
-        hot = HotRows(
-            None if gate is None else _hot_rows(gate[hot_idx], device, dtype),
-            _hot_rows(up[hot_idx], device, dtype), _hot_rows(down_t[hot_idx], device, dtype),
-            hot_idx.to(device),
-        )
+        if getattr(self, "hot_weights", None) == HOT_INT4:  # 4-bit hot rows (hot_q4)
+            if all_rows is not None and all_rows.quant == cpu_q4.QUANT:  # the same codes as the CPU's
+                hot = Q4HotRows.from_rows(all_rows.select(hot_idx), hot_idx, device, dtype)
+            else:
+                hot = Q4HotRows.from_float(None if gate is None else gate[hot_idx], up[hot_idx], down_t[hot_idx],
+                                           hot_idx, device, dtype)
+        else:
+            hot = HotRows(
+                None if gate is None else _hot_rows(gate[hot_idx], device, dtype),
+                _hot_rows(up[hot_idx], device, dtype), _hot_rows(down_t[hot_idx], device, dtype),
+                hot_idx.to(device),
+            )
         if all_rows is not None:
             rows = all_rows if len(cold_idx) == dense.n_ff else all_rows.select(cold_idx)
         else:
@@ -58,7 +66,10 @@ class TierMoves:
         device, dtype = self._where(True)
         d, n = self.config.hidden_size, self.config.intermediate_size
         empty = torch.empty(0, d, device=device, dtype=dtype)
-        hot = HotRows(empty if rows.gated else None, empty, empty, torch.empty(0, dtype=torch.long, device=device))
+        if getattr(self, "hot_weights", None) == HOT_INT4:
+            hot = Q4HotRows.empty(rows.gated, d, device, dtype)
+        else:
+            hot = HotRows(empty if rows.gated else None, empty, empty, torch.empty(0, dtype=torch.long, device=device))
         return HybridFfn(layer, rows.gated, self.config.activation, self.config.activation_threshold, n, hot,
                          ColdRows(rows, torch.arange(n)), self.ffn_context(layer))
 
@@ -137,6 +148,9 @@ class TierMoves:
 
     def _move_neurons(self, ffn: HybridFfn, new_hot: np.ndarray) -> None:
         """Promote and demote only the neurons whose tier changes."""
+        if isinstance(ffn.hot, Q4HotRows):
+            return move_neurons_q4(ffn, new_hot, self.cpu_weights,
+                                   lambda g, u, d: cold_rows_from_dense(g, u, d, self.cpu_weights))
         old_hot_ids = ffn.hot.ids.cpu().numpy()
         new_hot = np.asarray(new_hot, dtype=np.int64)
         keep_hot = np.isin(old_hot_ids, new_hot)

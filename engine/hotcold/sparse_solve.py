@@ -68,10 +68,13 @@ class PlacementReport:
 def placement_problem(config: ModelConfig, predictor_ranks: list[int], frequencies: list[np.ndarray],
                       ctx: int, fast: torch.device, storage: torch.dtype, cpu_weights: str) -> PlacementProblem:
     """The engine's placement problem: the fast tier holds its compute dtype."""
+    from engine.hotcold.hot_q4 import hot_weights
+
     fast_bytes = torch.finfo(compute_dtype(fast, storage)).bits // 8
     params = [rank * (config.hidden_size + config.intermediate_size) for rank in predictor_ranks]
+    hot = None if config.is_moe else hot_weights(fast, cpu_weights)  # 4-bit hot rows count their bytes
     return build_problem(ModelBytes.from_config(config), params, frequencies, ctx, fast_bytes, fast_bytes,
-                         cpu_weights, str(fast))
+                         cpu_weights, str(fast), hot_weights=hot)
 
 
 def problem_for_model(model_dir: Path, config: ModelConfig, ctx: int, fast: torch.device, cpu_weights: str,

@@ -4,6 +4,14 @@ here. Imported lazily, after TRITON_INTERPRET is settled (see `triton_kernels`).
 import triton
 import triton.language as tl
 
+from engine.activations import CODES, IDENTITY_CODE
+
+# the kernels' activation codes, from engine/activations.py (constexpr: Triton folds the branches)
+FATRELU = tl.constexpr(CODES["fatrelu"])
+DRELU = tl.constexpr(CODES["drelu"])
+RELU2 = tl.constexpr(CODES["relu2"])
+IDENTITY = tl.constexpr(IDENTITY_CODE)
+
 
 @triton.jit
 def _scale(w_ptr, base, live):
@@ -51,19 +59,19 @@ def _q4_rows_kernel(x_ptr, gate_ptr, up_ptr, rb, n, nb, logits_ptr, ids_ptr, pth
         g = _q4_dot(gate_ptr, row_off, live, x_ptr, nb, BLOCK)
     else:
         g = _q4_dot(up_ptr, row_off, live, x_ptr, nb, BLOCK)
-    if ACT == 1:
+    if ACT == FATRELU:
         a = tl.where(g >= act_thr, g, 0.0)
-    elif ACT == 3:
+    elif ACT == RELU2:
         r = tl.maximum(g, 0.0)
         a = r * r
-    elif ACT == 4:
+    elif ACT == IDENTITY:
         a = g
     else:
         a = tl.maximum(g, 0.0)
     if GATED:
         fired = live & (a != 0.0)
         u = _q4_dot(up_ptr, row_off, fired, x_ptr, nb, BLOCK)
-        if ACT == 2:
+        if ACT == DRELU:
             u = tl.maximum(u, 0.0)
         a = a * u
     a = tl.where(live, a, 0.0)
