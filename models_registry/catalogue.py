@@ -34,7 +34,7 @@ DEFAULT_MODEL_FILES = (
     "added_tokens.json",
 )
 BASE_MODEL_NOTE = "base model: continues text, not an assistant"
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "q4_0": 18 / 32}  # q4_0: ggml blocks of 32 in 18 bytes
 DEFAULT_PREDICTOR_FILES = ("model_*.pt", "config.json")
 
 
@@ -74,6 +74,11 @@ class CatalogueEntry:
     chat_format: str | None = None  # built-in template when tokenizer_config.json has none
     recommended: bool = False  # the first download we suggest on every machine
     weights_format: str = "safetensors"
+
+    @property
+    def gguf_weights(self) -> bool:
+        """The weights are one GGUF file of the repo, imported after the download (gguf_weights.py)."""
+        return self.weights_format.startswith("gguf")
 
     @property
     def kind_note(self) -> str:

@@ -31,6 +31,7 @@ from .hub import (
     RemoteFile, RepoPlan, auth_headers, check_access, fetch_plan, file_url, hub_endpoint, hub_error, is_offline,
 )
 from .gguf_fetch import choose_gguf, import_gguf_predictors_from_hub
+from .gguf_weights import import_weights_gguf, weights_gguf_plan
 from .paths import models_dir, repo_folder_name
 from .pickles import convert_pickles, is_pickle_weight
 from .progress import DownloadControl, ProgressMeter
@@ -226,14 +227,17 @@ def download_model(
     patterns = entry.files if entry else DEFAULT_MODEL_FILES
     plan = fetch_plan(repo, pinned, patterns, endpoint=endpoint, token=token)
     check_access(plan, endpoint=endpoint, token=token)
+    gguf_weights = entry is not None and entry.gguf_weights
+    if gguf_weights:  # one GGUF, imported into the folder once fetched (gguf_weights.py)
+        plan = weights_gguf_plan(plan)
     if state.get("revision") and state["revision"] != plan.commit:
         # Another commit: partial files may be prefixes of other contents. Verified files stay
         # recorded by hash, so those that did not change are not fetched again.
         shutil.rmtree(model_dir / SIDECAR / PARTIAL_SUBDIR, ignore_errors=True)
     names = plan.names()
-    if "config.json" not in names:
+    if not gguf_weights and "config.json" not in names:
         raise UserError(f"{repo} has no config.json at {plan.commit[:12]}: not a transformers model repo")
-    if not any(n.endswith(".safetensors") or n.endswith(".bin") for n in names):
+    if not gguf_weights and not any(n.endswith(".safetensors") or n.endswith(".bin") for n in names):
         raise UserError(f"{repo} has no weights in safetensors (or PyTorch .bin) format")
 
     pred_plan = None
@@ -283,6 +287,8 @@ def download_model(
     imported_copy = pred_plan.total_bytes if pred_plan is not None and on_predictors_downloaded else 0
     # pytorch_model*.bin shards become safetensors one at a time: one shard's copy at once.
     imported_copy += max((f.size for f in plan.files if is_pickle_weight(f.name)), default=0)
+    if gguf_weights:  # the import writes about the GGUF's size before the GGUF is deleted
+        imported_copy += plan.total_bytes
     need = remaining + imported_copy + max(DISK_MARGIN_MIN, int(DISK_MARGIN_FRACTION * remaining))
     disk_path, free = free_disk(model_dir)
     if free is not None and need > free:
@@ -294,6 +300,10 @@ def download_model(
     meter.emit("plan", message=f"{len(jobs)} files, {format_size(total)}, {format_size(remaining)} to fetch")
     with _DownloadLock(model_dir):
         _fetch_all(job, jobs, entry, created, model_dir, endpoint, token)
+    if gguf_weights and jobs:
+        meter.emit("convert", message=f"importing {jobs[0][1]}")
+        import_weights_gguf(model_dir, job.state, jobs[0][1], entry.activation)
+        job.save_state()
     result = _finish(job, plan, pred_plan, predictors, on_predictors_downloaded, meter, names, jobs, convert_pickles)
     if gguf_plan is not None:
         info = import_gguf_predictors_from_hub(job.endpoint, gguf_plan, model_dir, headers=job.headers,
@@ -309,8 +319,9 @@ def planned_size(name: str, *, endpoint: str | None = None, token: str | None = 
     """Bytes a download of `name` would fetch, from the Hub's file listing (nothing is fetched)."""
     repo, entry = _entry_for(name.strip())
     endpoint, token = hub_endpoint(endpoint), token or get_token()
-    total = fetch_plan(repo, entry.revision if entry else None, entry.files if entry else DEFAULT_MODEL_FILES,
-                       endpoint=endpoint, token=token).total_bytes
+    plan = fetch_plan(repo, entry.revision if entry else None, entry.files if entry else DEFAULT_MODEL_FILES,
+                      endpoint=endpoint, token=token)
+    total = (weights_gguf_plan(plan) if entry is not None and entry.gguf_weights else plan).total_bytes
     if with_predictors and entry is not None and entry.predictor.repo and entry.predictor.source == "powerinfer":
         total += fetch_plan(entry.predictor.repo, entry.predictor.revision, entry.predictor.files,
                             endpoint=endpoint, token=token).total_bytes
@@ -345,8 +356,9 @@ def _finish(job: _Job, plan: RepoPlan, pred_plan: RepoPlan | None, predictors: s
                       if rel in wanted or meta.get("converted")}
     state["status"] = "ready"
     state["size_bytes"] = plan.total_bytes
-    state["weights_format"] = "safetensors" if any(n.endswith(".safetensors") for n in names) else (
-        "safetensors (converted from pytorch-bin)" if state.get("converted") else "pytorch-bin")
+    if not str(state.get("weights_format", "")).startswith("gguf"):  # an imported GGUF says so itself
+        state["weights_format"] = "safetensors" if any(n.endswith(".safetensors") for n in names) else (
+            "safetensors (converted from pytorch-bin)" if state.get("converted") else "pytorch-bin")
     if any(is_pickle_weight(n) for n in names):
         meter.emit("convert", message="converting the PyTorch checkpoint to safetensors")
         convert_pickles(model_dir, state, convert, origin=plan.repo)  # refused: the folder is gone

@@ -74,7 +74,9 @@ def auth_headers(token: str | None) -> dict:
 
 def select_files(names: list[str], patterns: tuple[str, ...]) -> list[str]:
     """Files matching `patterns`, minus duplicates of the weights in other formats."""
-    excluded = [x for x in EXCLUDED_FILES if x not in patterns]  # asked for by name (*.gguf): kept
+    # asked for by name (*.gguf, or a narrower *.q4.powerinfer.gguf): kept
+    excluded = [x for x in EXCLUDED_FILES
+                if not any(p == x or (x.startswith("*.") and p.endswith(x[1:])) for p in patterns)]
     chosen = [n for n in names if any(fnmatch.fnmatch(n, p) for p in patterns)
               and not any(fnmatch.fnmatch(n, x) for x in excluded)]
     if any(n.endswith(".safetensors") for n in chosen):

@@ -36,9 +36,11 @@ def _tensors(hf_dir: Path) -> dict[str, np.ndarray]:
 
 def write_gguf(hf_dir: Path, out: Path, *, qtype: str = "F16", powerinfer: bool = True,
                predictors: tuple[list[np.ndarray], list[np.ndarray]] | None = None,
-               sparse_threshold: float | None = None, arch: str = "llama") -> Path:
+               sparse_threshold: float | None = None, arch: str = "llama", q6_k: tuple[str, ...] = ()) -> Path:
     """Write hf_dir's model (llama layout) as a GGUF. qtype: F16, BF16-less F32, Q8_0 or Q4_0 for
-    the 2-D weights (norms stay F32, as llama.cpp keeps them)."""
+    the 2-D weights (norms stay F32, as llama.cpp keeps them). Tensors named in `q6_k` become
+    random Q6_K blocks (llama-quantize's type for the output head of a Q4_0 file; the gguf
+    package cannot quantize to it)."""
     config = json.loads((hf_dir / "config.json").read_text())
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
@@ -68,7 +70,12 @@ def write_gguf(hf_dir: Path, out: Path, *, qtype: str = "F16", powerinfer: bool 
 
     def add(name, a):
         a = np.ascontiguousarray(a, dtype=np.float32)
-        if a.ndim == 1 or qtype == "F32":
+        if name in q6_k:  # block_q6_K: ql[128] qh[64] int8 scales[16], fp16 d: 210 bytes per 256 weights
+            rng = np.random.default_rng(len(name))
+            blocks = rng.integers(0, 256, size=(a.shape[0] * a.shape[1] // 256, 210), dtype=np.uint8)
+            blocks[:, 208:] = (rng.random(len(blocks)) * 1e-3 + 1e-4).astype(np.float16).view(np.uint8).reshape(-1, 2)
+            w.add_tensor(name, blocks.reshape(a.shape[0], -1), raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+        elif a.ndim == 1 or qtype == "F32":
             w.add_tensor(name, a)
         elif qtype == "F16":
             w.add_tensor(name, a.astype(np.float16))

@@ -171,3 +171,19 @@ def test_truncated_or_lying_quantized_tensor_is_one_error_line(imported, tmp_pat
     data = (quant / "model.safetensors").read_bytes()
     (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
     _generate_fails(capsys, cut)
+
+
+def test_q6_k_output_head_of_a_llama_quantize_q4_0_file_is_read_exactly(tmp_path):
+    """llama-quantize writes a Q4_0 file's output head as Q6_K: imported as F32 (d * scale * q
+    fits fp32's 24 bits), the rest stays Q4_0 blocks."""
+    hf = mf.llama_relu(tmp_path / "hf", hidden=256, ff=256, layers=1, dtype=torch.float16)
+    path = gf.write_gguf(hf, tmp_path / "q4-q6k.gguf", qtype="Q4_0", q6_k=("output.weight",), sparse_threshold=0.0)
+    import_gguf(path, tmp_path / "m")
+    raw = {t.name: t for t in _reader_class()(path, "r").tensors}
+    assert raw["output.weight"].tensor_type == gguf.GGMLQuantizationType.Q6_K
+    want = gguf.quants.dequantize(np.asarray(raw["output.weight"].data), gguf.GGMLQuantizationType.Q6_K)
+    source = WeightSource(tmp_path / "m")
+    assert source.quant_kind("lm_head.weight") is None and source.quant_kind("model.embed_tokens.weight")
+    assert torch.equal(source.get("lm_head.weight"), torch.from_numpy(want.reshape(300, 256)))
+    logits = Engine.load(tmp_path / "m").score(PROMPT)
+    assert torch.isfinite(logits).all()

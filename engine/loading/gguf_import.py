@@ -6,8 +6,9 @@ the model registry's command without loading the engine. What is accepted:
   PowerInfer's convert.py), predictors `blk.N.fc1` / `blk.N.fc2`, the down projection
   stored transposed as `blk.N.ffn_down_t`, `powerinfer.sparse_threshold`;
 - plain llama.cpp files of the `llama` and `bamboo` architectures;
-- tensors in F32, F16, BF16, Q8_0 and Q4_0 (other types, K-quants included, are refused:
-  not one of them maps onto our rows without loss).
+- tensors in F32, F16, BF16, Q8_0, Q4_0 and Q6_K (llama-quantize's type for the output head
+  of a Q4_0 file: read as F32, which holds its values d * scale * q exactly); other types,
+  the other K-quants included, are refused.
 Written: config.json, model.safetensors in Hugging Face names and layout (F16/BF16/F32
 kept as they are; Q4_0/Q8_0 kept as the file's blocks, the checkpoint's quantized tensor
 kinds of engine.loading.weights: `NAME.q4_0` / `NAME.q8_0`, or `NAME.t.q4_0` for
@@ -48,7 +49,7 @@ def _types():
     import gguf
 
     T = gguf.GGMLQuantizationType
-    return {T.F32: "F32", T.F16: "F16", T.BF16: "BF16", T.Q8_0: "Q8_0", T.Q4_0: "Q4_0"}
+    return {T.F32: "F32", T.F16: "F16", T.BF16: "BF16", T.Q8_0: "Q8_0", T.Q4_0: "Q4_0", T.Q6_K: "Q6_K"}
 
 
 @dataclass
@@ -99,7 +100,7 @@ def _reader_class():
                     raise _Refused(f"tensor {name} has the unknown type id {int(raw_dtype[0])}") from None
                 if qtype not in supported:
                     raise _Refused(f"tensor {name} is {qtype.name}; Thermocline reads F32, F16, BF16, Q8_0 and "
-                                   "Q4_0 tensors (convert the file to one of these with llama.cpp's "
+                                   "Q4_0 tensors (and Q6_K; convert the file to one of these with llama.cpp's "
                                    "llama-quantize)", user=True)
                 shape = [int(x) for x in dims.tolist()]
                 block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
@@ -167,7 +168,7 @@ def read_gguf(path: str | Path) -> GgufModel:
         kind = supported.get(t.tensor_type)
         if kind is None:
             raise UserError(f"{path.name}: tensor {t.name} is {t.tensor_type.name}; Thermocline reads F32, F16, "
-                            "BF16, Q8_0 and Q4_0 tensors (convert the file to one of these with llama.cpp's "
+                            "BF16, Q8_0, Q4_0 and Q6_K tensors (convert the file to one of these with llama.cpp's "
                             "llama-quantize)")
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         n = math.prod(shape)

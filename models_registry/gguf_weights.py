@@ -1,0 +1,57 @@
+"""Catalogue entries whose weights are a GGUF file (PowerInfer's `*.q4.powerinfer.gguf`:
+Q4_0 weights and predictors, about a seventh of the fp32 repo).
+
+The download fetches the one GGUF the entry's patterns name, then imports it into the
+model folder (`engine.loading.gguf_import`, numpy only: config.json, tokenizer, a
+model.safetensors whose Q4_0/Q8_0 tensors stay blocks, the predictors into the sidecar)
+and deletes it. The state file records the imported files (`converted`: the GGUF's name
+-> model.safetensors), so a finished model is not fetched again.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from engine.errors import UserError
+
+from .hub import RepoPlan
+from .state import SIDECAR
+
+IMPORT_SUBDIR = "gguf-import"  # <model>/thermocline/: the import's folder until it is moved into place
+
+
+def weights_gguf_plan(plan: RepoPlan) -> RepoPlan:
+    """The plan cut to the GGUF to import: the smallest of those the patterns matched."""
+    ggufs = [f for f in plan.files if f.name.endswith(".gguf")]
+    if not ggufs:
+        raise UserError(f"{plan.repo} has no GGUF file matching the catalogue's patterns at {plan.commit[:12]}")
+    chosen = min(ggufs, key=lambda f: (f.size, f.name))
+    return RepoPlan(plan.repo, plan.commit, (chosen,), plan.gated)
+
+
+def import_weights_gguf(model_dir: Path, state: dict, rel: str, activation: str | None) -> dict:
+    """Import the downloaded GGUF `rel` into `model_dir`, delete it, record what was written."""
+    from engine.loading.gguf_import import import_gguf
+
+    model_dir = Path(model_dir)
+    src, tmp = model_dir / rel, model_dir / SIDECAR / IMPORT_SUBDIR
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted import
+    summary = import_gguf(src, tmp, activation=activation)
+    written = []
+    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        dest = model_dir / path.relative_to(tmp)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        path.replace(dest)
+        written.append(dest.relative_to(model_dir).as_posix())
+    shutil.rmtree(tmp, ignore_errors=True)
+    files = state.setdefault("files", {})
+    files.pop(rel, None)
+    for name in written:
+        files[name] = {"size": (model_dir / name).stat().st_size, "hash": None, "verified": False, "converted": True}
+    state.setdefault("converted", {})[rel] = "model.safetensors"
+    state["weights_format"] = f"gguf ({', '.join(summary['tensor_types'])}; Q4_0/Q8_0 kept as blocks)"
+    if summary.get("predictors"):
+        state["predictors"] = "imported"
+    src.unlink(missing_ok=True)
+    return summary

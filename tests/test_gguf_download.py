@@ -1,0 +1,75 @@
+"""A catalogue entry whose weights are PowerInfer's Q4_0 GGUF (relullama-7b-q4), against the
+local Hub: the one q4 file is fetched, imported with its 4-bit blocks kept, deleted, and the
+model decodes as the same file imported by hand; a second download fetches nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import gguf_factory as gf
+import model_factory as mf
+from app.cli import main
+from engine import Engine, SamplingParams
+from engine.loading.gguf_import import import_gguf
+from engine.loading.weights import WeightSource
+from hub_server import HubRepo, local_hub, registry_env  # noqa: F401
+from models_registry.catalogue import get_entry
+
+PROMPT = [0, 5, 9, 17, 33, 100, 7, 8]
+REPO = "PowerInfer/ReluLLaMA-7B-PowerInfer-GGUF"
+
+
+def test_catalogue_offers_the_q4_gguf_as_the_smaller_download():
+    q4, fp32 = get_entry("relullama-7b-q4"), get_entry("relullama-7b")
+    assert q4.repo == REPO and q4.gguf_weights and q4.files == ("*.q4.powerinfer.gguf",)
+    assert q4.config == fp32.config and q4.size_bytes < fp32.size_bytes / 7
+    assert not fp32.gguf_weights
+
+
+def test_q4_gguf_repo_downloads_imports_and_decodes(local_hub, registry_env, tmp_path, capsys):
+    hf = mf.llama_relu(tmp_path / "hf", dtype=torch.float16)
+    g = np.random.default_rng(0)
+    preds = ([g.standard_normal((32, 64)).astype(np.float32) for _ in range(2)],
+             [g.standard_normal((160, 32)).astype(np.float32) for _ in range(2)])
+    q4 = gf.write_gguf(hf, tmp_path / "llama-7b-relu.q4.powerinfer.gguf", qtype="Q4_0", predictors=preds,
+                       sparse_threshold=0.0)
+    f16 = gf.write_gguf(hf, tmp_path / "llama-7b-relu.powerinfer.gguf", qtype="F16", predictors=preds)
+    local_hub.add_repo(HubRepo(REPO, {q4.name: q4.read_bytes(), f16.name: f16.read_bytes(), "README.md": b"# r\n"}))
+    capsys.readouterr()
+
+    assert main(["models", "download", "relullama-7b-q4", "--json"]) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    model_dir = Path(result["model_dir"])
+    # only the q4 file moved, and it is gone once imported
+    assert local_hub.requests("GET", q4.name) and not local_hub.requests("GET", f16.name)
+    assert not list(model_dir.glob("*.gguf")) and not (model_dir / "thermocline" / "gguf-import").exists()
+    state = json.loads((model_dir / "thermocline" / "download.json").read_text())
+    assert state["status"] == "ready" and state["weights_format"].startswith("gguf")
+    assert state["predictors"] == "imported" and (model_dir / "thermocline" / "predictors.safetensors").is_file()
+    source = WeightSource(model_dir)
+    assert source.quant_kind("model.layers.1.mlp.up_proj.weight") == ("Q4_0", False)
+    assert (model_dir / "model.safetensors").stat().st_size < 1.1 * q4.stat().st_size
+    # it decodes as the same file imported by hand (the F32 path): same greedy ids
+    ref_dir = tmp_path / "by-hand"
+    import_gguf(q4, ref_dir, quantized=False)
+    ref = Engine.load(ref_dir)
+    ref.eos_ids = set()
+    want = ref.generate(PROMPT, SamplingParams(max_new_tokens=8, temperature=0)).token_ids
+    got = Engine.load(model_dir)
+    got.eos_ids = set()
+    assert got.generate(PROMPT, SamplingParams(max_new_tokens=8, temperature=0)).token_ids == want
+    code = main(["generate", "--model", "relullama-7b-q4", "--prompt", "the quick fox", "--mode", "sparse",
+                 "--cpu-weights", "int4", "--temperature", "0", "--max-new-tokens", "4", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert json.loads(out)["mode"] == "sparse"
+    # a second download finds it ready and fetches nothing
+    before = len(local_hub.requests("GET", q4.name))
+    assert main(["models", "download", "relullama-7b-q4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["from_cache"] is True
+    assert len(local_hub.requests("GET", q4.name)) == before
