@@ -152,3 +152,33 @@ def test_4bit_hot_rows_in_the_engine_and_between_tiers(q4_hot_engine):
     engine.set_budgets(vram=0)
     assert all(torch.equal(a, b) for a, b in zip(codes(engine), want))
     assert (steps(engine) - steps(cold)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA fast tier")
+def test_cuda_fast_tier_with_int4_cpu_weights_holds_4bit_hot_rows(llama_dir, tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.delenv(hot_q4.HOT_WEIGHTS_ENV, raising=False)
+    model = tmp_path / "m"
+    shutil.copytree(llama_dir, model)
+    random_predictors(ModelConfig.from_dir(model)).save(model)
+    probe = Engine.load(model, mode="oracle", device="cuda", vram_budget=0, ram_budget=RAM, cpu_weights="int4")
+    engine = Engine.load(model, mode="oracle", device="cuda", vram_budget=vram_for(probe, 0.5), ram_budget=RAM,
+                         cpu_weights="int4")
+    assert engine.memory()["tiers"] == engine.sparse.plan.tier_bytes
+    g = torch.Generator().manual_seed(2)
+    tested = 0
+    for layer in engine.model.layers:
+        hot = layer.ffn.hot
+        assert isinstance(hot, hot_q4.Q4HotRows) and hot.device.type == "cuda"
+        if not len(hot):
+            continue
+        gate, up, down_t = hot.fp32_rows()
+        x = torch.randn(engine.config.hidden_size, generator=g)
+        logits = torch.randn(layer.ffn.n_ff, generator=g)
+        y = layer.ffn._hot_decode(x.cuda().half(), logits.cuda())
+        mask = (logits[hot.ids.cpu()] >= layer.ffn.context.threshold).double()
+        ref = _fp64_ffn(x.half().float(), gate, up, down_t, mask, layer.ffn.activation)
+        assert (y.cpu().double() - ref).abs().max() <= 1e-3 * (1 + ref.abs().max())
+        tested += 1
+    assert tested
