@@ -187,3 +187,20 @@ def test_q6_k_output_head_of_a_llama_quantize_q4_0_file_is_read_exactly(tmp_path
     assert torch.equal(source.get("lm_head.weight"), torch.from_numpy(want.reshape(300, 256)))
     logits = Engine.load(tmp_path / "m").score(PROMPT)
     assert torch.isfinite(logits).all()
+
+
+def test_reference_q4_0_file_decodes_as_its_f32_import_on_the_int4_tier(tmp_path):
+    """A file of ggml's reference Q4_0 rounding (what gguf.quants writes): requantizing its
+    values gives its codes back, so the F32 import (before the quantized kinds) and the
+    quantized one hold the same int4 rows: identical logits and greedy ids."""
+    hf = mf.llama_relu(tmp_path / "hf", dtype=torch.float16)
+    path = gf.write_gguf(hf, tmp_path / "ref-q4.gguf", qtype="Q4_0", sparse_threshold=0.0)
+    import_gguf(path, tmp_path / "quant")
+    import_gguf(path, tmp_path / "f32", quantized=False)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0)
+    engines = [Engine.load(tmp_path / name, mode="oracle", vram_budget=0, ram_budget=1 << 30, cpu_weights="int4")
+               for name in ("quant", "f32")]
+    for e in engines:
+        e.eos_ids = set()
+    assert torch.equal(engines[0].score(PROMPT), engines[1].score(PROMPT))
+    assert engines[0].generate(PROMPT, greedy).token_ids == engines[1].generate(PROMPT, greedy).token_ids
