@@ -75,6 +75,9 @@ class SparseRuntime(TokenHooks, Solving, TierMoves, MemoryAccounting):
         self.prepared_path: Path | None = None  # the prepared rows file read or written at load
         self.prepared_rows = None  # engine.loading.prepared.PreparedRows when this load mapped one
 
+    def close(self) -> None:
+        """Release what outlives a dropped engine (Engine.close): threads of subclasses."""
+
 
 
 def _prepared_source(model_dir: Path, config: ModelConfig, cpu_weights: str):
