@@ -223,6 +223,25 @@ def test_event_loop_never_stalls(qtbot, tmp_path, hybrid_model, monkeypatch):
         close_window(w)
 
 
+def test_the_panel_counts_the_context_in_the_kv_caches_stored_dtype(qtbot, tmp_path, hybrid_model, monkeypatch):
+    """The budget panel's tier bar shows the CPU KV cache as the engine holds it: fp16, two
+    bytes per key and value element (fp32 under THERMOCLINE_KV_CACHE=fp32 would be four)."""
+    import json
+
+    cfg = json.loads((hybrid_model / "config.json").read_text())
+    w = make_window(qtbot, tmp_path, hybrid_model, mode="hybrid", monkeypatch=monkeypatch)
+    try:
+        p = w.panel
+        qtbot.waitUntil(lambda: p.placement is not None and "cpu_kv" in p.tiers.tiers, timeout=30_000)
+        ctx = w.client.model_info["ctx"]
+        kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+        per_token = cfg["num_hidden_layers"] * 2 * kv_heads * head_dim * 2
+        assert p.tiers.tiers["cpu_kv"] + p.tiers.tiers.get("fast_kv", 0) == ctx * per_token
+    finally:
+        close_window(w)
+
+
 def _busy(seconds: float) -> None:
     """Compute for `seconds` of this thread's CPU time (on a loaded machine, more wall time)."""
     import time
