@@ -56,8 +56,9 @@ def send(qtbot, window, text: str, key_delay_ms: int = -1) -> None:
 
     edit = window.chat.input.edit
     edit.setFocus()
-    qtbot.keyClicks(edit, text, delay=key_delay_ms)
-    qtbot.keyClick(edit, Qt.Key.Key_Return, delay=key_delay_ms)
+    paced = {"delay": key_delay_ms} if key_delay_ms >= 0 else {}  # test_gui_chat's plain-process Bot has no delay
+    qtbot.keyClicks(edit, text, **paced)
+    qtbot.keyClick(edit, Qt.Key.Key_Return, **paced)
 
 
 def wait_idle(qtbot, window, timeout_ms: int = 60_000) -> None:
