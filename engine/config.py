@@ -121,7 +121,7 @@ class ModelConfig:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise ModelFormatError(f"cannot read {path}: {exc}") from None
-        return parse_config(raw, activation_hint or _catalogue_activation(Path(model_dir)))
+        return parse_config(raw, activation_hint or recorded_activation(Path(model_dir)))
 
     @classmethod
     def from_dict(cls, raw: dict, activation_hint: str | None = None) -> "ModelConfig":
@@ -158,17 +158,20 @@ def _check(cfg: ModelConfig) -> None:
             raise ModelFormatError(f"config.json gives a {name.replace('_', ' ')} of {value}; it must be a positive number")
 
 
-def _catalogue_activation(model_dir: Path) -> str | None:
-    """The catalogue's activation for a model downloaded from it (see `parse_config`), so the
-    engine reads such a folder as the registry's download check did."""
+def recorded_activation(model_dir: Path) -> str | None:
+    """The activation recorded in the folder for a checkpoint whose config.json may not name
+    one: `thermocline/download.json`'s `activation`, which the registry writes from its
+    catalogue when it downloads the model (see `parse_config`). Read from the folder, so the
+    engine asks the registry nothing; a missing or unreadable record is no hint."""
+    path = Path(model_dir) / DOWNLOAD_RECORD
     try:
-        from models_registry.catalogue import find_entry
-        from models_registry.state import read_state
-    except ImportError:
+        value = json.loads(path.read_text(encoding="utf-8")).get("activation")
+    except (OSError, ValueError, AttributeError):
         return None
-    repo = (read_state(model_dir) or {}).get("repo")
-    entry = find_entry(repo) if isinstance(repo, str) else None
-    return entry.activation if entry is not None else None
+    return value if isinstance(value, str) else None
+
+
+DOWNLOAD_RECORD = Path("thermocline") / "download.json"  # written by models_registry (state.py)
 
 
 # --------------------------------------------------------------------------- reading

@@ -274,6 +274,8 @@ def download_model(
                  catalogue_id=entry.id if entry else None, started=state.get("started") or time.time())
     if pred_plan is not None:
         state["predictor"] = {"repo": pred_plan.repo, "revision": pred_plan.commit}
+    if entry is not None:  # read by engine.config when config.json names no activation (old Falcon)
+        state["activation"] = entry.activation
     if entry is not None and entry.chat_format:  # the tokenizer's template when the repo has none
         state.update(chat_format=entry.chat_format, chat_model=entry.chat)
     total = sum(f.size for _, _, f in jobs)

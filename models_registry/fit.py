@@ -143,6 +143,7 @@ class BytesModel:
     gpu_weight_bytes: int = 2  # fp16 / bf16 on CUDA (a CPU stand-in device holds fp32: 4)
     gpu_kv_bytes: int = 2
     cpu_weights: str = "int8"  # CPU matrices: "int8" rows + one fp32 scale per row; "fp32"
+    cpu_kv_bytes: int | None = None  # the CPU KV cache (None: the engine's setting, fp16 unless fp32 is asked)
 
 
 @dataclass
@@ -231,7 +232,7 @@ def place_bytes(shape: ModelShape, *, ctx: int, vram_budget: int, ram_budget: in
     model = placement_bytes(shape)
     frequencies = [np.ones(model.n_ff, dtype=np.float32) for _ in range(shape.n_layers)]
     problem = build_problem(model, predictor_params, frequencies, ctx, bm.gpu_weight_bytes,
-                            bm.gpu_kv_bytes, bm.cpu_weights)
+                            bm.gpu_kv_bytes, bm.cpu_weights, cpu_kv_bytes=bm.cpu_kv_bytes)
     plan = solve(problem, max(int(vram_budget), 0), ram_budget)
     tiers = plan.tier_bytes
     on_gpu = plan.layer_on_fast

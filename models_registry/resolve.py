@@ -49,7 +49,9 @@ def resolve_model(name_or_path: str) -> Path:
         return folder
     path = Path(text).expanduser()
     if path.is_dir():
-        return path.resolve()
+        folder = path.resolve()
+        record_catalogue_facts(folder)
+        return folder
 
     from .catalogue import find_entry  # local import: catalogue loads a data file
 
@@ -65,7 +67,28 @@ def resolve_model(name_or_path: str) -> Path:
     folder = downloaded_model_dir(repo_id)
     if not is_ready(folder):
         raise UserError(f"model {text} is not downloaded: run `thermocline models download {text}`")
+    record_catalogue_facts(folder)
     return folder
+
+
+def record_catalogue_facts(folder: Path) -> None:
+    """Give a catalogue download made before its record carried them the facts of the
+    checkpoint its config.json may leave out (the activation; engine.config reads it from
+    the folder). Downloads record them themselves; a folder that cannot be written is left."""
+    from .catalogue import find_entry
+    from .state import read_state, write_state
+
+    state = read_state(folder)
+    if not state or state.get("status") != "ready" or "activation" in state or not isinstance(state.get("repo"), str):
+        return
+    entry = find_entry(state["repo"])
+    if entry is None:
+        return
+    state["activation"] = entry.activation
+    try:
+        write_state(folder, state)
+    except OSError:
+        pass
 
 
 def is_ready(folder: Path) -> bool:

@@ -25,6 +25,24 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     }
 
 
+@pytest.fixture(autouse=True, scope="session")
+def default_kv_cache():
+    """The CPU KV cache's default format (fp16) whatever the developer's shell says."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("THERMOCLINE_KV_CACHE", raising=False)
+        yield
+
+
+@pytest.fixture(scope="module")
+def exact_kv_cache():
+    """The CPU KV cache in fp32 (THERMOCLINE_KV_CACHE=fp32), the exact reference: for a
+    module whose comparisons are exact to 1e-4 or tighter (`pytestmark =
+    pytest.mark.usefixtures("exact_kv_cache")`); the fp16 default has its own bounded tests."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("THERMOCLINE_KV_CACHE", "fp32")
+        yield
+
+
 @pytest.fixture
 def one_torch_thread():
     """Tiny matmuls gain nothing from threads, and on a busy 2-core CI box spinning

@@ -94,3 +94,8 @@ def test_real_process_prints_no_traceback(tmp_path):
     proc = run_cli("generate", "--model", str(tmp_path / "nowhere"), "--prompt", "x")
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
+
+
+def test_an_unknown_kv_cache_format_is_one_line(capsys, monkeypatch, llama_dir):
+    monkeypatch.setenv("THERMOCLINE_KV_CACHE", "fp8")
+    _assert_one_line_error(capsys, ["generate", "--model", str(llama_dir), "--prompt", "x"], "THERMOCLINE_KV_CACHE")

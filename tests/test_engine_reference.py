@@ -10,6 +10,13 @@ from engine import Engine, SamplingParams
 
 FAMILIES = ["llama", "mistral", "falcon_mq", "falcon_new"]
 PROMPT = [0, 5, 9, 17, 33, 100, 7, 8, 250, 3, 42]
+# Exact comparisons (1e-4 on the logits, equal greedy tokens) run on the fp32 KV cache; the
+# fp16 default is checked against the same reference within FP16_KV_BOUND below.
+pytestmark = pytest.mark.usefixtures("exact_kv_cache")
+# fp16 keeps 11 significant bits of each key and value (relative error <= 2^-11, 4.9e-4). On
+# these models (logits below 1) that moves the logits by at most 1.3e-4 (measured): the bound
+# leaves 8x room and stays far below what a wrong position, head or scale would give.
+FP16_KV_BOUND = 1e-3
 
 
 def reference_logits(path, ids):
@@ -135,3 +142,32 @@ def test_fatrelu_threshold_zeroes_small_activations():
     up = torch.tensor([[2.0, 2.0, 2.0, 2.0]])
     assert torch.allclose(activations(gate, up, "fatrelu", 0.01), torch.tensor([[0.0, 0.0, 0.04, 6.0]]))
     assert activations(gate, -up, "drelu", 0.0).tolist() == [[0.0, 0.0, 0.0, 0.0]]
+
+
+@pytest.fixture
+def fp16_kv_cache(monkeypatch):
+    monkeypatch.delenv("THERMOCLINE_KV_CACHE")  # the default, overriding the module's pin
+
+
+@pytest.mark.parametrize("family", FAMILIES + ["fp16_checkpoint"])
+def test_the_default_fp16_cache_stays_within_its_bound_of_transformers(tmp_path, tiny_models, family,
+                                                                        fp16_kv_cache):
+    """Prefill (torch SDPA over the fp16 keys, widened) and 32 decode steps (the fused kernel
+    reading fp16 in place), teacher-forced on transformers' greedy tokens."""
+    path = mf.llama_relu(tmp_path / "m", dtype=torch.float16) if family == "fp16_checkpoint" else tiny_models[family]
+    ref = mf.load_reference(path)
+    with torch.no_grad():
+        prompt = torch.tensor([PROMPT])
+        ids = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False,
+                           eos_token_id=None, pad_token_id=299, min_new_tokens=32)[0].tolist()
+        expected = ref(torch.tensor([ids])).logits[0]
+    engine = Engine.load(path)
+    assert {k.dtype for k in engine.cache.k} == {torch.float16}  # the default
+    prefill = engine.score(PROMPT)
+    engine.cache.reset(len(PROMPT))
+    steps = [engine.model.forward(torch.tensor([t]), i, engine.cache)
+             for i, t in enumerate(ids[len(PROMPT):], start=len(PROMPT))]
+    ours = torch.cat([prefill, *steps])
+    assert expected.abs().max() > 0.05  # the comparison means something
+    assert (ours[: len(PROMPT)] - expected[: len(PROMPT)]).abs().max().item() <= FP16_KV_BOUND
+    assert (ours - expected).abs().max().item() <= FP16_KV_BOUND

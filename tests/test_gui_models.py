@@ -143,3 +143,39 @@ def test_cards_wrap_to_the_pane_with_no_sideways_scroll(qtbot, window):
     qtbot.waitUntil(lambda: not misfits(), timeout=5_000)
     assert not scroll.horizontalScrollBar().isVisible()
     assert scroll.viewport().width() < 700  # narrow enough that the longest title cannot sit on one line
+
+
+def test_the_planned_download_size_shows_before_any_byte_moves(qtbot, window, local_hub):
+    """Download on a card first asks the Hub's listing (planned_size) and shows the bytes
+    with a button that starts the download; "Not now" starts nothing; a repo the Hub does
+    not answer for says the size is unknown and still lets the user try."""
+    from app.gui import formatting as fmt
+    from models_registry.download import planned_size
+
+    page = window.models
+    page._add_custom(REPO)
+    qtbot.waitUntil(lambda: REPO in page.cards and page.cards[REPO].download_button.isVisible(), timeout=30_000)
+    card = page.cards[REPO]
+    card.download_button.click()
+    qtbot.waitUntil(lambda: card.confirm_button.isVisible(), timeout=30_000)
+    size = fmt.size(planned_size(REPO))
+    assert size in card.progress_label.text() and card.progress_label.isVisible()
+    assert card.confirm_button.text() == f"Download {size}"
+    assert not card.download_button.isVisible() and not page.jobs
+    card.not_now_button.click()
+    assert not card.confirm_button.isVisible() and card.download_button.isVisible() and not page.jobs
+    assert not local_hub.requests("GET", "/resolve/")  # listings only: no file was fetched
+    card.download_button.click()
+    qtbot.waitUntil(lambda: card.confirm_button.isVisible(), timeout=30_000)
+    card.confirm_button.click()
+    assert REPO in page.jobs
+    qtbot.waitUntil(lambda: card.state.text() == "Ready", timeout=60_000)
+    assert not card.confirm_button.isVisible() and not error_dialogs()
+
+    page._add_custom("nobody/no-such-model")
+    qtbot.waitUntil(lambda: "nobody/no-such-model" in page.cards, timeout=30_000)
+    missing = page.cards["nobody/no-such-model"]
+    missing.download_button.click()
+    qtbot.waitUntil(lambda: missing.confirm_button.isVisible(), timeout=30_000)
+    assert "size is not known" in missing.progress_label.text()
+    assert missing.confirm_button.text() == "Download anyway" and not error_dialogs()

@@ -204,15 +204,16 @@ def test_event_loop_never_stalls(qtbot, tmp_path, hybrid_model, monkeypatch):
         qtbot.waitUntil(lambda: w.client.model_info is not None, timeout=60_000)
         reports = []
         w.client.worker.placement.connect(reports.append)
-        send(qtbot, w, "the quick brown fox")
+        send(qtbot, w, "the quick brown fox", key_delay_ms=1)  # one key per event-loop turn, as typed
         w.panel.vram.set_total(64 * 1024**2)
         for i in range(12):  # re-place while the answer streams: VRAM up and down
             qtbot.wait(40)
             w.panel.vram.slider.setValue(w.panel.vram.slider.maximum() * (i % 4) // 3)
         wait_idle(qtbot, w)
         stall = meter.stop()
-        print(f"\nmax event-loop stall: {stall * 1000:.1f} ms attributable to the app "
-              f"({meter.max_gap * 1000:.1f} ms raw, including waits for a busy CPU) over {meter.ticks} ticks, "
+        parts = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in meter.worst.items())
+        print(f"\nmax event-loop stall: {stall * 1000:.1f} ms attributable to the app ({parts}); "
+              f"{meter.max_gap * 1000:.1f} ms raw, including waits for a busy CPU, over {meter.ticks} ticks, "
               f"{len(reports)} re-placements")
         assert w.client.model_info["mode"] == "hybrid" and len(reports) >= 2
         assert meter.ticks > 50
@@ -220,6 +221,78 @@ def test_event_loop_never_stalls(qtbot, tmp_path, hybrid_model, monkeypatch):
     finally:
         meter.stop()
         close_window(w)
+
+
+def test_the_panel_counts_the_context_in_the_kv_caches_stored_dtype(qtbot, tmp_path, hybrid_model, monkeypatch):
+    """The budget panel's tier bar shows the CPU KV cache as the engine holds it: fp16, two
+    bytes per key and value element (fp32 under THERMOCLINE_KV_CACHE=fp32 would be four)."""
+    import json
+
+    cfg = json.loads((hybrid_model / "config.json").read_text())
+    w = make_window(qtbot, tmp_path, hybrid_model, mode="hybrid", monkeypatch=monkeypatch)
+    try:
+        p = w.panel
+        qtbot.waitUntil(lambda: p.placement is not None and "cpu_kv" in p.tiers.tiers, timeout=30_000)
+        ctx = w.client.model_info["ctx"]
+        kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+        per_token = cfg["num_hidden_layers"] * 2 * kv_heads * head_dim * 2
+        assert p.tiers.tiers["cpu_kv"] + p.tiers.tiers.get("fast_kv", 0) == ctx * per_token
+    finally:
+        close_window(w)
+
+
+def _busy(seconds: float) -> None:
+    """Compute for `seconds` of this thread's CPU time (on a loaded machine, more wall time)."""
+    import time
+
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+@pytest.mark.parametrize("how", ["gui_busy", "gui_sleeps", "gui_waits_for_a_working_thread"])
+def test_the_stall_meter_counts_what_the_app_does_on_the_gui_thread(qtbot, how):
+    """The meter of test_event_loop_never_stalls can fail: a 150 ms handler on the GUI thread
+    is a stall whether it computes (beside a busy thread), sleeps, or waits on a lock that a
+    thread of ours holds while computing for 150 ms."""
+    import threading
+    import time
+
+    from PySide6.QtCore import QTimer
+
+    lock, stop, go, taken = threading.Lock(), threading.Event(), threading.Event(), threading.Event()
+
+    def worker():  # busy beside the GUI, as the engine is
+        while not stop.is_set():
+            if go.is_set():
+                go.clear()
+                with lock:
+                    taken.set()
+                    _busy(0.15)
+            _busy(0.002)
+
+    def handler():
+        if how == "gui_busy":
+            _busy(0.15)
+        elif how == "gui_sleeps":
+            time.sleep(0.15)
+        else:
+            go.set()
+            taken.wait(5.0)
+            with lock:
+                pass
+
+    thread = threading.Thread(target=worker, daemon=True)
+    meter = StallMeter()
+    meter.start()
+    if how != "gui_sleeps":  # a sleeping GUI beside a thread that waits for a core is not told apart
+        thread.start()
+    QTimer.singleShot(50, handler)
+    qtbot.wait(600)
+    stall = meter.stop()
+    stop.set()
+    assert stall >= 0.1, meter.worst
 
 
 def test_vram_slider_during_generation_replaces_live(qtbot, tmp_path, hybrid_model, monkeypatch):

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import engine
 
-# config.py reads the catalogue's activation for a downloaded folder whose config.json names
-# the wrong one (see engine/config.py `_catalogue_activation`), a lazy, optional import.
-_REGISTRY_READERS = {"config.py"}
+# None: a catalogue fact of a checkpoint (the activation an old config.json leaves out) is
+# recorded in the model's folder at download (engine/config.py `recorded_activation`).
+_REGISTRY_READERS: set[str] = set()
 
 
 def _imports(root: Path) -> dict[str, set[str]]:

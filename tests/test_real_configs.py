@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [1, 5, 9, 17, 33, 100, 7, 8, 250, 3, 42]
 RAM = 1 << 30
 
-pytestmark = pytest.mark.skipif(not rc.REAL_CONFIGS.is_dir(), reason="../shared/real_configs is not here")
+pytestmark = [pytest.mark.skipif(not rc.REAL_CONFIGS.is_dir(), reason="../shared/real_configs is not here"),
+              pytest.mark.usefixtures("exact_kv_cache")]  # comparisons to 1e-4: the fp32 cache
 
 # name -> (arch module, activation, threshold, context, vocabulary, embedding / residual / logit scales, tied head)
 EXPECTED = {

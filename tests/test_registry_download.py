@@ -422,3 +422,29 @@ def test_the_download_size_comes_from_the_hubs_listing_before_any_transfer(hub, 
 
     download_model(REPO, progress=progress, retry_delay=0)
     assert seen == [expected]
+
+
+def test_the_catalogues_activation_is_recorded_in_the_folder_for_the_engine(hub, env):
+    """An old Falcon config.json names no activation: the download records the catalogue's
+    in the model's folder, where the engine reads it (it asks the registry nothing); a
+    download recorded before that gets it when the name is resolved."""
+    from engine.config import ModelConfig
+    from engine.errors import ModelFormatError
+    from models_registry.state import write_state
+
+    falcon = {"model_type": "falcon", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+              "vocab_size": 300, "new_decoder_architecture": True, "num_kv_heads": 2}
+    files = tiny_model_files()
+    files["config.json"] = json.dumps(falcon).encode()
+    hub.add_repo(HubRepo("SparseLLM/ReluFalcon-40B", files))
+    result = download_model("relufalcon-40b", with_predictors=False, retry_delay=0)
+    state = read_state(result.model_dir)
+    assert state["activation"] == "relu"
+    assert ModelConfig.from_dir(result.model_dir).activation == "relu"
+    del state["activation"]  # as a download made before the record carried it
+    write_state(result.model_dir, state)
+    with pytest.raises(ModelFormatError, match="not sparse"):  # Falcon's default, GELU: nothing else says relu
+        ModelConfig.from_dir(result.model_dir)
+    assert resolve_model("relufalcon-40b") == result.model_dir
+    assert read_state(result.model_dir)["activation"] == "relu"
+    assert ModelConfig.from_dir(result.model_dir).activation == "relu"

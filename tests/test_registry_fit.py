@@ -61,7 +61,8 @@ def test_parameter_counts_match_transformers_models(kind, config):
     assert shape_from_config(config).total_params == real
 
 
-def test_everything_on_cpu_follows_the_cpu_byte_rules():
+def test_everything_on_cpu_follows_the_cpu_byte_rules(monkeypatch):
+    monkeypatch.delenv("THERMOCLINE_KV_CACHE", raising=False)
     shape = shape_from_config(tiny())
     est = place_bytes(shape, ctx=32, vram_budget=0, ram_budget=1 << 40, predictor_rank=8)
     d, f, L, kvh, hd = 64, 160, 3, 2, 16
@@ -74,7 +75,12 @@ def test_everything_on_cpu_follows_the_cpu_byte_rules():
     assert fp32.dense_cpu_bytes == (embed_norms // 4 + 100 * 64 + L * (64 * 64 * 2 + 2 * 64 * kvh * hd)) * 4
     assert est.predictor_cpu_bytes == L * (8 * (d + f) + (8 + f) * 4)  # int8 rows of fc1 and fc2, fp32 scales
     assert fp32.predictor_cpu_bytes == L * 8 * (d + f) * 4
-    assert est.kv_cpu_bytes == L * 2 * 32 * kvh * hd * 4
+    assert est.kv_cpu_bytes == L * 2 * 32 * kvh * hd * 2  # the CPU cache stores fp16
+    assert fp32.kv_cpu_bytes == est.kv_cpu_bytes  # the weights' format does not change it
+    monkeypatch.setenv("THERMOCLINE_KV_CACHE", "fp32")  # the exact reference: twice the bytes
+    exact = place_bytes(shape, ctx=32, vram_budget=0, ram_budget=1 << 40, predictor_rank=8)
+    assert exact.kv_cpu_bytes == L * 2 * 32 * kvh * hd * 4
+    assert exact.ram_bytes - est.ram_bytes == exact.kv_cpu_bytes // 2
     assert est.cold_ffn_bytes == L * f * (3 * (d + 4) + 8)  # int8 rows, fp32 scales, int64 ids
     assert est.vram_bytes == 0 and est.hot_neurons == 0 and est.verdict == VERDICT_HYBRID
     assert est.reason == "runs on the CPU alone: every layer in RAM"  # not "0% ... on the GPU"

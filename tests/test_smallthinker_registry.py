@@ -68,6 +68,6 @@ def test_fit_estimate_matches_the_engine_allocation(tmp_path):
     from models_registry.fit import BytesModel
 
     est = estimate_fit(cfg, ctx=engine.ctx, vram_budget=vram, ram_budget=GiB,
-                       bytes_model=BytesModel(gpu_weight_bytes=4, gpu_kv_bytes=4))  # the CPU stand-in: fp32
+                       bytes_model=BytesModel(gpu_weight_bytes=4, gpu_kv_bytes=2))  # the CPU stand-in: fp32, its cache fp16
     assert est.tier_bytes() == engine.memory()["tiers"]
     assert est.hot_neurons == 5

@@ -427,3 +427,50 @@ def test_a_split_expert_on_a_torch_fast_tier_adds_up_to_the_whole_expert(model, 
     assert ffn.hot.neuron_ids[3].tolist() == list(range(8, 24))
     check(1)
     check(12)  # more tokens than the kernel takes: the dense matmuls over each part
+
+
+def _prefetch_threads() -> list:
+    import threading
+
+    from engine.hotcold.moe_tiers import ColdPrefetcher
+
+    return [t for t in threading.enumerate() if t.name == ColdPrefetcher.THREAD_NAME and t.is_alive()]
+
+
+def test_prefetch_thread_lives_as_long_as_its_engine(model, monkeypatch):
+    """The pre-attention prefetcher's thread ends when its engine closes (or turns
+    prefetching off); no thread is left behind an unloaded model."""
+    monkeypatch.setenv("THERMOCLINE_MOE_PREFETCH", "1")
+    before = len(_prefetch_threads())
+    engine = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG, cpu_weights="fp32")
+    assert len(_prefetch_threads()) == before + 1
+    engine.generate(PROMPT, SamplingParams(max_new_tokens=2, temperature=0))  # the thread did work
+    assert engine.sparse.counters.prefetched_bytes > 0
+    engine.close()
+    assert len(_prefetch_threads()) == before and engine.sparse.prefetcher is None
+    engine.close()  # idempotent
+    with Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG, cpu_weights="fp32") as second:
+        assert len(_prefetch_threads()) == before + 1
+        second.sparse.set_prefetch(False)
+        assert len(_prefetch_threads()) == before
+        second.sparse.set_prefetch(True)
+        assert len(_prefetch_threads()) == before + 1
+    assert len(_prefetch_threads()) == before
+
+
+def test_the_window_worker_ends_the_prefetch_thread_on_reload_and_on_shutdown(model, monkeypatch, qtbot):
+    from app.gui.worker import EngineClient
+
+    monkeypatch.setenv("THERMOCLINE_MOE_PREFETCH", "1")
+    before = len(_prefetch_threads())
+    client = EngineClient()
+    try:
+        for _ in range(2):  # a reload unloads the first engine
+            client.model_info = None
+            client.load(str(model), mode="hybrid", ctx=64, vram_budget=0, ram_budget=BIG, cpu_weights="fp32")
+            qtbot.waitUntil(lambda: client.model_info is not None, timeout=120_000)
+            assert client.model_info.get("mode") == "hybrid"
+            assert len(_prefetch_threads()) == before + 1
+    finally:
+        assert client.shutdown(30_000)
+    assert len(_prefetch_threads()) == before

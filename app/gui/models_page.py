@@ -189,13 +189,18 @@ class ModelCard(QFrame):
         buttons = QHBoxLayout()
         buttons.setSpacing(6)
         self.use_button = self._button("Use", "Load this model (the conversation stays open)", self._use, "primary")
-        self.download_button = self._button("Download", "Download the model files", self._download)
+        self.download_button = self._button("Download", "Ask the Hub how much this model downloads, then download it",
+                                            self._download)
+        # Before a first download: the bytes the Hub lists for it (planned_size), then a choice.
+        self.confirm_button = self._button("Download", "Start the download", self._confirm, "primary")
+        self.not_now_button = self._button("Not now", "Do not download it now", self._not_now)
         self.pause_button = self._button("Pause", "Pause the download", self._pause)
         self.cancel_button = self._button("Cancel", "Stop the download (finished files are kept)", self._cancel)
         self.folder_button = self._button("Open folder", "Show the model's files", self._open_folder)
         self.delete_button = self._button("Delete…", "Delete the downloaded files", self._delete)
         self.remove_button = self._button("Remove from list", "Forget this added model", self._remove)
-        for b in (self.use_button, self.download_button, self.pause_button, self.cancel_button):
+        for b in (self.use_button, self.download_button, self.confirm_button, self.not_now_button,
+                  self.pause_button, self.cancel_button):
             buttons.addWidget(b)
         buttons.addStretch(1)
         for b in (self.folder_button, self.delete_button, self.remove_button):
@@ -250,6 +255,7 @@ class ModelCard(QFrame):
         loading = self.page.client.loading_model == self.spec
         ready = info["status"] == "ready"
         downloading = job is not None
+        plan = None if downloading else self.page.plans.get(self.spec)  # a planned first download
         if downloading:
             state = "Paused" if job.paused else "Downloading…"
         elif loading:
@@ -267,7 +273,13 @@ class ModelCard(QFrame):
         self.state.setText(state)
         self.use_button.setVisible(ready and not active and not downloading)
         self.use_button.setEnabled(not loading)
-        self.download_button.setVisible(info["downloadable"] and not ready and not downloading)
+        self.download_button.setVisible(info["downloadable"] and not ready and not downloading and plan is None)
+        self.confirm_button.setVisible(plan is not None and plan.get("asking") is False)
+        self.not_now_button.setVisible(plan is not None)
+        if plan is not None:
+            self.progress_label.setText(plan["text"])
+            self.confirm_button.setText(f"Download {fmt.size(plan['bytes'])}" if plan.get("bytes")
+                                        else "Download anyway")
         self.download_button.setText("Resume download" if info["status"] == "partial" else "Download")
         self.pause_button.setVisible(downloading)
         self.pause_button.setText("Resume" if downloading and job.paused else "Pause")
@@ -276,8 +288,9 @@ class ModelCard(QFrame):
         self.delete_button.setVisible(info["downloadable"] and Path(info["folder"]).exists() and not downloading)
         self.remove_button.setVisible(info["custom"] and not downloading and not active)
         show_progress = downloading
-        for w in (self.total_bar, self.file_bar, self.progress_label):
+        for w in (self.total_bar, self.file_bar):
             w.setVisible(show_progress)
+        self.progress_label.setVisible(show_progress or plan is not None)
 
     def show_event(self, ev: dict) -> None:
         total, done = ev.get("total") or 0, ev.get("done") or 0
@@ -302,7 +315,18 @@ class ModelCard(QFrame):
         self.page.activate_requested.emit(self.spec)
 
     def _download(self) -> None:
+        if self.info["status"] == "partial":  # planned when it started: go on where it stopped
+            self.page.start_download(self.spec)
+        else:
+            self.page.plan_download(self.spec)
+
+    def _confirm(self) -> None:
+        self.page.plans.pop(self.spec, None)
         self.page.start_download(self.spec)
+
+    def _not_now(self) -> None:
+        self.page.plans.pop(self.spec, None)
+        self.sync()
 
     def _pause(self) -> None:
         job = self.page.jobs.get(self.spec)
@@ -333,6 +357,8 @@ class ModelsPage(QWidget):
         self.setObjectName("modelsPage")
         self.settings, self.client = settings, client
         self.jobs: dict[str, DownloadJob] = {}
+        # spec -> {"asking": bool, "bytes": int | None, "text": str}: a first download being planned
+        self.plans: dict[str, dict] = {}
         self.cards: dict[str, ModelCard] = {}
         self._scanning = False
         self._rescan = False
@@ -449,6 +475,52 @@ class ModelsPage(QWidget):
             card.sync()
 
     # -- downloads -----------------------------------------------------------------------
+    def plan_download(self, spec: str) -> None:
+        """Ask the Hub (off the GUI thread) how many bytes `spec` downloads, and show them on
+        its card with a button that starts the download: nothing moves before the user sees
+        what it costs on disk."""
+        if spec in self.jobs or self.plans.get(spec, {}).get("asking"):
+            return
+        self.plans[spec] = {"asking": True, "bytes": None, "text": "Asking the Hub how much it downloads…"}
+        self._sync_card(spec)
+
+        def work() -> dict:
+            from models_registry import models_dir
+            from models_registry.download import planned_size
+            from models_registry.hardware import free_disk
+
+            size = planned_size(spec)
+            where, free = free_disk(models_dir())
+            return {"bytes": size, "where": str(where), "free": free}
+
+        def done(result: dict) -> None:
+            if spec not in self.plans:  # "Not now" while asking
+                return
+            free = result["free"]
+            text = f"Downloads {fmt.size(result['bytes'])} into the models folder ({result['where']}"
+            text += f", {fmt.size(free)} free)" if free is not None else ")"
+            if free is not None and free < result["bytes"]:
+                text += " · not enough free disk: free some space first"
+            self.plans[spec] = {"asking": False, "bytes": result["bytes"], "text": text}
+            self._sync_card(spec)
+
+        def failed(exc: BaseException) -> None:
+            if spec not in self.plans:
+                return
+            from .downloads import download_error_words
+
+            what, _todo = download_error_words(spec, exc)
+            self.plans[spec] = {"asking": False, "bytes": None,
+                                "text": f"The download size is not known: {what.rstrip('.')}. You can try anyway."}
+            self._sync_card(spec)
+
+        run_in_background(work, done, failed, self)
+
+    def _sync_card(self, spec: str) -> None:
+        card = self.cards.get(spec)
+        if card is not None:
+            card.sync()
+
     def start_download(self, spec: str) -> None:
         if spec in self.jobs:
             return

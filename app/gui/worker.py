@@ -129,11 +129,20 @@ class EngineWorker(QObject):
         self._dropped: dict[int, int] = {}  # conversation -> oldest messages left out last time
 
     # -- model ---------------------------------------------------------------------------
+    def close_engine(self) -> None:
+        """Unload: the engine ends its own threads (a mixture's prefetcher) and is dropped."""
+        old, self.engine = self.engine, None
+        close = getattr(old, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - an unload never fails the next load
+                log.exception("closing the previous engine failed")
+
     @Slot(str, dict)
     def load_model(self, spec: str, options: dict) -> None:
         self.loading.emit(0.0, f"Loading {model_label(spec)}…")
-        old, self.engine = self.engine, None
-        del old  # free the previous model's memory before the new one arrives
+        self.close_engine()  # free the previous model's memory (and threads) before the new one arrives
         self._last_placement = None
         mode = options.get("mode", "hybrid")
         sparse_note = budget_note = ""
@@ -494,6 +503,7 @@ class EngineClient(QObject):
         if not self.thread.wait(timeout_ms):
             log.warning("engine thread did not stop within %d ms", timeout_ms)
             return False
+        self.worker.close_engine()  # its thread has ended: nothing else touches the engine now
         return True
 
     @Slot(dict)

@@ -32,6 +32,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -178,14 +179,28 @@ class ColdPrefetcher:
     done. The reads are numpy reductions, which release the GIL, so they run beside
     attention's torch ops. Worth it where attention leaves a core idle (a GPU computing
     it, or spare cores); on a CPU busy with attention it competes (bench.moe_vs_llamacpp
-    measures both)."""
+    measures both). Its thread lives as long as the engine: `close` (Engine.close, or the
+    runtime turning prefetching off) ends it."""
+
+    THREAD_NAME = "moe-prefetch"
 
     def __init__(self):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = threading.Event()
         self._idle.set()
         self._bytes = 0
-        threading.Thread(target=self._run, name="moe-prefetch", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name=self.THREAD_NAME, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ask the thread to end after the batch in hand (if any); returns at once."""
+        self._jobs.put(None)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End the thread once the batch in hand (if any) is read; idempotent."""
+        if self._thread.is_alive():
+            self.stop()
+            self._thread.join(timeout)
 
     def start(self, rows: list) -> None:
         self._idle.wait()  # one batch at a time (a step's layers run in order)
@@ -203,6 +218,8 @@ class ColdPrefetcher:
     def _run(self) -> None:
         while True:
             rows = self._jobs.get()
+            if rows is None:  # close()
+                return
             try:
                 for r in rows:
                     self._bytes += _read_through(r.gate)
@@ -352,7 +369,19 @@ class MoeRuntime(SparseRuntime):
         self.set_prefetch(self.fast.type == "cuda" if forced is None else forced == "1")
 
     def set_prefetch(self, on: bool) -> None:
-        self.prefetcher = (self.prefetcher or ColdPrefetcher()) if on else None
+        if on:
+            if self.prefetcher is None:
+                self.prefetcher = ColdPrefetcher()
+                # An engine dropped without close() still ends the thread when collected.
+                weakref.finalize(self, self.prefetcher.stop)
+        elif self.prefetcher is not None:
+            self.prefetcher.close()
+            self.prefetcher = None
+
+    def close(self) -> None:
+        """Stop the prefetch thread (the engine is closing)."""
+        self.set_prefetch(False)
+        super().close()
 
     def begin_generation(self) -> None:
         self.counters = MoeCounters()

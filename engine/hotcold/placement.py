@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.config import ModelConfig
+from engine.kv_storage import cpu_kv_bytes as kv_setting_bytes
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class ModelBytes:
 
 COLD_INT8 = "int8"  # CPU weights as int8 rows with one fp32 scale per row
 COLD_INT4 = "int4"  # CPU weights as 4-bit rows: ggml's Q4_0 blocks, 18 bytes per 32 weights
-CPU_BYTES = 4       # fp32 on the CPU: embeddings, norms, biases, KV cache, and weights stored as fp32
+CPU_BYTES = 4       # fp32 on the CPU: embeddings, norms, biases, and weights stored as fp32 (the KV cache: engine/kv_storage.py)
 INDEX_BYTES = 8     # the int64 id kept with every hot and cold neuron
 Q4_BLOCK, Q4_BLOCK_BYTES = 32, 18  # engine.kernels.cpu_q4 (not imported here: no torch)
 
@@ -147,7 +148,8 @@ def attention_cpu_bytes(model: "ModelBytes", params: int, cpu_weights: str) -> i
 
 def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: list[np.ndarray], ctx: int,
                   fast_weight_bytes: int, fast_kv_bytes: int, cpu_weights: str,
-                  fast_device: str = "cuda:0", hot_weights: str | None = None) -> PlacementProblem:
+                  fast_device: str = "cuda:0", hot_weights: str | None = None,
+                  cpu_kv_bytes: int | None = None) -> PlacementProblem:
     """Bytes of every placeable part, exactly as the engine allocates them.
 
     Fast tier: the output head (its own copy even when tied to the embeddings), each
@@ -155,8 +157,12 @@ def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: l
     the embeddings (always, fp32), whatever of those did not fit, cold neurons (rows +
     id). On the CPU tier the weight matrices (attention, an untied head, predictors, FFN
     rows) are int8 rows with an fp32 scale each when cpu_weights is int8, else fp32; the
-    rest is fp32. hot_weights "int4": hot neurons are 4-bit rows (engine.hotcold.hot_q4).
+    KV cache is cpu_kv_bytes per element (None: the setting, fp16 unless
+    THERMOCLINE_KV_CACHE=fp32); the rest is fp32. hot_weights "int4": hot neurons are 4-bit
+    rows (engine.hotcold.hot_q4).
     """
+    if cpu_kv_bytes is None:
+        cpu_kv_bytes = kv_setting_bytes()
     layers = []
     attention_matrices = model.attention_params - model.attention_bias_params
     for params in predictor_params:
@@ -165,7 +171,7 @@ def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: l
                      + predictor_cpu_bytes(model, params, cpu_weights)
                      + (model.attention_bias_params + model.norm_params) * CPU_BYTES)
         kv = model.kv_per_position * ctx
-        layers.append(LayerCost(dense * fast_weight_bytes, dense_cpu, kv * fast_kv_bytes, kv * CPU_BYTES))
+        layers.append(LayerCost(dense * fast_weight_bytes, dense_cpu, kv * fast_kv_bytes, kv * cpu_kv_bytes))
     rows = model.ffn_matrices
     head = model.vocab * model.d
     shares_embeddings = model.tied_embeddings and not (model.int8_head_copy and cpu_weights in (COLD_INT8, COLD_INT4))

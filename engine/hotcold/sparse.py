@@ -78,6 +78,9 @@ class SparseRuntime(TokenHooks, Solving, TierMoves, MemoryAccounting):
         # the hot tier's rows: 4-bit (engine.hotcold.hot_q4) or None (the fast tier's dtype)
         self.hot_weights = None if config.is_moe else hot_weights(fast, cpu_weights)
 
+    def close(self) -> None:
+        """Release what outlives a dropped engine (Engine.close): threads of subclasses."""
+
 
 
 def _prepared_source(model_dir: Path, config: ModelConfig, cpu_weights: str):

@@ -21,6 +21,7 @@ from engine.hotcold.placement import ModelBytes, Placement, PlacementProblem, bu
 from engine.hotcold.predictors import PredictorSet, import_checkpoint_predictors
 from engine.units import format_size
 from engine.loading.weights import WeightSource
+from engine.runtime.kv_cache import kv_storage_dtype
 
 
 def pick_fast_device(device: str | None) -> torch.device:
@@ -67,14 +68,18 @@ class PlacementReport:
 
 def placement_problem(config: ModelConfig, predictor_ranks: list[int], frequencies: list[np.ndarray],
                       ctx: int, fast: torch.device, storage: torch.dtype, cpu_weights: str) -> PlacementProblem:
-    """The engine's placement problem: the fast tier holds its compute dtype."""
+    """The engine's placement problem: the fast tier holds its compute dtype, each KV cache
+    the dtype `KVCache` stores it in (fp16 for an fp32 CPU layer unless THERMOCLINE_KV_CACHE=fp32)."""
     from engine.hotcold.hot_q4 import hot_weights
 
-    fast_bytes = torch.finfo(compute_dtype(fast, storage)).bits // 8
+    fast_dtype = compute_dtype(fast, storage)
+    fast_bytes = torch.finfo(fast_dtype).bits // 8
+    fast_kv_bytes = torch.finfo(kv_storage_dtype(fast, fast_dtype)).bits // 8
+    cpu_kv_bytes = torch.finfo(kv_storage_dtype(torch.device("cpu"), torch.float32)).bits // 8
     params = [rank * (config.hidden_size + config.intermediate_size) for rank in predictor_ranks]
     hot = None if config.is_moe else hot_weights(fast, cpu_weights)  # 4-bit hot rows count their bytes
-    return build_problem(ModelBytes.from_config(config), params, frequencies, ctx, fast_bytes, fast_bytes,
-                         cpu_weights, str(fast), hot_weights=hot)
+    return build_problem(ModelBytes.from_config(config), params, frequencies, ctx, fast_bytes, fast_kv_bytes,
+                         cpu_weights, str(fast), hot_weights=hot, cpu_kv_bytes=cpu_kv_bytes)
 
 
 def problem_for_model(model_dir: Path, config: ModelConfig, ctx: int, fast: torch.device, cpu_weights: str,

@@ -195,6 +195,19 @@ class Engine:
             raise UserError("the prompt has token ids outside the model's vocabulary")
         return ids
 
+    def close(self) -> None:
+        """End what the engine runs beside generations (a mixture's prefetch thread); call it
+        when the model is unloaded. Idempotent; a generation running now finishes first."""
+        with self._lock:
+            if self.sparse is not None:
+                self.sparse.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.close()
+
     def reset(self) -> None:
         """Forget the cached conversation."""
         with self._lock:

@@ -1,31 +1,39 @@
 """A static KV cache, preallocated for the context and written in place.
 
 Shapes never change between steps (gpt-fast): keys and values of layer l live in
-`k[l]`, `v[l]` of shape [kv_heads, slots, head_dim] (fp16 for fp32 CPU layers with
-`cpu_16bit`). Models with a sliding window may
+`k[l]`, `v[l]` of shape [kv_heads, slots, head_dim], in fp16 for fp32 CPU layers unless
+`THERMOCLINE_KV_CACHE=fp32` (engine/kv_storage.py). Models with a sliding window may
 run past the context: slots are then reused round-robin and `slot_pos` remembers which
 absolute position each slot holds, so the attention mask stays exact.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from engine.errors import ContextFullError
+from engine.kv_storage import cpu_kv_format
 
 _F16_MAX = 65504.0
+
+
+def kv_storage_dtype(device: torch.device | str, dtype: torch.dtype, cpu_16bit: bool | None = None) -> torch.dtype:
+    """The cache's dtype for a layer computing in `dtype` on `device`: with `cpu_16bit` (None:
+    the setting), fp16 for fp32 CPU layers (half the bytes each decoded token reads in a long
+    chat; llama.cpp's default), else the compute dtype."""
+    if cpu_16bit is None:
+        cpu_16bit = cpu_kv_format() == "fp16"
+    if cpu_16bit and torch.device(device).type == "cpu" and dtype == torch.float32:
+        return torch.float16
+    return dtype
 
 
 class KVCache:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, slots: int,
                  dtypes: list[torch.dtype], devices: list[torch.device], sliding_window: int | None = None,
                  cpu_16bit: bool | None = None):
-        # Opt-in for now (THERMOCLINE_KV16=1): the placement planner counts the cache in the
-        # compute dtype, and the exactness tests against transformers expect fp32 keys.
-        self.cpu_16bit = (os.environ.get("THERMOCLINE_KV16", "").strip() not in ("", "0")
-                          if cpu_16bit is None else cpu_16bit)
+        # None: the setting (fp16 unless THERMOCLINE_KV_CACHE=fp32), as the planner counts it.
+        self.cpu_16bit = cpu_kv_format() == "fp16" if cpu_16bit is None else cpu_16bit
         self.slots = slots
         self.rolling = sliding_window is not None and sliding_window <= slots
         self.window = sliding_window
@@ -38,12 +46,7 @@ class KVCache:
         self.length = 0  # positions 0 .. length-1 have been written
 
     def storage_dtype(self, device: torch.device | str, dtype: torch.dtype) -> torch.dtype:
-        """The cache's dtype for a layer computing in `dtype` on `device`: with `cpu_16bit`,
-        fp16 for fp32 CPU layers (half the bytes each decoded token reads in a long chat;
-        llama.cpp's default), else the compute dtype."""
-        if self.cpu_16bit and torch.device(device).type == "cpu" and dtype == torch.float32:
-            return torch.float16
-        return dtype
+        return kv_storage_dtype(device, dtype, self.cpu_16bit)
 
     @property
     def nbytes(self) -> int:

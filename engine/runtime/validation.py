@@ -115,8 +115,11 @@ def check_text(text, what: str) -> str:
 
 
 def kv_bytes_per_token(config, device_type: str = "cpu") -> int:
-    """Bytes one position of context costs: K and V of every layer, plus its RoPE row."""
-    elt = 4 if device_type == "cpu" else 2
+    """Bytes one position of context costs: K and V of every layer (in the CPU cache's format,
+    fp16 unless THERMOCLINE_KV_CACHE=fp32; 16-bit on CUDA), plus its RoPE row."""
+    from engine.kv_storage import cpu_kv_bytes
+
+    elt = cpu_kv_bytes() if device_type == "cpu" else 2
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * elt + 2 * config.head_dim * 4 + 8
 
 
