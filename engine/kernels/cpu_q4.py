@@ -28,6 +28,7 @@ import torch
 
 from engine.loading import host_memory
 from engine.kernels import numba_pool, reference
+from engine.kernels.call_args import FfnRowsShape, as_numpy, check_ffn_call, id_array
 
 QK = 32            # weights per block
 BLOCK_BYTES = 18   # fp16 scale + 16 bytes of nibbles
@@ -251,6 +252,23 @@ if numba is not None:
             t += 1
         return t
 
+    @_njit(inline="always")
+    def positions(idx, use_idx, n, pred, pred_ids, use_pred, use_pred_ids):
+        """The positions a row kernel walks (k ids, or all n rows), once every id is checked
+        to be a row and every predictor id a logit: out-of-range ids would read arbitrary
+        memory. (cpu_numba.ffn_rows checks the same in its own file: numba's disk cache
+        tracks only the defining file, so a helper shared across files could go stale.)"""
+        k = idx.shape[0] if use_idx else n
+        if use_idx:
+            for t in range(k):
+                if idx[t] < 0 or idx[t] >= n:
+                    raise IndexError("active neuron id out of range")
+        if use_pred and use_pred_ids:
+            for t in range(n):
+                if pred_ids[t] < 0 or pred_ids[t] >= pred.shape[0]:
+                    raise IndexError("row id out of range of the predictor logits")
+        return k
+
     @_njit(inline="always", fastmath=True)
     def rows_pass(kind, w, idx, use_idx, acts, lo, hi, x, part, c, code, thr):
         """kind 0: acts[t] = nonlin(row . x); 1: acts[t] *= row . x (dReLU clamps it at 0);
@@ -281,16 +299,7 @@ if numba is not None:
         """`cpu_numba.ffn_rows` over 4-bit rows: x fp32 [nb * 32] (padded); gate/up/down
         uint8 [n, nb * 18]; returns y fp32 [nb * 32]."""
         width = x.shape[0]
-        n = up.shape[0]
-        k = idx.shape[0] if use_idx else n
-        if use_idx:
-            for t in range(k):
-                if idx[t] < 0 or idx[t] >= n:
-                    raise IndexError("active neuron id out of range")
-        if use_pred and use_pred_ids:
-            for t in range(n):
-                if pred_ids[t] < 0 or pred_ids[t] >= pred.shape[0]:
-                    raise IndexError("row id out of range of the predictor logits")
+        k = positions(idx, use_idx, up.shape[0], pred, pred_ids, use_pred, use_pred_ids)
         thr = np.float32(thr)
         pthr = np.float32(pthr)
         part = np.empty((nchunks, width), dtype=np.float32)
@@ -559,6 +568,18 @@ if numba is not None:
         for t in range(x.shape[0]):
             quantize_act_q4(x[t], xq[t], xd[t], xm[t])
 
+    @_njit()
+    def linear_q4(w, x, nchunks):
+        """`matmul_q4_avx2` of x fp32 [T, nb * 32] (padded) quantized by `quantize_act_q4_rows`,
+        in one call from Python: one transition per product instead of two, no Python-side buffers."""
+        T, width = x.shape
+        nb = width // 32
+        xq = np.empty((T, width), dtype=np.int8)
+        xd = np.empty((T, nb), dtype=np.float32)
+        xm = np.empty((T, nb, 8), dtype=np.int32)
+        quantize_act_q4_rows(x, xq, xd, xm)
+        return matmul_q4_avx2(w, xq, xd, xm, nchunks)
+
     # A many-token product reads each group of 4 rows from memory once and runs every token
     # over it while it sits in L1 (4 rows of 4096 weights: 9 KB).
     @_njit(parallel=True, fastmath=True)
@@ -613,22 +634,25 @@ if numba is not None:
                         v = np.float32(0.0)
                     acts[t] *= v
 
+    @_njit()
+    def ffn_rows_q4_act(x, gate, up, down, idx, use_idx, pred, pred_ids, use_pred, use_pred_ids, pthr, gated, code,
+                        thr, acts, nchunks):
+        """`ffn_rows_q4_avx2` of x fp32 [nb * 32] (padded), quantized here: one call from Python."""
+        nb = x.shape[0] // 32
+        xq = np.empty(nb * 32, dtype=np.int8)
+        xd = np.empty(nb, dtype=np.float32)
+        xm = np.empty((nb, 8), dtype=np.int32)
+        quantize_act_q4(x, xq, xd, xm)
+        return ffn_rows_q4_avx2(xq, xd, xm, gate, up, down, idx, use_idx, pred, pred_ids, use_pred, use_pred_ids,
+                                pthr, gated, code, thr, acts, nchunks)
+
     @_njit(parallel=True, fastmath=True)
     def ffn_rows_q4_avx2(xq, xd, xm, gate, up, down, idx, use_idx, pred, pred_ids, use_pred, use_pred_ids,
                          pthr, gated, code, thr, acts, nchunks):
         """`ffn_rows_q4` with the gate and up products on int8 x 4-bit (x quantized by
         `quantize_act_q4`); the down rows are added in fp32 as there. Returns y fp32 [nb * 32]."""
         width = xq.shape[0]
-        n = up.shape[0]
-        k = idx.shape[0] if use_idx else n
-        if use_idx:
-            for t in range(k):
-                if idx[t] < 0 or idx[t] >= n:
-                    raise IndexError("active neuron id out of range")
-        if use_pred and use_pred_ids:
-            for t in range(n):
-                if pred_ids[t] < 0 or pred_ids[t] >= pred.shape[0]:
-                    raise IndexError("row id out of range of the predictor logits")
+        k = positions(idx, use_idx, up.shape[0], pred, pred_ids, use_pred, use_pred_ids)
         thr = np.float32(thr)
         pthr = np.float32(pthr)
         part = np.empty((nchunks, width), dtype=np.float32)
@@ -702,15 +726,8 @@ def matmul_q4(x: torch.Tensor, q: torch.Tensor, cols: int) -> torch.Tensor | Non
     if not int8_activations(kern) or q.shape[0] == 0 or not q.is_contiguous():
         return None
     xp = padded(x, cols).numpy()
-    tokens, width = xp.shape
-    nb = width // QK
-    xq = np.empty((tokens, width), dtype=np.int8)
-    xd = np.empty((tokens, nb), dtype=np.float32)
-    xm = np.empty((tokens, nb, 8), dtype=np.int32)
     with numba_pool.lock:
-        chunks = _DENSE_CHUNKS_PER_THREAD * numba_pool.use_threads(kern)
-        kern.quantize_act_q4_rows(xp, xq, xd, xm)
-        return torch.from_numpy(kern.matmul_q4_avx2(q.numpy(), xq, xd, xm, chunks))
+        return torch.from_numpy(kern.linear_q4(q.numpy(), xp, _DENSE_CHUNKS_PER_THREAD * numba_pool.use_threads(kern)))
 
 
 # The int8 x 4-bit kernels (AVX2); tests turn it off to check the fp32 kernels too.
@@ -733,7 +750,7 @@ def _quantized_act(kern, xp: np.ndarray):
 
 
 @dataclass(eq=False, frozen=True)
-class Q4FfnRows:
+class Q4FfnRows(FfnRowsShape):
     """One layer's FFN rows (or a subset of its neurons) as 4-bit rows: gate/up/down_t
     uint8 [n, row_bytes(dim)] (gate None when ungated), contiguous on the CPU. The same
     interface as `cpu.CpuFfnRows` (quant "int4")."""
@@ -767,22 +784,12 @@ class Q4FfnRows:
         return cls(quantize(gate), quantize(up), quantize(down_t), up.shape[1])
 
     @property
-    def n_neurons(self) -> int:
-        return self.up.shape[0]
-
-    @property
-    def gated(self) -> bool:
-        return self.gate is not None
-
-    @property
     def nbytes(self) -> int:
         return sum(t.numel() for t in (self.gate, self.up, self.down_t) if t is not None)
 
     def select(self, neuron_ids: torch.Tensor) -> "Q4FfnRows":
         """Copies of rows `neuron_ids`, in that order (no requantisation: rows are self-contained)."""
-        ids = torch.as_tensor(neuron_ids, dtype=torch.long).reshape(-1)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n_neurons):
-            raise IndexError(f"neuron ids out of range [0, {self.n_neurons})")
+        ids = self.checked_ids(neuron_ids)
 
         def pick(t):
             return host_memory.gather_rows(t, ids) if t is not None else None
@@ -829,7 +836,7 @@ def _launch(kern, x, rows: Q4FfnRows, idx, pred, pred_ids, pthr, activation, act
     with numba_pool.lock:
         nchunks = max(1, min(numba_pool.use_threads(kern), k))
         if int8_activations(kern):
-            y = kern.ffn_rows_q4_avx2(*_quantized_act(kern, xp), gate, up, down, idx if use_idx else _EMPTY_IDS,
+            y = kern.ffn_rows_q4_act(xp, gate, up, down, idx if use_idx else _EMPTY_IDS,
                                       use_idx, pred if use_pred else _EMPTY_F32,
                                       pred_ids if pred_ids is not None else _EMPTY_IDS, use_pred,
                                       pred_ids is not None, float(pthr), rows.gated,
@@ -851,11 +858,9 @@ def reference_codes() -> dict:
 def sparse_ffn(x: torch.Tensor, rows: Q4FfnRows, active: torch.Tensor | None, activation: str,
                act_threshold: float = 0.0, out_acts: torch.Tensor | None = None) -> torch.Tensor:
     """`cpu.sparse_ffn` over 4-bit rows: y fp32 [d] over the neurons `active` (or all)."""
-    from engine.kernels import cpu as cpu_kernels
-
-    idx = cpu_kernels._ids("active", active) if active is not None else None
+    idx = id_array("active", active) if active is not None else None
     k = rows.n_neurons if active is None else idx.shape[0]
-    cpu_kernels._check_call(x, rows, activation, out_acts, k)
+    check_ffn_call(x, rows, activation, out_acts, k)
     kern = _kernels()
     if kern is None:
         return _torch_ffn(x, rows, active, activation, act_threshold, out_acts)
@@ -867,11 +872,9 @@ def sparse_ffn_predicted(x: torch.Tensor, rows: Q4FfnRows, pred_logits: torch.Te
                          activation: str, act_threshold: float = 0.0, out_acts: torch.Tensor | None = None,
                          row_ids: torch.Tensor | None = None) -> torch.Tensor:
     """`cpu.sparse_ffn_predicted` over 4-bit rows (selection by logits inside the kernel)."""
-    from engine.kernels import cpu as cpu_kernels
-
     n = rows.n_neurons
-    cpu_kernels._check_call(x, rows, activation, out_acts, n)
-    ids = cpu_kernels._ids("row_ids", row_ids) if row_ids is not None else None
+    check_ffn_call(x, rows, activation, out_acts, n)
+    ids = id_array("row_ids", row_ids) if row_ids is not None else None
     if ids is not None and ids.shape[0] != n:
         raise ValueError(f"row_ids: expected [{n}], got [{ids.shape[0]}]")
     if pred_logits.dim() != 1 or (ids is None and pred_logits.shape[0] != n):
@@ -887,7 +890,7 @@ def sparse_ffn_predicted(x: torch.Tensor, rows: Q4FfnRows, pred_logits: torch.Te
         if out_acts is not None:
             out_acts.zero_().index_copy_(0, active, acts)
         return y
-    pred = cpu_kernels._numpy(pred_logits, torch.float32)
+    pred = as_numpy(pred_logits, torch.float32)
     acts = out_acts.numpy() if out_acts is not None else np.empty(n, dtype=np.float32)
     return _launch(kern, x, rows, None, pred, ids, pred_threshold, activation, act_threshold, acts)
 
