@@ -141,6 +141,23 @@ def _cpu(case: KernelCase, layer: Layer) -> Prepared:
                     rows.dequantized())
 
 
+def _cpu_predicted(case: KernelCase, layer: Layer) -> Prepared:
+    """The decode path: rows selected inside the kernel from the predictor's logits, the rows
+    a subset of the layer (row_ids, here every other neuron's logit slot), as the cold tier calls it."""
+    from engine.kernels import cpu, cpu_q4
+
+    row_ids = torch.arange(case.n) * 2
+    logits = torch.full((2 * case.n,), layer.threshold - 1.0)
+    logits[row_ids] = layer.logits
+    if case.weights == "int4":
+        rows, kernels = cpu_q4.Q4FfnRows.from_dense(layer.gate, layer.up, layer.down_t), cpu_q4
+    else:
+        rows, kernels = cpu.CpuFfnRows.from_dense(layer.gate, layer.up, layer.down_t, quant=case.weights), cpu
+    return Prepared(lambda: kernels.sparse_ffn_predicted(layer.x, rows, logits, layer.threshold, case.activation,
+                                                         layer.act_threshold, row_ids=row_ids),
+                    rows.dequantized())
+
+
 def _triton_device() -> torch.device:
     interpret = os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("", "0", "false")
     return torch.device("cpu" if interpret else "cuda")
@@ -221,6 +238,9 @@ class Backend:
 BACKENDS = {
     "numba": Backend("numba", ("fp32", "int8", "int4"), _numba_available, _cpu, fp32_activations),
     "numba-int8act": Backend("numba-int8act", ("int4",), _int8_activations_available, _cpu, tol=1e-2),
+    "numba-predicted": Backend("numba-predicted", ("fp32", "int8"), _numba_available, _cpu_predicted),
+    "numba-int8act-predicted": Backend("numba-int8act-predicted", ("int4",), _int8_activations_available,
+                                       _cpu_predicted, tol=1e-2),
     "torch": Backend("torch", ("fp32", "int8", "int4"), lambda: True, _cpu, numba_disabled),
     # The Triton interpreter on CPU tensors (TRITON_INTERPRET=1), or CUDA when there is a GPU.
     "triton": Backend("triton", ("fp32", "fp16", "bf16", "int4"), _triton_available, _triton),

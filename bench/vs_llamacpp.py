@@ -226,15 +226,25 @@ def worker_llama(path: Path, threads: int, decode_tokens: int, seed: int) -> dic
 
     ttft = min(prefill(short) for _ in range(2))
     pre = min(prefill(long) for _ in range(2))
+    n_vocab = llm.n_vocab()
+
+    def greedy() -> int:
+        # the last evaluated token's logits: `llm.scores` stays empty without logits_all,
+        # so reading it would feed token 0 every step
+        return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))))
+
     llm.reset()
     llm.eval(dprompt)
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    tok = greedy()
+    fed = []
     t = time.perf_counter()
     for _ in range(decode_tokens):
         llm.eval([tok])
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        fed.append(tok)
+        tok = greedy()
     decode = decode_tokens / (time.perf_counter() - t)
-    return {"load_s": load_s, "ttft_s": ttft, "prefill_s": pre, "decode_tok_s": decode}
+    return {"load_s": load_s, "ttft_s": ttft, "prefill_s": pre, "decode_tok_s": decode,
+            "decode_distinct_tokens": len(set(fed))}
 
 
 def worker_ours(root: Path, mode: str, cpu_weights: str, threads: int, decode_tokens: int, seed: int) -> dict:

@@ -19,6 +19,7 @@ import torch
 
 from engine.loading import host_memory
 from engine.kernels import numba_pool, reference
+from engine.kernels.call_args import FfnRowsShape, as_numpy, check_ffn_call, id_array
 from engine.kernels.cpu_quant import dequantize_rows_int8, quantize_rows_int8
 
 QUANTS = ("int8", "fp32")
@@ -33,7 +34,7 @@ set_num_threads = numba_pool.set_num_threads
 
 
 @dataclass(eq=False, frozen=True)
-class CpuFfnRows:
+class CpuFfnRows(FfnRowsShape):
     """One layer's FFN rows (or a subset of its neurons) in the CPU kernels' storage.
 
     `quant` "fp32": gate/up/down_t fp32 [n, d], scales None.
@@ -89,16 +90,8 @@ class CpuFfnRows:
         raise ValueError(f"unknown quant {quant!r}; expected one of {QUANTS}")
 
     @property
-    def n_neurons(self) -> int:
-        return self.up.shape[0]
-
-    @property
     def dim(self) -> int:
         return self.up.shape[1]
-
-    @property
-    def gated(self) -> bool:
-        return self.gate is not None
 
     @property
     def nbytes(self) -> int:
@@ -109,9 +102,7 @@ class CpuFfnRows:
     def select(self, neuron_ids: torch.Tensor) -> "CpuFfnRows":
         """A new CpuFfnRows holding copies of rows `neuron_ids` (in that order): row j of
         the result is neuron neuron_ids[j] of this one."""
-        ids = torch.as_tensor(neuron_ids, dtype=torch.long).reshape(-1)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n_neurons):
-            raise IndexError(f"neuron ids out of range [0, {self.n_neurons})")
+        ids = self.checked_ids(neuron_ids)
 
         def pick(t):
             return host_memory.gather_rows(t, ids) if t is not None else None
@@ -146,31 +137,8 @@ _EMPTY_IDS = np.empty(0, dtype=np.int64)
 _EMPTY_F32 = np.empty(0, dtype=np.float32)
 
 
-def _check_call(x, rows, activation, out_acts, k):
-    reference.check_activation(activation)
-    if x.shape != (rows.dim,):
-        raise ValueError(f"x: expected [{rows.dim}], got {tuple(x.shape)}")
-    if out_acts is not None and (out_acts.shape != (k,) or out_acts.dtype != torch.float32
-                                 or not out_acts.is_contiguous() or out_acts.is_cuda):
-        raise ValueError(f"out_acts: expected contiguous CPU fp32 [{k}]")
-
-
-def _numpy(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
-    """t as a contiguous CPU numpy array of dtype: a view when it already is one (the
-    usual case, and a conversion costs tens of microseconds when caches are cold)."""
-    if t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() and not t.requires_grad:
-        return t.numpy()
-    return t.detach().to(device="cpu", dtype=dtype).contiguous().numpy()
-
-
-def _ids(name, t):
-    if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name}: expected int32/int64 [k], got {t.dtype} {tuple(t.shape)}")
-    return _numpy(t, torch.int64)
-
-
 def _launch(kern, x, rows, idx, pred, pred_ids, pthr, activation, act_threshold, acts):
-    xn = _numpy(x, torch.float32)
+    xn = as_numpy(x, torch.float32)
     gate, gate_s, up, up_s, down, down_s = rows._numpy_views()
     use_idx, use_pred = idx is not None, pred is not None
     k = idx.shape[0] if use_idx else rows.n_neurons
@@ -196,9 +164,9 @@ def sparse_ffn(x: torch.Tensor, rows: CpuFfnRows, active: torch.Tensor | None, a
     fire). Down rows of neurons whose activation is exactly 0 are not read, nor up rows of
     neurons whose gate nonlinearity is 0.
     """
-    idx = _ids("active", active) if active is not None else None
+    idx = id_array("active", active) if active is not None else None
     k = rows.n_neurons if active is None else idx.shape[0]
-    _check_call(x, rows, activation, out_acts, k)
+    check_ffn_call(x, rows, activation, out_acts, k)
     kern = _kernels()
     if kern is None:
         return reference.sparse_ffn(x, rows.gate, rows.up, rows.down_t, active, activation,
@@ -220,8 +188,8 @@ def sparse_ffn_predicted(x: torch.Tensor, rows: CpuFfnRows, pred_logits: torch.T
     [n_neurons]: the activation of each row, 0 for rows not selected or not firing.
     """
     n = rows.n_neurons
-    _check_call(x, rows, activation, out_acts, n)
-    ids = _ids("row_ids", row_ids) if row_ids is not None else None
+    check_ffn_call(x, rows, activation, out_acts, n)
+    ids = id_array("row_ids", row_ids) if row_ids is not None else None
     if ids is not None and ids.shape[0] != n:
         raise ValueError(f"row_ids: expected [{n}], got [{ids.shape[0]}]")
     if pred_logits.dim() != 1 or (ids is None and pred_logits.shape[0] != n):
@@ -239,7 +207,7 @@ def sparse_ffn_predicted(x: torch.Tensor, rows: CpuFfnRows, pred_logits: torch.T
         if out_acts is not None:
             out_acts.zero_().index_copy_(0, active, acts)
         return y
-    pred = _numpy(pred_logits, torch.float32)
+    pred = as_numpy(pred_logits, torch.float32)
     acts = out_acts.numpy() if out_acts is not None else np.empty(n, dtype=np.float32)
     return _launch(kern, x, rows, None, pred, ids, pred_threshold, activation, act_threshold, acts)
 
@@ -256,9 +224,9 @@ def sparse_ffn_batch(xs: torch.Tensor, rows: CpuFfnRows, active: torch.Tensor | 
     if xs.dim() != 2:
         raise ValueError(f"xs: expected [T, {rows.dim}], got {tuple(xs.shape)}")
     T = xs.shape[0]
-    idx = _ids("active", active) if active is not None else None
+    idx = id_array("active", active) if active is not None else None
     k = rows.n_neurons if active is None else idx.shape[0]
-    _check_call(xs[0] if T else xs.new_empty(rows.dim), rows, activation, None, k)
+    check_ffn_call(xs[0] if T else xs.new_empty(rows.dim), rows, activation, None, k)
     if out_acts is not None and (out_acts.shape != (T, k) or out_acts.dtype != torch.float32
                                  or not out_acts.is_contiguous() or out_acts.is_cuda):
         raise ValueError(f"out_acts: expected contiguous CPU fp32 [{T}, {k}]")
@@ -271,7 +239,7 @@ def sparse_ffn_batch(xs: torch.Tensor, rows: CpuFfnRows, active: torch.Tensor | 
                                          out_acts[s] if out_acts is not None else None,
                                          scales=rows._scales())
         return ys
-    xn = _numpy(xs, torch.float32)
+    xn = as_numpy(xs, torch.float32)
     acts = out_acts.numpy() if out_acts is not None else np.empty((T, k), dtype=np.float32)
     gate, gate_s, up, up_s, down, down_s = rows._numpy_views()
     with _lock:
@@ -320,8 +288,8 @@ def sparse_ffn_tokens(xs: torch.Tensor, rows: CpuFfnRows, pred_logits: torch.Ten
                 acts = acts * (pred_logits[:, lo:hi].float() >= pred_threshold)
             ys += acts @ down_t
         return ys
-    xn = _numpy(xs, torch.float32)
-    pred = _numpy(pred_logits, torch.float32) if pred_logits is not None else np.empty((0, 0), np.float32)
+    xn = as_numpy(xs, torch.float32)
+    pred = as_numpy(pred_logits, torch.float32) if pred_logits is not None else np.empty((0, 0), np.float32)
     acts = np.empty((n, T), dtype=np.float32)
     gate, gate_s, up, up_s, down, down_s = rows._numpy_views()
     if rows.quant == "int8" and int8_activations_available(rows.dim):
@@ -446,7 +414,7 @@ def matvec_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
             out[lo:hi] = torch.mv(dequantize_rows_int8(q[lo:hi], scale[lo:hi]), x)
         return out
     with _lock:
-        return torch.from_numpy(kern.matvec_rows_int8(q.numpy(), scale.numpy(), _numpy(x, torch.float32),
+        return torch.from_numpy(kern.matvec_rows_int8(q.numpy(), scale.numpy(), as_numpy(x, torch.float32),
                                                       _DENSE_CHUNKS_PER_THREAD * _use_threads(kern)))
 
 
@@ -467,7 +435,7 @@ def matmul_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     if n < 4 or not int8_activations_available(d) or not q.is_contiguous() or not scale.is_contiguous():
         return None
     kern = _kernels()
-    xn = _numpy(x, torch.float32)
+    xn = as_numpy(x, torch.float32)
     with _lock:  # quantize and multiply in one call: one Python transition per product
         return torch.from_numpy(kern.linear_q8(q.numpy(), scale.numpy(), xn,
                                                _DENSE_CHUNKS_PER_THREAD * _use_threads(kern)))
@@ -502,7 +470,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out = np.empty((H, hd), dtype=np.float32)
         with _lock:
             _use_threads(kern)
-            kern.decode_attention_cache(_numpy(q, torch.float32), k_cache.view(view).numpy(),
+            kern.decode_attention_cache(as_numpy(q, torch.float32), k_cache.view(view).numpy(),
                                         v_cache.view(view).numpy(), int(length), float(scale), out)
         return torch.from_numpy(out)
     qg = q.float().reshape(kvh, H // kvh, hd)

@@ -28,6 +28,7 @@ import torch
 
 from engine.loading import host_memory
 from engine.kernels import numba_pool, reference
+from engine.kernels.call_args import FfnRowsShape, as_numpy, check_ffn_call, id_array
 
 QK = 32            # weights per block
 BLOCK_BYTES = 18   # fp16 scale + 16 bytes of nibbles
@@ -251,6 +252,23 @@ if numba is not None:
             t += 1
         return t
 
+    @_njit(inline="always")
+    def positions(idx, use_idx, n, pred, pred_ids, use_pred, use_pred_ids):
+        """The positions a row kernel walks (k ids, or all n rows), once every id is checked
+        to be a row and every predictor id a logit: out-of-range ids would read arbitrary
+        memory. (cpu_numba.ffn_rows checks the same in its own file: numba's disk cache
+        tracks only the defining file, so a helper shared across files could go stale.)"""
+        k = idx.shape[0] if use_idx else n
+        if use_idx:
+            for t in range(k):
+                if idx[t] < 0 or idx[t] >= n:
+                    raise IndexError("active neuron id out of range")
+        if use_pred and use_pred_ids:
+            for t in range(n):
+                if pred_ids[t] < 0 or pred_ids[t] >= pred.shape[0]:
+                    raise IndexError("row id out of range of the predictor logits")
+        return k
+
     @_njit(inline="always", fastmath=True)
     def rows_pass(kind, w, idx, use_idx, acts, lo, hi, x, part, c, code, thr):
         """kind 0: acts[t] = nonlin(row . x); 1: acts[t] *= row . x (dReLU clamps it at 0);
@@ -281,16 +299,7 @@ if numba is not None:
         """`cpu_numba.ffn_rows` over 4-bit rows: x fp32 [nb * 32] (padded); gate/up/down
         uint8 [n, nb * 18]; returns y fp32 [nb * 32]."""
         width = x.shape[0]
-        n = up.shape[0]
-        k = idx.shape[0] if use_idx else n
-        if use_idx:
-            for t in range(k):
-                if idx[t] < 0 or idx[t] >= n:
-                    raise IndexError("active neuron id out of range")
-        if use_pred and use_pred_ids:
-            for t in range(n):
-                if pred_ids[t] < 0 or pred_ids[t] >= pred.shape[0]:
-                    raise IndexError("row id out of range of the predictor logits")
+        k = positions(idx, use_idx, up.shape[0], pred, pred_ids, use_pred, use_pred_ids)
         thr = np.float32(thr)
         pthr = np.float32(pthr)
         part = np.empty((nchunks, width), dtype=np.float32)
@@ -370,9 +379,10 @@ if numba is not None:
         fnty = ir.FunctionType(ret, [a.type for a in args])
         return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), args)
 
-    # Bytes ahead, within a row, that the block loops prefetch (one line per block: rows are
-    # a few KB at random places, too short for the hardware prefetcher to ramp up).
-    _PREFETCH_BYTES = 512
+    # The block loops prefetch, at each block, the same block of the rows the caller computes
+    # next (the next group of four, or the next gathered row): one group's work ahead, about
+    # the latency of DRAM. Prefetching 512 bytes ahead within the row instead left the dense
+    # product waiting on memory (32000 x 4096 head, one thread: 8.3 vs 14.2 ms of CPU).
 
     def _prefetch(builder, ptr):
         i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
@@ -382,11 +392,14 @@ if numba is not None:
         builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(2), i32(1)])
 
     @intrinsic
-    def dot4_q4_avx2(typingctx, w, i0, i1, i2, i3, xq, xd, xm):
+    def dot4_q4_avx2(typingctx, w, i0, i1, i2, i3, xq, xd, xm, n0, n1, n2, n3):
         """(w[i_k] . x) for k = 0..3, fp32: w uint8 [n, nb * 18] 4-bit rows; x quantized by
         `quantize_act_q4`: xq int8 [nb * 32], xd fp32 [nb] block scales, xm int32 [nb, 8]
-        (lane 0: 8 x the block's sum of xq, the rest 0)."""
-        sig = types.UniTuple(types.float32, 4)(w, i0, i1, i2, i3, xq, xd, xm)
+        (lane 0: 8 x the block's sum of xq, the rest 0). Rows n0..n3 (the next four the
+        caller computes; valid rows) are prefetched block by block meanwhile. The four fp16
+        scales of a block are widened in one instruction (a vector built from zeros: a scalar
+        widening merged into a live register and tied the rows to one accumulator's chain)."""
+        sig = types.UniTuple(types.float32, 4)(w, i0, i1, i2, i3, xq, xd, xm, n0, n1, n2, n3)
 
         def codegen(context, builder, signature, args):
             wty, xqty, xdty, xmty = signature.args[0], signature.args[5], signature.args[6], signature.args[7]
@@ -401,6 +414,10 @@ if numba is not None:
             zero = i64(0)
             rows = [context.cast(builder, args[1 + k], signature.args[1 + k], types.int64) for k in range(4)]
             rptrs = [cgutils.get_item_pointer(context, builder, wty, wa, [r, zero], wraparound=False) for r in rows]
+            ahead = [context.cast(builder, args[8 + k], signature.args[8 + k], types.int64) for k in range(4)]
+            aptrs = [cgutils.get_item_pointer(context, builder, wty, wa, [r, zero], wraparound=False) for r in ahead]
+            v8i16, v8f16, v4f32 = ir.VectorType(i16, 8), ir.VectorType(ir.HalfType(), 8), ir.VectorType(f32, 4)
+            first4 = ir.Constant(ir.VectorType(i32, 4), [i32(j) for j in range(4)])
             xqp = cgutils.get_item_pointer(context, builder, xqty, xqa, [zero], wraparound=False)
             xdp = cgutils.get_item_pointer(context, builder, xdty, xda, [zero], wraparound=False)
             xmp = cgutils.get_item_pointer(context, builder, xmty, xma, [zero, zero], wraparound=False)
@@ -409,9 +426,7 @@ if numba is not None:
             low4 = ir.Constant(v16i8, [i8(15)] * 16)
             four = ir.Constant(v16i8, [i8(4)] * 16)
             cat = ir.Constant(ir.VectorType(i32, 32), [i32(j) for j in range(32)])
-            splat0 = ir.Constant(ir.VectorType(i32, 8), [i32(0)] * 8)
             acc = [cgutils.alloca_once_value(builder, ir.Constant(v8f32, None)) for _ in range(4)]
-            half = ir.HalfType()
 
             with cgutils.for_range(builder, nb) as blk:
                 b = blk.index
@@ -421,17 +436,25 @@ if numba is not None:
                                   align=4)
                 xs = builder.load(builder.gep(xdp, [b]))
                 wo = builder.mul(b, i64(18))
+                ps = [builder.gep(rptrs[k], [wo]) for k in range(4)]
+                # d_w * d_x of the four rows: their fp16 scales gathered into one vector, widened at once
+                h = ir.Constant(v8i16, [i16(0)] * 8)
                 for k in range(4):
-                    p = builder.gep(rptrs[k], [wo])
-                    _prefetch(builder, builder.gep(p, [i64(_PREFETCH_BYTES)]))
-                    dw = builder.fpext(builder.bitcast(builder.load(builder.bitcast(p, i16.as_pointer()), align=1),
-                                                       half), f32)
+                    h = builder.insert_element(h, builder.load(builder.bitcast(ps[k], i16.as_pointer()), align=1), i32(k))
+                dw = builder.fpext(builder.shuffle_vector(builder.bitcast(h, v8f16), ir.Constant(v8f16, None), first4),
+                                   v4f32)
+                xs4 = builder.shuffle_vector(builder.insert_element(ir.Constant(v4f32, None), xs, i32(0)),
+                                             ir.Constant(v4f32, None), ir.Constant(ir.VectorType(i32, 4), [i32(0)] * 4))
+                d4 = builder.fmul(dw, xs4)
+                for k in range(4):
+                    p = ps[k]
+                    _prefetch(builder, builder.gep(aptrs[k], [wo]))
                     nib = builder.load(builder.bitcast(builder.gep(p, [i64(2)]), v16i8.as_pointer()), align=1)
                     q = builder.shuffle_vector(builder.and_(nib, low4), builder.lshr(nib, four), cat)
                     p16 = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, q, xv)
                     p32 = builder.sub(_call(builder, "llvm.x86.avx2.pmadd.wd", v8i32, p16, ones), mv)
-                    sc = builder.insert_element(ir.Constant(v8f32, None), builder.fmul(dw, xs), i32(0))
-                    sc = builder.shuffle_vector(sc, ir.Constant(v8f32, None), splat0)
+                    sc = builder.shuffle_vector(d4, ir.Constant(v4f32, None),
+                                                ir.Constant(ir.VectorType(i32, 8), [i32(k)] * 8))
                     f = builder.sitofp(p32, v8f32)
                     builder.store(_call(builder, "llvm.fma.v8f32", v8f32, f, sc, builder.load(acc[k])), acc[k])
             sums = []
@@ -446,11 +469,12 @@ if numba is not None:
         return sig, codegen
 
     @intrinsic
-    def axpy_q4_avx2(typingctx, part, c, a, w, i):
+    def axpy_q4_avx2(typingctx, part, c, a, w, i, ahead):
         """part[c, :] += a * row i of w (uint8 [n, nb * 18] 4-bit rows; part fp32 [C, nb * 32]):
         per block, the nibbles less 8 widened to fp32 in registers, one multiply-add by a * d_w
-        per 8 weights. Written in vector IR so the block is one straight run of AVX2 code."""
-        sig = types.void(part, c, a, w, i)
+        per 8 weights. Written in vector IR so the block is one straight run of AVX2 code.
+        Row `ahead` (the next one the caller adds; a valid row) is prefetched block by block."""
+        sig = types.void(part, c, a, w, i, ahead)
 
         def codegen(context, builder, signature, args):
             pty, wty = signature.args[0], signature.args[3]
@@ -466,6 +490,8 @@ if numba is not None:
             av = context.cast(builder, args[2], signature.args[2], types.float32)
             pp = cgutils.get_item_pointer(context, builder, pty, pa, [cc, zero], wraparound=False)
             rp = cgutils.get_item_pointer(context, builder, wty, wa, [row, zero], wraparound=False)
+            nxt = context.cast(builder, args[5], signature.args[5], types.int64)
+            ap = cgutils.get_item_pointer(context, builder, wty, wa, [nxt, zero], wraparound=False)
             nb = builder.sdiv(cgutils.unpack_tuple(builder, pa.shape)[1], i64(32))
             low4 = ir.Constant(v16i8, [i8(15)] * 16)
             four = ir.Constant(v16i8, [i8(4)] * 16)
@@ -475,7 +501,7 @@ if numba is not None:
             with cgutils.for_range(builder, nb) as blk:
                 b = blk.index
                 p = builder.gep(rp, [builder.mul(b, i64(18))])
-                _prefetch(builder, builder.gep(p, [i64(_PREFETCH_BYTES)]))
+                _prefetch(builder, builder.gep(ap, [builder.mul(b, i64(18))]))
                 dw = builder.fpext(builder.bitcast(builder.load(builder.bitcast(p, i16.as_pointer()), align=1),
                                                    ir.HalfType()), f32)
                 nib = builder.load(builder.bitcast(builder.gep(p, [i64(2)]), v16i8.as_pointer()), align=1)
@@ -530,7 +556,8 @@ if numba is not None:
         for c in prange(nchunks):
             for g in range(c * per, min(groups, (c + 1) * per)):
                 i = g * 4
-                s = dot4_q4_avx2(w, i, min(i + 1, n - 1), min(i + 2, n - 1), min(i + 3, n - 1), xq, xd, xm)
+                s = dot4_q4_avx2(w, i, min(i + 1, n - 1), min(i + 2, n - 1), min(i + 3, n - 1), xq, xd, xm,
+                                 min(i + 4, n - 1), min(i + 5, n - 1), min(i + 6, n - 1), min(i + 7, n - 1))
                 for k in range(min(4, n - i)):
                     y[i + k] = s[k]
         return y
@@ -540,6 +567,18 @@ if numba is not None:
         """`quantize_act_q4` for each row of x fp32 [T, nb * 32] (xq [T, ..], xd [T, nb], xm [T, nb, 8])."""
         for t in range(x.shape[0]):
             quantize_act_q4(x[t], xq[t], xd[t], xm[t])
+
+    @_njit()
+    def linear_q4(w, x, nchunks):
+        """`matmul_q4_avx2` of x fp32 [T, nb * 32] (padded) quantized by `quantize_act_q4_rows`,
+        in one call from Python: one transition per product instead of two, no Python-side buffers."""
+        T, width = x.shape
+        nb = width // 32
+        xq = np.empty((T, width), dtype=np.int8)
+        xd = np.empty((T, nb), dtype=np.float32)
+        xm = np.empty((T, nb, 8), dtype=np.int32)
+        quantize_act_q4_rows(x, xq, xd, xm)
+        return matmul_q4_avx2(w, xq, xd, xm, nchunks)
 
     # A many-token product reads each group of 4 rows from memory once and runs every token
     # over it while it sits in L1 (4 rows of 4096 weights: 9 KB).
@@ -556,28 +595,35 @@ if numba is not None:
             for g in range(c * per, min(groups, (c + 1) * per)):
                 i = g * 4
                 for t in range(T):
+                    a = i + 4 if t == 0 else i  # the first token's pass prefetches the next group
                     s = dot4_q4_avx2(w, i, min(i + 1, n - 1), min(i + 2, n - 1), min(i + 3, n - 1), xq[t], xd[t],
-                                     xm[t])
+                                     xm[t], min(a, n - 1), min(a + 1, n - 1), min(a + 2, n - 1), min(a + 3, n - 1))
                     for k in range(min(4, n - i)):
                         y[t, i + k] = s[k]
         return y
 
+    @_njit(inline="always")
+    def row_at(idx, use_idx, sel, j, m):
+        """The row of selection position j, clamped to the last (m >= 1)."""
+        t = sel[min(j, m - 1)]
+        return idx[t] if use_idx else t
+
     @_njit(inline="always", fastmath=True)
     def dots_pass(kind, w, idx, use_idx, sel, m, acts, xq, xd, xm, code, thr):
         """Over the positions sel[0..m): kind 0: acts[t] = nonlin(row . x); kind 1:
-        acts[t] *= row . x (dReLU clamps it at 0). Four rows per call of the product."""
+        acts[t] *= row . x (dReLU clamps it at 0). Four rows per call of the product, which
+        prefetches the next group's rows meanwhile (the first group's first lines here)."""
+        for k in range(min(m, 4)):
+            prefetch(w, idx[sel[k]] if use_idx else sel[k], 0)
+            prefetch(w, idx[sel[k]] if use_idx else sel[k], 64)
         for g in range(0, m, 4):
-            for k in range(g + 4, min(m, g + 8)):  # the next group's first lines
-                prefetch(w, idx[sel[k]] if use_idx else sel[k], 0)
-                prefetch(w, idx[sel[k]] if use_idx else sel[k], 64)
-            t0 = sel[g]
-            t1 = sel[min(g + 1, m - 1)]
-            t2 = sel[min(g + 2, m - 1)]
-            t3 = sel[min(g + 3, m - 1)]
-            if use_idx:
-                s = dot4_q4_avx2(w, idx[t0], idx[t1], idx[t2], idx[t3], xq, xd, xm)
-            else:
-                s = dot4_q4_avx2(w, t0, t1, t2, t3, xq, xd, xm)
+            r0 = row_at(idx, use_idx, sel, g, m)
+            r1 = row_at(idx, use_idx, sel, g + 1, m)
+            r2 = row_at(idx, use_idx, sel, g + 2, m)
+            r3 = row_at(idx, use_idx, sel, g + 3, m)
+            s = dot4_q4_avx2(w, r0, r1, r2, r3, xq, xd, xm, row_at(idx, use_idx, sel, g + 4, m),
+                             row_at(idx, use_idx, sel, g + 5, m), row_at(idx, use_idx, sel, g + 6, m),
+                             row_at(idx, use_idx, sel, g + 7, m))
             for k in range(min(4, m - g)):
                 t = sel[g + k]
                 v = s[k]
@@ -588,22 +634,25 @@ if numba is not None:
                         v = np.float32(0.0)
                     acts[t] *= v
 
+    @_njit()
+    def ffn_rows_q4_act(x, gate, up, down, idx, use_idx, pred, pred_ids, use_pred, use_pred_ids, pthr, gated, code,
+                        thr, acts, nchunks):
+        """`ffn_rows_q4_avx2` of x fp32 [nb * 32] (padded), quantized here: one call from Python."""
+        nb = x.shape[0] // 32
+        xq = np.empty(nb * 32, dtype=np.int8)
+        xd = np.empty(nb, dtype=np.float32)
+        xm = np.empty((nb, 8), dtype=np.int32)
+        quantize_act_q4(x, xq, xd, xm)
+        return ffn_rows_q4_avx2(xq, xd, xm, gate, up, down, idx, use_idx, pred, pred_ids, use_pred, use_pred_ids,
+                                pthr, gated, code, thr, acts, nchunks)
+
     @_njit(parallel=True, fastmath=True)
     def ffn_rows_q4_avx2(xq, xd, xm, gate, up, down, idx, use_idx, pred, pred_ids, use_pred, use_pred_ids,
                          pthr, gated, code, thr, acts, nchunks):
         """`ffn_rows_q4` with the gate and up products on int8 x 4-bit (x quantized by
         `quantize_act_q4`); the down rows are added in fp32 as there. Returns y fp32 [nb * 32]."""
         width = xq.shape[0]
-        n = up.shape[0]
-        k = idx.shape[0] if use_idx else n
-        if use_idx:
-            for t in range(k):
-                if idx[t] < 0 or idx[t] >= n:
-                    raise IndexError("active neuron id out of range")
-        if use_pred and use_pred_ids:
-            for t in range(n):
-                if pred_ids[t] < 0 or pred_ids[t] >= pred.shape[0]:
-                    raise IndexError("row id out of range of the predictor logits")
+        k = positions(idx, use_idx, up.shape[0], pred, pred_ids, use_pred, use_pred_ids)
         thr = np.float32(thr)
         pthr = np.float32(pthr)
         part = np.empty((nchunks, width), dtype=np.float32)
@@ -636,13 +685,7 @@ if numba is not None:
                 t = sel[s_]
                 a = acts[t]
                 if a != 0.0:
-                    nxt = -1
-                    if s_ + 1 < live:
-                        nxt = idx[sel[s_ + 1]] if use_idx else sel[s_ + 1]
-                    if nxt >= 0:
-                        prefetch(down, nxt, 0)
-                        prefetch(down, nxt, 64)
-                    axpy_q4_avx2(part, c, a, down, idx[t] if use_idx else t)
+                    axpy_q4_avx2(part, c, a, down, idx[t] if use_idx else t, row_at(idx, use_idx, sel, s_ + 1, live))
         y = np.zeros(width, dtype=np.float32)
         for c in range(nchunks):  # fixed order: the result does not depend on thread timing
             for j in range(width):
@@ -683,15 +726,8 @@ def matmul_q4(x: torch.Tensor, q: torch.Tensor, cols: int) -> torch.Tensor | Non
     if not int8_activations(kern) or q.shape[0] == 0 or not q.is_contiguous():
         return None
     xp = padded(x, cols).numpy()
-    tokens, width = xp.shape
-    nb = width // QK
-    xq = np.empty((tokens, width), dtype=np.int8)
-    xd = np.empty((tokens, nb), dtype=np.float32)
-    xm = np.empty((tokens, nb, 8), dtype=np.int32)
     with numba_pool.lock:
-        chunks = _DENSE_CHUNKS_PER_THREAD * numba_pool.use_threads(kern)
-        kern.quantize_act_q4_rows(xp, xq, xd, xm)
-        return torch.from_numpy(kern.matmul_q4_avx2(q.numpy(), xq, xd, xm, chunks))
+        return torch.from_numpy(kern.linear_q4(q.numpy(), xp, _DENSE_CHUNKS_PER_THREAD * numba_pool.use_threads(kern)))
 
 
 # The int8 x 4-bit kernels (AVX2); tests turn it off to check the fp32 kernels too.
@@ -714,7 +750,7 @@ def _quantized_act(kern, xp: np.ndarray):
 
 
 @dataclass(eq=False, frozen=True)
-class Q4FfnRows:
+class Q4FfnRows(FfnRowsShape):
     """One layer's FFN rows (or a subset of its neurons) as 4-bit rows: gate/up/down_t
     uint8 [n, row_bytes(dim)] (gate None when ungated), contiguous on the CPU. The same
     interface as `cpu.CpuFfnRows` (quant "int4")."""
@@ -748,22 +784,12 @@ class Q4FfnRows:
         return cls(quantize(gate), quantize(up), quantize(down_t), up.shape[1])
 
     @property
-    def n_neurons(self) -> int:
-        return self.up.shape[0]
-
-    @property
-    def gated(self) -> bool:
-        return self.gate is not None
-
-    @property
     def nbytes(self) -> int:
         return sum(t.numel() for t in (self.gate, self.up, self.down_t) if t is not None)
 
     def select(self, neuron_ids: torch.Tensor) -> "Q4FfnRows":
         """Copies of rows `neuron_ids`, in that order (no requantisation: rows are self-contained)."""
-        ids = torch.as_tensor(neuron_ids, dtype=torch.long).reshape(-1)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n_neurons):
-            raise IndexError(f"neuron ids out of range [0, {self.n_neurons})")
+        ids = self.checked_ids(neuron_ids)
 
         def pick(t):
             return host_memory.gather_rows(t, ids) if t is not None else None
@@ -810,7 +836,7 @@ def _launch(kern, x, rows: Q4FfnRows, idx, pred, pred_ids, pthr, activation, act
     with numba_pool.lock:
         nchunks = max(1, min(numba_pool.use_threads(kern), k))
         if int8_activations(kern):
-            y = kern.ffn_rows_q4_avx2(*_quantized_act(kern, xp), gate, up, down, idx if use_idx else _EMPTY_IDS,
+            y = kern.ffn_rows_q4_act(xp, gate, up, down, idx if use_idx else _EMPTY_IDS,
                                       use_idx, pred if use_pred else _EMPTY_F32,
                                       pred_ids if pred_ids is not None else _EMPTY_IDS, use_pred,
                                       pred_ids is not None, float(pthr), rows.gated,
@@ -832,11 +858,9 @@ def reference_codes() -> dict:
 def sparse_ffn(x: torch.Tensor, rows: Q4FfnRows, active: torch.Tensor | None, activation: str,
                act_threshold: float = 0.0, out_acts: torch.Tensor | None = None) -> torch.Tensor:
     """`cpu.sparse_ffn` over 4-bit rows: y fp32 [d] over the neurons `active` (or all)."""
-    from engine.kernels import cpu as cpu_kernels
-
-    idx = cpu_kernels._ids("active", active) if active is not None else None
+    idx = id_array("active", active) if active is not None else None
     k = rows.n_neurons if active is None else idx.shape[0]
-    cpu_kernels._check_call(x, rows, activation, out_acts, k)
+    check_ffn_call(x, rows, activation, out_acts, k)
     kern = _kernels()
     if kern is None:
         return _torch_ffn(x, rows, active, activation, act_threshold, out_acts)
@@ -848,11 +872,9 @@ def sparse_ffn_predicted(x: torch.Tensor, rows: Q4FfnRows, pred_logits: torch.Te
                          activation: str, act_threshold: float = 0.0, out_acts: torch.Tensor | None = None,
                          row_ids: torch.Tensor | None = None) -> torch.Tensor:
     """`cpu.sparse_ffn_predicted` over 4-bit rows (selection by logits inside the kernel)."""
-    from engine.kernels import cpu as cpu_kernels
-
     n = rows.n_neurons
-    cpu_kernels._check_call(x, rows, activation, out_acts, n)
-    ids = cpu_kernels._ids("row_ids", row_ids) if row_ids is not None else None
+    check_ffn_call(x, rows, activation, out_acts, n)
+    ids = id_array("row_ids", row_ids) if row_ids is not None else None
     if ids is not None and ids.shape[0] != n:
         raise ValueError(f"row_ids: expected [{n}], got [{ids.shape[0]}]")
     if pred_logits.dim() != 1 or (ids is None and pred_logits.shape[0] != n):
@@ -868,7 +890,7 @@ def sparse_ffn_predicted(x: torch.Tensor, rows: Q4FfnRows, pred_logits: torch.Te
         if out_acts is not None:
             out_acts.zero_().index_copy_(0, active, acts)
         return y
-    pred = cpu_kernels._numpy(pred_logits, torch.float32)
+    pred = as_numpy(pred_logits, torch.float32)
     acts = out_acts.numpy() if out_acts is not None else np.empty(n, dtype=np.float32)
     return _launch(kern, x, rows, None, pred, ids, pred_threshold, activation, act_threshold, acts)
 

@@ -29,7 +29,16 @@ _PER_TOKEN_MAX = 16
 
 
 class QuantMatrix:
-    """A weight matrix [n, d] in quantized rows: `linear`, `dequantize`, `to_dense`, `nbytes`."""
+    """A weight matrix [n, d] in quantized rows `q` (one row of bytes per output): `linear`,
+    `dequantize`, `to_dense`, `nbytes`, `shape`, `device`."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def to_dense(self, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+        """The whole matrix as a plain tensor (moving to another tier)."""
+        return self.dequantize().to(device, dtype)
 
 
 @dataclass(eq=False, frozen=True)
@@ -49,20 +58,12 @@ class Int8Matrix(QuantMatrix):
         return self.q.shape
 
     @property
-    def device(self) -> torch.device:
-        return self.q.device
-
-    @property
     def nbytes(self) -> int:
         return self.q.numel() + self.scale.numel() * 4
 
     def dequantize(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """Rows lo..hi as fp32."""
         return dequantize_rows_int8(self.q[lo:hi], self.scale[lo:hi])
-
-    def to_dense(self, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
-        """The whole matrix as a plain tensor (moving to another tier)."""
-        return self.dequantize().to(device, dtype)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x fp32 [T, d] (CPU) @ this^T -> fp32 [T, n]."""
@@ -99,19 +100,12 @@ class Q4Matrix(QuantMatrix):
         return torch.Size((self.q.shape[0], self.cols))
 
     @property
-    def device(self) -> torch.device:
-        return self.q.device
-
-    @property
     def nbytes(self) -> int:
         return self.q.numel()
 
     def dequantize(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """Rows lo..hi as fp32."""
         return cpu_q4.dequantize_rows_q4(self.q[lo:hi], self.cols)
-
-    def to_dense(self, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
-        return self.dequantize().to(device, dtype)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x fp32 [T, cols] (CPU) @ this^T -> fp32 [T, n]."""
