@@ -138,3 +138,32 @@ def test_tied_head_stays_the_embeddings(tmp_path):
 def test_unknown_format_is_a_user_error(llama128):
     with pytest.raises(UserError, match="int4, int8 or fp32"):
         Engine.load(llama128, mode="dense", cpu_weights="int3")
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "int4"])
+def test_fit_estimate_counts_the_dense_mode_format(llama128, fmt):
+    """A dense run on the CPU holds what `models fit --cpu-weights FMT` puts on the CPU with no
+    VRAM, less the predictors (dense mode loads none)."""
+    import json
+
+    from models_registry.fit import BytesModel, estimate_fit
+
+    config = json.loads((llama128 / "config.json").read_text())
+    engine = Engine.load(llama128, mode="dense", ctx=256, cpu_weights=fmt)
+    estimate = estimate_fit(config, ctx=256, vram_budget=0, ram_budget=1 << 30, model_dir=llama128,
+                            bytes_model=BytesModel(cpu_weights=fmt))
+    assert estimate.vram_bytes == 0
+    assert estimate.ram_bytes - estimate.predictor_cpu_bytes == pytest.approx(engine.memory()["ram_bytes"], rel=0.02)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_broken_weights_are_refused_not_rounded_away(tmp_path, fmt, value):
+    from safetensors.torch import load_file, save_file
+
+    path = model_factory.llama_relu(tmp_path / "broken", hidden=128, ff=256)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.layers.1.mlp.down_proj.weight"][0, :5] = value
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(UserError, match="layer 1's FFN holds NaN or infinite weights: the checkpoint is broken"):
+        Engine.load(path, mode="dense", cpu_weights=fmt)

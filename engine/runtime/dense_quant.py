@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.errors import ModelFormatError
 from engine.loading.quantized import QuantMatrix, matrix_nbytes, quantize_matrix
 from engine.runtime.model import DenseFfn, Layer, Transformer, linear
 
@@ -36,8 +37,8 @@ class QuantDenseFfn(DenseFfn):
         self.n_ff = down.shape[1]
 
     @classmethod
-    def from_dense(cls, ffn: DenseFfn, fmt: str) -> "QuantDenseFfn":
-        return cls(quantize_matrix(ffn.gate_up, fmt), quantize_matrix(ffn.down_t.t(), fmt), ffn.gated,
+    def from_dense(cls, ffn: DenseFfn, fmt: str, where: str = "the FFN") -> "QuantDenseFfn":
+        return cls(_quantized(ffn.gate_up, fmt, where), _quantized(ffn.down_t.t(), fmt, where), ffn.gated,
                    ffn.activation, ffn.threshold, ffn.up_bias, ffn.down_bias)
 
     # Rows as fp32 for code that reads them (a split into tiers); the products never do.
@@ -61,15 +62,25 @@ class QuantDenseFfn(DenseFfn):
         return linear(act, self.down, self.down_bias)
 
 
-def quantize_layer(layer: Layer, fmt: str) -> None:
+def _quantized(w: torch.Tensor, fmt: str, where: str) -> QuantMatrix:
+    """w in `fmt`, refusing NaN/Inf: rounding would hide them (an int8 row's scale skips a NaN),
+    and the first token's check for broken weights (`Engine._check_finite`) would then pass."""
+    if not isinstance(w, QuantMatrix) and not bool(torch.isfinite(w).all()):
+        raise ModelFormatError(f"{where} holds NaN or infinite weights: the checkpoint is broken (a damaged "
+                               "file or a failed conversion); download or convert the model again")
+    return quantize_matrix(w, fmt)
+
+
+def quantize_layer(index: int, layer: Layer, fmt: str) -> None:
     """A CPU layer's attention projections and dense FFN into `fmt` (int8 or int4), in place.
     Other FFNs (a mixture of experts) and the router keep their storage."""
     if fmt == "fp32" or layer.device.type != "cpu":
         return
-    layer.qkv = quantize_matrix(layer.qkv, fmt)
-    layer.out = quantize_matrix(layer.out, fmt)
+    where = f"layer {index}'s attention"
+    layer.qkv = _quantized(layer.qkv, fmt, where)
+    layer.out = _quantized(layer.out, fmt, where)
     if type(layer.ffn) is DenseFfn:
-        layer.ffn = QuantDenseFfn.from_dense(layer.ffn, fmt)
+        layer.ffn = QuantDenseFfn.from_dense(layer.ffn, fmt, f"layer {index}'s FFN")
 
 
 def quantize_head(model: Transformer, fmt: str) -> None:
@@ -80,4 +91,4 @@ def quantize_head(model: Transformer, fmt: str) -> None:
         return
     if head.data_ptr() == model.embed.data_ptr():
         return
-    model.lm_head = quantize_matrix(head, fmt)
+    model.lm_head = _quantized(head, fmt, "the output head")

@@ -152,7 +152,7 @@ class Engine:
             dev = torch.device(device or "cpu")
             # int8/int4 CPU weights: each layer converted as it loads (one fp32 layer at a time)
             model_obj = load_transformer(model_dir, config, [dev] * config.num_layers, dev, ctx, progress,
-                                         on_layer=lambda i, layer: quantize_layer(layer, cpu_weights))
+                                         on_layer=lambda i, layer: quantize_layer(i, layer, cpu_weights))
             quantize_head(model_obj, cpu_weights)
             cache = cls.make_cache(config, ctx, [dev] * config.num_layers,
                                    [model_obj.layers[0].dtype] * config.num_layers)
