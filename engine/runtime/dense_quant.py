@@ -38,7 +38,11 @@ class QuantDenseFfn(DenseFfn):
 
     @classmethod
     def from_dense(cls, ffn: DenseFfn, fmt: str, where: str = "the FFN") -> "QuantDenseFfn":
-        return cls(_quantized(ffn.gate_up, fmt, where), _quantized(ffn.down_t.t(), fmt, where), ffn.gated,
+        _check_finite(ffn.down_t, where)
+        # One transposing copy, then whole rows: quantizing the strided view row block by row
+        # block took 4.4 s against 0.9 s for a 7B down projection (int8; Q4_0 2.3 vs 1.4 s).
+        down = ffn.down_t.t().contiguous()
+        return cls(_quantized(ffn.gate_up, fmt, where), _quantized(down, fmt, where), ffn.gated,
                    ffn.activation, ffn.threshold, ffn.up_bias, ffn.down_bias)
 
     # Rows as fp32 for code that reads them (a split into tiers); the products never do.
@@ -62,12 +66,18 @@ class QuantDenseFfn(DenseFfn):
         return linear(act, self.down, self.down_bias)
 
 
-def _quantized(w: torch.Tensor, fmt: str, where: str) -> QuantMatrix:
-    """w in `fmt`, refusing NaN/Inf: rounding would hide them (an int8 row's scale skips a NaN),
-    and the first token's check for broken weights (`Engine._check_finite`) would then pass."""
-    if not isinstance(w, QuantMatrix) and not bool(torch.isfinite(w).all()):
+def _check_finite(w: torch.Tensor, where: str) -> None:
+    """Refuse NaN/Inf: rounding would hide them (an int8 row's scale skips a NaN), and the first
+    token's check for broken weights (`Engine._check_finite`) would then pass. One sum: NaN and
+    Inf carry through it, and it reads the matrix once (0.04 s for 45M weights, isfinite 1 s)."""
+    if not bool(torch.isfinite(w.sum())):
         raise ModelFormatError(f"{where} holds NaN or infinite weights: the checkpoint is broken (a damaged "
                                "file or a failed conversion); download or convert the model again")
+
+
+def _quantized(w: torch.Tensor, fmt: str, where: str) -> QuantMatrix:
+    if not isinstance(w, QuantMatrix):
+        _check_finite(w, where)
     return quantize_matrix(w, fmt)
 
 
