@@ -135,9 +135,10 @@ class Engine:
 
         cpu_kernels.warmup(quants=() if mode == "dense" else tuple({cpu_weights, "fp32"} & set(cpu_kernels.QUANTS)))
         if cpu_weights == "int4":
-            from engine.kernels import cpu_q4
+            from engine.kernels import cpu_q4, q4_tiles
 
             cpu_q4.warmup()
+            q4_tiles.warmup()
         runtime = None
         if mode in ("sparse", "hybrid", "oracle"):
             from engine.hotcold.sparse import load_sparse
