@@ -100,7 +100,7 @@ SCHEMA: tuple[Option, ...] = (
                           "Hybrid: predicted neurons, busy ones on the GPU",
                           "Oracle: exact neurons (for checking; slow)")),
     Option("engine.ctx", int, 2048, "Context length in tokens (prompt plus answer).", minimum=128, maximum=131072),
-    Option("engine.cpu_weights", str, "int8", "Format of the weights kept on the CPU in sparse and hybrid modes "
+    Option("engine.cpu_weights", str, "int8", "Format of the weights kept on the CPU, in every mode "
            "(int4: llama.cpp's Q4_0 blocks; int8; fp32: exact).", choices=("int4", "int8", "fp32")),
     # Budgets: None means "use the hardware probe's suggestion".
     Option("budget.vram_bytes", int, None, "VRAM budget in bytes; empty for the suggested one.",

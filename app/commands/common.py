@@ -28,9 +28,10 @@ def add_model_options(parser: argparse.ArgumentParser, *, sampling: bool = True)
     parser.add_argument("--device", default=None, help="fast device (cuda, cuda:1, cpu); default: best found")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     parser.add_argument("--cpu-weights", default="int8", choices=("int4", "int8", "fp32"),
-                        help="format of the weights on the CPU tier in sparse and hybrid modes: cold FFN "
-                             "rows, attention, untied output head, predictors (int8: 4x fewer bytes; "
-                             "int4: llama.cpp's Q4_0 blocks, 7x fewer; fp32: exact)")
+                        help="format of the weights on the CPU in every mode: attention, FFN rows, untied "
+                             "output head, predictors (int8: 4x fewer bytes than fp32, as fast as llama.cpp's "
+                             "Q8_0; int4: llama.cpp's Q4_0 blocks, 7x fewer; fp32: the checkpoint's exact "
+                             "weights, the dense reference)")
     if sampling:
         parser.add_argument("--max-new-tokens", type=int, default=256)
         parser.add_argument("--temperature", type=float, default=None, help="0 = greedy")

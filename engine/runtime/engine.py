@@ -105,10 +105,17 @@ class Engine:
     @classmethod
     def load(cls, model: str | Path, *, mode: str = "dense", ctx: int | None = None,
              vram_budget: int | None = None, ram_budget: int | None = None,
-             device: str | None = None, threads: int | None = None, cpu_weights: str = "int8",
+             device: str | None = None, threads: int | None = None, cpu_weights: str | None = None,
              progress: Progress | None = None) -> "Engine":
+        """`cpu_weights`: the format of the weights on the CPU (int8, int4, fp32); None: int8 in
+        the sparse modes, fp32 in dense, which is then the exact reference (the CLI and the
+        window pass the user's choice, int8 unless changed)."""
         if mode not in MODES:
             raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
+        if cpu_weights is None:
+            cpu_weights = "fp32" if mode == "dense" else "int8"
+        if cpu_weights not in ("int4", "int8", "fp32"):
+            raise UserError(f"unknown CPU weight format {cpu_weights!r}: choose int4, int8 or fp32")
         ctx, threads = check_ctx(ctx), check_threads(threads)
         device = str(resolve_device(device)) if device is not None else None
         if threads:
@@ -127,10 +134,11 @@ class Engine:
         from engine.kernels import cpu as cpu_kernels
 
         cpu_kernels.warmup(quants=() if mode == "dense" else tuple({cpu_weights, "fp32"} & set(cpu_kernels.QUANTS)))
-        if mode != "dense" and cpu_weights == "int4":
-            from engine.kernels import cpu_q4
+        if cpu_weights == "int4":
+            from engine.kernels import cpu_q4, q4_tiles
 
             cpu_q4.warmup()
+            q4_tiles.warmup()
         runtime = None
         if mode in ("sparse", "hybrid", "oracle"):
             from engine.hotcold.sparse import load_sparse
@@ -140,8 +148,13 @@ class Engine:
             cache = cls.make_cache(config, ctx, parts.layer_devices, parts.layer_dtypes)
             runtime.cache = cache  # a re-placement moves each layer's KV cache with the layer
         else:
+            from engine.runtime.dense_quant import quantize_head, quantize_layer
+
             dev = torch.device(device or "cpu")
-            model_obj = load_transformer(model_dir, config, [dev] * config.num_layers, dev, ctx, progress)
+            # int8/int4 CPU weights: each layer converted as it loads (one fp32 layer at a time)
+            model_obj = load_transformer(model_dir, config, [dev] * config.num_layers, dev, ctx, progress,
+                                         on_layer=lambda i, layer: quantize_layer(i, layer, cpu_weights))
+            quantize_head(model_obj, cpu_weights)
             cache = cls.make_cache(config, ctx, [dev] * config.num_layers,
                                    [model_obj.layers[0].dtype] * config.num_layers)
         engine = cls(model_dir, config, tokenizer, model_obj, cache, mode, ctx,
