@@ -73,3 +73,34 @@ def test_q4_gguf_repo_downloads_imports_and_decodes(local_hub, registry_env, tmp
     assert main(["models", "download", "relullama-7b-q4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["from_cache"] is True
     assert len(local_hub.requests("GET", q4.name)) == before
+
+
+def test_disk_need_counts_the_import_written_next_to_the_gguf(local_hub, registry_env, tmp_path, capsys,
+                                                              monkeypatch):
+    """A Q6_K head becomes F32 (about 4.9x) and Q4_0 predictors fp32 (about 7x): the disk check
+    and the Models page's plan take the import's bytes from the GGUF's header (range requests),
+    not the GGUF's size, and refuse a disk that holds the GGUF but not its import."""
+    from models_registry import download as dl
+
+    hf = mf.llama_relu(tmp_path / "hf", hidden=256, ff=512, layers=2, dtype=torch.float16)
+    g = np.random.default_rng(0)
+    preds = ([g.standard_normal((64, 256)).astype(np.float32) for _ in range(2)],
+             [g.standard_normal((512, 64)).astype(np.float32) for _ in range(2)])
+    q4 = gf.write_gguf(hf, tmp_path / "llama-7b-relu.q4.powerinfer.gguf", qtype="Q4_0", predictors=preds,
+                       sparse_threshold=0.0, q6_k=("output.weight",))
+    local_hub.add_repo(HubRepo(REPO, {q4.name: q4.read_bytes(), "README.md": b"# r\n"}))
+    plan = dl.planned_disk("relullama-7b-q4")
+    assert plan["bytes"] == q4.stat().st_size
+    assert all(r["range"] for r in local_hub.requests("GET", q4.name))  # the header only
+    by_hand = tmp_path / "by-hand"
+    import_gguf(q4, by_hand)
+    written = sum(p.stat().st_size for p in by_hand.rglob("*") if p.is_file())
+    tensor_bytes = sum(p.stat().st_size for p in by_hand.rglob("*.safetensors"))
+    assert tensor_bytes > 1.5 * q4.stat().st_size  # the F32 head and predictors: not the GGUF's size
+    assert written <= plan["model_bytes"] <= written + 4 * q4.stat().st_size  # exact tensors + a JSON bound
+    assert plan["disk_need"] >= q4.stat().st_size + written
+    # a disk with room for the GGUF twice over, not for its import: refused before a byte moves
+    monkeypatch.setattr(dl, "free_disk", lambda path: (path, 2 * q4.stat().st_size + dl.DISK_MARGIN_MIN))
+    assert main(["models", "download", "relullama-7b-q4", "--json"]) == 2
+    assert "not enough free disk" in capsys.readouterr().err
+    assert all(r["range"] for r in local_hub.requests("GET", q4.name))
