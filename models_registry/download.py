@@ -295,12 +295,12 @@ def download_model(
 
     job.save_state()  # the listing shows the Hub's size from now on
     meter.emit("plan", message=f"{len(jobs)} files, {format_size(total)}, {format_size(remaining)} to fetch")
-    with _DownloadLock(model_dir):
+    with _DownloadLock(model_dir):  # the import too: a second download must not fetch into it
         _fetch_all(job, jobs, entry, created, model_dir, endpoint, token)
-    if gguf_weights and jobs:
-        meter.emit("convert", message=f"importing {jobs[0][1]}")
-        import_weights_gguf(model_dir, job.state, jobs[0][1], entry.activation)
-        job.save_state()
+        if gguf_weights and jobs:
+            meter.emit("convert", message=f"importing {jobs[0][1]}")
+            # A refused import keeps the verified GGUF and its record: a retry imports it again.
+            import_weights_gguf(model_dir, job.state, jobs[0][1], entry.activation, save_state=job.save_state)
     result = _finish(job, plan, pred_plan, predictors, on_predictors_downloaded, meter, names, jobs, convert_pickles)
     if gguf_plan is not None:
         info = import_gguf_predictors_from_hub(job.endpoint, gguf_plan, model_dir, headers=job.headers,

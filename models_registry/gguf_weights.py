@@ -13,6 +13,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from engine.errors import UserError
 
@@ -63,8 +64,10 @@ def import_bytes(endpoint: str, plan: RepoPlan, *, headers: dict, timeout: float
     return import_output_bytes(tensors, data_offset)
 
 
-def import_weights_gguf(model_dir: Path, state: dict, rel: str, activation: str | None) -> dict:
-    """Import the downloaded GGUF `rel` into `model_dir`, delete it, record what was written."""
+def import_weights_gguf(model_dir: Path, state: dict, rel: str, activation: str | None,
+                        save_state: Callable[[], None]) -> dict:
+    """Import the downloaded GGUF `rel` into `model_dir`, record what was written (save_state),
+    then delete it: a crash in between leaves a record that names the imported files."""
     from engine.loading.gguf_import import import_gguf
 
     model_dir = Path(model_dir)
@@ -86,5 +89,6 @@ def import_weights_gguf(model_dir: Path, state: dict, rel: str, activation: str 
     state["weights_format"] = f"gguf ({', '.join(summary['tensor_types'])}; Q4_0/Q8_0 kept as blocks)"
     if summary.get("predictors"):
         state["predictors"] = "imported"
+    save_state()
     src.unlink(missing_ok=True)
     return summary
