@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from engine.hotcold.hybrid_ffn import ColdRows, HotRows
+from engine.hotcold.placement import hot_row_format
 from engine.kernels import cpu_q4
 
 HOT_INT4 = "int4"
@@ -34,7 +35,7 @@ def hot_weights(fast: torch.device, cpu_weights: str) -> str | None:
     THERMOCLINE_HOT_WEIGHTS=int4 asks for it), else None (the fast tier's compute dtype)."""
     if os.environ.get(HOT_WEIGHTS_ENV, "").strip().lower() == HOT_INT4:
         return HOT_INT4
-    return HOT_INT4 if fast.type == "cuda" and cpu_weights == HOT_INT4 else None
+    return hot_row_format(fast.type, cpu_weights)
 
 
 class Q4HotRows(HotRows):

@@ -114,6 +114,16 @@ INDEX_BYTES = 8     # the int64 id kept with every hot and cold neuron
 Q4_BLOCK, Q4_BLOCK_BYTES = 32, 18  # engine.kernels.cpu_q4 (not imported here: no torch)
 
 
+def hot_row_format(fast_device: str, cpu_weights: str, *, moe: bool = False) -> str | None:
+    """The hot tier's row format: 4-bit rows ("int4", the CPU tier's Q4_0 bytes, hot_q4's
+    kernels) on a CUDA fast tier when the CPU weights are int4, else None (the fast tier's
+    compute dtype); a mixture's experts never. Torch-free: the engine (hot_q4.hot_weights)
+    and the fit estimate (models_registry.fit) both take it from here."""
+    if moe:
+        return None
+    return COLD_INT4 if fast_device.split(":")[0] == "cuda" and cpu_weights == COLD_INT4 else None
+
+
 def cpu_matrix_bytes(params: int, rows: int, cpu_weights: str) -> int:
     """Bytes of weight matrices on the CPU tier: int8 values and an fp32 scale per row,
     4-bit rows of whole 32-weight blocks (exact when the rows share one length), or fp32."""
