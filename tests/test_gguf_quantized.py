@@ -19,6 +19,7 @@ import model_factory as mf
 from app.cli import main
 from engine import Engine, SamplingParams
 from engine.kernels import cpu_q4
+from engine.errors import ModelFormatError
 from engine.loading.gguf_import import _reader_class, _unpermute, import_gguf
 from engine.loading.prepared import PreparedRows, prepared_path
 from engine.loading.quantized import Q4Matrix
@@ -166,6 +167,12 @@ def test_truncated_or_lying_quantized_tensor_is_one_error_line(imported, tmp_pat
     _rewrite_header(quant / "model.safetensors", lying / "model.safetensors",
                     lambda h: h[name].__setitem__("shape", [320, 18]))
     _generate_fails(capsys, lying, "up_proj", "shape")
+    # the same bytes as 3-D [rows, 2, one block]: the header alone is refused (WeightSource.shape)
+    _rewrite_header(quant / "model.safetensors", lying / "model.safetensors",
+                    lambda h: h[name].__setitem__("shape", [160, 2, 18]))
+    _generate_fails(capsys, lying, name, "Q4_0 rows")
+    with pytest.raises(ModelFormatError, match="not Q4_0 rows"):
+        WeightSource(lying).shape(name[: -len(".q4_0")])
     cut = tmp_path / "cut"
     shutil.copytree(quant, cut, ignore=shutil.ignore_patterns("thermocline"))
     data = (quant / "model.safetensors").read_bytes()
