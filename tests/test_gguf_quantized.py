@@ -235,3 +235,17 @@ def test_reference_q4_0_file_decodes_as_its_f32_import_on_the_int4_tier(tmp_path
         e.eos_ids = set()
     assert torch.equal(engines[0].score(PROMPT), engines[1].score(PROMPT))
     assert engines[0].generate(PROMPT, greedy).token_ids == engines[1].generate(PROMPT, greedy).token_ids
+
+
+def test_q4_0_block_numbers_have_one_home_and_one_decode():
+    """ggml's block_q4_0 sizes live in tensor_kinds (torch-free); the kernels and the placement
+    rules take them from there, and a checkpoint's Q4_0 tensor decodes with the kernels' decode."""
+    from engine.hotcold import placement
+    from engine.loading import tensor_kinds
+    from engine.loading.weights import dequantize_blocks
+
+    home = (tensor_kinds.Q4_0_BLOCK, tensor_kinds.Q4_0_BLOCK_BYTES)
+    assert home == (32, 18) == tensor_kinds.QUANT_KINDS["q4_0"][1:]
+    assert (cpu_q4.QK, cpu_q4.BLOCK_BYTES) == home == (placement.Q4_BLOCK, placement.Q4_BLOCK_BYTES)
+    q = cpu_q4.quantize_rows_q4(torch.randn(5, 96, generator=torch.Generator().manual_seed(0)))
+    assert torch.equal(dequantize_blocks(q, "q4_0"), cpu_q4.dequantize_rows_q4(q, 96))

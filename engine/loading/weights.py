@@ -27,13 +27,13 @@ def dequantize_blocks(q: torch.Tensor, kind: str) -> torch.Tensor:
     """uint8 rows of ggml blocks [n, row bytes] -> fp32 [n, cols] (exact)."""
     _, block, size = QUANT_KINDS[kind.lower()]
     n, nbytes = q.shape
+    if kind.lower() == "q4_0":  # the 4-bit kernels' own decode (imported here: it loads numba)
+        from engine.kernels.cpu_q4 import dequantize_rows_q4
+
+        return dequantize_rows_q4(q, nbytes // size * block)
     blocks = q.reshape(n, nbytes // size, size)
     d = blocks[:, :, :2].contiguous().view(torch.float16).to(torch.float32)  # [n, nb, 1]
-    if kind.lower() == "q8_0":
-        vals = blocks[:, :, 2:].contiguous().view(torch.int8).to(torch.float32)
-    else:  # low nibbles are weights 0..15 of a block, high nibbles 16..31
-        nib = blocks[:, :, 2:].to(torch.int16)
-        vals = torch.cat([nib & 15, nib >> 4], dim=2).to(torch.float32) - 8.0
+    vals = blocks[:, :, 2:].contiguous().view(torch.int8).to(torch.float32)
     return (vals * d).reshape(n, -1)
 
 
