@@ -31,7 +31,7 @@ from .hub import (
     RemoteFile, RepoPlan, auth_headers, check_access, fetch_plan, file_url, hub_endpoint, hub_error, is_offline,
 )
 from .gguf_fetch import choose_gguf, import_gguf_predictors_from_hub
-from .gguf_weights import import_weights_gguf, weights_gguf_plan
+from .gguf_weights import import_bytes, import_weights_gguf, weights_gguf_plan
 from .paths import models_dir, repo_folder_name
 from .pickles import convert_pickles, is_pickle_weight
 from .progress import DownloadControl, ProgressMeter
@@ -285,13 +285,8 @@ def download_model(
                dict(stall_timeout=stall_timeout, max_retries=max_retries, retry_delay=retry_delay))
 
     remaining = sum(f.size - job.already_have(rel, f) for _, rel, f in jobs)
-    # The predictor import writes predictors.safetensors next to the downloaded model_N.pt.
-    imported_copy = pred_plan.total_bytes if pred_plan is not None and on_predictors_downloaded else 0
-    # pytorch_model*.bin shards become safetensors one at a time: one shard's copy at once.
-    imported_copy += max((f.size for f in plan.files if is_pickle_weight(f.name)), default=0)
-    if gguf_weights:  # the import writes about the GGUF's size before the GGUF is deleted
-        imported_copy += plan.total_bytes
-    need = remaining + imported_copy + max(DISK_MARGIN_MIN, int(DISK_MARGIN_FRACTION * remaining))
+    gguf_out = import_bytes(endpoint, plan, headers=job.headers) if gguf_weights and jobs else 0
+    need = disk_need(remaining, plan, pred_plan if on_predictors_downloaded else None, gguf_out)
     disk_path, free = free_disk(model_dir)
     if free is not None and need > free:
         raise UserError(f"not enough free disk for {repo}: it needs {format_size(need)} more and "
@@ -300,12 +295,12 @@ def download_model(
 
     job.save_state()  # the listing shows the Hub's size from now on
     meter.emit("plan", message=f"{len(jobs)} files, {format_size(total)}, {format_size(remaining)} to fetch")
-    with _DownloadLock(model_dir):
+    with _DownloadLock(model_dir):  # the import too: a second download must not fetch into it
         _fetch_all(job, jobs, entry, created, model_dir, endpoint, token)
-    if gguf_weights and jobs:
-        meter.emit("convert", message=f"importing {jobs[0][1]}")
-        import_weights_gguf(model_dir, job.state, jobs[0][1], entry.activation)
-        job.save_state()
+        if gguf_weights and jobs:
+            meter.emit("convert", message=f"importing {jobs[0][1]}")
+            # A refused import keeps the verified GGUF and its record: a retry imports it again.
+            import_weights_gguf(model_dir, job.state, jobs[0][1], entry.activation, save_state=job.save_state)
     result = _finish(job, plan, pred_plan, predictors, on_predictors_downloaded, meter, names, jobs, convert_pickles)
     if gguf_plan is not None:
         info = import_gguf_predictors_from_hub(job.endpoint, gguf_plan, model_dir, headers=job.headers,
@@ -316,18 +311,45 @@ def download_model(
     return result
 
 
-def planned_size(name: str, *, endpoint: str | None = None, token: str | None = None,
-                 with_predictors: bool = True) -> int:
-    """Bytes a download of `name` would fetch, from the Hub's file listing (nothing is fetched)."""
+def disk_need(fetch_bytes: int, plan: RepoPlan, imported_pred_plan: RepoPlan | None, gguf_import_bytes: int) -> int:
+    """Free disk a download needs: what it still fetches, what its imports write while the
+    source is still there, and a margin. The one rule of download_model and planned_disk."""
+    # The predictor import writes predictors.safetensors next to the downloaded model_N.pt.
+    imported_copy = imported_pred_plan.total_bytes if imported_pred_plan is not None else 0
+    # pytorch_model*.bin shards become safetensors one at a time: one shard's copy at once.
+    imported_copy += max((f.size for f in plan.files if is_pickle_weight(f.name)), default=0)
+    # A GGUF's import (gguf_weights.import_bytes, from its header) is written before the GGUF goes.
+    imported_copy += gguf_import_bytes
+    return fetch_bytes + imported_copy + max(DISK_MARGIN_MIN, int(DISK_MARGIN_FRACTION * fetch_bytes))
+
+
+def planned_disk(name: str, *, endpoint: str | None = None, token: str | None = None,
+                 with_predictors: bool = True) -> dict:
+    """{"bytes": what a download of `name` fetches, "disk_need": the free disk it needs (disk_need),
+    "model_bytes": what the folder holds once done}, from the Hub's listing and, for a GGUF,
+    its header (range requests); no weights are fetched."""
     repo, entry = _entry_for(name.strip())
     endpoint, token = hub_endpoint(endpoint), token or get_token()
     plan = fetch_plan(repo, entry.revision if entry else None, entry.files if entry else DEFAULT_MODEL_FILES,
                       endpoint=endpoint, token=token)
-    total = (weights_gguf_plan(plan) if entry is not None and entry.gguf_weights else plan).total_bytes
+    gguf_out = 0
+    if entry is not None and entry.gguf_weights:
+        plan = weights_gguf_plan(plan)
+        gguf_out = import_bytes(endpoint, plan, headers=auth_headers(token))
+    total, pred_plan = plan.total_bytes, None
     if with_predictors and entry is not None and entry.predictor.repo and entry.predictor.source == "powerinfer":
-        total += fetch_plan(entry.predictor.repo, entry.predictor.revision, entry.predictor.files,
-                            endpoint=endpoint, token=token).total_bytes
-    return total
+        pred_plan = fetch_plan(entry.predictor.repo, entry.predictor.revision, entry.predictor.files,
+                               endpoint=endpoint, token=token)
+        total += pred_plan.total_bytes
+    need = disk_need(total, plan, pred_plan, gguf_out)
+    model_bytes = gguf_out if gguf_out else total
+    return {"bytes": total, "disk_need": need, "model_bytes": model_bytes}
+
+
+def planned_size(name: str, *, endpoint: str | None = None, token: str | None = None,
+                 with_predictors: bool = True) -> int:
+    """Bytes a download of `name` would fetch, from the Hub's file listing (nothing is fetched)."""
+    return planned_disk(name, endpoint=endpoint, token=token, with_predictors=with_predictors)["bytes"]
 
 
 def _fetch_all(job: _Job, jobs: list, entry: CatalogueEntry | None, created: bool, model_dir: Path,
@@ -486,4 +508,4 @@ def verify_model(model_dir: Path) -> list[str]:
     return bad
 
 
-__all__ = ["DownloadResult", "IntegrityError", "download_model", "planned_size", "verify_model"]
+__all__ = ["DownloadResult", "IntegrityError", "disk_need", "download_model", "planned_disk", "planned_size", "verify_model"]

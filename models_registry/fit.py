@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.budget_policy import RAM_RESERVE_FRACTION, RAM_RESERVE_MIN, VRAM_RESERVE, usable_ram, usable_vram  # noqa: F401
-from engine.hotcold.placement import ModelBytes, build_problem, predictor_cpu_bytes, solve
+from engine.hotcold.placement import ModelBytes, build_problem, hot_row_format, predictor_cpu_bytes, solve
 from engine.units import format_size
 
 from .arch import ArchInfo, detect_architecture
@@ -144,6 +144,7 @@ class BytesModel:
     gpu_kv_bytes: int = 2
     cpu_weights: str = "int8"  # CPU matrices: "int8" rows + one fp32 scale per row; "fp32"
     cpu_kv_bytes: int | None = None  # the CPU KV cache (None: the engine's setting, fp16 unless fp32 is asked)
+    fast_device: str = "cuda"  # the fast tier ("cpu" for a CPU stand-in): CUDA + int4 CPU weights = 4-bit hot rows
 
 
 @dataclass
@@ -231,8 +232,10 @@ def place_bytes(shape: ModelShape, *, ctx: int, vram_budget: int, ram_budget: in
     # Which neurons are hot does not change any byte count: uniform frequencies will do.
     model = placement_bytes(shape)
     frequencies = [np.ones(model.n_ff, dtype=np.float32) for _ in range(shape.n_layers)]
+    hot = hot_row_format(bm.fast_device, bm.cpu_weights, moe=bool(shape.expert_ff))  # the engine's rule
     problem = build_problem(model, predictor_params, frequencies, ctx, bm.gpu_weight_bytes,
-                            bm.gpu_kv_bytes, bm.cpu_weights, cpu_kv_bytes=bm.cpu_kv_bytes)
+                            bm.gpu_kv_bytes, bm.cpu_weights, fast_device=bm.fast_device, hot_weights=hot,
+                            cpu_kv_bytes=bm.cpu_kv_bytes)
     plan = solve(problem, max(int(vram_budget), 0), ram_budget)
     tiers = plan.tier_bytes
     on_gpu = plan.layer_on_fast

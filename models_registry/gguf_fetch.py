@@ -77,6 +77,34 @@ def _parse(path: Path, have: int):
     return reader if reader.data_offset <= have else None
 
 
+def read_header(session, url: str, plan: RepoPlan, remote: RemoteFile, dest: Path, *, headers: dict,
+                meter: ProgressMeter, control: DownloadControl, timeout: float = 30.0):
+    """Range-read the GGUF's header into `dest` (a sparse file of the GGUF's size, magic GGUF),
+    growing the span until it parses: (GGUFReader, bytes read, the file's magic), or None when
+    the server ignores ranges."""
+    with open(dest, "wb") as f:
+        f.truncate(remote.size)  # sparse: unfetched spans take no disk
+    have, reader, magic = 0, None, b""
+    want = FIRST_HEADER_BYTES
+    while reader is None:
+        want = min(want, remote.size)
+        control.checkpoint(lambda: None, lambda: None)
+        data = _get_range(session, url, headers, have, want, timeout)
+        if data is None:
+            return None
+        magic = magic or data[:4]
+        if magic not in MAGICS:
+            raise UserError(f"{plan.repo}/{remote.name} is not a GGUF file (magic {magic!r})")
+        _write_at(dest, have, b"GGUF" + data[4:] if have == 0 else data)
+        meter.add(len(data))
+        have = want
+        reader = _parse(dest, have)
+        if reader is None and (have >= remote.size or have >= MAX_HEADER_BYTES):
+            raise UserError(f"cannot read the header of {plan.repo}/{remote.name}: not a GGUF file")
+        want *= 4
+    return reader, have, magic
+
+
 def fetch_gguf_predictors(endpoint: str, plan: RepoPlan, remote: RemoteFile, dest: Path, *, headers: dict,
                           meter: ProgressMeter, control: DownloadControl, timeout: float = 30.0) -> dict:
     """Make `dest` a local GGUF (magic GGUF) holding at least the header and the predictor tensors."""
@@ -84,28 +112,13 @@ def fetch_gguf_predictors(endpoint: str, plan: RepoPlan, remote: RemoteFile, des
 
     url = file_url(endpoint, plan.repo, plan.commit, remote.name)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with open(dest, "wb") as f:
-        f.truncate(remote.size)  # sparse: unfetched spans take no disk
     session = get_session()
-    fetched, have, reader, magic = 0, 0, None, b""
-    want = FIRST_HEADER_BYTES
-    while reader is None:
-        want = min(want, remote.size)
-        control.checkpoint(lambda: None, lambda: None)
-        data = _get_range(session, url, headers, have, want, timeout)
-        if data is None:  # no range support: the whole file, checked against the Hub's hash
-            return _fetch_whole(url, dest, remote, headers, meter, control)
-        magic = magic or data[:4]
-        if magic not in MAGICS:
-            raise UserError(f"{plan.repo}/{remote.name} is not a GGUF file (magic {magic!r})")
-        _write_at(dest, have, b"GGUF" + data[4:] if have == 0 else data)
-        fetched += len(data)
-        meter.add(len(data))
-        have = want
-        reader = _parse(dest, have)
-        if reader is None and (have >= remote.size or have >= MAX_HEADER_BYTES):
-            raise UserError(f"cannot read the header of {plan.repo}/{remote.name}: not a GGUF file")
-        want *= 4
+    header = read_header(session, url, plan, remote, dest, headers=headers, meter=meter, control=control,
+                         timeout=timeout)
+    if header is None:  # no range support: the whole file, checked against the Hub's hash
+        return _fetch_whole(url, dest, remote, headers, meter, control)
+    reader, have, magic = header
+    fetched = have
     spans = sorted((t.data_offset, t.data_offset + int(t.n_bytes)) for t in reader.tensors
                    if PREDICTOR_TENSOR.match(t.name))
     if not spans:

@@ -11,11 +11,13 @@ and deletes it. The state file records the imported files (`converted`: the GGUF
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
+from typing import Callable
 
 from engine.errors import UserError
 
-from .hub import RepoPlan
+from .hub import RepoPlan, file_url
 from .state import SIDECAR
 
 IMPORT_SUBDIR = "gguf-import"  # <model>/thermocline/: the import's folder until it is moved into place
@@ -30,8 +32,42 @@ def weights_gguf_plan(plan: RepoPlan) -> RepoPlan:
     return RepoPlan(plan.repo, plan.commit, (chosen,), plan.gated)
 
 
-def import_weights_gguf(model_dir: Path, state: dict, rel: str, activation: str | None) -> dict:
-    """Import the downloaded GGUF `rel` into `model_dir`, delete it, record what was written."""
+# Without range requests the header is not read: the bound of an all-F32 import of Q4_0
+# (32 weights in 18 bytes -> 128 bytes: about 7.1x), rounded up.
+NO_HEADER_IMPORT_FACTOR = 8
+
+
+def import_bytes(endpoint: str, plan: RepoPlan, *, headers: dict, timeout: float = 30.0) -> int:
+    """Bytes the import of the plan's GGUF writes into the model folder (a Q6_K head and the
+    predictors become F32, Q4_0/Q8_0 matrices stay blocks), from its header read with range
+    requests: gguf_import.import_output_bytes. The one figure the download's disk check and
+    the Models page's plan use."""
+    from huggingface_hub.utils import get_session
+
+    from engine.loading.gguf_import import import_output_bytes
+
+    from .gguf_fetch import read_header
+    from .progress import DownloadControl, ProgressMeter
+
+    remote = weights_gguf_plan(plan).files[0]
+    with tempfile.TemporaryDirectory(prefix="thermocline-gguf-header-") as tmp:
+        header = read_header(get_session(), file_url(endpoint, plan.repo, plan.commit, remote.name), plan, remote,
+                             Path(tmp) / "header.gguf", headers=headers, meter=ProgressMeter(plan.repo, 0),
+                             control=DownloadControl(), timeout=timeout)
+        if header is None:
+            return NO_HEADER_IMPORT_FACTOR * remote.size
+        reader = header[0]
+        tensors = [(t.name, t.tensor_type.name, tuple(int(x) for x in t.shape[::-1]), int(t.n_bytes))
+                   for t in reader.tensors]
+        data_offset = reader.data_offset
+        del reader, header  # the mapped file closes before the folder goes
+    return import_output_bytes(tensors, data_offset)
+
+
+def import_weights_gguf(model_dir: Path, state: dict, rel: str, activation: str | None,
+                        save_state: Callable[[], None]) -> dict:
+    """Import the downloaded GGUF `rel` into `model_dir`, record what was written (save_state),
+    then delete it: a crash in between leaves a record that names the imported files."""
     from engine.loading.gguf_import import import_gguf
 
     model_dir = Path(model_dir)
@@ -53,5 +89,6 @@ def import_weights_gguf(model_dir: Path, state: dict, rel: str, activation: str 
     state["weights_format"] = f"gguf ({', '.join(summary['tensor_types'])}; Q4_0/Q8_0 kept as blocks)"
     if summary.get("predictors"):
         state["predictors"] = "imported"
+    save_state()
     src.unlink(missing_ok=True)
     return summary

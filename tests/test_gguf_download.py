@@ -73,3 +73,96 @@ def test_q4_gguf_repo_downloads_imports_and_decodes(local_hub, registry_env, tmp
     assert main(["models", "download", "relullama-7b-q4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["from_cache"] is True
     assert len(local_hub.requests("GET", q4.name)) == before
+
+
+def test_disk_need_counts_the_import_written_next_to_the_gguf(local_hub, registry_env, tmp_path, capsys,
+                                                              monkeypatch):
+    """A Q6_K head becomes F32 (about 4.9x) and Q4_0 predictors fp32 (about 7x): the disk check
+    and the Models page's plan take the import's bytes from the GGUF's header (range requests),
+    not the GGUF's size, and refuse a disk that holds the GGUF but not its import."""
+    from models_registry import download as dl
+
+    hf = mf.llama_relu(tmp_path / "hf", hidden=256, ff=512, layers=2, dtype=torch.float16)
+    g = np.random.default_rng(0)
+    preds = ([g.standard_normal((64, 256)).astype(np.float32) for _ in range(2)],
+             [g.standard_normal((512, 64)).astype(np.float32) for _ in range(2)])
+    q4 = gf.write_gguf(hf, tmp_path / "llama-7b-relu.q4.powerinfer.gguf", qtype="Q4_0", predictors=preds,
+                       sparse_threshold=0.0, q6_k=("output.weight",))
+    local_hub.add_repo(HubRepo(REPO, {q4.name: q4.read_bytes(), "README.md": b"# r\n"}))
+    plan = dl.planned_disk("relullama-7b-q4")
+    assert plan["bytes"] == q4.stat().st_size
+    assert all(r["range"] for r in local_hub.requests("GET", q4.name))  # the header only
+    by_hand = tmp_path / "by-hand"
+    import_gguf(q4, by_hand)
+    written = sum(p.stat().st_size for p in by_hand.rglob("*") if p.is_file())
+    tensor_bytes = sum(p.stat().st_size for p in by_hand.rglob("*.safetensors"))
+    assert tensor_bytes > 1.5 * q4.stat().st_size  # the F32 head and predictors: not the GGUF's size
+    assert written <= plan["model_bytes"] <= written + 4 * q4.stat().st_size  # exact tensors + a JSON bound
+    assert plan["disk_need"] >= q4.stat().st_size + written
+    # a disk with room for the GGUF twice over, not for its import: refused before a byte moves
+    monkeypatch.setattr(dl, "free_disk", lambda path: (path, 2 * q4.stat().st_size + dl.DISK_MARGIN_MIN))
+    assert main(["models", "download", "relullama-7b-q4", "--json"]) == 2
+    assert "not enough free disk" in capsys.readouterr().err
+    assert all(r["range"] for r in local_hub.requests("GET", q4.name))
+
+
+def test_a_refused_import_keeps_the_gguf_and_a_retry_completes(local_hub, registry_env, tmp_path, capsys):
+    """The import runs under the download lock and after the GGUF is verified: when it refuses the
+    file (predictors of one layer of two), the GGUF and the record stay, a retry imports the kept
+    file again without fetching it, and once the Hub serves a good file (another hash) the retry
+    fetches that one and completes."""
+    from models_registry.download import download_model
+    from models_registry.gguf_weights import import_weights_gguf
+    from models_registry.state import read_state
+
+    hf = mf.llama_relu(tmp_path / "hf", dtype=torch.float16)
+    g = np.random.default_rng(0)
+    fc1 = [g.standard_normal((32, 64)).astype(np.float32) for _ in range(2)]
+    fc2 = [g.standard_normal((160, 32)).astype(np.float32) for _ in range(2)]
+    name = "llama-7b-relu.q4.powerinfer.gguf"
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "good").mkdir()
+    bad = gf.write_gguf(hf, tmp_path / "bad" / name, qtype="Q4_0", predictors=(fc1[:1], fc2[:1]))
+    local_hub.add_repo(HubRepo(REPO, {name: bad.read_bytes(), "README.md": b"# r\n"}))
+    capsys.readouterr()
+    assert main(["models", "download", "relullama-7b-q4"]) == 2
+    err = capsys.readouterr().err
+    assert [ln for ln in err.splitlines() if ln.startswith("error: ")] == [
+        f"error: {name} has predictors for layers [0] only"] and "Traceback" not in err
+    model_dir = next(p.parent.parent for p in (registry_env / "models").glob("**/thermocline/download.json"))
+    assert (model_dir / name).read_bytes() == bad.read_bytes()
+    state = read_state(model_dir)
+    assert state["files"][name]["verified"] and not state.get("converted")
+    assert not (model_dir / "thermocline" / "gguf-import").exists()
+    assert not (model_dir / "thermocline" / "download.lock").exists()
+    fetched = len([r for r in local_hub.requests("GET", name) if not r["range"]])
+    # the same file again: imported from disk (refused again), not fetched
+    assert main(["models", "download", "relullama-7b-q4"]) == 2
+    capsys.readouterr()
+    assert len([r for r in local_hub.requests("GET", name) if not r["range"]]) == fetched
+    assert (model_dir / name).is_file()
+    # the Hub's file fixed in a new commit: a partial download stays on its pinned commit, so the
+    # retry names the new one; it fetches the new GGUF (another hash) and imports it, locked
+    good = gf.write_gguf(hf, tmp_path / "good" / name, qtype="Q4_0", predictors=(fc1, fc2))
+    local_hub.add_repo(HubRepo(REPO, {name: good.read_bytes(), "README.md": b"# r\n"}))
+    locked_while_importing = []
+
+    def progress(event):
+        if event.kind == "convert":
+            locked_while_importing.append((model_dir / "thermocline" / "download.lock").exists())
+
+    assert download_model("relullama-7b-q4", revision="main", progress=progress).model_dir == model_dir
+    assert locked_while_importing == [True]
+    assert len([r for r in local_hub.requests("GET", name) if not r["range"]]) == fetched + 1
+    state = read_state(model_dir)
+    assert state["status"] == "ready" and state["converted"] == {name: "model.safetensors"}
+    assert not (model_dir / name).exists() and (model_dir / "thermocline" / "predictors.safetensors").is_file()
+
+    # the record is written before the GGUF goes: a crash in between still names the import
+    gone = []
+    src = tmp_path / "again" / name
+    src.parent.mkdir()
+    src.write_bytes(good.read_bytes())
+    import_weights_gguf(src.parent, {}, name, "relu",
+                        save_state=lambda: gone.append(not src.exists()))
+    assert gone == [False] and not src.exists()

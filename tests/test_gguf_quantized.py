@@ -19,6 +19,7 @@ import model_factory as mf
 from app.cli import main
 from engine import Engine, SamplingParams
 from engine.kernels import cpu_q4
+from engine.errors import ModelFormatError
 from engine.loading.gguf_import import _reader_class, _unpermute, import_gguf
 from engine.loading.prepared import PreparedRows, prepared_path
 from engine.loading.quantized import Q4Matrix
@@ -166,11 +167,39 @@ def test_truncated_or_lying_quantized_tensor_is_one_error_line(imported, tmp_pat
     _rewrite_header(quant / "model.safetensors", lying / "model.safetensors",
                     lambda h: h[name].__setitem__("shape", [320, 18]))
     _generate_fails(capsys, lying, "up_proj", "shape")
+    # the same bytes as 3-D [rows, 2, one block]: the header alone is refused (WeightSource.shape)
+    _rewrite_header(quant / "model.safetensors", lying / "model.safetensors",
+                    lambda h: h[name].__setitem__("shape", [160, 2, 18]))
+    _generate_fails(capsys, lying, name, "Q4_0 rows")
+    with pytest.raises(ModelFormatError, match="not Q4_0 rows"):
+        WeightSource(lying).shape(name[: -len(".q4_0")])
     cut = tmp_path / "cut"
     shutil.copytree(quant, cut, ignore=shutil.ignore_patterns("thermocline"))
     data = (quant / "model.safetensors").read_bytes()
     (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
     _generate_fails(capsys, cut)
+
+
+def _q6_k_fp64(raw: np.ndarray) -> np.ndarray:
+    """An fp64 decode of ggml's block_q6_K written from its layout (ggml-quants.c), not the
+    importer's code: per 256 weights ql[128] (low 4 bits), qh[64] (high 2 bits), int8 scales[16]
+    (one per 16 weights), fp16 d. Each half of 128 weights uses 64 ql bytes, 32 qh bytes and 8
+    scales: weight 32*k + l (k = 0..3, l = 0..31) takes the low (k < 2) or high nibble of
+    ql[l + 32*(k % 2)], bits 2k..2k+1 of qh[l], scale 2k + l // 16; value d * scale * (q - 32)."""
+    blocks = raw.reshape(-1, 210)
+    ql, qh = blocks[:, :128].astype(np.int64), blocks[:, 128:192].astype(np.int64)
+    scales = blocks[:, 192:208].view(np.int8).astype(np.float64)
+    d = blocks[:, 208:210].copy().view(np.float16).astype(np.float64)[:, 0]
+    out = np.empty((len(blocks), 256), dtype=np.float64)
+    for half in range(2):
+        lo, hi, sc = ql[:, 64 * half:64 * half + 64], qh[:, 32 * half:32 * half + 32], scales[:, 8 * half:]
+        for k in range(4):
+            ql_part = lo[:, 32 * (k % 2):32 * (k % 2) + 32]
+            nibble = ql_part & 0xF if k < 2 else ql_part >> 4
+            q = nibble | (((hi >> (2 * k)) & 3) << 4)
+            scale = np.repeat(sc[:, 2 * k:2 * k + 2], 16, axis=1)  # l < 16: scale 2k, else 2k + 1
+            out[:, 128 * half + 32 * k:128 * half + 32 * k + 32] = d[:, None] * scale * (q - 32)
+    return out.reshape(-1)
 
 
 def test_q6_k_output_head_of_a_llama_quantize_q4_0_file_is_read_exactly(tmp_path):
@@ -181,10 +210,12 @@ def test_q6_k_output_head_of_a_llama_quantize_q4_0_file_is_read_exactly(tmp_path
     import_gguf(path, tmp_path / "m")
     raw = {t.name: t for t in _reader_class()(path, "r").tensors}
     assert raw["output.weight"].tensor_type == gguf.GGMLQuantizationType.Q6_K
-    want = gguf.quants.dequantize(np.asarray(raw["output.weight"].data), gguf.GGMLQuantizationType.Q6_K)
+    want = _q6_k_fp64(np.asarray(raw["output.weight"].data).reshape(-1))
     source = WeightSource(tmp_path / "m")
     assert source.quant_kind("lm_head.weight") is None and source.quant_kind("model.embed_tokens.weight")
-    assert torch.equal(source.get("lm_head.weight"), torch.from_numpy(want.reshape(300, 256)))
+    head = source.get("lm_head.weight")
+    assert head.dtype == torch.float32
+    assert torch.equal(head.double(), torch.from_numpy(want.reshape(300, 256)))  # exact in fp32
     logits = Engine.load(tmp_path / "m").score(PROMPT)
     assert torch.isfinite(logits).all()
 
@@ -204,3 +235,17 @@ def test_reference_q4_0_file_decodes_as_its_f32_import_on_the_int4_tier(tmp_path
         e.eos_ids = set()
     assert torch.equal(engines[0].score(PROMPT), engines[1].score(PROMPT))
     assert engines[0].generate(PROMPT, greedy).token_ids == engines[1].generate(PROMPT, greedy).token_ids
+
+
+def test_q4_0_block_numbers_have_one_home_and_one_decode():
+    """ggml's block_q4_0 sizes live in tensor_kinds (torch-free); the kernels and the placement
+    rules take them from there, and a checkpoint's Q4_0 tensor decodes with the kernels' decode."""
+    from engine.hotcold import placement
+    from engine.loading import tensor_kinds
+    from engine.loading.weights import dequantize_blocks
+
+    home = (tensor_kinds.Q4_0_BLOCK, tensor_kinds.Q4_0_BLOCK_BYTES)
+    assert home == (32, 18) == tensor_kinds.QUANT_KINDS["q4_0"][1:]
+    assert (cpu_q4.QK, cpu_q4.BLOCK_BYTES) == home == (placement.Q4_BLOCK, placement.Q4_BLOCK_BYTES)
+    q = cpu_q4.quantize_rows_q4(torch.randn(5, 96, generator=torch.Generator().manual_seed(0)))
+    assert torch.equal(dequantize_blocks(q, "q4_0"), cpu_q4.dequantize_rows_q4(q, 96))

@@ -182,3 +182,28 @@ def test_cuda_fast_tier_with_int4_cpu_weights_holds_4bit_hot_rows(llama_dir, tmp
         assert (y.cpu().double() - ref).abs().max() <= 1e-3 * (1 + ref.abs().max())
         tested += 1
     assert tested
+
+
+def test_a_prefill_dequantizes_each_4bit_hot_matrix_once(q4_hot_engine, monkeypatch):
+    """The batched path reads the hot rows' dtype and width as metadata and dequantizes each of
+    gate, up, down once per layer (not on every attribute read), with the same result."""
+    engine, _ = q4_hot_engine
+    want = engine.score(PROMPT, "oracle")
+    hot_codes = {}
+    for i, layer in enumerate(engine.model.layers):
+        for q in (layer.ffn.hot.q_gate, layer.ffn.hot.q_up, layer.ffn.hot.q_down):
+            if q is not None and len(layer.ffn.hot):
+                hot_codes[q.data_ptr()] = i
+    calls = []
+    real = cpu_q4.dequantize_rows_q4
+
+    def counting(q, dim, *args, **kwargs):
+        if q.data_ptr() in hot_codes:
+            calls.append(hot_codes[q.data_ptr()])
+        return real(q, dim, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_q4, "dequantize_rows_q4", counting)
+    got = engine.score(PROMPT, "oracle")
+    assert torch.equal(got, want)
+    layers_with_hot = sorted(set(hot_codes.values()))
+    assert layers_with_hot and sorted(calls) == sorted(layers_with_hot * 3)  # gate, up, down: once each

@@ -201,3 +201,24 @@ def test_estimate_matches_the_engine_placement_solver(config):
         assert ours.tier_bytes() == theirs.tier_bytes, vram
         assert (ours.vram_bytes, ours.ram_bytes) == (theirs.vram_bytes, theirs.ram_bytes)
         assert ours.verdict == theirs.verdict
+
+
+def test_int4_cpu_weights_with_a_cuda_gpu_count_hot_rows_at_4_bits():
+    """`models fit --cpu-weights int4` on a CUDA machine: the engine keeps hot rows as the CPU
+    tier's Q4_0 blocks (hot_q4), 18 bytes per 32 weights, so the estimate counts them so too;
+    a CPU stand-in fast tier, or int8 CPU weights, keeps the fast tier's dtype."""
+    from engine.hotcold.placement import hot_row_format
+
+    d, f, L = 64, 160, 3
+    machine = _machine(8 * GiB, 32 * GiB)  # an 8 GiB GPU by numbers: the whole tiny model fits
+    est = estimate_fit(tiny(), ctx=32, hardware=machine, bytes_model=BytesModel(cpu_weights="int4"))
+    assert est.verdict == VERDICT_FITS and est.hot_neurons == L * f
+    assert est.hot_ffn_bytes == L * f * (3 * (d // 32 * 18) + 8)  # gate, up, down rows + the int64 id
+    fp16 = estimate_fit(tiny(), ctx=32, hardware=machine, bytes_model=BytesModel(cpu_weights="int8"))
+    assert fp16.hot_ffn_bytes == L * f * (3 * d * 2 + 8)
+    stand_in = estimate_fit(tiny(), ctx=32, hardware=machine,
+                            bytes_model=BytesModel(gpu_weight_bytes=4, cpu_weights="int4", fast_device="cpu"))
+    assert stand_in.hot_ffn_bytes == L * f * (3 * d * 4 + 8)
+    assert [hot_row_format(dev, w) for dev, w in (("cuda:0", "int4"), ("cuda", "int8"), ("cpu", "int4"))] == [
+        "int4", None, None]
+    assert hot_row_format("cuda", "int4", moe=True) is None

@@ -451,10 +451,13 @@ def test_prefetch_thread_lives_as_long_as_its_engine(model, monkeypatch):
     engine.close()  # idempotent
     with Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG, cpu_weights="fp32") as second:
         assert len(_prefetch_threads()) == before + 1
+        first_finalizer = second.sparse._prefetch_finalizer
         second.sparse.set_prefetch(False)
         assert len(_prefetch_threads()) == before
+        assert not first_finalizer.alive  # detached with its prefetcher: toggling does not pile them up
         second.sparse.set_prefetch(True)
         assert len(_prefetch_threads()) == before + 1
+        assert second.sparse._prefetch_finalizer.alive and second.sparse._prefetch_finalizer is not first_finalizer
     assert len(_prefetch_threads()) == before
 
 

@@ -300,7 +300,7 @@ def cmd_fit(args) -> int:
     hw = probe_hardware()
     est = estimate_fit(config, ctx=args.ctx, vram_budget=args.vram_budget, ram_budget=args.ram_budget,
                        hardware=hw, model_dir=folder, known_activation=entry.activation if entry else None,
-                       bytes_model=BytesModel(cpu_weights=args.cpu_weights))
+                       bytes_model=BytesModel(cpu_weights=args.cpu_weights, fast_device="cuda" if hw.gpus else "cpu"))
     if args.json:
         print(json.dumps(dict(est.to_dict(), model=args.model), indent=2))
         return 0

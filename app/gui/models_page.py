@@ -486,12 +486,12 @@ class ModelsPage(QWidget):
 
         def work() -> dict:
             from models_registry import models_dir
-            from models_registry.download import planned_size
+            from models_registry.download import planned_disk
             from models_registry.hardware import free_disk
 
-            size = planned_size(spec)
+            plan = planned_disk(spec)  # disk_need: the download's own disk check (imports included)
             where, free = free_disk(models_dir())
-            return {"bytes": size, "where": str(where), "free": free}
+            return {"bytes": plan["bytes"], "disk_need": plan["disk_need"], "where": str(where), "free": free}
 
         def done(result: dict) -> None:
             if spec not in self.plans:  # "Not now" while asking
@@ -499,7 +499,8 @@ class ModelsPage(QWidget):
             free = result["free"]
             text = f"Downloads {fmt.size(result['bytes'])} into the models folder ({result['where']}"
             text += f", {fmt.size(free)} free)" if free is not None else ")"
-            if free is not None and free < result["bytes"]:
+            text += f" · needs {fmt.size(result['disk_need'])} free"  # imports and margin included
+            if free is not None and free < result["disk_need"]:
                 text += " · not enough free disk: free some space first"
             self.plans[spec] = {"asking": False, "bytes": result["bytes"], "text": text}
             self._sync_card(spec)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from engine.hotcold.hybrid_ffn import ColdRows, HotRows
+from engine.hotcold.placement import hot_row_format
 from engine.kernels import cpu_q4
 
 HOT_INT4 = "int4"
@@ -34,7 +35,7 @@ def hot_weights(fast: torch.device, cpu_weights: str) -> str | None:
     THERMOCLINE_HOT_WEIGHTS=int4 asks for it), else None (the fast tier's compute dtype)."""
     if os.environ.get(HOT_WEIGHTS_ENV, "").strip().lower() == HOT_INT4:
         return HOT_INT4
-    return HOT_INT4 if fast.type == "cuda" and cpu_weights == HOT_INT4 else None
+    return hot_row_format(fast.type, cpu_weights)
 
 
 class Q4HotRows(HotRows):
@@ -74,9 +75,14 @@ class Q4HotRows(HotRows):
         z = torch.empty(0, cpu_q4.row_bytes(dim), dtype=torch.uint8, device=device)
         return cls(z if gated else None, z, z, torch.empty(0, dtype=torch.long, device=device), dim, dtype)
 
-    # dequantized views for the many-token paths (hybrid_ffn uses gate/up/down_t as matrices)
+    # Dequantized matrices for the many-token paths: hybrid_ffn asks dense() once per call and
+    # reads dtype/dim for metadata; each property below dequantizes the whole matrix.
     def _dense(self, q: torch.Tensor | None) -> torch.Tensor | None:
         return None if q is None else cpu_q4.dequantize_rows_q4(q, self.dim).to(self.dtype)
+
+    def dense(self, *parts: str) -> tuple[torch.Tensor | None, ...]:
+        codes = {"gate": self.q_gate, "up": self.q_up, "down_t": self.q_down}
+        return tuple(self._dense(codes[part]) for part in parts)
 
     @property
     def gate(self) -> torch.Tensor | None:

@@ -39,7 +39,7 @@ class HotRows:
 
     def __init__(self, gate: torch.Tensor | None, up: torch.Tensor, down_t: torch.Tensor, ids: torch.Tensor):
         self.gate, self.up, self.down_t, self.ids = gate, up, down_t, ids
-        self.device = up.device
+        self.device, self.dtype, self.dim = up.device, up.dtype, up.shape[1]  # metadata: no row is read
         # With the CPU standing in for the fast device, the CPU kernels compute the hot rows too.
         self.cpu_rows = (cpu_kernels.CpuFfnRows(gate, up, down_t, quant="fp32")
                          if self.device.type == "cpu" and up.dtype == torch.float32 else None)
@@ -55,6 +55,11 @@ class HotRows:
         def cpu32(t):
             return None if t is None else t.to("cpu", torch.float32)
         return cpu32(self.gate), cpu32(self.up), cpu32(self.down_t)
+
+    def dense(self, *parts: str) -> tuple[torch.Tensor | None, ...]:
+        """The matrices `parts` ("gate", "up", "down_t") for the many-token paths, in self.dtype
+        (Q4HotRows dequantizes each once per call)."""
+        return tuple(getattr(self, part) for part in parts)
 
 
 class ColdRows:
@@ -175,11 +180,12 @@ class HybridFfn:
                 out += cpu_kernels.sparse_ffn_tokens(xc, hot.cpu_rows, hot_logits, threshold, self.activation,
                                                      self.threshold)
             else:  # the GPU: its dense matmuls over the hot rows, masked per token
-                xh = x.to(hot.device, hot.up.dtype)
-                gate = F.linear(xh, hot.gate) if self.gated else None
-                acts = activations(gate, F.linear(xh, hot.up), self.activation, self.threshold)
+                xh = x.to(hot.device, hot.dtype)
+                gate_w, up_w, down_w = hot.dense("gate", "up", "down_t")
+                gate = F.linear(xh, gate_w) if self.gated else None
+                acts = activations(gate, F.linear(xh, up_w), self.activation, self.threshold)
                 acts = acts * (hot_logits >= threshold).to(hot.device)
-                out += (acts @ hot.down_t).to("cpu", torch.float32)
+                out += (acts @ down_w).to("cpu", torch.float32)
         return out.to(x.device, x.dtype)
 
     def _cold_chunks(self, parts: tuple[str, ...] = ("gate", "up", "down_t")):
@@ -204,9 +210,10 @@ class HybridFfn:
         """True activations [T, n_ff] (fp32, on the CPU) from dense matmuls over both tiers."""
         acts = torch.zeros(x.shape[0], self.n_ff, dtype=torch.float32)
         if len(self.hot):
-            xh = x.to(self.hot.device, self.hot.up.dtype)
-            gate = F.linear(xh, self.hot.gate) if self.gated else None
-            hot_acts = activations(gate, F.linear(xh, self.hot.up), self.activation, self.threshold)
+            xh = x.to(self.hot.device, self.hot.dtype)
+            gate_w, up_w = self.hot.dense("gate", "up")
+            gate = F.linear(xh, gate_w) if self.gated else None
+            hot_acts = activations(gate, F.linear(xh, up_w), self.activation, self.threshold)
             acts[:, self.hot.ids.cpu()] = hot_acts.to("cpu", torch.float32)
         xc = x.to("cpu", torch.float32)
         rows = self.cold.rows
@@ -223,10 +230,10 @@ class HybridFfn:
 
     def _project(self, acts: torch.Tensor) -> torch.Tensor:
         """acts [T, n_ff] (CPU) -> [T, d] fp32 on the CPU through both tiers' down rows."""
-        out = torch.zeros(acts.shape[0], self.hot.up.shape[1] if len(self.hot) else self.cold.rows.dim)
+        out = torch.zeros(acts.shape[0], self.hot.dim if len(self.hot) else self.cold.rows.dim)
         if len(self.hot):
-            hot_acts = acts[:, self.hot.ids.cpu()].to(self.hot.device, self.hot.down_t.dtype)
-            out += (hot_acts @ self.hot.down_t).to("cpu", torch.float32)
+            hot_acts = acts[:, self.hot.ids.cpu()].to(self.hot.device, self.hot.dtype)
+            out += (hot_acts @ self.hot.dense("down_t")[0]).to("cpu", torch.float32)
         for ids, _, _, down_t in self._cold_chunks(("down_t",)):
             out += acts[:, ids] @ down_t
         return out

@@ -363,6 +363,7 @@ class MoeRuntime(SparseRuntime):
         super().__init__(*args, **kwargs)
         self.counters = MoeCounters()
         self.prefetcher: ColdPrefetcher | None = None
+        self._prefetch_finalizer: weakref.finalize | None = None
         # Read the chosen cold experts ahead while attention runs: by default where a GPU
         # computes attention (the CPU idles then); THERMOCLINE_MOE_PREFETCH=1/0 forces it.
         forced = os.environ.get("THERMOCLINE_MOE_PREFETCH")
@@ -372,9 +373,13 @@ class MoeRuntime(SparseRuntime):
         if on:
             if self.prefetcher is None:
                 self.prefetcher = ColdPrefetcher()
-                # An engine dropped without close() still ends the thread when collected.
-                weakref.finalize(self, self.prefetcher.stop)
+                # An engine dropped without close() still ends the thread when collected; one
+                # finalizer per prefetcher, detached when it is turned off.
+                self._prefetch_finalizer = weakref.finalize(self, self.prefetcher.stop)
         elif self.prefetcher is not None:
+            if self._prefetch_finalizer is not None:
+                self._prefetch_finalizer.detach()
+                self._prefetch_finalizer = None
             self.prefetcher.close()
             self.prefetcher = None
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from engine.config import ModelConfig
 from engine.kv_storage import cpu_kv_bytes as kv_setting_bytes
+from engine.loading.tensor_kinds import Q4_0_BLOCK, Q4_0_BLOCK_BYTES
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,17 @@ COLD_INT8 = "int8"  # CPU weights as int8 rows with one fp32 scale per row
 COLD_INT4 = "int4"  # CPU weights as 4-bit rows: ggml's Q4_0 blocks, 18 bytes per 32 weights
 CPU_BYTES = 4       # fp32 on the CPU: embeddings, norms, biases, and weights stored as fp32 (the KV cache: engine/kv_storage.py)
 INDEX_BYTES = 8     # the int64 id kept with every hot and cold neuron
-Q4_BLOCK, Q4_BLOCK_BYTES = 32, 18  # engine.kernels.cpu_q4 (not imported here: no torch)
+Q4_BLOCK, Q4_BLOCK_BYTES = Q4_0_BLOCK, Q4_0_BLOCK_BYTES  # ggml's block_q4_0 (tensor_kinds: torch-free)
+
+
+def hot_row_format(fast_device: str, cpu_weights: str, *, moe: bool = False) -> str | None:
+    """The hot tier's row format: 4-bit rows ("int4", the CPU tier's Q4_0 bytes, hot_q4's
+    kernels) on a CUDA fast tier when the CPU weights are int4, else None (the fast tier's
+    compute dtype); a mixture's experts never. Torch-free: the engine (hot_q4.hot_weights)
+    and the fit estimate (models_registry.fit) both take it from here."""
+    if moe:
+        return None
+    return COLD_INT4 if fast_device.split(":")[0] == "cuda" and cpu_weights == COLD_INT4 else None
 
 
 def cpu_matrix_bytes(params: int, rows: int, cpu_weights: str) -> int:

@@ -27,11 +27,11 @@ import numpy as np
 import torch
 
 from engine.loading import host_memory
+from engine.loading.tensor_kinds import Q4_0_BLOCK, Q4_0_BLOCK_BYTES
 from engine.kernels import numba_pool, reference
 from engine.kernels.call_args import FfnRowsShape, as_numpy, check_ffn_call, id_array
 
-QK = 32            # weights per block
-BLOCK_BYTES = 18   # fp16 scale + 16 bytes of nibbles
+QK, BLOCK_BYTES = Q4_0_BLOCK, Q4_0_BLOCK_BYTES  # weights per block; fp16 scale + 16 bytes of nibbles
 QUANT = "int4"
 
 _ROWS_PER_STEP = 512  # rows converted per step: bounds fp32 temporaries to a few MB

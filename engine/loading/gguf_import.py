@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import struct
 from dataclasses import dataclass
@@ -55,7 +56,7 @@ def _types():
 @dataclass
 class GgufTensor:
     name: str
-    kind: str              # F32 F16 BF16 Q8_0 Q4_0
+    kind: str              # F32 F16 BF16 Q8_0 Q4_0 Q6_K
     shape: tuple[int, ...]  # torch order: [rows, row length]
     raw: np.ndarray        # the file's bytes of this tensor (a view of the mapped file)
 
@@ -358,11 +359,39 @@ def _safetensors_dtype(kind: str) -> str:
     return kind if kind in ("F32", "F16", "BF16") else "F32"
 
 
+def _kept_as_blocks(kind: str, ndim: int, quantized: bool) -> bool:
+    return quantized and kind in ("Q4_0", "Q8_0") and ndim == 2
+
+
+_DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
+PREDICTOR_NAME = re.compile(r"^blk\.\d+\.fc[12]\.weight$")
+
+
+def import_output_bytes(tensors, header_bytes: int, *, quantized: bool = True) -> int:
+    """Bytes the import of a GGUF writes, from its header alone: `tensors` is (name, kind,
+    shape, nbytes) per tensor. Tensor data is exact (the rules of _stored_entry and
+    _write_predictors: Q4_0/Q8_0 matrices keep their blocks, F32/F16/BF16 their dtype, any
+    other type - a Q6_K head - and the predictors become F32); the JSON files (tokenizer,
+    config, safetensors headers) are bounded by 4x the GGUF's header, which holds the vocabulary."""
+    total = 4 * int(header_bytes) + 64 * 1024
+    for name, kind, shape, nbytes in tensors:
+        if name == "rope_freqs.weight":
+            continue
+        total += 160  # its safetensors header entry
+        if PREDICTOR_NAME.match(name):
+            total += 4 * math.prod(shape)
+        elif _kept_as_blocks(kind, len(shape), quantized):
+            total += int(nbytes)
+        else:
+            total += _DTYPE_BYTES.get(_safetensors_dtype(kind), 4) * math.prod(shape)
+    return total
+
+
 def _stored_entry(hf: str, t: GgufTensor, how: str, quantized: bool) -> tuple[str, str, tuple[int, ...]]:
     """(stored name, safetensors dtype, stored shape) of one weight in the checkpoint."""
     from engine.loading.tensor_kinds import quant_name
 
-    if quantized and t.kind in ("Q4_0", "Q8_0") and len(t.shape) == 2:
+    if _kept_as_blocks(t.kind, len(t.shape), quantized):
         rows = t.shape[0]
         return quant_name(hf, t.kind, transposed=how == "transpose"), "U8", (rows, t.raw.nbytes // rows)
     return hf, _safetensors_dtype(t.kind), t.shape[::-1] if how == "transpose" else t.shape

@@ -10,8 +10,11 @@ rows). `engine.loading.weights.WeightSource` answers them under NAME.
 
 from __future__ import annotations
 
+# ggml's block_q4_0: 32 weights in an fp16 scale + 16 bytes of nibbles. The one home of these
+# numbers (torch-free): engine.kernels.cpu_q4 and engine.hotcold.placement take them from here.
+Q4_0_BLOCK, Q4_0_BLOCK_BYTES = 32, 18
 # stored-name suffix -> (kind, weights per block, bytes per block): ggml's block_q4_0 / block_q8_0
-QUANT_KINDS = {"q4_0": ("Q4_0", 32, 18), "q8_0": ("Q8_0", 32, 34)}
+QUANT_KINDS = {"q4_0": ("Q4_0", Q4_0_BLOCK, Q4_0_BLOCK_BYTES), "q8_0": ("Q8_0", 32, 34)}
 TRANSPOSED = "t"  # NAME.t.q4_0: rows of NAME's transpose
 
 

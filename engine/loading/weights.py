@@ -27,13 +27,13 @@ def dequantize_blocks(q: torch.Tensor, kind: str) -> torch.Tensor:
     """uint8 rows of ggml blocks [n, row bytes] -> fp32 [n, cols] (exact)."""
     _, block, size = QUANT_KINDS[kind.lower()]
     n, nbytes = q.shape
+    if kind.lower() == "q4_0":  # the 4-bit kernels' own decode (imported here: it loads numba)
+        from engine.kernels.cpu_q4 import dequantize_rows_q4
+
+        return dequantize_rows_q4(q, nbytes // size * block)
     blocks = q.reshape(n, nbytes // size, size)
     d = blocks[:, :, :2].contiguous().view(torch.float16).to(torch.float32)  # [n, nb, 1]
-    if kind.lower() == "q8_0":
-        vals = blocks[:, :, 2:].contiguous().view(torch.int8).to(torch.float32)
-    else:  # low nibbles are weights 0..15 of a block, high nibbles 16..31
-        nib = blocks[:, :, 2:].to(torch.int16)
-        vals = torch.cat([nib & 15, nib >> 4], dim=2).to(torch.float32) - 8.0
+    vals = blocks[:, :, 2:].contiguous().view(torch.int8).to(torch.float32)
     return (vals * d).reshape(n, -1)
 
 
@@ -106,10 +106,7 @@ class WeightSource:
             q = self._open(self._where[name]).get_tensor(stored)
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise ModelFormatError(f"cannot read tensor {stored} ({exc}); the file may be truncated") from None
-        kind, _, size = QUANT_KINDS[suffix]
-        if q.dtype != torch.uint8 or q.dim() != 2 or q.shape[1] == 0 or q.shape[1] % size:
-            raise ModelFormatError(f"tensor {stored} is not {kind} rows (uint8 [rows, a multiple of {size} "
-                                   f"bytes]): {q.dtype} {tuple(q.shape)}")
+        _check_block_rows(stored, suffix, q.dtype == torch.uint8, str(q.dtype), tuple(q.shape))
         return q
 
     def q4_rows(self, name: str, transposed: bool = False) -> torch.Tensor | None:
@@ -144,7 +141,10 @@ class WeightSource:
             raise ModelFormatError(f"tensor {name} is missing from the checkpoint in {self.model_dir}")
         if name in self._quant:
             stored, suffix, transposed = self._quant[name]
-            rows, nbytes = self._open(self._where[name]).get_slice(stored).get_shape()
+            header = self._open(self._where[name]).get_slice(stored)
+            dtype, stored_shape = header.get_dtype(), tuple(header.get_shape())
+            _check_block_rows(stored, suffix, dtype == "U8", dtype, stored_shape)
+            rows, nbytes = stored_shape
             _, block, size = QUANT_KINDS[suffix]
             shape = (rows, nbytes // size * block)
             return shape[::-1] if transposed else shape
@@ -166,6 +166,14 @@ class WeightSource:
             if dtype is not None:
                 return dtype
         return torch.float32
+
+
+def _check_block_rows(stored: str, suffix: str, is_uint8: bool, dtype: str, shape: tuple[int, ...]) -> None:
+    """A quantized tensor must be uint8 [rows, a whole number of blocks]: else ModelFormatError."""
+    kind, _, size = QUANT_KINDS[suffix]
+    if not is_uint8 or len(shape) != 2 or shape[1] == 0 or shape[1] % size:
+        raise ModelFormatError(f"tensor {stored} is not {kind} rows (uint8 [rows, a multiple of {size} "
+                               f"bytes]): {dtype} {shape}")
 
 
 # safetensors' dtype names of the floating types a checkpoint may store
