@@ -559,12 +559,17 @@ def test_int8_matrix_linear_uses_int8_activations_for_any_token_count():
 @pytest.mark.parametrize("quant", cpu.QUANTS)
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
 @pytest.mark.parametrize("activation", ACTS)
-def test_sparse_ffn_tokens_matches_fp64_per_token(monkeypatch, use_numba, quant, gated, activation):
-    """Token t of the result == the dense float64 FFN over the rows its logits select."""
+@pytest.mark.parametrize("route", ["union", "per_token"])
+def test_sparse_ffn_tokens_matches_fp64_per_token(monkeypatch, use_numba, quant, gated, activation, route):
+    """Token t of the result == the dense float64 FFN over the rows its logits select, by
+    either route: one pass over the union of the tokens' rows, or the decode kernel per token."""
     if use_numba and not cpu.available():
         pytest.skip("numba missing or disabled")
     if not use_numba:
+        if route == "per_token":
+            pytest.skip("without numba one torch path serves every route")
         monkeypatch.setattr(numba_pool, "_numba", False)
+    monkeypatch.setattr(cpu, "_UNION_ROW_COST", 0.0 if route == "union" else 1e9)
     # T <= 4 runs the decode kernel per token; int8 rows with d a multiple of 128 on an AVX2
     # host run int8 x int8 with the tokens quantized in blocks (the reference does the same)
     shapes = [(64, 256, 1), (300, 200, 5), (777, 1000, 19), (130, 384, 9), (513, 512, 33)] if use_numba \
@@ -575,9 +580,11 @@ def test_sparse_ffn_tokens_matches_fp64_per_token(monkeypatch, use_numba, quant,
         xs = torch.randn(T, d, generator=g)
         logits = torch.randn(T, n, generator=g)
         logits[0] = -5.0  # a token that selects nothing
-        q8 = use_numba and quant == "int8" and T > cpu._TOKENS_AS_DECODE and cpu.int8_activations_available(d)
-        xs_ref = _q8_dequantized(xs, 128) if q8 else xs.double()
         for pred in (logits, None):
+            per_token = cpu.decode_each_token(T, n, pred, 0.8)
+            assert per_token == (T <= cpu._TOKENS_AS_DECODE or (route == "per_token" and pred is not None))
+            q8 = use_numba and quant == "int8" and not per_token and cpu.int8_activations_available(d)
+            xs_ref = _q8_dequantized(xs, 128) if q8 else xs.double()
             ys = cpu.sparse_ffn_tokens(xs, rows, pred, 0.8, activation, FAT_THRESHOLD)
             assert ys.dtype == torch.float32 and ys.shape == (T, d)
             dg, du, dd = rows.dequantized()
@@ -607,6 +614,19 @@ def test_sparse_ffn_tokens_equals_decoding_each_token(quant, T):
     for t in range(T):
         y = cpu.sparse_ffn_predicted(xs[t], rows, layer_logits[t], 0.5, "relu", row_ids=ids)
         _same_rows_close(ys[t], y)
+
+
+def test_tokens_take_the_decode_kernel_unless_their_rows_overlap():
+    """Unrelated predictions (each token 10% of the rows) select most rows between them: one
+    decode call per token reads less. Tokens that share their rows take one pass over them."""
+    g = torch.Generator().manual_seed(3)
+    n = 4000
+    unrelated = (torch.rand(20, n, generator=g) < 0.1).float()
+    shared = (torch.rand(n, generator=g) < 0.1).float().expand(20, n).contiguous()
+    assert cpu.decode_each_token(20, n, unrelated, 0.5)
+    assert not cpu.decode_each_token(20, n, shared, 0.5)
+    assert cpu.decode_each_token(3, n, shared, 0.5)  # a few tokens: always per token
+    assert not cpu.decode_each_token(20, n, None, 0.5)  # every row for every token
 
 
 def test_sparse_ffn_tokens_refuses_bad_shapes():
