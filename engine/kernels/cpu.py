@@ -394,6 +394,8 @@ def decode_each_token(T: int, n: int, pred_logits: torch.Tensor | None, pred_thr
     selected = pred_logits >= pred_threshold
     union = int(selected.any(0).sum())
     return int(selected.sum()) < union * (_UNION_ROW_COST + _UNION_TOKEN_COST * T)
+
+
 # Column slices per thread of the int8 prefill's down pass: each slice walks every fired
 # row, so fewer, wider slices touch fewer pages (2 per thread: 59 vs 109 ms at 8, 20 tokens).
 _DOWN_SPANS_PER_THREAD = 2
