@@ -281,8 +281,11 @@ def test_the_serve_command_serves_until_interrupted(tmp_path):
     import os
     import signal
 
+    # As from a terminal: a suite started as a background job inherits SIGINT ignored, and
+    # uvicorn re-raises the Ctrl-C it caught under the disposition it found (exit 0, not 130).
     proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--model", "demo", "--port", "0"],
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "THERMOCLINE_API_KEY": ""})
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "THERMOCLINE_API_KEY": ""},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = proc.stderr.readline()
         assert line.startswith("serving demo (dense mode, context 256) at http://127.0.0.1:"), line
