@@ -11,7 +11,7 @@ With the CPU standing in for the fast device (`SparseRuntime.hot_weights = "int4
 `THERMOCLINE_HOT_WEIGHTS=int4`: tests and benchmarks), the same rows run in `cpu_q4`'s
 kernels (numba, or its torch fallback), or in the Triton kernels under
 TRITON_INTERPRET=1 when `TRITON_ON_CPU` is set. Prefill and the oracle's batched path
-read them dequantized (`gate`, `up`, `down_t` in the fast tier's dtype, a copy per call).
+read them dequantized (`dense()`: in the fast tier's dtype, a copy per call).
 """
 
 from __future__ import annotations
@@ -76,25 +76,13 @@ class Q4HotRows(HotRows):
         return cls(z if gated else None, z, z, torch.empty(0, dtype=torch.long, device=device), dim, dtype)
 
     # Dequantized matrices for the many-token paths: hybrid_ffn asks dense() once per call and
-    # reads dtype/dim for metadata; each property below dequantizes the whole matrix.
+    # reads dtype/dim for metadata (no gate/up/down_t attributes: each would be a whole copy).
     def _dense(self, q: torch.Tensor | None) -> torch.Tensor | None:
         return None if q is None else cpu_q4.dequantize_rows_q4(q, self.dim).to(self.dtype)
 
     def dense(self, *parts: str) -> tuple[torch.Tensor | None, ...]:
         codes = {"gate": self.q_gate, "up": self.q_up, "down_t": self.q_down}
         return tuple(self._dense(codes[part]) for part in parts)
-
-    @property
-    def gate(self) -> torch.Tensor | None:
-        return self._dense(self.q_gate)
-
-    @property
-    def up(self) -> torch.Tensor:
-        return self._dense(self.q_up)
-
-    @property
-    def down_t(self) -> torch.Tensor:
-        return self._dense(self.q_down)
 
     @property
     def nbytes(self) -> int:
