@@ -346,12 +346,6 @@ def planned_disk(name: str, *, endpoint: str | None = None, token: str | None = 
     return {"bytes": total, "disk_need": need, "model_bytes": model_bytes}
 
 
-def planned_size(name: str, *, endpoint: str | None = None, token: str | None = None,
-                 with_predictors: bool = True) -> int:
-    """Bytes a download of `name` would fetch, from the Hub's file listing (nothing is fetched)."""
-    return planned_disk(name, endpoint=endpoint, token=token, with_predictors=with_predictors)["bytes"]
-
-
 def _fetch_all(job: _Job, jobs: list, entry: CatalogueEntry | None, created: bool, model_dir: Path,
                endpoint: str, token: str | None) -> None:
     from huggingface_hub import errors as hub_errors
@@ -508,4 +502,4 @@ def verify_model(model_dir: Path) -> list[str]:
     return bad
 
 
-__all__ = ["DownloadResult", "IntegrityError", "disk_need", "download_model", "planned_disk", "planned_size", "verify_model"]
+__all__ = ["DownloadResult", "IntegrityError", "disk_need", "download_model", "planned_disk", "verify_model"]

@@ -146,11 +146,11 @@ def test_cards_wrap_to_the_pane_with_no_sideways_scroll(qtbot, window):
 
 
 def test_the_planned_download_size_shows_before_any_byte_moves(qtbot, window, local_hub):
-    """Download on a card first asks the Hub's listing (planned_size) and shows the bytes
+    """Download on a card first asks the Hub's listing (planned_disk) and shows the bytes
     with a button that starts the download; "Not now" starts nothing; a repo the Hub does
     not answer for says the size is unknown and still lets the user try."""
     from app.gui import formatting as fmt
-    from models_registry.download import planned_disk, planned_size
+    from models_registry.download import planned_disk
 
     page = window.models
     page._add_custom(REPO)
@@ -158,10 +158,11 @@ def test_the_planned_download_size_shows_before_any_byte_moves(qtbot, window, lo
     card = page.cards[REPO]
     card.download_button.click()
     qtbot.waitUntil(lambda: card.confirm_button.isVisible(), timeout=30_000)
-    size = fmt.size(planned_size(REPO))
+    plan = planned_disk(REPO)
+    size = fmt.size(plan["bytes"])
     assert size in card.progress_label.text() and card.progress_label.isVisible()
     # the free disk it needs: the download's own check (download.disk_need: imports, margin)
-    assert f"needs {fmt.size(planned_disk(REPO)['disk_need'])} free" in card.progress_label.text()
+    assert f"needs {fmt.size(plan['disk_need'])} free" in card.progress_label.text()
     assert card.confirm_button.text() == f"Download {size}"
     assert not card.download_button.isVisible() and not page.jobs
     card.not_now_button.click()

@@ -407,12 +407,12 @@ def test_one_download_per_model_at_a_time(hub, env):
 
 
 def test_the_download_size_comes_from_the_hubs_listing_before_any_transfer(hub, env):
-    from models_registry.download import planned_size
+    from models_registry.download import planned_disk
 
     files = tiny_model_files(weight_bytes=123_456)
     hub.add_repo(HubRepo(REPO, files))
     expected = sum(len(v) for k, v in files.items() if k != "README.md")
-    assert planned_size(REPO) == expected
+    assert planned_disk(REPO)["bytes"] == expected
     assert not hub.requests("GET", "/resolve/")  # the listing only: no file was fetched
     seen = []
 

@@ -191,7 +191,7 @@ class ModelCard(QFrame):
         self.use_button = self._button("Use", "Load this model (the conversation stays open)", self._use, "primary")
         self.download_button = self._button("Download", "Ask the Hub how much this model downloads, then download it",
                                             self._download)
-        # Before a first download: the bytes the Hub lists for it (planned_size), then a choice.
+        # Before a first download: the bytes the Hub lists for it (planned_disk), then a choice.
         self.confirm_button = self._button("Download", "Start the download", self._confirm, "primary")
         self.not_now_button = self._button("Not now", "Do not download it now", self._not_now)
         self.pause_button = self._button("Pause", "Pause the download", self._pause)
