@@ -261,7 +261,7 @@ def worker_ours(root: Path, mode: str, cpu_weights: str, threads: int, decode_to
     import resource  # the peak resident set of this process so far: imports and the load (issue #14)
 
     load_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    placed = engine.memory()["ram_bytes"] if engine.sparse is not None else None
+    placed = engine.memory()["ram_bytes"] or None  # dense mode: all of it (weights and KV cache) on the CPU
     engine.eos_ids = set()
 
     def run(tokens, new):
@@ -276,7 +276,8 @@ def worker_ours(root: Path, mode: str, cpu_weights: str, threads: int, decode_to
     return {"load_s": load_s, "ttft_s": ttft, "prefill_s": pre, "decode_tok_s": stats.decode_tok_s,
             "ffn_active_fraction": round(stats.ffn_active_fraction, 4), "load_peak_rss": load_rss,
             "placed_ram": placed, "load_rss_over_placed": round(load_rss / placed, 3) if placed else None,
-            "prepared": engine.sparse is not None and getattr(engine.sparse, "prepared_dense", None) is not None}
+            "prepared": (getattr(engine.sparse, "prepared_dense", None) if engine.sparse is not None
+                         else getattr(engine, "dense_prepared", None)) is not None}
 
 
 def spawn(args: list[str]) -> dict:

@@ -160,6 +160,10 @@ class PreparedRows:
         self.fmt = self.metadata.get("format")
         self._map = np.memmap(path, mode="c")
         self._base = 8 + length
+        # a truncated (or padded) file is refused here, not found out by a tensor's view
+        end = max((e["data_offsets"][1] for e in self.header.values()), default=0)
+        if self._map.size != self._base + end:
+            raise ValueError(f"{self._map.size} bytes where its header describes {self._base + end}")
 
     @classmethod
     def open_if_current(cls, model_dir: Path, fmt: str) -> "PreparedRows | None":
@@ -266,9 +270,11 @@ def dense_tensors(model, predictors, cpu_layers: list[int], head_on_cpu: bool) -
     return out
 
 
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+                  progress=None) -> Path:
     """A safetensors file of CPU tensors, streamed tensor by tensor (no copy of the whole),
-    written under a temporary name and renamed into place."""
+    written under a temporary name and renamed into place; `progress(fraction, text)` after
+    each tensor when given."""
     header, offset = {"__metadata__": metadata}, 0
     arrays = {}
     for name, t in tensors.items():
@@ -282,12 +288,17 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".partial")
+    tmp = path.with_suffix(f".{os.getpid()}.partial")  # two loads at once never share a half-written file
     try:
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(blob)) + blob)
+            done = 0
             for a in arrays.values():
                 f.write(memoryview(a.reshape(-1).view(np.uint8)))
+                done += a.nbytes
+                if progress is not None:
+                    progress(done / max(offset, 1), f"writing the prepared layout (first load only): "
+                                                    f"{100 * done // max(offset, 1)}%")
         tmp.replace(path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -298,17 +309,19 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
 class PreparedDense(PreparedRows):
     """The dense file, memory-mapped: tensors and quantized matrices by name."""
 
+    _path, _key = staticmethod(dense_path), staticmethod(dense_key)  # where it lives, what it must match
+
     @classmethod
     def open_if_current(cls, model_dir: Path, fmt: str) -> "PreparedDense | None":
-        path = dense_path(model_dir, fmt)
+        path = cls._path(model_dir, fmt)
         if not enabled() or fmt not in FORMATS or not path.is_file():
             return None
         try:
             dense = cls(path)
-        except (OSError, ValueError, struct.error) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as exc:
             log.warning("ignoring unreadable prepared file %s (%s)", path, exc)
             return None
-        return dense if dense.metadata.get("key") == dense_key(model_dir, fmt) else None
+        return dense if dense.metadata.get("key") == cls._key(model_dir, fmt) else None
 
     def has(self, name: str) -> bool:
         return any(f"{name}{suffix}" in self.header for suffix in ("", ".q", ".q4"))
@@ -373,3 +386,49 @@ class PreparedDense(PreparedRows):
             norm.bias = self.matrix("final_norm.bias", tuple(norm.bias.shape))
         head = embed if tied or not self.has("lm_head") else self.matrix("lm_head", tuple(head.shape))
         return embed, norm, head
+
+
+# ------------------------------------------------------------------ the dense mode's whole model
+# `prepared-<format>-dense-mode.safetensors`: everything a dense-mode load with int8/int4 CPU
+# weights builds (engine.runtime.dense_quant), every layer and the globals, in its final form:
+# the names of the dense file above for the norms, biases, attention matrices, embeddings,
+# final norm and an own head, and per layer the FFN as the dense mode computes it,
+# `layers.{i}.ffn.gate_up` ([2n or n, d] rows) and `layers.{i}.ffn.down` ([d, n] rows, the
+# checkpoint's orientation; the sparse files hold down_t), plus its biases. A separate file
+# from the sparse modes' dense part: that one holds only the placement's CPU layers and the
+# predictors (its key follows the predictors file), and on a GGUF's Q4_0 weights it keeps the
+# file's codes where the dense mode requantizes, so the two need not agree.
+DENSE_MODE_LAYOUT_VERSION = 1
+
+
+def dense_mode_path(model_dir: Path, fmt: str) -> Path:
+    return sidecar_dir(model_dir) / f"prepared-{fmt}-dense-mode.safetensors"
+
+
+def dense_mode_key(model_dir: Path, fmt: str) -> str:
+    """The checkpoint's key (weight files, config.json, format) and this layout's version."""
+    return hashlib.sha256(f"dense-mode{DENSE_MODE_LAYOUT_VERSION}:{checkpoint_key(model_dir, fmt)}".encode()).hexdigest()
+
+
+def dense_mode_tensors(model) -> dict[str, torch.Tensor]:
+    """What the dense-mode file holds, by name, from a loaded dense model (references, no copies)."""
+    out = dense_tensors(model, None, list(range(len(model.layers))), head_on_cpu=True)
+    for i, layer in enumerate(model.layers):
+        ffn = layer.ffn
+        out.update(_matrix_parts(f"layers.{i}.ffn.gate_up", ffn.gate_up))
+        out.update(_matrix_parts(f"layers.{i}.ffn.down", ffn.down))
+        for field in ("up_bias", "down_bias"):
+            if getattr(ffn, field) is not None:
+                out[f"layers.{i}.ffn.{field}"] = getattr(ffn, field)
+    return out
+
+
+class PreparedDenseMode(PreparedDense):
+    """The dense mode's file, memory-mapped (`PreparedDense`'s readers, its own name and key)."""
+
+    _path, _key = staticmethod(dense_mode_path), staticmethod(dense_mode_key)
+
+    def complete(self, layers: int) -> bool:
+        """Holds every layer (attention and FFN) and the globals."""
+        return self.has_globals() and all(self.has_layer(i) and self.has(f"layers.{i}.ffn.down")
+                                          for i in range(layers))

@@ -12,15 +12,24 @@ its tokens) per call. fp32 stays the exact reference (`cpu_weights="fp32"`).
 The FFN keeps its down projection in the checkpoint's orientation, `down` [d, n_ff]: a
 row per output, so the down product is one more matrix product over whole quantized rows
 (llama.cpp's ffn_down), not a sum of neuron rows scaled by their activations.
+
+`load_dense` writes what it built once into the model's sidecar (engine.loading.prepared,
+`prepared-<format>-dense-mode.safetensors`); later loads with the same checkpoint and
+format map that file: no checkpoint tensor is read, nothing is quantized or copied.
 """
 
 from __future__ import annotations
+
+import logging
+from pathlib import Path
 
 import torch
 
 from engine.errors import ModelFormatError
 from engine.loading.quantized import QuantMatrix, matrix_nbytes, quantize_matrix
 from engine.runtime.model import DenseFfn, Layer, Transformer, linear
+
+log = logging.getLogger(__name__)
 
 # Formats the dense mode's CPU weights may take; fp32 keeps the plain tensors.
 DENSE_FORMATS = ("fp32", "int8", "int4")
@@ -35,6 +44,18 @@ class QuantDenseFfn(DenseFfn):
         self.gated, self.activation, self.threshold = gated, activation, threshold
         self.up_bias, self.down_bias = up_bias, down_bias
         self.n_ff = down.shape[1]
+
+    @classmethod
+    def from_prepared(cls, file, i: int, config) -> "QuantDenseFfn":
+        """Layer i's FFN over a prepared file's mapped matrices (engine.loading.prepared.PreparedDenseMode)."""
+        n, d, p = config.intermediate_size, config.hidden_size, f"layers.{i}.ffn."
+        rows = file.rows(p + "gate_up")
+        if rows not in (n, 2 * n):
+            raise ValueError(f"{p}gate_up has {rows} rows for {n} neurons")
+        up_bias = file.matrix(p + "up_bias", (n,)) if file.has(p + "up_bias") else None
+        down_bias = file.matrix(p + "down_bias", (d,)) if file.has(p + "down_bias") else None
+        return cls(file.matrix(p + "gate_up", (rows, d)), file.matrix(p + "down", (d, n)), rows == 2 * n,
+                   config.activation, config.activation_threshold, up_bias, down_bias)
 
     @classmethod
     def from_dense(cls, ffn: DenseFfn, fmt: str, where: str = "the FFN") -> "QuantDenseFfn":
@@ -102,3 +123,39 @@ def quantize_head(model: Transformer, fmt: str) -> None:
     if head.data_ptr() == model.embed.data_ptr():
         return
     model.lm_head = _quantized(head, fmt, "the output head")
+
+
+def load_dense(model_dir: Path, config, device: torch.device, ctx: int, progress, fmt: str):
+    """The dense mode's model with `fmt` CPU weights, and the prepared file it mapped (None
+    when it read the checkpoint). int8/int4 on the CPU: a current prepared file is mapped;
+    else the checkpoint is read and quantized layer by layer, and the result written into
+    the sidecar for the next load (a failure to write only logs)."""
+    from engine.loading import prepared
+    from engine.loading.loader import load_transformer
+
+    devices = [device] * config.num_layers
+    preparable = (fmt in prepared.FORMATS and device.type == "cpu" and not config.is_moe
+                  and prepared.enabled() and not prepared.is_bundled(model_dir))
+    file = prepared.PreparedDenseMode.open_if_current(model_dir, fmt) if preparable else None
+    if file is not None and file.complete(config.num_layers):
+        try:
+            return load_transformer(
+                model_dir, config, devices, device, ctx, progress, read_ffn=lambda i: False,
+                on_layer=lambda i, layer: setattr(layer, "ffn", QuantDenseFfn.from_prepared(file, i, config)),
+                prepared=file, from_prepared=lambda i: True, globals_from_prepared=True), file
+        except (KeyError, ValueError) as exc:  # a header that lies about its tensors: rebuilt below
+            if isinstance(exc, ModelFormatError):  # the checkpoint's own shapes disagree with config.json
+                raise
+            log.warning("ignoring the prepared file %s (%s)", file.path, exc)
+    model = load_transformer(model_dir, config, devices, device, ctx, progress,
+                             on_layer=lambda i, layer: quantize_layer(i, layer, fmt))
+    quantize_head(model, fmt)
+    if preparable and all(isinstance(layer.ffn, QuantDenseFfn) and isinstance(layer.qkv, QuantMatrix)
+                          and isinstance(layer.out, QuantMatrix) for layer in model.layers):
+        try:
+            prepared.write_tensors(prepared.dense_mode_path(model_dir, fmt), prepared.dense_mode_tensors(model),
+                                   {"key": prepared.dense_mode_key(model_dir, fmt), "format": fmt,
+                                    "layout_version": str(prepared.DENSE_MODE_LAYOUT_VERSION)}, progress)
+        except (OSError, ValueError) as exc:
+            log.warning("could not write the prepared layout of %s: %s", model_dir, exc)
+    return model, None

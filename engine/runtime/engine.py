@@ -20,7 +20,7 @@ import torch
 from engine.config import DEFAULT_CTX, ModelConfig  # noqa: F401 (DEFAULT_CTX: older imports)
 from engine.errors import ContextFullError, ModelFormatError, UserError
 from engine.runtime.kv_cache import KVCache
-from engine.loading.loader import Progress, load_transformer, model_folder
+from engine.loading.loader import Progress, model_folder
 from engine.runtime.sampling import Sampler, SamplingParams
 from engine.runtime.tokenizer import StreamDecoder, Tokenizer
 from engine.runtime.validation import check_ctx, check_kv_fits, check_text, check_threads, resolve_device
@@ -92,6 +92,7 @@ class Engine:
         self.generation_defaults = generation_defaults
         self.last_stats = GenerationStats(mode=mode)
         self.sparse = sparse  # engine.hotcold.sparse.SparseRuntime for sparse/hybrid/oracle modes
+        self.dense_prepared = None  # dense mode: the prepared file this load mapped (engine.loading.prepared)
         # One generation or re-placement at a time; the sparse runtime shares the lock so a
         # budget change can tell whether a generation is running.
         self._lock = sparse.lock if sparse is not None else threading.RLock()
@@ -148,18 +149,18 @@ class Engine:
             cache = cls.make_cache(config, ctx, parts.layer_devices, parts.layer_dtypes)
             runtime.cache = cache  # a re-placement moves each layer's KV cache with the layer
         else:
-            from engine.runtime.dense_quant import quantize_head, quantize_layer
+            from engine.runtime.dense_quant import load_dense
 
             dev = torch.device(device or "cpu")
-            # int8/int4 CPU weights: each layer converted as it loads (one fp32 layer at a time)
-            model_obj = load_transformer(model_dir, config, [dev] * config.num_layers, dev, ctx, progress,
-                                         on_layer=lambda i, layer: quantize_layer(i, layer, cpu_weights))
-            quantize_head(model_obj, cpu_weights)
+            # int8/int4 CPU weights: a prepared file mapped, or each layer converted as it loads
+            model_obj, dense_prepared = load_dense(model_dir, config, dev, ctx, progress, cpu_weights)
             cache = cls.make_cache(config, ctx, [dev] * config.num_layers,
                                    [model_obj.layers[0].dtype] * config.num_layers)
         engine = cls(model_dir, config, tokenizer, model_obj, cache, mode, ctx,
                      cls.eos_from(model_dir, config, tokenizer), cls.defaults_from(model_dir), sparse=runtime)
         engine.warnings = notes  # things the user should hear about, not errors (the CLI prints them)
+        if mode == "dense":
+            engine.dense_prepared = dense_prepared
         return engine
 
     @staticmethod
