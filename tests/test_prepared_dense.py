@@ -53,8 +53,9 @@ def _mapped(engine: Engine) -> bool:
     parts = [m.embed, m.final_norm.weight] + ([] if m.lm_head is m.embed else [m.lm_head.q])
     for layer in m.layers:
         assert isinstance(layer.ffn, QuantDenseFfn)
-        parts += [layer.attn_norm.weight, layer.mlp_norm.weight, layer.qkv.q, layer.out.q,
-                  layer.ffn.gate_up.q, layer.ffn.down.q]
+        parts += [layer.qkv.q, layer.out.q, layer.ffn.gate_up.q, layer.ffn.down.q]
+        for norm in (layer.attn_norm, layer.mlp_norm):  # Falcon: one LayerNorm, with a bias
+            parts += [] if norm is None else [norm.weight] + ([] if norm.bias is None else [norm.bias])
     return all(file.holds(t) for t in parts)
 
 
@@ -185,6 +186,20 @@ def test_tied_head_and_fp32_and_disabled_loads_write_nothing(tmp_path, monkeypat
     _decodes_as(second, ref_ids, ref_logits)
     monkeypatch.setenv(DISABLE_ENV, "1")
     assert _load(model, "int8").dense_prepared is None
+
+
+@pytest.mark.parametrize("new_arch", [False, True])
+def test_falcon_layer_norms_prepare_as_they_load(tmp_path, monkeypatch, new_arch):
+    """Falcon's LayerNorms (weight and bias; one per layer in the parallel layout)."""
+    import model_factory as mf
+
+    model = mf.falcon_relu(tmp_path / "falcon", new_arch=new_arch)
+    ref_ids, ref_logits = _reference(model, "int8", monkeypatch)
+    _load(model, "int8")
+    second = _load(model, "int8")
+    assert _mapped(second) and second.model.layers[0].attn_norm.bias is not None
+    assert (second.model.layers[0].mlp_norm is None) == (not new_arch)
+    _decodes_as(second, ref_ids, ref_logits)
 
 
 def test_gguf_q4_0_checkpoint_prepares_as_it_loads(tmp_path, monkeypatch):
