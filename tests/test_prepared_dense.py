@@ -29,6 +29,13 @@ GREEDY = SamplingParams(max_new_tokens=10, temperature=0)
 FORMATS = {"int8": Int8Matrix, "int4": Q4Matrix}
 
 
+def _managed(model: Path) -> Path:
+    """A model folder with its sidecar, as a download or `models import` leaves it: a
+    prepared file may be written there (a plain folder given by path is never written into)."""
+    (model / "thermocline").mkdir(exist_ok=True)
+    return model
+
+
 def _load(model: Path, fmt: str, **kw) -> Engine:
     engine = Engine.load(model, mode="dense", cpu_weights=fmt, **kw)
     engine.eos_ids = set()  # random weights: a greedy run may hit an end id at once
@@ -79,7 +86,7 @@ def _scramble_tensor_bytes(checkpoint: Path) -> None:
 @pytest.mark.parametrize("family", ["relullama", "bamboo"])
 def test_prepared_dense_model_decodes_identically_maps_and_is_rebuilt_on_change(tmp_path, monkeypatch,
                                                                                  family, fmt):
-    model = getattr(rc, family)(tmp_path / family)[0]
+    model = _managed(getattr(rc, family)(tmp_path / family)[0])
     path = dense_mode_path(model, fmt)
     ref_ids, ref_logits = _reference(model, fmt, monkeypatch)
     assert not path.exists()
@@ -157,7 +164,7 @@ def _empty(path: Path) -> None:
                                     lambda p: _rewrite_header(p, _swap_qkv_shape)],
                          ids=["truncated", "junk-header", "empty", "lying-shape"])
 def test_a_damaged_prepared_file_is_rebuilt_never_trusted(tmp_path, monkeypatch, fmt, damage):
-    model = rc.relullama(tmp_path / "relullama")[0]
+    model = _managed(rc.relullama(tmp_path / "relullama")[0])
     ref_ids, ref_logits = _reference(model, fmt, monkeypatch)
     _load(model, fmt)
     path = dense_mode_path(model, fmt)
@@ -176,7 +183,9 @@ def test_tied_head_and_fp32_and_disabled_loads_write_nothing(tmp_path, monkeypat
     THERMOCLINE_NO_PREPARED=1 neither read nor write a prepared file."""
     model = rc.minicpm(tmp_path / "minicpm")[0]
     ref_ids, ref_logits = _reference(model, "int8", monkeypatch)
+    _load(model, "int8")  # a plain folder given by path: not written into
     assert not (model / "thermocline").exists()
+    _managed(model)
     Engine.load(model, mode="dense", cpu_weights="fp32")
     Engine.load(model, mode="dense")  # the engine's default in dense: fp32
     assert not list(model.glob("thermocline/prepared-*"))
@@ -193,7 +202,7 @@ def test_falcon_layer_norms_prepare_as_they_load(tmp_path, monkeypatch, new_arch
     """Falcon's LayerNorms (weight and bias; one per layer in the parallel layout)."""
     import model_factory as mf
 
-    model = mf.falcon_relu(tmp_path / "falcon", new_arch=new_arch)
+    model = _managed(mf.falcon_relu(tmp_path / "falcon", new_arch=new_arch))
     ref_ids, ref_logits = _reference(model, "int8", monkeypatch)
     _load(model, "int8")
     second = _load(model, "int8")
@@ -214,6 +223,7 @@ def test_gguf_q4_0_checkpoint_prepares_as_it_loads(tmp_path, monkeypatch):
     quant = tmp_path / "quant"
     import_gguf(gf.write_gguf(hf, tmp_path / "tiny-q4.gguf", qtype="Q4_0", powerinfer=False), quant,
                 activation="relu")
+    _managed(quant)
     assert WeightSource(quant).quant_kind("model.layers.0.mlp.up_proj.weight") is not None
     ref_ids, ref_logits = _reference(quant, "int4", monkeypatch)
     _load(quant, "int4")
@@ -226,7 +236,7 @@ def test_models_remove_deletes_the_prepared_file_and_the_listing_counts_it(tmp_p
     from models_registry.manage import list_models
 
     root = tmp_path / "models"
-    model = rc.relullama(root / "local--tiny")[0]
+    model = _managed(rc.relullama(root / "local--tiny")[0])
     monkeypatch.setenv("THERMOCLINE_MODELS_DIR", str(root))
     before = next(m for m in list_models(root) if m.path == str(model)).bytes_on_disk
     _load(model, "int8")
@@ -239,12 +249,15 @@ def test_models_remove_deletes_the_prepared_file_and_the_listing_counts_it(tmp_p
     assert not prepared.exists() and not model.exists()
 
 
-def test_an_unwritable_sidecar_only_costs_the_mapping(tmp_path, monkeypatch):
-    """A model folder where the sidecar cannot be created loads and decodes as before."""
-    model = rc.relullama(tmp_path / "relullama")[0]
+def test_a_failed_write_only_costs_the_mapping(tmp_path, monkeypatch):
+    """Where the prepared file cannot be written (here a folder stands in its place) the load
+    decodes as before, and leaves no half-written file behind."""
+    model = _managed(rc.relullama(tmp_path / "relullama")[0])
     ref_ids, ref_logits = _reference(model, "int4", monkeypatch)
-    (model / "thermocline").write_text("a file where the sidecar folder would go")
-    engine = _load(model, "int4")
-    assert engine.dense_prepared is None
-    _decodes_as(engine, ref_ids, ref_logits)
+    dense_mode_path(model, "int4").mkdir()
+    for _ in range(2):
+        engine = _load(model, "int4")
+        assert engine.dense_prepared is None
+        _decodes_as(engine, ref_ids, ref_logits)
     assert np.isfinite(engine.score(PROMPT).numpy()).all()
+    assert sorted(p.name for p in (model / "thermocline").iterdir()) == [dense_mode_path(model, "int4").name]

@@ -423,6 +423,14 @@ def dense_mode_tensors(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def may_write(model_dir: Path) -> bool:
+    """Whether a load may write a prepared file into this model's sidecar: only where the
+    sidecar folder exists already (a model Thermocline downloaded, imported or profiled), never
+    into a plain folder the user pointed at (nothing is written outside Thermocline's folders
+    unasked), nor into the bundled demo."""
+    return sidecar_dir(model_dir).is_dir() and not is_bundled(model_dir)
+
+
 class PreparedDenseMode(PreparedDense):
     """The dense mode's file, memory-mapped (`PreparedDense`'s readers, its own name and key)."""
 

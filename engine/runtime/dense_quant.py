@@ -129,7 +129,8 @@ def load_dense(model_dir: Path, config, device: torch.device, ctx: int, progress
     """The dense mode's model with `fmt` CPU weights, and the prepared file it mapped (None
     when it read the checkpoint). int8/int4 on the CPU: a current prepared file is mapped;
     else the checkpoint is read and quantized layer by layer, and the result written into
-    the sidecar for the next load (a failure to write only logs)."""
+    the sidecar for the next load where one may be written (`prepared.may_write`; a failure
+    to write only logs)."""
     from engine.loading import prepared
     from engine.loading.loader import load_transformer
 
@@ -150,8 +151,9 @@ def load_dense(model_dir: Path, config, device: torch.device, ctx: int, progress
     model = load_transformer(model_dir, config, devices, device, ctx, progress,
                              on_layer=lambda i, layer: quantize_layer(i, layer, fmt))
     quantize_head(model, fmt)
-    if preparable and all(isinstance(layer.ffn, QuantDenseFfn) and isinstance(layer.qkv, QuantMatrix)
-                          and isinstance(layer.out, QuantMatrix) for layer in model.layers):
+    quantized = all(isinstance(layer.ffn, QuantDenseFfn) and isinstance(layer.qkv, QuantMatrix)
+                    and isinstance(layer.out, QuantMatrix) for layer in model.layers)
+    if preparable and quantized and prepared.may_write(model_dir):
         try:
             prepared.write_tensors(prepared.dense_mode_path(model_dir, fmt), prepared.dense_mode_tensors(model),
                                    {"key": prepared.dense_mode_key(model_dir, fmt), "format": fmt,
