@@ -76,3 +76,17 @@ def test_cold_rows_are_on_huge_pages():
     assert _anon_huge_kb(rows.up.data_ptr()) >= 2048
     picked = rows.select(torch.arange(0, n, 2))
     assert _anon_huge_kb(picked.down_t.data_ptr()) >= 2048
+
+
+def test_map_file_is_a_copy_on_write_view_of_the_file(tmp_path):
+    path = tmp_path / "blob.bin"
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    path.write_bytes(data.numpy().tobytes())
+    mapped = host_memory.map_file(path)
+    assert mapped.size == data.numel() and mapped.flags.writeable
+    assert torch.equal(torch.from_numpy(mapped), data)
+    mapped[7] ^= 0xFF  # a private copy of that page; the file keeps its bytes
+    assert path.read_bytes()[7] == int(data[7])
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    assert host_memory.map_file(empty).size == 0

@@ -146,3 +146,32 @@ def test_fast_tier_layers_and_head_read_the_checkpoint(tmp_path, llama_dir, monk
         assert isinstance(a.qkv, torch.Tensor) and torch.equal(a.qkv, b.qkv) and torch.equal(a.out, b.out)
     assert torch.equal(fast.model.lm_head, plain.model.lm_head)
     assert torch.equal(fast.score(PROMPT, "oracle"), plain.score(PROMPT, "oracle"))
+
+
+def test_matrices_read_whole_by_every_token_are_read_into_huge_pages(tmp_path):
+    """`resident` reads a stored matrix into host memory (huge pages where the kernel has
+    them): the same bytes, not a view of the map; small tensors stay mapped views."""
+    from engine.loading import host_memory
+    from engine.loading.prepared import PreparedDense, write_tensors
+    from engine.loading.quantized import Int8Matrix, Q4Matrix
+    from test_host_memory import _anon_huge_kb, _thp_mode
+
+    gen = torch.Generator().manual_seed(3)
+    q8 = torch.randint(-127, 128, (1536, 2048), dtype=torch.int8, generator=gen)  # 3 MB
+    scale = torch.rand(1536, generator=gen)
+    q4 = torch.randint(0, 256, (4096, 18 * 40), dtype=torch.uint8, generator=gen)  # 1280 cols, 2.9 MB
+    small = torch.randn(64, 16, generator=gen)
+    path = write_tensors(tmp_path / "d.safetensors", {"a.q": q8, "a.scale": scale, "b.q4": q4, "c": small},
+                         {"key": "k", "format": "int8"})
+    dense = PreparedDense(path)
+    a = dense.matrix("a", (1536, 2048), resident=True)
+    b = dense.matrix("b", (4096, 1280), resident=True)
+    c = dense.matrix("c", (64, 16), resident=True)
+    assert isinstance(a, Int8Matrix) and isinstance(b, Q4Matrix)
+    assert torch.equal(a.q, q8) and torch.equal(a.scale, scale) and torch.equal(b.q, q4) and torch.equal(c, small)
+    assert not dense.holds(a.q) and not dense.holds(b.q) and dense.holds(c)
+    assert dense.holds(dense.matrix("a", (1536, 2048)).q)  # without `resident`: the map
+    if host_memory._SUPPORTED:
+        assert a.q.data_ptr() % host_memory.HUGE_PAGE == 0
+        if _thp_mode() in ("always", "madvise"):
+            assert _anon_huge_kb(a.q.data_ptr()) >= 2048 and _anon_huge_kb(b.q.data_ptr()) >= 2048
