@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ HUGE_PAGE = 2 << 20
 # Below one huge page there is nothing to gain and up to 2 MB of address space to pad.
 MIN_BYTES = HUGE_PAGE
 _SUPPORTED = hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_PRIVATE")
+_THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -68,6 +70,65 @@ def map_file(path) -> np.ndarray:
         except OSError:
             pass
     return np.frombuffer(region, dtype=np.uint8)  # the array keeps the mapping alive
+
+
+def copy_out_of_map(a: np.ndarray, out: torch.Tensor) -> None:
+    """Copy `a`, a view of a `map_file` mapping, into the contiguous tensor `out`, then drop
+    the view's pages from this process (the page cache keeps them). Read through the
+    mapping, not with read(): pages not cached yet come in as 2 MB folios (the mapping's
+    advice), which later loads then map whole; read() would cache them in small pieces."""
+    out.numpy().reshape(-1).view(np.uint8)[:] = a.reshape(-1).view(np.uint8)
+    region = a.base
+    while region is not None and not isinstance(region, mmap.mmap):
+        region = getattr(region, "obj", None) if isinstance(region, memoryview) else getattr(region, "base", None)
+    if region is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = a.ctypes.data - np.frombuffer(region, dtype=np.uint8).ctypes.data
+    lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    hi = (start + a.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if hi > lo:
+        try:
+            region.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        except (OSError, ValueError):
+            pass
+
+
+def thp_available() -> bool:
+    """Whether `empty` can get huge pages: Linux with transparent huge pages not `never`."""
+    if not _SUPPORTED:
+        return False
+    try:
+        mode = _THP_ENABLED.read_text()
+    except OSError:
+        return False
+    return "[never]" not in mode
+
+
+def _rollup_kb(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def file_pages_huge(a: np.ndarray) -> bool:
+    """Touch every page of `a`, a view of a file mapping not read before, and say whether the
+    kernel mapped it in 2 MB pages (the page cache held it in 2 MB folios): FilePmdMapped
+    of /proc/self/smaps_rollup grew by at least 90% of the whole huge pages inside `a`.
+    False where it cannot tell (no smaps, `a` under 4 MB, pages already mapped)."""
+    lo = a.ctypes.data
+    inner = (lo + a.nbytes) // HUGE_PAGE * HUGE_PAGE - -(-lo // HUGE_PAGE) * HUGE_PAGE
+    if inner < 2 * HUGE_PAGE:
+        return False
+    before = _rollup_kb("FilePmdMapped")
+    if before is None:
+        return False
+    np.bitwise_or.reduce(a.reshape(-1).view(np.uint8)[::4096])  # one byte a page: fault them in
+    after = _rollup_kb("FilePmdMapped")
+    return after is not None and (after - before) * 1024 >= 0.9 * inner
 
 
 def copy_of(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -149,21 +149,6 @@ class PreparedWriter:
         self.tmp.unlink(missing_ok=True)
 
 
-def _read_exact(path: Path, offset: int, out: torch.Tensor) -> None:
-    """Fill the contiguous CPU tensor `out` with the file's bytes from `offset`. A read, not a
-    copy out of the mapping, so the file's pages never join this process's resident set.
-    (281 MB of int8 matrices of 2 layers of 7B shapes and head: 100-150 ms on a 2-core EPYC;
-    two reading threads were no faster.)"""
-    view = memoryview(out.numpy().reshape(-1).view(np.uint8))
-    with open(path, "rb", buffering=0) as f:
-        done = 0
-        while done < len(view):
-            got = os.preadv(f.fileno(), [view[done:]], offset + done)
-            if got <= 0:
-                raise ValueError(f"{path}: truncated at byte {offset + done}")
-            done += got
-
-
 class PreparedRows:
     """A prepared file, memory-mapped (copy-on-write, so the tensors are writable views that
     share the file's pages until written, which the engine never does)."""
@@ -177,6 +162,7 @@ class PreparedRows:
         self.fmt = self.metadata.get("format")
         self._map = host_memory.map_file(path)  # copy-on-write, advised for huge pages
         self._base = 8 + length
+        self._file_huge: bool | None = None  # the kernel maps this file in 2 MB pages (see `tensor`)
 
     @classmethod
     def open_if_current(cls, model_dir: Path, fmt: str) -> "PreparedRows | None":
@@ -197,20 +183,37 @@ class PreparedRows:
         return lo <= t.data_ptr() < lo + self._map.size
 
     def tensor(self, name: str, resident: bool = False) -> torch.Tensor:
-        """A stored tensor: a view of the mapped file, or with `resident` a copy read from the
-        file into `host_memory` (anonymous huge pages). Weights that every token reads whole
-        take the copy: the file is mapped in 4 KB pages unless the page cache happens to hold
-        it in 2 MB folios. On a 2-core EPYC, 2 layers of 7B int8 qkv/out and a 32k head, median
-        of 20 rotations: 19.1 ms from anonymous huge pages, 20.4 ms from the file mapped in
-        2 MB or in 4 KB pages (the lead measured 18.7 vs 22.8 ms against the 4 KB mapping)."""
+        """A stored tensor as a view of the mapped file. With `resident` (weights every token
+        reads whole), one in huge pages: the view where the kernel maps the file in 2 MB
+        pages (decided once per file, on its largest matrix: see host_memory.file_pages_huge),
+        else a copy read into host_memory's anonymous huge
+        pages. Measured on a 2-core EPYC (2 layers of 7B int8 qkv/out + 32k head, median of
+        20 rotations): anonymous huge pages 19.1 ms, the file in 2 MB pages 20.4 ms; the lead
+        measured 18.7 (anonymous huge) vs 22.8 ms from the file in 4 KB pages. The copy costs
+        the load 0.3-0.7 s for those 281 MB (faulting fresh huge pages is slow), so it is
+        made only where the file's pages are small."""
+        array = self._view(name)
+        if resident and array.nbytes >= host_memory.MIN_BYTES and host_memory.thp_available():
+            if self._file_huge is None:
+                self._file_huge = host_memory.file_pages_huge(self._view(self._probe_name()))
+            if not self._file_huge:
+                out = host_memory.empty(array.shape, _TORCH[self.header[name]["dtype"]])
+                host_memory.copy_out_of_map(array, out)
+                return out
+        return torch.from_numpy(array)
+
+    def _view(self, name: str) -> np.ndarray:
         entry = self.header[name]
         lo, hi = entry["data_offsets"]
-        if resident and hi - lo >= host_memory.MIN_BYTES:
-            out = host_memory.empty(entry["shape"], _TORCH[entry["dtype"]])
-            _read_exact(self.path, self._base + lo, out)
-            return out
-        array = self._map[self._base + lo:self._base + hi].view(_NUMPY[entry["dtype"]]).reshape(entry["shape"])
-        return torch.from_numpy(array)
+        return self._map[self._base + lo:self._base + hi].view(_NUMPY[entry["dtype"]]).reshape(entry["shape"])
+
+    def _probe_name(self) -> str:
+        """The largest stored matrix but the embeddings (a head or an attention matrix, read
+        by the load anyway): the one whose pages say how the kernel maps this file."""
+        sizes = {n: e["data_offsets"][1] - e["data_offsets"][0] for n, e in self.header.items()
+                 if n.endswith((".q", ".q4")) or n in ("embed", "lm_head")}
+        matrices = {n: b for n, b in sizes.items() if n != "embed"} or sizes
+        return max(matrices, key=matrices.get)
 
     def has_layer(self, i: int) -> bool:
         return f"layers.{i}.up" in self.header
