@@ -76,3 +76,46 @@ def test_cold_rows_are_on_huge_pages():
     assert _anon_huge_kb(rows.up.data_ptr()) >= 2048
     picked = rows.select(torch.arange(0, n, 2))
     assert _anon_huge_kb(picked.down_t.data_ptr()) >= 2048
+
+
+def test_map_file_is_a_copy_on_write_view_of_the_file(tmp_path):
+    path = tmp_path / "blob.bin"
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    path.write_bytes(data.numpy().tobytes())
+    mapped = host_memory.map_file(path)
+    assert mapped.size == data.numel() and mapped.flags.writeable
+    assert torch.equal(torch.from_numpy(mapped), data)
+    mapped[7] ^= 0xFF  # a private copy of that page; the file keeps its bytes
+    assert path.read_bytes()[7] == int(data[7])
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    assert host_memory.map_file(empty).size == 0
+
+
+def test_file_pages_huge_reads_the_mapping_and_answers(tmp_path):
+    """The probe faults the pages in and answers from smaps; a small or already-read view is
+    never called huge."""
+    path = tmp_path / "blob.bin"
+    data = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8)
+    with open(path, "wb") as f:
+        f.write(memoryview(data.numpy()))
+    mapped = host_memory.map_file(path)
+    huge = host_memory.file_pages_huge(mapped)
+    assert isinstance(huge, bool)
+    if huge:
+        assert _file_pmd_kb(mapped.ctypes.data) >= 8 << 10
+    assert host_memory.file_pages_huge(mapped) is False  # already mapped: nothing new to see
+    assert host_memory.file_pages_huge(mapped[: 3 << 20]) is False  # under two huge pages
+    assert torch.equal(torch.from_numpy(mapped), data)
+
+
+def _file_pmd_kb(address: int) -> int:
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "FilePmdMapped:":
+            return int(line.split()[1])
+    return 0

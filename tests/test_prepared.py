@@ -146,3 +146,42 @@ def test_fast_tier_layers_and_head_read_the_checkpoint(tmp_path, llama_dir, monk
         assert isinstance(a.qkv, torch.Tensor) and torch.equal(a.qkv, b.qkv) and torch.equal(a.out, b.out)
     assert torch.equal(fast.model.lm_head, plain.model.lm_head)
     assert torch.equal(fast.score(PROMPT, "oracle"), plain.score(PROMPT, "oracle"))
+
+
+@pytest.mark.parametrize("file_huge", [False, True])
+def test_matrices_read_whole_by_every_token_come_in_huge_pages(tmp_path, monkeypatch, file_huge):
+    """`resident` gives a stored matrix in huge pages: where the file is not mapped in 2 MB
+    pages, a copy in host memory (anonymous huge pages); where it is, the view of the map.
+    The same bytes either way; small tensors stay mapped views."""
+    from engine.loading import host_memory
+    from engine.loading.prepared import PreparedDense, write_tensors
+    from engine.loading.quantized import Int8Matrix, Q4Matrix
+    from test_host_memory import _anon_huge_kb, _thp_mode
+
+    probes = []
+    monkeypatch.setattr(host_memory, "file_pages_huge", lambda a: probes.append(a.nbytes) or file_huge)
+    gen = torch.Generator().manual_seed(3)
+    q8 = torch.randint(-127, 128, (3072, 2048), dtype=torch.int8, generator=gen)  # 6 MB
+    scale = torch.rand(3072, generator=gen)
+    q4 = torch.randint(0, 256, (4096, 18 * 40), dtype=torch.uint8, generator=gen)  # 1280 cols, 2.9 MB
+    small = torch.randn(64, 16, generator=gen)
+    path = write_tensors(tmp_path / "d.safetensors", {"b.q4": q4, "a.q": q8, "a.scale": scale, "c": small},
+                         {"key": "k", "format": "int8"})
+    dense = PreparedDense(path)
+    b = dense.matrix("b", (4096, 1280), resident=True)
+    a = dense.matrix("a", (3072, 2048), resident=True)
+    c = dense.matrix("c", (64, 16), resident=True)
+    assert isinstance(a, Int8Matrix) and isinstance(b, Q4Matrix)
+    assert torch.equal(a.q, q8) and torch.equal(a.scale, scale) and torch.equal(b.q, q4) and torch.equal(c, small)
+    assert dense.holds(c) and dense.holds(dense.matrix("a", (3072, 2048)).q)  # without `resident`: the map
+    if not host_memory.thp_available():
+        assert dense.holds(a.q) and dense.holds(b.q) and probes == []
+        return
+    assert probes == [q8.numel()]  # decided once, on the file's largest matrix
+    copied = [] if file_huge else [a.q, b.q]
+    assert dense.holds(a.q) == dense.holds(b.q) == file_huge
+    assert torch.equal(a.q, q8) and torch.equal(b.q, q4)
+    for t in copied:
+        assert t.data_ptr() % host_memory.HUGE_PAGE == 0
+        if _thp_mode() in ("always", "madvise"):
+            assert _anon_huge_kb(t.data_ptr()) >= 2048

@@ -133,8 +133,8 @@ def _mapped_predictors(dense_file, model_dir: Path, config: ModelConfig) -> Pred
     fc1, fc2 = [], []
     for i in range(config.num_layers):
         rank = dense_file.rows(f"predictors.{i}.fc1")
-        fc1.append(dense_file.matrix(f"predictors.{i}.fc1", (rank, config.hidden_size)))
-        fc2.append(dense_file.matrix(f"predictors.{i}.fc2", (config.intermediate_size, rank)))
+        fc1.append(dense_file.matrix(f"predictors.{i}.fc1", (rank, config.hidden_size), resident=True))
+        fc2.append(dense_file.matrix(f"predictors.{i}.fc2", (config.intermediate_size, rank), resident=True))
     if len(thresholds) != config.num_layers:
         thresholds = [thresholds[0] if thresholds else 0.0] * config.num_layers
     predictors = PredictorSet(fc1, fc2, thresholds, _MAPPED)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -24,6 +26,7 @@ HUGE_PAGE = 2 << 20
 # Below one huge page there is nothing to gain and up to 2 MB of address space to pad.
 MIN_BYTES = HUGE_PAGE
 _SUPPORTED = hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_PRIVATE")
+_THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -44,6 +47,88 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tens
     raw = np.frombuffer(region, dtype=np.uint8)  # the array keeps the mapping alive
     start = (-raw.ctypes.data) % HUGE_PAGE
     return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
+
+
+def map_file(path) -> np.ndarray:
+    """The whole file as a uint8 array over a copy-on-write mapping (numpy's memmap mode "c"),
+    advised for huge pages. Where the page cache holds the file in 2 MB folios (ext4 and
+    others since Linux 6.x, for files written in large writes or read through such a
+    mapping) the kernel maps them whole: one TLB entry per 2 MB instead of 512. The advice
+    also makes faults on pages not yet cached read 2 MB at a time, not the 4-128 KB pieces
+    that random reads of scattered rows would otherwise leave in the cache. Measured on a
+    2-core EPYC (7B int8 cold rows, ~1100 of 11008 neurons a call): 1.19 ms from 4 KB pages,
+    1.01 ms from a 2 MB-mapped file, 1.00 ms from anonymous huge pages."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return np.empty(0, dtype=np.uint8)
+        region = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    if _SUPPORTED:
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return np.frombuffer(region, dtype=np.uint8)  # the array keeps the mapping alive
+
+
+def copy_out_of_map(a: np.ndarray, out: torch.Tensor) -> None:
+    """Copy `a`, a view of a `map_file` mapping, into the contiguous tensor `out`, then drop
+    the view's pages from this process (the page cache keeps them). Read through the
+    mapping, not with read(): pages not cached yet come in as 2 MB folios (the mapping's
+    advice), which later loads then map whole; read() would cache them in small pieces."""
+    out.numpy().reshape(-1).view(np.uint8)[:] = a.reshape(-1).view(np.uint8)
+    region = a.base
+    while region is not None and not isinstance(region, mmap.mmap):
+        region = getattr(region, "obj", None) if isinstance(region, memoryview) else getattr(region, "base", None)
+    if region is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = a.ctypes.data - np.frombuffer(region, dtype=np.uint8).ctypes.data
+    lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    hi = (start + a.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if hi > lo:
+        try:
+            region.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        except (OSError, ValueError):
+            pass
+
+
+def thp_available() -> bool:
+    """Whether `empty` can get huge pages: Linux with transparent huge pages not `never`."""
+    if not _SUPPORTED:
+        return False
+    try:
+        mode = _THP_ENABLED.read_text()
+    except OSError:
+        return False
+    return "[never]" not in mode
+
+
+def _rollup_kb(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def file_pages_huge(a: np.ndarray) -> bool:
+    """Touch every page of `a`, a view of a file mapping not read before, and say whether the
+    kernel mapped it in 2 MB pages (the page cache held it in 2 MB folios): FilePmdMapped
+    of /proc/self/smaps_rollup grew by at least 90% of the whole huge pages inside `a`.
+    False where it cannot tell (no smaps, `a` under 4 MB, pages already mapped)."""
+    lo = a.ctypes.data
+    inner = (lo + a.nbytes) // HUGE_PAGE * HUGE_PAGE - -(-lo // HUGE_PAGE) * HUGE_PAGE
+    if inner < 2 * HUGE_PAGE:
+        return False
+    before = _rollup_kb("FilePmdMapped")
+    if before is None:
+        return False
+    np.bitwise_or.reduce(a.reshape(-1).view(np.uint8)[::4096])  # one byte a page: fault them in
+    after = _rollup_kb("FilePmdMapped")
+    return after is not None and (after - before) * 1024 >= 0.9 * inner
 
 
 def copy_of(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -29,6 +29,7 @@ import torch
 
 from engine.kernels import cpu as cpu_kernels
 from engine.kernels import cpu_q4
+from engine.loading import host_memory
 from engine.loading.sidecar import sidecar_dir
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ FORMATS = ("int8", "int4")
 DISABLE_ENV = "THERMOCLINE_NO_PREPARED"  # 1: neither read nor write prepared files
 _DTYPES = {torch.uint8: ("U8", 1), torch.int8: ("I8", 1), torch.float32: ("F32", 4)}
 _NUMPY = {"U8": np.uint8, "I8": np.int8, "F32": np.float32}
+_TORCH = {code: dtype for dtype, (code, _) in _DTYPES.items()}
 
 
 def enabled() -> bool:
@@ -158,12 +160,13 @@ class PreparedRows:
             self.header = json.loads(f.read(length))
         self.metadata = self.header.pop("__metadata__", {})
         self.fmt = self.metadata.get("format")
-        self._map = np.memmap(path, mode="c")
+        self._map = host_memory.map_file(path)  # copy-on-write, advised for huge pages
         self._base = 8 + length
         # a truncated (or padded) file is refused here, not found out by a tensor's view
         end = max((e["data_offsets"][1] for e in self.header.values()), default=0)
         if self._map.size != self._base + end:
             raise ValueError(f"{self._map.size} bytes where its header describes {self._base + end}")
+        self._file_huge: bool | None = None  # the kernel maps this file in 2 MB pages (see `tensor`)
 
     @classmethod
     def open_if_current(cls, model_dir: Path, fmt: str) -> "PreparedRows | None":
@@ -183,11 +186,38 @@ class PreparedRows:
         lo = self._map.ctypes.data
         return lo <= t.data_ptr() < lo + self._map.size
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def tensor(self, name: str, resident: bool = False) -> torch.Tensor:
+        """A stored tensor as a view of the mapped file. With `resident` (weights every token
+        reads whole), one in huge pages: the view where the kernel maps the file in 2 MB
+        pages (decided once per file, on its largest matrix: see host_memory.file_pages_huge),
+        else a copy read into host_memory's anonymous huge
+        pages. Measured on a 2-core EPYC (2 layers of 7B int8 qkv/out + 32k head, median of
+        20 rotations): anonymous huge pages 19.1 ms, the file in 2 MB pages 20.4 ms; the lead
+        measured 18.7 (anonymous huge) vs 22.8 ms from the file in 4 KB pages. The copy costs
+        the load 0.3-0.7 s for those 281 MB (faulting fresh huge pages is slow), so it is
+        made only where the file's pages are small."""
+        array = self._view(name)
+        if resident and array.nbytes >= host_memory.MIN_BYTES and host_memory.thp_available():
+            if self._file_huge is None:
+                self._file_huge = host_memory.file_pages_huge(self._view(self._probe_name()))
+            if not self._file_huge:
+                out = host_memory.empty(array.shape, _TORCH[self.header[name]["dtype"]])
+                host_memory.copy_out_of_map(array, out)
+                return out
+        return torch.from_numpy(array)
+
+    def _view(self, name: str) -> np.ndarray:
         entry = self.header[name]
         lo, hi = entry["data_offsets"]
-        array = self._map[self._base + lo:self._base + hi].view(_NUMPY[entry["dtype"]]).reshape(entry["shape"])
-        return torch.from_numpy(array)
+        return self._map[self._base + lo:self._base + hi].view(_NUMPY[entry["dtype"]]).reshape(entry["shape"])
+
+    def _probe_name(self) -> str:
+        """The largest stored matrix but the embeddings (a head or an attention matrix, read
+        by the load anyway): the one whose pages say how the kernel maps this file."""
+        sizes = {n: e["data_offsets"][1] - e["data_offsets"][0] for n, e in self.header.items()
+                 if n.endswith((".q", ".q4")) or n in ("embed", "lm_head")}
+        matrices = {n: b for n, b in sizes.items() if n != "embed"} or sizes
+        return max(matrices, key=matrices.get)
 
     def has_layer(self, i: int) -> bool:
         return f"layers.{i}.up" in self.header
@@ -326,22 +356,23 @@ class PreparedDense(PreparedRows):
     def has(self, name: str) -> bool:
         return any(f"{name}{suffix}" in self.header for suffix in ("", ".q", ".q4"))
 
-    def matrix(self, name: str, shape: tuple[int, int] | None = None):
-        """A weight as stored: a mapped tensor or a quantized matrix over mapped arrays;
-        `shape` ([n, cols], the checkpoint's) is checked against it."""
+    def matrix(self, name: str, shape: tuple[int, int] | None = None, resident: bool = False):
+        """A weight as stored: a mapped tensor or a quantized matrix over mapped arrays (with
+        `resident`, read into huge pages: see `tensor`); `shape` ([n, cols], the checkpoint's)
+        is checked against it."""
         from engine.loading.quantized import Int8Matrix, Q4Matrix
 
         if f"{name}.q4" in self.header:
-            q = self.tensor(f"{name}.q4")
+            q = self.tensor(f"{name}.q4", resident)
             if shape is None:
                 raise ValueError(f"{name}: the 4-bit matrix needs its column count")
             w = Q4Matrix(q, shape[1])
             if q.shape[1] != cpu_q4.row_bytes(shape[1]):
                 raise ValueError(f"{name}: 4-bit rows of {q.shape[1]} bytes do not hold {shape[1]} columns")
         elif f"{name}.q" in self.header:
-            w = Int8Matrix(self.tensor(f"{name}.q"), self.tensor(f"{name}.scale"))
+            w = Int8Matrix(self.tensor(f"{name}.q", resident), self.tensor(f"{name}.scale"))
         else:
-            w = self.tensor(name)
+            w = self.tensor(name, resident)
         if shape is not None and tuple(w.shape) != tuple(shape):
             raise ValueError(f"{name}: prepared shape {tuple(w.shape)}, the checkpoint's {tuple(shape)}")
         return w
@@ -375,8 +406,8 @@ class PreparedDense(PreparedRows):
                 value.weight = self.matrix(f"layers.{i}.{field}.weight", tuple(value.weight.shape))
                 if value.bias is not None:
                     value.bias = self.matrix(f"layers.{i}.{field}.bias", tuple(value.bias.shape))
-            else:
-                setattr(layer, field, self.matrix(f"layers.{i}.{field}", tuple(value.shape)))
+            else:  # qkv, out: read whole by every token
+                setattr(layer, field, self.matrix(f"layers.{i}.{field}", tuple(value.shape), resident=True))
 
     def fill_globals(self, embed, norm, head, tied: bool):
         """(embed, final norm, head) in place of meta tensors of the same shapes."""
@@ -384,7 +415,11 @@ class PreparedDense(PreparedRows):
         norm.weight = self.matrix("final_norm.weight", tuple(norm.weight.shape))
         if norm.bias is not None:
             norm.bias = self.matrix("final_norm.bias", tuple(norm.bias.shape))
-        head = embed if tied or not self.has("lm_head") else self.matrix("lm_head", tuple(head.shape))
+        if tied or not self.has("lm_head"):  # the embeddings are the head: read whole by every token
+            embed = self.matrix("embed", tuple(embed.shape), resident=True)
+            head = embed
+        else:
+            head = self.matrix("lm_head", tuple(head.shape), resident=True)
         return embed, norm, head
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from engine.kernels import cpu as cpu_kernels
 from engine.kernels import cpu_q4, q4_tiles
 from engine.kernels.cpu_quant import dequantize_rows_int8, quantize_rows_int8
+from engine.loading import host_memory
 
 # Rows converted per step of a many-token product: bounds the fp32 copy to a few MB.
 _BLOCK_ROWS = 1024
@@ -50,8 +51,8 @@ class Int8Matrix(QuantMatrix):
 
     @classmethod
     def quantize(cls, w: torch.Tensor) -> "Int8Matrix":
-        """From a float matrix on any device."""
-        return cls(*quantize_rows_int8(w))
+        """From a float matrix on any device (the rows in host_memory: huge pages)."""
+        return cls(*quantize_rows_int8(w, out_q=host_memory.empty(tuple(w.shape), torch.int8)))
 
     @property
     def shape(self) -> torch.Size:
@@ -92,8 +93,9 @@ class Q4Matrix(QuantMatrix):
 
     @classmethod
     def quantize(cls, w: torch.Tensor) -> "Q4Matrix":
-        """From a float matrix on any device."""
-        return cls(cpu_q4.quantize_rows_q4(w), w.shape[1])
+        """From a float matrix on any device (the rows in host_memory: huge pages)."""
+        out = host_memory.empty((w.shape[0], cpu_q4.row_bytes(w.shape[1])), torch.uint8) if w.dim() == 2 else None
+        return cls(cpu_q4.quantize_rows_q4(w, out=out), w.shape[1])
 
     @property
     def shape(self) -> torch.Size:
