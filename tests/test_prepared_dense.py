@@ -261,3 +261,22 @@ def test_a_failed_write_only_costs_the_mapping(tmp_path, monkeypatch):
         _decodes_as(engine, ref_ids, ref_logits)
     assert np.isfinite(engine.score(PROMPT).numpy()).all()
     assert sorted(p.name for p in (model / "thermocline").iterdir()) == [dense_mode_path(model, "int4").name]
+
+
+def test_a_killed_writers_partial_file_is_removed_a_running_ones_kept(tmp_path):
+    import subprocess
+    import sys
+
+    from engine.loading.prepared import write_tensors
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    target = tmp_path / "prepared-int8-dense-mode.safetensors"
+    abandoned = tmp_path / f"prepared-int8-dense-mode.{gone.pid}.partial"
+    running = tmp_path / f"prepared-int8-dense-mode.{os.getppid()}.partial"
+    other_file = tmp_path / f"prepared-int8.{gone.pid}.partial"
+    for p in (abandoned, running, other_file):
+        p.write_bytes(b"x" * 64)
+    write_tensors(target, {"w": torch.ones(4)}, {"key": "k"})
+    assert not abandoned.exists() and running.exists() and other_file.exists()
+    assert torch.equal(load_file(str(target))["w"], torch.ones(4))

@@ -62,8 +62,7 @@ def map_file(path) -> np.ndarray:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             return np.empty(0, dtype=np.uint8)
-        region = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE,
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        region = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)  # MAP_PRIVATE; Windows too
     if _SUPPORTED:
         try:
             region.madvise(mmap.MADV_HUGEPAGE)

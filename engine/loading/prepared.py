@@ -176,7 +176,7 @@ class PreparedRows:
             return None
         try:
             rows = cls(path)
-        except (OSError, ValueError, struct.error) as exc:
+        except (OSError, ValueError, struct.error, KeyError, TypeError) as exc:  # TypeError: a header of non-dicts
             log.warning("ignoring unreadable prepared rows %s (%s)", path, exc)
             return None
         return rows if rows.metadata.get("key") == checkpoint_key(model_dir, fmt) else None
@@ -212,10 +212,11 @@ class PreparedRows:
         return self._map[self._base + lo:self._base + hi].view(_NUMPY[entry["dtype"]]).reshape(entry["shape"])
 
     def _probe_name(self) -> str:
-        """The largest stored matrix but the embeddings (a head or an attention matrix, read
-        by the load anyway): the one whose pages say how the kernel maps this file."""
+        """The largest head or attention matrix (read whole by the load anyway; never an FFN
+        matrix of the dense mode's file, which the load only maps): the one whose pages say
+        how the kernel maps this file."""
         sizes = {n: e["data_offsets"][1] - e["data_offsets"][0] for n, e in self.header.items()
-                 if n.endswith((".q", ".q4")) or n in ("embed", "lm_head")}
+                 if (n.endswith((".q", ".q4")) and ".ffn." not in n) or n in ("embed", "lm_head")}
         matrices = {n: b for n, b in sizes.items() if n != "embed"} or sizes
         return max(matrices, key=matrices.get)
 
@@ -300,6 +301,17 @@ def dense_tensors(model, predictors, cpu_layers: list[int], head_on_cpu: bool) -
     return out
 
 
+def _remove_abandoned_partials(path: Path) -> None:
+    """Delete the half-written files of `path` left by loads that were killed (their pid no
+    longer runs): each is as big as the model, and no other code would ever remove it."""
+    import psutil
+
+    for tmp in path.parent.glob(f"{path.stem}.*.partial"):
+        pid = tmp.suffixes[-2][1:] if len(tmp.suffixes) >= 2 else ""
+        if pid.isdigit() and int(pid) != os.getpid() and not psutil.pid_exists(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
                   progress=None) -> Path:
     """A safetensors file of CPU tensors, streamed tensor by tensor (no copy of the whole),
@@ -318,6 +330,7 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_partials(path)
     tmp = path.with_suffix(f".{os.getpid()}.partial")  # two loads at once never share a half-written file
     try:
         with open(tmp, "wb") as f:
@@ -459,10 +472,10 @@ def dense_mode_tensors(model) -> dict[str, torch.Tensor]:
 
 
 def may_write(model_dir: Path) -> bool:
-    """Whether a load may write a prepared file into this model's sidecar: only where the
-    sidecar folder exists already (a model Thermocline downloaded, imported or profiled), never
-    into a plain folder the user pointed at (nothing is written outside Thermocline's folders
-    unasked), nor into the bundled demo."""
+    """Whether a dense-mode load may write its prepared file into this model's sidecar: only
+    where the sidecar folder exists already (a model Thermocline downloaded, imported or
+    profiled, or one a sparse load prepared), not into a plain folder a dense load was merely
+    pointed at, nor into the bundled demo."""
     return sidecar_dir(model_dir).is_dir() and not is_bundled(model_dir)
 
 

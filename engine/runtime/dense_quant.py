@@ -148,6 +148,7 @@ def load_dense(model_dir: Path, config, device: torch.device, ctx: int, progress
             if isinstance(exc, ModelFormatError):  # the checkpoint's own shapes disagree with config.json
                 raise
             log.warning("ignoring the prepared file %s (%s)", file.path, exc)
+    file = None  # drop the mapping of a bad file before its rebuild renames over it (Windows refuses that)
     model = load_transformer(model_dir, config, devices, device, ctx, progress,
                              on_layer=lambda i, layer: quantize_layer(i, layer, fmt))
     quantize_head(model, fmt)
