@@ -185,3 +185,15 @@ def test_a_bad_switch_value_is_refused(models, monkeypatch, capsys, tmp_path):
     assert main(["generate", "--model", str(model), "--prompt", "x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and fused_decode.FUSED_ENV in err[0]
+
+
+def test_the_compiled_layer_is_cached_under_the_stamps_of_the_kernels_it_copies():
+    """Its disk cache goes stale when cpu_numba, cpu_q4 or q4_tiles change, not only this file."""
+    from engine.kernels import decode_layer, q4_tiles
+
+    locator = decode_layer.decode_layer._cache._impl.locator
+    stamp = locator.get_source_stamp()
+    files = [decode_layer.__file__, cpu_numba.__file__, cpu_q4.__file__, q4_tiles.__file__]
+    assert len(stamp) == len(files) and len(set(stamp)) == len(files)
+    # other files' functions keep numba's own locator
+    assert not isinstance(cpu_numba.ffn_rows._cache._impl.locator, decode_layer._StampedWithKernels)
