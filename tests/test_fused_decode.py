@@ -197,3 +197,18 @@ def test_the_compiled_layer_is_cached_under_the_stamps_of_the_kernels_it_copies(
     assert len(stamp) == len(files) and len(set(stamp)) == len(files)
     # other files' functions keep numba's own locator
     assert not isinstance(cpu_numba.ffn_rows._cache._impl.locator, decode_layer._StampedWithKernels)
+
+
+def test_a_sliding_window_shorter_than_the_context_takes_the_unfused_path(models, tmp_path, monkeypatch,
+                                                                          one_torch_thread):
+    import json
+
+    path = tmp_path / "bamboo"
+    shutil.copytree(models["bamboo"], path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "sliding_window": 5}))
+    engine = Engine.load(path, mode="sparse", ram_budget=RAM, cpu_weights="int8", ctx=64)
+    assert engine.cache.rolling
+    fused, unfused = _steps(engine, True, monkeypatch), _steps(engine, False, monkeypatch)
+    assert _calls(engine) == [0, 0] and "window" in engine.model.layers[0].fused.why
+    assert torch.equal(fused, unfused)
