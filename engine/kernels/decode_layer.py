@@ -44,9 +44,13 @@ class _StampedWithKernels:
     """A cache locator mixin: this file's functions are stamped with the kernel files too."""
 
     def get_source_stamp(self):
-        stamps = []
-        for path in (self._py_file,) + _DEPENDENCIES:
-            st = os.stat(path)
+        stamps = [super().get_source_stamp()]  # this file's (or a frozen bundle's executable's)
+        for path in _DEPENDENCIES:
+            try:
+                st = os.stat(path)
+            except OSError:  # not shipped as a file: the bundle's own stamp above stands for it
+                stamps.append(None)
+                continue
             stamps.append(caching._hash_source_file(path, st.st_mtime, st.st_size))
         return tuple(stamps)
 
