@@ -19,6 +19,7 @@ on the layer with the objects they were built from; a re-placement that swaps an
 
 from __future__ import annotations
 
+import operator
 import os
 import warnings
 from dataclasses import dataclass
@@ -249,7 +250,7 @@ def _build_head(dl, model) -> FusedLayer:
 
 
 def _current(plan: FusedLayer | None, key: tuple) -> bool:
-    return plan is not None and len(plan.key) == len(key) and all(a is b for a, b in zip(plan.key, key))
+    return plan is not None and len(plan.key) == len(key) and all(map(operator.is_, plan.key, key))
 
 
 # ------------------------------------------------------------------ the step
