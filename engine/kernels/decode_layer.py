@@ -17,7 +17,7 @@ The layer function calls kernels defined in other files, whose code numba copies
 own; its disk cache is therefore stamped with all those files (`_DEPENDENCIES`), not only
 this one, or an edited kernel would keep running in its stale cached copy.
 
-    count = decode_layer(x, pos, threads, cos, sin, pthr, *layer_args)   # x updated in place
+    count, count_hot = decode_layer(x, pos, threads, cos, sin, pthr, *layer_args)   # x updated in place
     logits = decode_head(x, threads, *head_args)
 """
 
@@ -208,6 +208,8 @@ def _ffn_rows(rkind, gb, gs, ub, us, db, ds, x, logits, row_ids, pthr, gated, co
     """The FFN rows whose logit (logits[row_ids[j]]) >= pthr: cpu.sparse_ffn_predicted's kernel call."""
     n = ub.shape[0]
     d = x.shape[0]
+    if n == 0:  # a tier without rows (everything hot, or nothing)
+        return np.zeros(d, dtype=np.float32)
     acts = np.empty(n, dtype=np.float32)
     no_ids = np.empty(0, dtype=np.int64)
     chunks = max(1, min(threads, n))
@@ -230,10 +232,12 @@ def decode_layer(x, pos, threads, cos, sin, pthr,
                  ffn_kind, n_ff, gated, code, act_thr,
                  fc1_kind, fc1_b, fc1_s, fc2_kind, fc2_b, fc2_s,
                  rows_kind, gate_b, gate_s, up_b, up_s, down_b, down_s, row_ids,
+                 hot_kind, hot_gate_b, hot_gate_s, hot_up_b, hot_up_s, hot_down_b, hot_down_s, hot_ids,
                  gu_kind, gu_b, gu_s, dn_kind, dn_b, dn_s):
     """One llama-family layer's decode step for the token at position `pos`; x fp32 [d] (the
     residual stream) is updated in place. Returns the FFN neurons computed (predicted active;
-    every one in a dense FFN)."""
+    every one in a dense FFN) and those of them among the hot rows (the CPU standing in for
+    the fast tier: rows `hot_*` of neurons hot_ids, summed before the cold rows' as HybridFfn does)."""
     d = x.shape[0]
     q_size = n_heads * head_dim
     kv_size = kv_heads * head_dim
@@ -261,6 +265,7 @@ def decode_layer(x, pos, threads, cos, sin, pthr,
     # FFN: norm, then the predicted rows (the predictor reads the residual stream) or all of them
     hm = _rms_norm(x, mlp_w, eps)
     count = 0
+    count_hot = 0
     if ffn_kind == FFN_ROWS:
         hidden = linear(fc1_kind, fc1_b, fc1_s, x, threads)
         for j in range(hidden.shape[0]):
@@ -273,6 +278,14 @@ def decode_layer(x, pos, threads, cos, sin, pthr,
                 count += 1
         y = _ffn_rows(rows_kind, gate_b, gate_s, up_b, up_s, down_b, down_s, hm, logits, row_ids, pthr, gated,
                       code, act_thr, threads)
+        if hot_ids.shape[0]:
+            for j in range(hot_ids.shape[0]):
+                if logits[hot_ids[j]] >= t:
+                    count_hot += 1
+            y_hot = _ffn_rows(hot_kind, hot_gate_b, hot_gate_s, hot_up_b, hot_up_s, hot_down_b, hot_down_s, hm,
+                              logits, hot_ids, pthr, gated, code, act_thr, threads)
+            for j in range(d):
+                y[j] = y_hot[j] + y[j]
     else:
         pre = linear(gu_kind, gu_b, gu_s, hm, threads)
         thr = np.float32(act_thr)
@@ -292,7 +305,7 @@ def decode_layer(x, pos, threads, cos, sin, pthr,
             y = K.combine_rows(act, dn_b.view(np.float32), _DENSE_CHUNKS_PER_THREAD * threads)
     for j in range(d):
         x[j] = x[j] + (y[j] * rs if use_res_scale else y[j])
-    return count
+    return count, count_hot
 
 
 @_njit()

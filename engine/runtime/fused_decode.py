@@ -4,11 +4,12 @@ unfused path, which stays the reference.
 
 The shape: a llama-family layer on the CPU in fp32 (RMSNorms, fused qkv without bias, rotary
 or none, GQA, a plain (not rolling) KV cache in fp16 or fp32, the out projection, muP's
-residual scale) whose FFN is either the sparse modes' predicted cold rows (no hot rows, a
-predictor, no oracle, no scoring, no benchmark masks) or a dense FFN without biases (fp32,
-int8 or int4); the final RMSNorm and the head on the CPU. Anything else (a GPU layer, hot
-rows, Falcon's LayerNorm and parallel block, biases, sliding windows, MoE, an FFN observer,
-prefill) takes the unfused path for the whole token.
+residual scale) whose FFN is either the sparse modes' predicted rows (a predictor; cold rows,
+and hot rows where the CPU stands in for the fast tier; no oracle, no scoring, no benchmark
+masks) or a dense FFN without biases (fp32, int8 or int4); the final RMSNorm and the head on
+the CPU. Anything else (a GPU layer or hot rows on a GPU, Falcon's LayerNorm and parallel
+block, biases, a sliding window, MoE, an FFN observer, prefill) takes the unfused path for
+the whole token.
 
 Each layer's arguments (numpy views of its weights, kinds, sizes) are prepared once and kept
 on the layer with the objects they were built from; a re-placement that swaps any of them
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from engine.errors import UserError
+from engine.hotcold import hot_q4
 from engine.kernels import cpu_q4, numba_pool
 from engine.kernels import cpu as cpu_kernels
 from engine.loading.quantized import Int8Matrix, Q4Matrix
@@ -142,7 +144,21 @@ def _layer_key(model, index: int, layer, cache) -> tuple:
     fc = (predictors.fc1[index], predictors.fc2[index]) if predictors is not None else (None, None)
     return (layer.qkv, layer.out, layer.attn_norm.weight, layer.mlp_norm.weight if layer.mlp_norm else None,
             layer.device, ffn, getattr(ffn, "cold", None), getattr(ffn, "hot", None), predictors, *fc,
-            cache.k[index], cache.v[index])
+            cache.k[index], cache.v[index], hot_q4.TRITON_ON_CPU)
+
+
+def _hot_rows(dl, hot) -> tuple | None:
+    """The hot rows' kernel arguments and ids when the CPU stands in for the fast tier and
+    HybridFfn runs them in the CPU kernels (fp32 rows, or 4-bit rows outside Triton's interpreter)."""
+    if getattr(hot, "quant", None) == hot_q4.HOT_INT4:
+        rows = hot.q4_rows if not hot_q4.TRITON_ON_CPU else None
+    else:
+        rows = hot.cpu_rows
+    ids = hot.ids
+    if rows is None or ids.dtype != torch.int64 or ids.device.type != "cpu" or not ids.is_contiguous():
+        return None
+    args = _rows(dl, rows)
+    return None if args is None else (*args, ids.numpy())
 
 
 def _why_not_layer(model, index: int, layer, cache) -> str:
@@ -183,12 +199,13 @@ def _build_layer(dl, model, index: int, layer, cache) -> FusedLayer:
         return FusedLayer(key, None, "attention weights in a storage the kernel does not read")
     ffn = layer.ffn
     mats = [qkv, out]
-    fc1 = fc2 = rows = gate_up = down = None
+    fc1 = fc2 = rows = hot = gate_up = down = None
     row_ids = _EMPTY_IDS
     if type(ffn) is HybridFfn:
         hooks = ffn.context._hooks
-        if len(ffn.hot) or not len(ffn.cold):
-            return FusedLayer(key, None, "hot rows")
+        hot = _hot_rows(dl, ffn.hot) if len(ffn.hot) else None
+        if len(ffn.hot) and hot is None:
+            return FusedLayer(key, None, "hot rows on another device")
         if ffn.context.mode == "oracle" or hooks.predictors is None:
             return FusedLayer(key, None, "no predictor (oracle)")
         fc1, fc2 = _matrix(dl, hooks.predictors.fc1[index]), _matrix(dl, hooks.predictors.fc2[index])
@@ -219,7 +236,9 @@ def _build_layer(dl, model, index: int, layer, cache) -> FusedLayer:
     code = cpu_kernels._kernels().ACTIVATION_CODES[ffn.activation]
     empty_m = (dl.M_FP32, _EMPTY_BYTES, _EMPTY_F32)
     fc1, fc2, gate_up, down = (m or empty_m for m in (fc1, fc2, gate_up, down))
-    rows = rows or (dl.R_FP32, _EMPTY_BYTES, _EMPTY_F32, _EMPTY_BYTES, _EMPTY_F32, _EMPTY_BYTES, _EMPTY_F32)
+    no_rows = (dl.R_FP32, _EMPTY_BYTES, _EMPTY_F32, _EMPTY_BYTES, _EMPTY_F32, _EMPTY_BYTES, _EMPTY_F32)
+    rows = rows or no_rows
+    hot = hot or (*no_rows, _EMPTY_IDS)
     res = model.residual_scale
     k, v = cache.k[index], cache.v[index]
     args = (layer.attn_norm.weight.numpy(), layer.mlp_norm.weight.numpy(), float(layer.attn_norm.eps),
@@ -227,8 +246,8 @@ def _build_layer(dl, model, index: int, layer, cache) -> FusedLayer:
             float(res if res is not None else 1.0), res is not None,
             *qkv, *out, k.view(torch.uint8).numpy(), v.view(torch.uint8).numpy(), k.dtype == torch.float16,
             ffn_kind, int(ffn.n_ff), gated, code, float(ffn.threshold),
-            *fc1, *fc2, *rows, row_ids, *gate_up, *down)
-    q4 = any(m[0] in (dl.M_Q4, dl.M_Q4_TILES) for m in mats) or rows[0] == dl.R_Q4
+            *fc1, *fc2, *rows, row_ids, *hot, *gate_up, *down)
+    q4 = any(m[0] in (dl.M_Q4, dl.M_Q4_TILES) for m in mats) or dl.R_Q4 in (rows[0], hot[0])
     if not all(w.dtype == torch.float32 and w.is_contiguous() for w in (layer.attn_norm.weight,
                                                                         layer.mlp_norm.weight)):
         return FusedLayer(key, None, "norm weights not contiguous fp32")
@@ -300,12 +319,14 @@ def decode_step(model, ids: torch.Tensor, start: int, cache) -> torch.Tensor | N
         pthr = layer.ffn.context.threshold if plan.sparse else 0.0
         with numba_pool.lock:
             threads = numba_pool.use_threads(kern)
-            count = dl.decode_layer(x, start, threads, cos, sin, float(pthr), *plan.args)
+            count, count_hot = dl.decode_layer(x, start, threads, cos, sin, float(pthr), *plan.args)
         plan.calls += 1
         if plan.sparse:
             counters = layer.ffn.context.counters
             counters.considered += plan.n_ff
             counters.computed = counters.computed + count
+            if count_hot:
+                counters.computed_hot = counters.computed_hot + count_hot
     with numba_pool.lock:
         logits = dl.decode_head(x, numba_pool.use_threads(kern), *head.args)
     head.calls += 1
