@@ -30,6 +30,7 @@ def default_kv_cache():
     """The CPU KV cache's default format (fp16) whatever the developer's shell says."""
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("THERMOCLINE_KV_CACHE", raising=False)
+        mp.delenv("THERMOCLINE_FUSED_DECODE", raising=False)  # the fused decode on, its default
         yield
 
 

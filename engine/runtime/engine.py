@@ -118,6 +118,9 @@ class Engine:
         if cpu_weights not in ("int4", "int8", "fp32"):
             raise UserError(f"unknown CPU weight format {cpu_weights!r}: choose int4, int8 or fp32")
         ctx, threads = check_ctx(ctx), check_threads(threads)
+        from engine.runtime import fused_decode
+
+        fused_decode.enabled()  # a bad THERMOCLINE_FUSED_DECODE is refused here, not at the first token
         device = str(resolve_device(device)) if device is not None else None
         if threads:
             torch.set_num_threads(threads)
@@ -156,6 +159,7 @@ class Engine:
             model_obj, dense_prepared = load_dense(model_dir, config, dev, ctx, progress, cpu_weights)
             cache = cls.make_cache(config, ctx, [dev] * config.num_layers,
                                    [model_obj.layers[0].dtype] * config.num_layers)
+        fused_decode.warm(model_obj, cache)  # the one-call-per-layer decode's machine code, now
         engine = cls(model_dir, config, tokenizer, model_obj, cache, mode, ctx,
                      cls.eos_from(model_dir, config, tokenizer), cls.defaults_from(model_dir), sparse=runtime)
         engine.warnings = notes  # things the user should hear about, not errors (the CLI prints them)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from engine.config import ModelConfig
 from engine.kernels import cpu as cpu_kernels
 from engine.kernels.reference import activations
+from engine.runtime import fused_decode
 from engine.runtime.kv_cache import KVCache
 from engine.hotcold.moe import route
 from engine.loading.quantized import Int8Matrix, QuantMatrix, matrix_nbytes
@@ -134,6 +135,7 @@ class Layer:
     router: torch.Tensor | Int8Matrix | None = None
     rope: bool = True          # False: this layer's attention has no positions (NoPE)
     window: int | None = None  # attend over the last `window` positions only
+    fused: object = None  # fused_decode.FusedLayer: this layer's prepared decode call, built on first use
 
     @property
     def dtype(self) -> torch.dtype:
@@ -154,6 +156,7 @@ class Transformer:
         self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
         self.rotary = rotary
         self.ffn_observer: FfnObserver | None = None
+        self.fused_head = None  # fused_decode.FusedLayer of the final norm and the head
         self.scale = config.head_dim ** -0.5
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
@@ -176,6 +179,10 @@ class Transformer:
     def forward(self, ids: torch.Tensor, start: int, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
         """Run tokens `ids` [T] at positions start.. ; returns logits [T or 1, vocab] (fp32)."""
         count = ids.shape[0]
+        if count == 1:  # decode: one compiled call per layer where the model allows (fused_decode)
+            logits = fused_decode.decode_step(self, ids, start, cache)
+            if logits is not None:
+                return logits
         cache.prepare(start, count)
         x = self.embed[ids.to(self.embed.device)]
         if self.embedding_scale is not None:

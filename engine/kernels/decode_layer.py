@@ -1,0 +1,329 @@
+"""One compiled call per CPU layer's decode step, and one for the final norm and the head.
+
+A decode step through `engine.runtime.model` makes about twenty Python-level calls per
+layer (norms, rotary, the cache write, each product, the predictor, the FFN rows, the
+residuals), each a torch op or a numba launch with its own fixed cost: about 6 ms of a
+35 ms token on 2 layers of 7B shapes. Here one plain (not parallel) jitted function runs
+the whole layer: the small vector work (RMSNorm, rotary, the fp16 cache write, residuals,
+the activation of a dense FFN) in its own loops, and the existing parallel kernels of
+`cpu_numba`, `cpu_q4` and `q4_tiles` for the products, the attention and the FFN rows, so
+the numbers are those of the unfused path (the same kernels, the same chunking).
+
+Every weight matrix arrives as its bytes (uint8 [n, row bytes]) with a kind code and is
+viewed inside as fp32, int8 or 4-bit rows: one specialisation of the layer function
+serves every storage (numba would compile one per combination of dtypes otherwise).
+
+The layer function calls kernels defined in other files, whose code numba copies into its
+own; its disk cache is therefore stamped with all those files (`_DEPENDENCIES`), not only
+this one, or an edited kernel would keep running in its stale cached copy.
+
+    count, count_hot = decode_layer(x, pos, threads, cos, sin, pthr, *layer_args)   # x updated in place
+    logits = decode_head(x, threads, *head_args)
+"""
+
+from __future__ import annotations
+
+import os
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import caching
+from numba.extending import intrinsic
+
+from engine.kernels import cpu_numba as K
+from engine.kernels import cpu_q4 as Q
+from engine.kernels import q4_tiles as QT
+
+_HERE = os.path.abspath(__file__)
+_DEPENDENCIES = tuple(os.path.abspath(m.__file__) for m in (K, Q, QT))
+
+
+class _StampedWithKernels:
+    """A cache locator mixin: this file's functions are stamped with the kernel files too."""
+
+    def get_source_stamp(self):
+        stamps = [super().get_source_stamp()]  # this file's (or a frozen bundle's executable's)
+        for path in _DEPENDENCIES:
+            try:
+                st = os.stat(path)
+            except OSError:  # not shipped as a file: the bundle's own stamp above stands for it
+                stamps.append(None)
+                continue
+            stamps.append(caching._hash_source_file(path, st.st_mtime, st.st_size))
+        return tuple(stamps)
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        if os.path.abspath(py_file) != _HERE:
+            return None
+        return super().from_function(py_func, py_file)
+
+
+def _install_locators() -> None:
+    """Put stamped variants of numba's file-backed locators first (they answer for this file only)."""
+    impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl")
+    names = ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator")
+    bases = [getattr(caching, n, None) or getattr(caching, "_" + n, None) for n in names]
+    ours = [type("Stamped" + b.__name__.lstrip("_"), (_StampedWithKernels, b), {}) for b in bases if b is not None]
+    existing = [c for c in impl._locator_classes if not issubclass(c, _StampedWithKernels)]
+    impl._locator_classes = ours + existing
+
+
+_install_locators()
+
+
+def _njit(**options):
+    def decorate(fn):
+        try:
+            return numba.njit(cache=True, **options)(fn)
+        except RuntimeError:  # no writable cache directory: compile in memory
+            return numba.njit(cache=False, **options)(fn)
+    return decorate
+
+
+# Kinds of a weight matrix (how its bytes are read, and which kernel the unfused path runs).
+M_FP32 = 0       # fp32 rows: cpu_numba.matvec_rows
+M_INT8_Q8 = 1    # int8 rows x int8 activations: cpu_numba.linear_q8 (AVX2, cols % 128 == 0, n >= 4)
+M_INT8 = 2       # int8 rows x fp32: cpu_numba.matvec_rows_int8
+M_Q4_TILES = 3   # 4-bit rows, blocks per row a multiple of 8: q4_tiles.tiles_kernel
+M_Q4 = 4         # 4-bit rows: cpu_q4.linear_q4
+
+# Kinds of FFN rows (CpuFfnRows fp32 / int8, Q4FfnRows) for the sparse FFN.
+R_FP32, R_INT8, R_Q4 = 0, 1, 2
+
+# The FFN of a layer: predicted rows, or dense with its down projection as a matrix
+# [d, n_ff] (QuantDenseFfn) or as rows [n_ff, d] combined by their activations (DenseFfn).
+FFN_ROWS, FFN_DENSE_LINEAR, FFN_DENSE_COMBINE = 0, 1, 2
+
+_DRELU = K.ACTIVATION_CODES["drelu"]
+_FATRELU = K.ACTIVATION_CODES["fatrelu"]
+_RELU2 = K.ACTIVATION_CODES["relu2"]
+_DENSE_CHUNKS_PER_THREAD = 8  # as cpu._DENSE_CHUNKS_PER_THREAD, cpu_q4's and q4_tiles'
+_F16_MAX = 65504.0
+
+
+@intrinsic
+def _float_to_half_bits(typingctx, value):
+    """The fp16 bit pattern (int16) of an fp32 value, rounded to nearest even as torch does."""
+    sig = types.int16(value)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return sig, codegen
+
+
+@_njit()
+def _padded(x, width):
+    """x fp32 [cols] as a contiguous [width] vector, the pad zero (4-bit rows' whole blocks)."""
+    if x.shape[0] == width:
+        return x
+    xp = np.zeros(width, dtype=np.float32)
+    xp[: x.shape[0]] = x
+    return xp
+
+
+@_njit()
+def linear(kind, wb, scale, x, threads):
+    """y fp32 [n] = W x for x fp32 [cols] (contiguous); W's bytes wb uint8 [n, row bytes] of `kind`."""
+    chunks = _DENSE_CHUNKS_PER_THREAD * threads
+    cols = x.shape[0]
+    if kind == M_FP32:
+        return K.matvec_rows(wb.view(np.float32), x, chunks)
+    if kind == M_INT8_Q8:
+        return K.linear_q8(wb.view(np.int8), scale, x.reshape((1, cols)), chunks)[0]
+    if kind == M_INT8:
+        return K.matvec_rows_int8(wb.view(np.int8), scale, x, chunks)
+    nb = wb.shape[1] // 18
+    width = nb * 32
+    xp = _padded(x, width).reshape((1, width))
+    if kind == M_Q4_TILES:
+        xq = np.empty((1, width), dtype=np.int8)
+        xd = np.empty((1, nb), dtype=np.float32)
+        xm = np.empty((1, nb, 8), dtype=np.int32)
+        Q.quantize_act_q4_rows(xp, xq, xd, xm)
+        xo = np.ascontiguousarray(xm[:, :, 0])
+        return QT.tiles_kernel(wb, xq, xd, xo, chunks)[0]
+    return Q.linear_q4(wb, xp, chunks)[0]
+
+
+@_njit()
+def _rms_norm(x, w, eps):
+    """x * rsqrt(mean(x^2) + eps) * w, in fp32 as Norm computes it."""
+    d = x.shape[0]
+    acc = 0.0
+    for j in range(d):
+        acc += np.float64(x[j]) * np.float64(x[j])
+    r = np.float32(1.0) / np.sqrt(np.float32(acc / d) + np.float32(eps))
+    out = np.empty(d, dtype=np.float32)
+    for j in range(d):
+        out[j] = (x[j] * r) * w[j]
+    return out
+
+
+@_njit()
+def _rotate(src, dst, cos, sin, pos, use_rope):
+    """dst = rotate-half rotary of src [hd] at row `pos` of the cos/sin tables (or a copy)."""
+    hd = src.shape[0]
+    if not use_rope:
+        for j in range(hd):
+            dst[j] = src[j]
+        return
+    half = hd // 2
+    for j in range(half):
+        dst[j] = src[j] * cos[pos, j] + (-src[j + half]) * sin[pos, j]
+    for j in range(half, hd):
+        dst[j] = src[j] * cos[pos, j] + src[j - half] * sin[pos, j]
+
+
+@_njit()
+def _write_cache(cb, half, h, pos, vec):
+    """Position `pos` of kv head h of a layer's cache (bytes [kvh, slots, hd * size]) = vec."""
+    hd = vec.shape[0]
+    if half:
+        c16 = cb.view(np.int16)
+        for j in range(hd):
+            v = min(max(vec[j], np.float32(-_F16_MAX)), np.float32(_F16_MAX))  # no inf in the cache
+            c16[h, pos, j] = _float_to_half_bits(v)
+    else:
+        c32 = cb.view(np.float32)
+        for j in range(hd):
+            c32[h, pos, j] = vec[j]
+
+
+@_njit()
+def _nonlinearity(g, code, thr):
+    if code == _FATRELU:
+        return g if g >= thr else np.float32(0.0)
+    r = g if g > 0.0 else np.float32(0.0)
+    if code == _RELU2:
+        return r * r
+    return r
+
+
+@_njit()
+def _ffn_rows(rkind, gb, gs, ub, us, db, ds, x, logits, row_ids, pthr, gated, code, thr, threads):
+    """The FFN rows whose logit (logits[row_ids[j]]) >= pthr: cpu.sparse_ffn_predicted's kernel call."""
+    n = ub.shape[0]
+    d = x.shape[0]
+    if n == 0:  # a tier without rows (everything hot, or nothing)
+        return np.zeros(d, dtype=np.float32)
+    acts = np.empty(n, dtype=np.float32)
+    no_ids = np.empty(0, dtype=np.int64)
+    chunks = max(1, min(threads, n))
+    if rkind == R_Q4:
+        width = ub.shape[1] // 18 * 32
+        y = Q.ffn_rows_q4_act(_padded(x, width), gb, ub, db, no_ids, False, logits, row_ids, True, True, pthr,
+                              gated, code, thr, acts, chunks)
+        return y[:d]
+    if rkind == R_INT8:
+        return K.ffn_rows(x, gb.view(np.int8), gs, ub.view(np.int8), us, db.view(np.int8), ds, no_ids, False,
+                          logits, row_ids, True, True, pthr, gated, True, code, thr, acts, chunks)
+    return K.ffn_rows(x, gb.view(np.float32), gs, ub.view(np.float32), us, db.view(np.float32), ds, no_ids, False,
+                      logits, row_ids, True, True, pthr, gated, False, code, thr, acts, chunks)
+
+
+@_njit()
+def decode_layer(x, pos, threads, cos, sin, pthr,
+                 attn_w, mlp_w, eps, use_rope, n_heads, kv_heads, head_dim, attn_scale, res_scale, use_res_scale,
+                 qkv_kind, qkv_b, qkv_s, out_kind, out_b, out_s, k_cache, v_cache, kv_half,
+                 ffn_kind, n_ff, gated, code, act_thr,
+                 fc1_kind, fc1_b, fc1_s, fc2_kind, fc2_b, fc2_s,
+                 rows_kind, gate_b, gate_s, up_b, up_s, down_b, down_s, row_ids,
+                 hot_kind, hot_gate_b, hot_gate_s, hot_up_b, hot_up_s, hot_down_b, hot_down_s, hot_ids,
+                 gu_kind, gu_b, gu_s, dn_kind, dn_b, dn_s):
+    """One llama-family layer's decode step for the token at position `pos`; x fp32 [d] (the
+    residual stream) is updated in place. Returns the FFN neurons computed (predicted active;
+    every one in a dense FFN) and those of them among the hot rows (the CPU standing in for
+    the fast tier: rows `hot_*` of neurons hot_ids, summed before the cold rows' as HybridFfn does)."""
+    d = x.shape[0]
+    q_size = n_heads * head_dim
+    kv_size = kv_heads * head_dim
+    # attention: norm, fused qkv, rotary, the cache write, the kernel over the cache
+    h = _rms_norm(x, attn_w, eps)
+    qkv = linear(qkv_kind, qkv_b, qkv_s, h, threads)
+    q = np.empty((n_heads, head_dim), dtype=np.float32)
+    for hh in range(n_heads):
+        _rotate(qkv[hh * head_dim: (hh + 1) * head_dim], q[hh], cos, sin, pos, use_rope)
+    kv = np.empty(head_dim, dtype=np.float32)
+    for g in range(kv_heads):
+        lo = q_size + g * head_dim
+        _rotate(qkv[lo: lo + head_dim], kv, cos, sin, pos, use_rope)
+        _write_cache(k_cache, kv_half, g, pos, kv)
+        _write_cache(v_cache, kv_half, g, pos, qkv[lo + kv_size: lo + kv_size + head_dim])
+    att = np.empty((n_heads, head_dim), dtype=np.float32)
+    if kv_half:
+        K.decode_attention_cache(q, k_cache.view(np.int16), v_cache.view(np.int16), pos + 1, attn_scale, att)
+    else:
+        K.decode_attention_cache(q, k_cache.view(np.float32), v_cache.view(np.float32), pos + 1, attn_scale, att)
+    o = linear(out_kind, out_b, out_s, att.reshape(q_size), threads)
+    rs = np.float32(res_scale)
+    for j in range(d):
+        x[j] = x[j] + (o[j] * rs if use_res_scale else o[j])
+    # FFN: norm, then the predicted rows (the predictor reads the residual stream) or all of them
+    hm = _rms_norm(x, mlp_w, eps)
+    count = 0
+    count_hot = 0
+    if ffn_kind == FFN_ROWS:
+        hidden = linear(fc1_kind, fc1_b, fc1_s, x, threads)
+        for j in range(hidden.shape[0]):
+            if hidden[j] < 0.0:
+                hidden[j] = 0.0
+        logits = linear(fc2_kind, fc2_b, fc2_s, hidden, threads)
+        t = np.float32(pthr)
+        for j in range(logits.shape[0]):
+            if logits[j] >= t:
+                count += 1
+        y = _ffn_rows(rows_kind, gate_b, gate_s, up_b, up_s, down_b, down_s, hm, logits, row_ids, pthr, gated,
+                      code, act_thr, threads)
+        if hot_ids.shape[0]:
+            for j in range(hot_ids.shape[0]):
+                if logits[hot_ids[j]] >= t:
+                    count_hot += 1
+            y_hot = _ffn_rows(hot_kind, hot_gate_b, hot_gate_s, hot_up_b, hot_up_s, hot_down_b, hot_down_s, hm,
+                              logits, hot_ids, pthr, gated, code, act_thr, threads)
+            for j in range(d):
+                y[j] = y_hot[j] + y[j]
+    else:
+        pre = linear(gu_kind, gu_b, gu_s, hm, threads)
+        thr = np.float32(act_thr)
+        act = np.empty(n_ff, dtype=np.float32)
+        for i in range(n_ff):
+            if gated:
+                u = pre[n_ff + i]
+                if code == _DRELU and u < 0.0:
+                    u = np.float32(0.0)
+                act[i] = _nonlinearity(pre[i], code, thr) * u
+            else:
+                act[i] = _nonlinearity(pre[i], code, thr)
+        count = n_ff
+        if ffn_kind == FFN_DENSE_LINEAR:
+            y = linear(dn_kind, dn_b, dn_s, act, threads)
+        else:
+            y = K.combine_rows(act, dn_b.view(np.float32), _DENSE_CHUNKS_PER_THREAD * threads)
+    for j in range(d):
+        x[j] = x[j] + (y[j] * rs if use_res_scale else y[j])
+    return count, count_hot
+
+
+@_njit()
+def decode_head(x, threads, norm_w, eps, logit_scale, use_logit_scale, head_kind, head_b, head_s):
+    """Logits fp32 [vocab] of the last token: the final RMSNorm, MiniCPM's logit scale, the head."""
+    h = _rms_norm(x, norm_w, eps)
+    if use_logit_scale:
+        s = np.float32(logit_scale)
+        for j in range(h.shape[0]):
+            h[j] = h[j] * s
+    return linear(head_kind, head_b, head_s, h, threads)
+
+
+def loaded_from_cache() -> bool:
+    """Whether this process took both functions from numba's disk cache (none compiled)."""
+    fns = (decode_layer, decode_head)
+    return all(sum(f.stats.cache_misses.values()) == 0 for f in fns)
+
+
+__all__ = ["decode_layer", "decode_head", "linear", "M_FP32", "M_INT8_Q8", "M_INT8", "M_Q4_TILES", "M_Q4",
+           "R_FP32", "R_INT8", "R_Q4", "FFN_ROWS", "FFN_DENSE_LINEAR", "FFN_DENSE_COMBINE"]

@@ -1,0 +1,354 @@
+"""The decode step as one compiled call per CPU layer (engine.kernels.decode_layer), where
+every layer and the head have the shape it computes; otherwise `Transformer.forward`'s
+unfused path, which stays the reference.
+
+The shape: a llama-family layer on the CPU in fp32 (RMSNorms, fused qkv without bias, rotary
+or none, GQA, a plain (not rolling) KV cache in fp16 or fp32, the out projection, muP's
+residual scale) whose FFN is either the sparse modes' predicted rows (a predictor; cold rows,
+and hot rows where the CPU stands in for the fast tier; no oracle, no scoring, no benchmark
+masks) or a dense FFN without biases (fp32, int8 or int4); the final RMSNorm and the head on
+the CPU. Anything else (a GPU layer or hot rows on a GPU, Falcon's LayerNorm and parallel
+block, biases, a sliding window, MoE, an FFN observer, prefill) takes the unfused path for
+the whole token.
+
+Each layer's arguments (numpy views of its weights, kinds, sizes) are prepared once and kept
+on the layer with the objects they were built from; a re-placement that swaps any of them
+(a layer moved between tiers, neurons promoted, a new cache) rebuilds them at the next token.
+
+`THERMOCLINE_FUSED_DECODE=0` turns it off (the unfused path, the reference); 1 or unset: on.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.errors import UserError
+from engine.hotcold import hot_q4
+from engine.kernels import cpu_q4, numba_pool
+from engine.kernels import cpu as cpu_kernels
+from engine.loading.quantized import Int8Matrix, Q4Matrix
+
+FUSED_ENV = "THERMOCLINE_FUSED_DECODE"
+_SWITCH = {"": True, "1": True, "on": True, "true": True, "yes": True,
+           "0": False, "off": False, "false": False, "no": False}
+_EMPTY_BYTES = np.empty((0, 0), dtype=np.uint8)
+_EMPTY_F32 = np.empty(0, dtype=np.float32)
+_EMPTY_IDS = np.empty(0, dtype=np.int64)
+_checked: tuple[str, bool] | None = None  # (raw value, parsed): the environment is read per token
+
+
+def enabled(value: str | None = None) -> bool:
+    """The switch: `value`, else THERMOCLINE_FUSED_DECODE (unset: on). UserError for another value."""
+    global _checked
+    raw = os.environ.get(FUSED_ENV, "") if value is None else value
+    if _checked is not None and _checked[0] == raw:
+        return _checked[1]
+    parsed = _SWITCH.get(raw.strip().lower())
+    if parsed is None:
+        raise UserError(f"{FUSED_ENV}={raw!r} is not a switch: 1 (the default: one compiled call per CPU layer's "
+                        "decode step) or 0 (the unfused path, the reference)")
+    _checked = (raw, parsed)
+    return parsed
+
+
+_module = None  # engine.kernels.decode_layer once imported; False when it cannot run here
+
+
+def kernels():
+    """engine.kernels.decode_layer, or None: no numba (or turned off), no AVX2 (its kernels
+    hold AVX2 code), or the module failed to import."""
+    global _module
+    if _module is None:
+        kern = numba_pool.kernels()
+        if kern is None or not kern.HAS_AVX2:
+            return None  # not cached: tests turn numba off and on
+        try:
+            from engine.kernels import decode_layer
+            _module = decode_layer
+        except Exception as e:  # noqa: BLE001 - a broken numba/llvmlite: the unfused path still runs
+            warnings.warn(f"fused decode unavailable ({e}); using the unfused path", RuntimeWarning, stacklevel=2)
+            _module = False
+    if _module is False or numba_pool.kernels() is None:
+        return None
+    return _module
+
+
+# ------------------------------------------------------------------ the arguments, once
+def _matrix(dl, w) -> tuple | None:
+    """(kind, bytes uint8 [n, row bytes], scale fp32) of a weight matrix as its unfused product
+    reads it, or None when the fused call does not read this storage."""
+    if isinstance(w, Int8Matrix):
+        q, scale = w.q, w.scale
+        if (q.device.type != "cpu" or q.dtype != torch.int8 or not q.is_contiguous() or q.dim() != 2
+                or scale.dtype != torch.float32 or not scale.is_contiguous()):
+            return None
+        # cpu.matmul_int8's condition for its int8 x int8 product, else matvec_int8
+        kind = dl.M_INT8_Q8 if q.shape[0] >= 4 and cpu_kernels.int8_activations_available(q.shape[1]) else dl.M_INT8
+        out = kind, q.numpy().view(np.uint8), scale.numpy()
+        return out if _plain(*out[1:]) else None
+    if isinstance(w, Q4Matrix):
+        q = w.q
+        if q.device.type != "cpu" or not q.is_contiguous() or q.shape[0] == 0:
+            return None
+        kind = dl.M_Q4_TILES if cpu_q4.n_blocks(w.cols) % 8 == 0 else dl.M_Q4  # matmul_q4_tiles, else matmul_q4
+        return (kind, q.numpy(), _EMPTY_F32) if _plain(q.numpy()) else None
+    if isinstance(w, torch.Tensor):
+        if w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous() or w.dim() != 2:
+            return None
+        return (dl.M_FP32, w.numpy().view(np.uint8), _EMPTY_F32) if _plain(w.numpy()) else None
+    return None
+
+
+def _plain(*arrays: np.ndarray) -> bool:
+    """Writable and aligned, as the arrays the layer function was compiled for: another flag
+    would make numba compile a second copy of it (minutes) for the same work."""
+    return all(a.flags.writeable and a.flags.aligned for a in arrays)
+
+
+def _rows(dl, rows) -> tuple | None:
+    """(kind, gate, gate_scale, up, up_scale, down, down_scale) of FFN rows in the CPU kernels' storage."""
+    if isinstance(rows, cpu_q4.Q4FfnRows):
+        gate, up, down = (t.numpy() if t is not None else None for t in (rows.gate, rows.up, rows.down_t))
+        out = dl.R_Q4, gate if gate is not None else up, _EMPTY_F32, up, _EMPTY_F32, down, _EMPTY_F32
+        return out if _plain(*out[1:]) else None
+    if isinstance(rows, cpu_kernels.CpuFfnRows):
+        gate, gs, up, us, down, ds = rows._numpy_views()
+        kind = dl.R_INT8 if rows.quant == "int8" else dl.R_FP32
+        out = kind, gate.view(np.uint8), gs, up.view(np.uint8), us, down.view(np.uint8), ds
+        return out if _plain(*out[1:]) else None
+    return None
+
+
+@dataclass
+class FusedLayer:
+    """A layer's prepared arguments (None: it takes the unfused path) and what they were built from."""
+    key: tuple
+    args: tuple | None
+    why: str = ""            # why not, when args is None
+    sparse: bool = False     # predicted rows: the runtime's counters count them
+    q4: bool = False         # 4-bit parts: the int8 x 4-bit kernels must be on (cpu_q4.USE_INT8_ACTIVATIONS)
+    n_ff: int = 0
+    calls: int = 0           # decode steps this layer ran fused (tests check the path is taken)
+
+
+def _layer_key(model, index: int, layer, cache) -> tuple:
+    ffn = layer.ffn
+    hooks = getattr(getattr(ffn, "context", None), "_hooks", None)
+    predictors = getattr(hooks, "predictors", None)
+    fc = (predictors.fc1[index], predictors.fc2[index]) if predictors is not None else (None, None)
+    return (layer.qkv, layer.out, layer.attn_norm.weight, layer.mlp_norm.weight if layer.mlp_norm else None,
+            layer.device, ffn, getattr(ffn, "cold", None), getattr(ffn, "hot", None), predictors, *fc,
+            cache.k[index], cache.v[index], hot_q4.TRITON_ON_CPU)
+
+
+def _hot_rows(dl, hot) -> tuple | None:
+    """The hot rows' kernel arguments and ids when the CPU stands in for the fast tier and
+    HybridFfn runs them in the CPU kernels (fp32 rows, or 4-bit rows outside Triton's interpreter)."""
+    if getattr(hot, "quant", None) == hot_q4.HOT_INT4:
+        rows = hot.q4_rows if not hot_q4.TRITON_ON_CPU else None
+    else:
+        rows = hot.cpu_rows
+    ids = hot.ids
+    if rows is None or ids.dtype != torch.int64 or ids.device.type != "cpu" or not ids.is_contiguous():
+        return None
+    args = _rows(dl, rows)
+    return None if args is None else (*args, ids.numpy())
+
+
+def _why_not_layer(model, index: int, layer, cache) -> str:
+    if layer.device.type != "cpu" or layer.dtype != torch.float32:
+        return "not an fp32 CPU layer"
+    if layer.parallel or layer.mlp_norm is None:
+        return "parallel attention and MLP (Falcon)"
+    if layer.attn_norm.bias is not None or layer.mlp_norm.bias is not None:
+        return "LayerNorm"
+    if layer.qkv_bias is not None or layer.out_bias is not None:
+        return "attention biases"
+    if layer.router is not None:
+        return "a mixture of experts"
+    if layer.window is not None or cache.rolling:  # (a window longer than the position: see decode_step)
+        return "a sliding window"
+    k, v = cache.k[index], cache.v[index]
+    if (k.device.type != "cpu" or k.dtype not in (torch.float16, torch.float32) or v.dtype != k.dtype
+            or not k.is_contiguous() or not v.is_contiguous()):
+        return "a KV cache the kernel does not read"
+    cfg = model.config
+    if cfg.num_heads % cfg.num_kv_heads or tuple(k.shape[::2]) != (cfg.num_kv_heads, cfg.head_dim):
+        return "an attention shape the kernel does not read"
+    return ""
+
+
+def _build_layer(dl, model, index: int, layer, cache) -> FusedLayer:
+    from engine.hotcold.hybrid_ffn import HybridFfn
+    from engine.runtime.dense_quant import QuantDenseFfn
+    from engine.runtime.model import DenseFfn
+
+    key = _layer_key(model, index, layer, cache)
+    why = _why_not_layer(model, index, layer, cache)
+    if why:
+        return FusedLayer(key, None, why)
+    cfg = model.config
+    qkv, out = _matrix(dl, layer.qkv), _matrix(dl, layer.out)
+    if qkv is None or out is None:
+        return FusedLayer(key, None, "attention weights in a storage the kernel does not read")
+    ffn = layer.ffn
+    mats = [qkv, out]
+    fc1 = fc2 = rows = hot = gate_up = down = None
+    row_ids = _EMPTY_IDS
+    if type(ffn) is HybridFfn:
+        hooks = ffn.context._hooks
+        hot = _hot_rows(dl, ffn.hot) if len(ffn.hot) else None
+        if len(ffn.hot) and hot is None:
+            return FusedLayer(key, None, "hot rows on another device")
+        if ffn.context.mode == "oracle" or hooks.predictors is None:
+            return FusedLayer(key, None, "no predictor (oracle)")
+        fc1, fc2 = _matrix(dl, hooks.predictors.fc1[index]), _matrix(dl, hooks.predictors.fc2[index])
+        rows = _rows(dl, ffn.cold.rows)
+        if fc1 is None or fc2 is None or rows is None:
+            return FusedLayer(key, None, "predictor or rows in a storage the kernel does not read")
+        ids = ffn.cold.ids
+        if ids.dtype != torch.int64 or ids.device.type != "cpu" or not ids.is_contiguous():
+            return FusedLayer(key, None, "row ids")
+        mats += [fc1, fc2]
+        row_ids, ffn_kind = ids.numpy(), dl.FFN_ROWS
+    elif type(ffn) in (DenseFfn, QuantDenseFfn):
+        if ffn.up_bias is not None or ffn.down_bias is not None:
+            return FusedLayer(key, None, "FFN biases")
+        gate_up = _matrix(dl, ffn.gate_up)
+        if type(ffn) is QuantDenseFfn:
+            down, ffn_kind = _matrix(dl, ffn.down), dl.FFN_DENSE_LINEAR
+        else:
+            down, ffn_kind = _matrix(dl, ffn.down_t), dl.FFN_DENSE_COMBINE
+            if down is not None and down[0] != dl.M_FP32:
+                down = None
+        if gate_up is None or down is None:
+            return FusedLayer(key, None, "FFN weights in a storage the kernel does not read")
+        mats += [gate_up, down]
+    else:
+        return FusedLayer(key, None, f"an FFN of type {type(ffn).__name__}")
+    gated = bool(ffn.gated)
+    code = cpu_kernels._kernels().ACTIVATION_CODES[ffn.activation]
+    empty_m = (dl.M_FP32, _EMPTY_BYTES, _EMPTY_F32)
+    fc1, fc2, gate_up, down = (m or empty_m for m in (fc1, fc2, gate_up, down))
+    no_rows = (dl.R_FP32, _EMPTY_BYTES, _EMPTY_F32, _EMPTY_BYTES, _EMPTY_F32, _EMPTY_BYTES, _EMPTY_F32)
+    rows = rows or no_rows
+    hot = hot or (*no_rows, _EMPTY_IDS)
+    res = model.residual_scale
+    k, v = cache.k[index], cache.v[index]
+    args = (layer.attn_norm.weight.numpy(), layer.mlp_norm.weight.numpy(), float(layer.attn_norm.eps),
+            bool(layer.rope), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, float(model.scale),
+            float(res if res is not None else 1.0), res is not None,
+            *qkv, *out, k.view(torch.uint8).numpy(), v.view(torch.uint8).numpy(), k.dtype == torch.float16,
+            ffn_kind, int(ffn.n_ff), gated, code, float(ffn.threshold),
+            *fc1, *fc2, *rows, row_ids, *hot, *gate_up, *down)
+    q4 = any(m[0] in (dl.M_Q4, dl.M_Q4_TILES) for m in mats) or dl.R_Q4 in (rows[0], hot[0])
+    if not all(w.dtype == torch.float32 and w.is_contiguous() for w in (layer.attn_norm.weight,
+                                                                        layer.mlp_norm.weight)):
+        return FusedLayer(key, None, "norm weights not contiguous fp32")
+    return FusedLayer(key, args, sparse=ffn_kind == dl.FFN_ROWS, q4=q4, n_ff=int(ffn.n_ff))
+
+
+def _build_head(dl, model) -> FusedLayer:
+    norm, head = model.final_norm, model.lm_head
+    key = (norm.weight, head)
+    if (norm.bias is not None or norm.weight.device.type != "cpu" or norm.weight.dtype != torch.float32
+            or not norm.weight.is_contiguous()):
+        return FusedLayer(key, None, "the final norm is not an fp32 CPU RMSNorm")
+    m = _matrix(dl, head)
+    if m is None:
+        return FusedLayer(key, None, "the head is not on the CPU in a storage the kernel reads")
+    scale = model.logit_scale
+    args = (norm.weight.numpy(), float(norm.eps), float(scale if scale is not None else 1.0), scale is not None, *m)
+    return FusedLayer(key, args, q4=m[0] in (dl.M_Q4, dl.M_Q4_TILES))
+
+
+def _current(plan: FusedLayer | None, key: tuple) -> bool:
+    return plan is not None and len(plan.key) == len(key) and all(map(operator.is_, plan.key, key))
+
+
+# ------------------------------------------------------------------ the step
+def decode_step(model, ids: torch.Tensor, start: int, cache) -> torch.Tensor | None:
+    """Logits [1, vocab] of the one token `ids` at position `start`, every layer in one compiled
+    call; None (nothing done) where the model, the switch or this token needs the unfused path."""
+    if ids.shape[0] != 1 or model.ffn_observer is not None or not enabled():
+        return None
+    if cache.window is not None and start >= cache.window:  # a window that now hides early positions
+        return None
+    dl = kernels()
+    if dl is None:
+        return None
+    cpu = torch.device("cpu")
+    table = model.rotary.get(cpu)
+    if table is None or table.cos.dtype != torch.float32:
+        return None
+    plans = []
+    for index, layer in enumerate(model.layers):
+        key = _layer_key(model, index, layer, cache)
+        plan = getattr(layer, "fused", None)
+        if not _current(plan, key):
+            plan = layer.fused = _build_layer(dl, model, index, layer, cache)
+        if plan.args is None:
+            return None
+        if plan.sparse:
+            hooks = layer.ffn.context._hooks
+            if hooks.scoring_mode is not None or hooks.override_masks is not None:
+                return None
+        plans.append(plan)
+    head = getattr(model, "fused_head", None)
+    if not _current(head, (model.final_norm.weight, model.lm_head)):
+        head = model.fused_head = _build_head(dl, model)
+    if head.args is None:
+        return None
+    if (head.q4 or any(p.q4 for p in plans)) and not cpu_q4.int8_activations(numba_pool.kernels()):
+        return None  # the unfused path runs cpu_q4's fp32 kernels then: the reference of that setting
+    cache.prepare(start, 1)
+    table.at(start, 1)  # grows the table when the position is past it
+    cos, sin = table.cos.numpy(), table.sin.numpy()
+    x = model.embed[ids.to(model.embed.device)]
+    if model.embedding_scale is not None:
+        x = x * model.embedding_scale
+    x = x.to(cpu, torch.float32).contiguous().numpy().reshape(-1).copy()
+    kern = numba_pool.kernels()
+    for layer, plan in zip(model.layers, plans):
+        pthr = layer.ffn.context.threshold if plan.sparse else 0.0
+        with numba_pool.lock:
+            threads = numba_pool.use_threads(kern)
+            count, count_hot = dl.decode_layer(x, start, threads, cos, sin, float(pthr), *plan.args)
+        plan.calls += 1
+        if plan.sparse:
+            counters = layer.ffn.context.counters
+            counters.considered += plan.n_ff
+            counters.computed = counters.computed + count
+            if count_hot:
+                counters.computed_hot = counters.computed_hot + count_hot
+    with numba_pool.lock:
+        logits = dl.decode_head(x, numba_pool.use_threads(kern), *head.args)
+    head.calls += 1
+    return torch.from_numpy(logits)[None]
+
+
+def warm(model, cache) -> None:
+    """Load the compiled layer and head functions now (numba's disk cache; a first compile takes
+    minutes) rather than in the first decoded token: one call of the first layer at position 0,
+    whose cache slot the prompt overwrites before anything reads it, and one of the head."""
+    if not enabled() or kernels() is None or not model.layers:
+        return
+    dl = kernels()
+    layer = model.layers[0]
+    plan = layer.fused = _build_layer(dl, model, 0, layer, cache)
+    head = model.fused_head = _build_head(dl, model)
+    table = model.rotary.get(torch.device("cpu"))
+    if plan.args is None or head.args is None or table is None or table.cos.dtype != torch.float32:
+        return
+    x = np.zeros(model.config.hidden_size, dtype=np.float32)
+    kern = numba_pool.kernels()
+    with numba_pool.lock:
+        threads = numba_pool.use_threads(kern)
+        dl.decode_layer(x, 0, threads, table.cos.numpy(), table.sin.numpy(), 0.0, *plan.args)
+        dl.decode_head(x, threads, *head.args)
