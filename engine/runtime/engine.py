@@ -134,16 +134,30 @@ class Engine:
         ctx = config.context_length(ctx)  # no longer than the model was trained for (as place/fit count)
         check_kv_fits(config, ctx, device)
         tokenizer = Tokenizer(model_dir)
-        # Load the CPU kernels' machine code now (numba's disk cache), not in the first token.
-        from engine.kernels import cpu as cpu_kernels
+        # Load the CPU kernels' machine code now (numba's disk cache), not in the first token,
+        # on a thread while the weights load: numba's first use is mostly Python under the GIL,
+        # the weights' reads and copies mostly not.
+        warm = _KernelWarmup(mode, cpu_weights)
+        try:
+            model_obj, cache, runtime, dense_prepared = cls._load_model(
+                model_dir, config, mode, ctx, vram_budget, ram_budget, device, progress, cpu_weights)
+        except BaseException:
+            warm.join(raise_error=False)  # the load's own error is the one to report
+            raise
+        warm.join()
+        fused_decode.warm(model_obj, cache)  # the one-call-per-layer decode's machine code, now
+        engine = cls(model_dir, config, tokenizer, model_obj, cache, mode, ctx,
+                     cls.eos_from(model_dir, config, tokenizer), cls.defaults_from(model_dir), sparse=runtime)
+        engine.warnings = notes  # things the user should hear about, not errors (the CLI prints them)
+        if mode == "dense":
+            engine.dense_prepared = dense_prepared
+        return engine
 
-        cpu_kernels.warmup(quants=() if mode == "dense" else tuple({cpu_weights, "fp32"} & set(cpu_kernels.QUANTS)))
-        if cpu_weights == "int4":
-            from engine.kernels import cpu_q4, q4_tiles
-
-            cpu_q4.warmup()
-            q4_tiles.warmup()
-        runtime = None
+    @classmethod
+    def _load_model(cls, model_dir, config, mode, ctx, vram_budget, ram_budget, device, progress, cpu_weights):
+        """The transformer, its KV cache, the sparse runtime (None in dense mode) and the dense
+        mode's mapped prepared file (None elsewhere)."""
+        runtime = dense_prepared = None
         if mode in ("sparse", "hybrid", "oracle"):
             from engine.hotcold.sparse import load_sparse
 
@@ -159,13 +173,7 @@ class Engine:
             model_obj, dense_prepared = load_dense(model_dir, config, dev, ctx, progress, cpu_weights)
             cache = cls.make_cache(config, ctx, [dev] * config.num_layers,
                                    [model_obj.layers[0].dtype] * config.num_layers)
-        fused_decode.warm(model_obj, cache)  # the one-call-per-layer decode's machine code, now
-        engine = cls(model_dir, config, tokenizer, model_obj, cache, mode, ctx,
-                     cls.eos_from(model_dir, config, tokenizer), cls.defaults_from(model_dir), sparse=runtime)
-        engine.warnings = notes  # things the user should hear about, not errors (the CLI prints them)
-        if mode == "dense":
-            engine.dense_prepared = dense_prepared
-        return engine
+        return model_obj, cache, runtime, dense_prepared
 
     @staticmethod
     def make_cache(config: ModelConfig, ctx: int, devices: list[torch.device], dtypes: list[torch.dtype]) -> KVCache:
@@ -399,3 +407,33 @@ class Engine:
         if self.sparse is None:
             raise UserError("budgets apply to the sparse and hybrid modes; load the model with --mode hybrid")
         return self.sparse.set_budgets(vram, ram)
+
+
+class _KernelWarmup:
+    """The CPU kernels of a load's mode and weight format, loaded on a thread (numba's disk
+    cache; a first compile takes minutes). `join` waits for it and raises what it raised."""
+
+    def __init__(self, mode: str, cpu_weights: str):
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(mode, cpu_weights),
+                                        name="thermocline-kernel-warmup", daemon=True)
+        self._thread.start()
+
+    def _run(self, mode: str, cpu_weights: str) -> None:
+        try:
+            from engine.kernels import cpu as cpu_kernels
+
+            quants = () if mode == "dense" else tuple({cpu_weights, "fp32"} & set(cpu_kernels.QUANTS))
+            cpu_kernels.warmup(quants=quants)
+            if cpu_weights == "int4":
+                from engine.kernels import cpu_q4, q4_tiles
+
+                cpu_q4.warmup()
+                q4_tiles.warmup()
+        except BaseException as exc:  # noqa: BLE001 - handed to the loading thread
+            self._error = exc
+
+    def join(self, raise_error: bool = True) -> None:
+        self._thread.join()
+        if raise_error and self._error is not None:
+            raise self._error
