@@ -414,6 +414,11 @@ class _KernelWarmup:
     cache; a first compile takes minutes). `join` waits for it and raises what it raised."""
 
     def __init__(self, mode: str, cpu_weights: str):
+        # Imported here, not on the thread: two threads importing the same modules at once can
+        # see them half initialised.
+        from engine.kernels import cpu as cpu_kernels, cpu_q4, numba_pool, q4_tiles  # noqa: F401
+
+        numba_pool.kernels()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(mode, cpu_weights),
                                         name="thermocline-kernel-warmup", daemon=True)
@@ -421,13 +426,11 @@ class _KernelWarmup:
 
     def _run(self, mode: str, cpu_weights: str) -> None:
         try:
-            from engine.kernels import cpu as cpu_kernels
+            from engine.kernels import cpu as cpu_kernels, cpu_q4, q4_tiles
 
             quants = () if mode == "dense" else tuple({cpu_weights, "fp32"} & set(cpu_kernels.QUANTS))
             cpu_kernels.warmup(quants=quants)
             if cpu_weights == "int4":
-                from engine.kernels import cpu_q4, q4_tiles
-
                 cpu_q4.warmup()
                 q4_tiles.warmup()
         except BaseException as exc:  # noqa: BLE001 - handed to the loading thread
