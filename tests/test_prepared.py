@@ -185,3 +185,23 @@ def test_matrices_read_whole_by_every_token_come_in_huge_pages(tmp_path, monkeyp
         assert t.data_ptr() % host_memory.HUGE_PAGE == 0
         if _thp_mode() in ("always", "madvise"):
             assert _anon_huge_kb(t.data_ptr()) >= 2048
+
+
+def test_the_rows_writer_names_its_partial_file_by_pid_and_removes_a_killed_writers(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from engine.loading.prepared import PreparedWriter, prepared_path
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    target = prepared_path(tmp_path, "int8")
+    target.parent.mkdir(parents=True)
+    abandoned = target.with_suffix(f".{gone.pid}.partial")
+    abandoned.write_bytes(b"x" * 64)
+    writer = PreparedWriter(tmp_path, "int8", "k", 8, 16, True, 1)
+    assert not abandoned.exists()
+    assert writer.tmp.name == f"{target.stem}.{os.getpid()}.partial" and writer.tmp.exists()
+    writer.abort()
+    assert not writer.tmp.exists() and not target.exists()

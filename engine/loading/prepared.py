@@ -113,7 +113,8 @@ class PreparedWriter:
 
     def __init__(self, model_dir: Path, fmt: str, key: str, n: int, d: int, gated: bool, layers: int):
         self.path = prepared_path(model_dir, fmt)
-        self.tmp = self.path.with_suffix(".partial")
+        _remove_abandoned_partials(self.path)
+        self.tmp = self.path.with_suffix(f".{os.getpid()}.partial")  # two first loads at once never share it
         self.fmt, self.gated, self.layers = fmt, gated, layers
         entries = _shapes(n, d, gated, fmt, layers)
         header, offset = {"__metadata__": {"key": key, "format": fmt, "layout_version": str(LAYOUT_VERSION)}}, 0
