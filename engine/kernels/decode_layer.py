@@ -98,8 +98,6 @@ R_FP32, R_INT8, R_Q4 = 0, 1, 2
 FFN_ROWS, FFN_DENSE_LINEAR, FFN_DENSE_COMBINE = 0, 1, 2
 
 _DRELU = K.ACTIVATION_CODES["drelu"]
-_FATRELU = K.ACTIVATION_CODES["fatrelu"]
-_RELU2 = K.ACTIVATION_CODES["relu2"]
 _DENSE_CHUNKS_PER_THREAD = 8  # as cpu._DENSE_CHUNKS_PER_THREAD, cpu_q4's and q4_tiles'
 _F16_MAX = 65504.0
 
@@ -194,16 +192,6 @@ def _write_cache(cb, half, h, pos, vec):
 
 
 @_njit()
-def _nonlinearity(g, code, thr):
-    if code == _FATRELU:
-        return g if g >= thr else np.float32(0.0)
-    r = g if g > 0.0 else np.float32(0.0)
-    if code == _RELU2:
-        return r * r
-    return r
-
-
-@_njit()
 def _ffn_rows(rkind, gb, gs, ub, us, db, ds, x, logits, row_ids, pthr, gated, code, thr, threads):
     """The FFN rows whose logit (logits[row_ids[j]]) >= pthr: cpu.sparse_ffn_predicted's kernel call."""
     n = ub.shape[0]
@@ -295,9 +283,9 @@ def decode_layer(x, pos, threads, cos, sin, pthr,
                 u = pre[n_ff + i]
                 if code == _DRELU and u < 0.0:
                     u = np.float32(0.0)
-                act[i] = _nonlinearity(pre[i], code, thr) * u
+                act[i] = K._nonlinearity(pre[i], code, thr) * u
             else:
-                act[i] = _nonlinearity(pre[i], code, thr)
+                act[i] = K._nonlinearity(pre[i], code, thr)
         count = n_ff
         if ffn_kind == FFN_DENSE_LINEAR:
             y = linear(dn_kind, dn_b, dn_s, act, threads)
