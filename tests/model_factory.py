@@ -7,6 +7,7 @@ here can be loaded both by `transformers` and by our engine and the two compared
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import torch
@@ -109,3 +110,15 @@ def load_reference(path: Path):
     else:
         model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
     return model.eval()
+
+
+def rewrite_safetensors_header(src: Path, dst: Path, change) -> None:
+    """dst = the safetensors file src with `change(header)` applied to its JSON header, its data
+    bytes as they were (a file that lies about its tensors)."""
+    data = src.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    change(header)
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    dst.write_bytes(struct.pack("<Q", len(blob)) + blob + data[8 + n:])

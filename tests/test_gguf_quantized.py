@@ -5,7 +5,6 @@ the file's 4-bit codes as they are (cold rows, attention, head, prepared layout)
 
 from __future__ import annotations
 
-import json
 import shutil
 import struct
 from pathlib import Path
@@ -137,16 +136,6 @@ def test_int4_cpu_tier_maps_the_files_codes_bit_exactly(imported, monkeypatch):
     assert np.array_equal(again.model.layers[1].ffn.cold.rows.up.numpy(), _q4(raw["blk.1.ffn_up.weight"], FF))
 
 
-def _rewrite_header(src: Path, dst: Path, change) -> None:
-    data = src.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
-    change(header)
-    blob = json.dumps(header).encode()
-    blob += b" " * (-len(blob) % 8)
-    dst.write_bytes(struct.pack("<Q", len(blob)) + blob + data[8 + n:])
-
-
 def _generate_fails(capsys, model: Path, *words) -> None:
     code = main(["generate", "--model", str(model), "--prompt", "hello", "--max-new-tokens", "1"])
     err = capsys.readouterr().err.strip().splitlines()
@@ -160,15 +149,15 @@ def test_truncated_or_lying_quantized_tensor_is_one_error_line(imported, tmp_pat
     lying = tmp_path / "lying"
     shutil.copytree(quant, lying, ignore=shutil.ignore_patterns("thermocline"))
     # the same bytes said to be rows of 32 bytes: not whole Q4_0 blocks
-    _rewrite_header(quant / "model.safetensors", lying / "model.safetensors",
+    mf.rewrite_safetensors_header(quant / "model.safetensors", lying / "model.safetensors",
                     lambda h: h[name].__setitem__("shape", [180, 32]))
     _generate_fails(capsys, lying, name)
     # rows of 18 bytes: whole blocks, but not the shape config.json implies
-    _rewrite_header(quant / "model.safetensors", lying / "model.safetensors",
+    mf.rewrite_safetensors_header(quant / "model.safetensors", lying / "model.safetensors",
                     lambda h: h[name].__setitem__("shape", [320, 18]))
     _generate_fails(capsys, lying, "up_proj", "shape")
     # the same bytes as 3-D [rows, 2, one block]: the header alone is refused (WeightSource.shape)
-    _rewrite_header(quant / "model.safetensors", lying / "model.safetensors",
+    mf.rewrite_safetensors_header(quant / "model.safetensors", lying / "model.safetensors",
                     lambda h: h[name].__setitem__("shape", [160, 2, 18]))
     _generate_fails(capsys, lying, name, "Q4_0 rows")
     with pytest.raises(ModelFormatError, match="not Q4_0 rows"):

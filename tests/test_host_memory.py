@@ -23,17 +23,21 @@ def _thp_mode() -> str | None:
         return None
 
 
-def _anon_huge_kb(address: int) -> int:
-    """AnonHugePages of the mapping holding `address`, from /proc/self/smaps."""
+def _smaps_kb(address: int, field: str) -> int:
+    """`field` (e.g. AnonHugePages) of the mapping holding `address`, from /proc/self/smaps."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             lo, hi = (int(v, 16) for v in head.split("-"))
             inside = lo <= address < hi
-        elif inside and head == "AnonHugePages:":
+        elif inside and head == field + ":":
             return int(line.split()[1])
     return 0
+
+
+def _anon_huge_kb(address: int) -> int:
+    return _smaps_kb(address, "AnonHugePages")
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float32, torch.bfloat16])
@@ -110,12 +114,4 @@ def test_file_pages_huge_reads_the_mapping_and_answers(tmp_path):
 
 
 def _file_pmd_kb(address: int) -> int:
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(v, 16) for v in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "FilePmdMapped:":
-            return int(line.split()[1])
-    return 0
+    return _smaps_kb(address, "FilePmdMapped")

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import model_factory as mf
 import real_config_models as rc
 from app.cli import main
 from engine import Engine, SamplingParams
@@ -129,17 +130,6 @@ def test_prepared_dense_model_decodes_identically_maps_and_is_rebuilt_on_change(
     _decodes_as(again, new_ids, new_logits)
 
 
-def _rewrite_header(path: Path, change) -> None:
-    """The prepared file with `change(header)` applied, its data as it was."""
-    raw = path.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
-    change(header)
-    blob = json.dumps(header).encode()
-    blob += b" " * (-len(blob) % 8)
-    path.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n:])
-
-
 def _swap_qkv_shape(header: dict) -> None:
     entry = header["layers.0.qkv.q"] if "layers.0.qkv.q" in header else header["layers.0.qkv.q4"]
     entry["shape"] = entry["shape"][::-1]  # the same bytes, another shape
@@ -161,7 +151,7 @@ def _empty(path: Path) -> None:
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("damage", [_truncate, _junk_header, _empty,
-                                    lambda p: _rewrite_header(p, _swap_qkv_shape)],
+                                    lambda p: mf.rewrite_safetensors_header(p, p, _swap_qkv_shape)],
                          ids=["truncated", "junk-header", "empty", "lying-shape"])
 def test_a_damaged_prepared_file_is_rebuilt_never_trusted(tmp_path, monkeypatch, fmt, damage):
     model = _managed(rc.relullama(tmp_path / "relullama")[0])
