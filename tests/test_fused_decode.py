@@ -182,6 +182,31 @@ def test_falcon_takes_the_unfused_path(tiny_models, monkeypatch, one_torch_threa
     assert torch.equal(fused, unfused)
 
 
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+def test_int4_matrices_fused_packed_and_as_rows(models, mode, monkeypatch, one_torch_thread):
+    """The CPU tier's 4-bit matrices are packed in groups of 8 rows (cpu_q4x8) and the fused call
+    reads them so; the same matrices as plain rows (a GGUF's, unpacked) take the row kernels,
+    and both decode as the unfused path."""
+    from engine.kernels import cpu_q4x8
+    from engine.loading.quantized import Q4Matrix
+
+    dl = fused_decode.kernels()
+    kw = {"ram_budget": RAM} if mode == "sparse" else {}
+    engine = Engine.load(models["prosparse"], mode=mode, cpu_weights="int4", **kw)
+    mats = [m for layer in engine.model.layers for m in (layer.qkv, layer.out)] + [engine.model.lm_head]
+    assert all(isinstance(m, Q4Matrix) and m.packed for m in mats)
+    _check_same(engine, monkeypatch)
+    assert {layer.fused.args[10] for layer in engine.model.layers} == {dl.M_Q4X8}  # qkv's kind
+    packed = _steps(engine, True, monkeypatch)
+    for layer in engine.model.layers:
+        layer.qkv, layer.out = (Q4Matrix(cpu_q4x8.unpack_rows(m.q), m.cols) for m in (layer.qkv, layer.out))
+    _check_same(engine, monkeypatch)
+    assert {layer.fused.args[10] for layer in engine.model.layers} <= {dl.M_Q4, dl.M_Q4_TILES}
+    # the same integer products: the two layouts' logits differ by the fp32 sums' order only
+    rows = _steps(engine, True, monkeypatch)
+    assert (packed - rows).abs().max().item() <= 1e-4 * max(1.0, rows.abs().max().item())
+
+
 def test_int4_with_fp32_activations_takes_the_unfused_path(models, monkeypatch, one_torch_thread):
     engine = Engine.load(models["relullama"], mode="sparse", ram_budget=RAM, cpu_weights="int4")
     monkeypatch.setattr(cpu_q4, "USE_INT8_ACTIVATIONS", False)
@@ -203,12 +228,12 @@ def test_a_bad_switch_value_is_refused(models, monkeypatch, capsys, tmp_path):
 
 
 def test_the_compiled_layer_is_cached_under_the_stamps_of_the_kernels_it_copies():
-    """Its disk cache goes stale when cpu_numba, cpu_q4 or q4_tiles change, not only this file."""
-    from engine.kernels import decode_layer, q4_tiles
+    """Its disk cache goes stale when cpu_numba, cpu_q4, cpu_q4x8 or q4_tiles change, not only this file."""
+    from engine.kernels import cpu_q4x8, decode_layer, q4_tiles
 
     locator = decode_layer.decode_layer._cache._impl.locator
     stamp = locator.get_source_stamp()
-    files = [decode_layer.__file__, cpu_numba.__file__, cpu_q4.__file__, q4_tiles.__file__]
+    files = [decode_layer.__file__, cpu_numba.__file__, cpu_q4.__file__, cpu_q4x8.__file__, q4_tiles.__file__]
     assert len(stamp) == len(files) and len(set(stamp)) == len(files)
     # other files' functions keep numba's own locator
     assert not isinstance(cpu_numba.ffn_rows._cache._impl.locator, decode_layer._StampedWithKernels)

@@ -39,6 +39,9 @@ def _dense_mapped(engine) -> bool:
     for i, layer in enumerate(model.layers):
         tensors += [layer.attn_norm.weight, layer.mlp_norm.weight, layer.qkv.q, layer.out.q]
         tensors += [pred.fc1[i].q, pred.fc2[i].q] if pred is not None else []
+    # 4-bit matrices stored packed (groups of 8 rows) and mapped as such: no conversion at load
+    mats = [model.lm_head] + [m for layer in model.layers for m in (layer.qkv, layer.out)]
+    assert all(getattr(m, "packed", True) for m in mats + (list(pred.fc1) + list(pred.fc2) if pred else []))
     return all(dense.holds(t) for t in tensors)
 
 

@@ -64,6 +64,9 @@ def _mapped(engine: Engine) -> bool:
         parts += [layer.qkv.q, layer.out.q, layer.ffn.gate_up.q, layer.ffn.down.q]
         for norm in (layer.attn_norm, layer.mlp_norm):  # Falcon: one LayerNorm, with a bias
             parts += [] if norm is None else [norm.weight] + ([] if norm.bias is None else [norm.bias])
+        # 4-bit matrices stored packed (groups of 8 rows) and mapped as such: no conversion at load
+        assert all(w.packed for w in (layer.qkv, layer.out, layer.ffn.gate_up, layer.ffn.down)
+                   if isinstance(w, Q4Matrix))
     return all(file.holds(t) for t in parts)
 
 
@@ -131,7 +134,7 @@ def test_prepared_dense_model_decodes_identically_maps_and_is_rebuilt_on_change(
 
 
 def _swap_qkv_shape(header: dict) -> None:
-    entry = header["layers.0.qkv.q"] if "layers.0.qkv.q" in header else header["layers.0.qkv.q4"]
+    entry = next(header[f"layers.0.qkv.{s}"] for s in ("q", "q4", "q4x8") if f"layers.0.qkv.{s}" in header)
     entry["shape"] = entry["shape"][::-1]  # the same bytes, another shape
 
 

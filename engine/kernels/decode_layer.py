@@ -34,10 +34,11 @@ from numba.extending import intrinsic
 
 from engine.kernels import cpu_numba as K
 from engine.kernels import cpu_q4 as Q
+from engine.kernels import cpu_q4x8 as QX
 from engine.kernels import q4_tiles as QT
 
 _HERE = os.path.abspath(__file__)
-_DEPENDENCIES = tuple(os.path.abspath(m.__file__) for m in (K, Q, QT))
+_DEPENDENCIES = tuple(os.path.abspath(m.__file__) for m in (K, Q, QX, QT))
 
 
 class _StampedWithKernels:
@@ -89,6 +90,7 @@ M_INT8_Q8 = 1    # int8 rows x int8 activations: cpu_numba.linear_q8 (AVX2, cols
 M_INT8 = 2       # int8 rows x fp32: cpu_numba.matvec_rows_int8
 M_Q4_TILES = 3   # 4-bit rows, blocks per row a multiple of 8: q4_tiles.tiles_kernel
 M_Q4 = 4         # 4-bit rows: cpu_q4.linear_q4
+M_Q4X8 = 5       # 4-bit rows packed in interleaved groups of 8: cpu_q4x8.matmul_q4x8
 
 # Kinds of FFN rows (CpuFfnRows fp32 / int8, Q4FfnRows) for the sparse FFN.
 R_FP32, R_INT8, R_Q4 = 0, 1, 2
@@ -137,6 +139,12 @@ def linear(kind, wb, scale, x, threads):
     nb = wb.shape[1] // 18
     width = nb * 32
     xp = _padded(x, width).reshape((1, width))
+    if kind == M_Q4X8:
+        xq = np.empty((1, width), dtype=np.int8)
+        xd = np.empty((1, nb), dtype=np.float32)
+        xm = np.empty((1, nb, 8), dtype=np.int32)
+        Q.quantize_act_q4_rows(xp, xq, xd, xm)
+        return QX.matmul_q4x8(wb, xq, xd, xm, chunks)[0]
     if kind == M_Q4_TILES:
         xq = np.empty((1, width), dtype=np.int8)
         xd = np.empty((1, nb), dtype=np.float32)
@@ -313,5 +321,5 @@ def loaded_from_cache() -> bool:
     return all(sum(f.stats.cache_misses.values()) == 0 for f in fns)
 
 
-__all__ = ["decode_layer", "decode_head", "linear", "M_FP32", "M_INT8_Q8", "M_INT8", "M_Q4_TILES", "M_Q4",
+__all__ = ["decode_layer", "decode_head", "linear", "M_FP32", "M_INT8_Q8", "M_INT8", "M_Q4_TILES", "M_Q4", "M_Q4X8",
            "R_FP32", "R_INT8", "R_Q4", "FFN_ROWS", "FFN_DENSE_LINEAR", "FFN_DENSE_COMBINE"]

@@ -217,7 +217,7 @@ class PreparedRows:
         matrix of the dense mode's file, which the load only maps): the one whose pages say
         how the kernel maps this file."""
         sizes = {n: e["data_offsets"][1] - e["data_offsets"][0] for n, e in self.header.items()
-                 if (n.endswith((".q", ".q4")) and ".ffn." not in n) or n in ("embed", "lm_head")}
+                 if (n.endswith((".q", ".q4", "." + Q4_PACKED)) and ".ffn." not in n) or n in ("embed", "lm_head")}
         matrices = {n: b for n, b in sizes.items() if n != "embed"} or sizes
         return max(matrices, key=matrices.get)
 
@@ -242,7 +242,9 @@ class PreparedRows:
 # the output head in the CPU format, and the predictors in it. With it and the FFN rows, a
 # load of a model placed on the CPU reads nothing from the checkpoint but its headers: the
 # layers are built over shape-only (meta) tensors and then given the mapped ones.
-DENSE_LAYOUT_VERSION = 1
+DENSE_LAYOUT_VERSION = 2  # 2: 4-bit matrices packed in groups of 8 rows (`.q4x8`)
+Q4_PACKED = "q4x8"  # the name suffix of a packed 4-bit matrix (`.q4`: plain rows)
+_MATRIX_SUFFIXES = ("", ".q", ".q4", "." + Q4_PACKED)
 
 
 def dense_path(model_dir: Path, fmt: str) -> Path:
@@ -267,8 +269,8 @@ def _matrix_parts(name: str, w) -> dict[str, torch.Tensor]:
 
     if isinstance(w, Int8Matrix):
         return {f"{name}.q": w.q, f"{name}.scale": w.scale}
-    if isinstance(w, Q4Matrix):
-        return {f"{name}.q4": w.q}
+    if isinstance(w, Q4Matrix):  # rows, or packed in groups of 8 (engine.kernels.cpu_q4x8): by name
+        return {f"{name}.{Q4_PACKED if w.packed else 'q4'}": w.q}
     return {name: w}
 
 
@@ -368,7 +370,7 @@ class PreparedDense(PreparedRows):
         return dense if dense.metadata.get("key") == cls._key(model_dir, fmt) else None
 
     def has(self, name: str) -> bool:
-        return any(f"{name}{suffix}" in self.header for suffix in ("", ".q", ".q4"))
+        return any(f"{name}{suffix}" in self.header for suffix in _MATRIX_SUFFIXES)
 
     def matrix(self, name: str, shape: tuple[int, int] | None = None, resident: bool = False):
         """A weight as stored: a mapped tensor or a quantized matrix over mapped arrays (with
@@ -376,11 +378,14 @@ class PreparedDense(PreparedRows):
         is checked against it."""
         from engine.loading.quantized import Int8Matrix, Q4Matrix
 
-        if f"{name}.q4" in self.header:
-            q = self.tensor(f"{name}.q4", resident)
+        q4 = next((f"{name}.{s}" for s in ("q4", Q4_PACKED) if f"{name}.{s}" in self.header), None)
+        if q4 is not None:
+            q = self.tensor(q4, resident)
             if shape is None:
                 raise ValueError(f"{name}: the 4-bit matrix needs its column count")
-            w = Q4Matrix(q, shape[1])
+            if q.dim() != 2:
+                raise ValueError(f"{name}: 4-bit rows of shape {tuple(q.shape)}")
+            w = Q4Matrix(q, shape[1], packed=q4.endswith(Q4_PACKED))
             if q.shape[1] != cpu_q4.row_bytes(shape[1]):
                 raise ValueError(f"{name}: 4-bit rows of {q.shape[1]} bytes do not hold {shape[1]} columns")
         elif f"{name}.q" in self.header:
@@ -393,7 +398,7 @@ class PreparedDense(PreparedRows):
 
     def rows(self, name: str) -> int:
         """The row count of a stored weight (from the header)."""
-        for suffix in ("", ".q", ".q4"):
+        for suffix in _MATRIX_SUFFIXES:
             if f"{name}{suffix}" in self.header:
                 return self.header[f"{name}{suffix}"]["shape"][0]
         raise KeyError(name)
@@ -447,7 +452,7 @@ class PreparedDense(PreparedRows):
 # from the sparse modes' dense part: that one holds only the placement's CPU layers and the
 # predictors (its key follows the predictors file), and on a GGUF's Q4_0 weights it keeps the
 # file's codes where the dense mode requantizes, so the two need not agree.
-DENSE_MODE_LAYOUT_VERSION = 1
+DENSE_MODE_LAYOUT_VERSION = 2  # 2: 4-bit matrices packed in groups of 8 rows (`.q4x8`)
 
 
 def dense_mode_path(model_dir: Path, fmt: str) -> Path:

@@ -17,12 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu as cpu_kernels
-from engine.kernels import cpu_q4, q4_tiles
+from engine.kernels import cpu_q4, cpu_q4x8, q4_tiles
 from engine.kernels.cpu_quant import dequantize_rows_int8, quantize_rows_int8
 from engine.loading import host_memory
 
 # Rows converted per step of a many-token product: bounds the fp32 copy to a few MB.
 _BLOCK_ROWS = 1024
+_PACK_ROWS = 4096  # rows quantized then packed per step (a multiple of cpu_q4x8.GROUP)
 # Up to this many tokens, one int8 matrix-vector product per token beats converting the
 # matrix for torch's product (32000 x 4096 head, 2 cores: 2 tokens 10 vs 55 ms for fp32
 # weights, 16 tokens 79 vs 102 ms; 128 tokens favour the conversion).
@@ -86,16 +87,36 @@ class Int8Matrix(QuantMatrix):
 @dataclass(eq=False, frozen=True)
 class Q4Matrix(QuantMatrix):
     """A weight matrix [n, cols] as 4-bit rows (`engine.kernels.cpu_q4`: ggml's Q4_0 blocks):
-    q uint8 [n, row_bytes(cols)]. 4.5 bits per weight, half the bytes of int8 rows."""
+    q uint8 [n, row_bytes(cols)]. 4.5 bits per weight, half the bytes of int8 rows.
+
+    `packed`: q holds the same bytes rearranged into groups of 8 interleaved rows
+    (`engine.kernels.cpu_q4x8`), the layout of matrices only ever read whole on the CPU
+    (`pack`, `quantize_matrix`): their product streams about twice as fast. Its rows are not
+    gatherable; `dequantize(lo, hi)` and `to_dense` unpack them."""
 
     q: torch.Tensor
     cols: int
+    packed: bool = False
 
     @classmethod
-    def quantize(cls, w: torch.Tensor) -> "Q4Matrix":
-        """From a float matrix on any device (the rows in host_memory: huge pages)."""
+    def quantize(cls, w: torch.Tensor, packed: bool = False) -> "Q4Matrix":
+        """From a float matrix on any device (the rows in host_memory: huge pages), packed on request."""
         out = host_memory.empty((w.shape[0], cpu_q4.row_bytes(w.shape[1])), torch.uint8) if w.dim() == 2 else None
-        return cls(cpu_q4.quantize_rows_q4(w, out=out), w.shape[1])
+        if not packed or out is None:
+            m = cls(cpu_q4.quantize_rows_q4(w, out=out), w.shape[1])
+            return m.pack() if packed else m
+        # packed a block of rows at a time (whole groups): no second copy of the whole matrix
+        for lo in range(0, w.shape[0], _PACK_ROWS):
+            hi = min(lo + _PACK_ROWS, w.shape[0])
+            cpu_q4x8.pack_rows(cpu_q4.quantize_rows_q4(w[lo:hi]), out=out[lo:hi])
+        return cls(out, w.shape[1], packed=True)
+
+    def pack(self) -> "Q4Matrix":
+        """This matrix in the packed layout (itself when it is), on huge pages."""
+        if self.packed:
+            return self
+        return Q4Matrix(cpu_q4x8.pack_rows(self.q, out=host_memory.empty(tuple(self.q.shape), torch.uint8)),
+                        self.cols, packed=True)
 
     @property
     def shape(self) -> torch.Size:
@@ -107,24 +128,31 @@ class Q4Matrix(QuantMatrix):
 
     def dequantize(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """Rows lo..hi as fp32."""
+        if self.packed:
+            lo, hi, _ = slice(lo, hi).indices(self.q.shape[0])
+            return cpu_q4.dequantize_rows_q4(cpu_q4x8.unpack_rows(self.q, lo, hi), self.cols)
         return cpu_q4.dequantize_rows_q4(self.q[lo:hi], self.cols)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x fp32 [T, cols] (CPU) @ this^T -> fp32 [T, n]."""
         x = x.float()
-        # int8 x 4-bit, where the host can: one fp32 step per 8 blocks (q4_tiles) where the rows
-        # have whole groups of 8 blocks (a 22016 x 4096 matrix, 2 cores: 20 tokens 72-85 vs 150-158 ms,
-        # 128 tokens 430-725 vs 1040 ms, one token 12.3 vs 13.8 ms), else matmul_q4
-        out = q4_tiles.matmul_q4_tiles(x, self.q, self.cols)
-        if out is None:
-            out = cpu_q4.matmul_q4(x, self.q, self.cols)
+        if self.packed:
+            # 8 interleaved rows a pass (cpu_q4x8), where the host can; else torch below
+            out = cpu_q4x8.matmul_packed(x, self.q, self.cols)
+        else:
+            # int8 x 4-bit, where the host can: one fp32 step per 8 blocks (q4_tiles) where the rows
+            # have whole groups of 8 blocks (a 22016 x 4096 matrix, 2 cores: 20 tokens 72-85 vs 150-158 ms,
+            # 128 tokens 430-725 vs 1040 ms, one token 12.3 vs 13.8 ms), else matmul_q4
+            out = q4_tiles.matmul_q4_tiles(x, self.q, self.cols)
+            if out is None:
+                out = cpu_q4.matmul_q4(x, self.q, self.cols)
         if out is not None:
             return out
-        if x.shape[0] <= _PER_TOKEN_MAX:
+        if x.shape[0] <= _PER_TOKEN_MAX and not self.packed:
             return torch.stack([cpu_q4.matvec_q4(row, self.q, self.cols) for row in x])
         n = self.q.shape[0]
         out = torch.empty(x.shape[0], n, dtype=torch.float32)
-        for lo in range(0, n, _BLOCK_ROWS):
+        for lo in range(0, n, _BLOCK_ROWS):  # _BLOCK_ROWS: whole groups of 8 packed rows
             hi = min(lo + _BLOCK_ROWS, n)
             out[:, lo:hi] = F.linear(x, self.dequantize(lo, hi))
         return out
@@ -135,10 +163,15 @@ MATRIX_FORMATS = {"int8": Int8Matrix, "int4": Q4Matrix}
 
 
 def quantize_matrix(w: torch.Tensor | QuantMatrix, fmt: str) -> QuantMatrix:
-    """w in the CPU tier's format `fmt` (int8 or int4); a matrix already in it is kept."""
+    """w in the CPU tier's format `fmt` (int8 or int4) for products with the whole matrix: a
+    matrix already in it is kept, 4-bit ones packed (a GGUF's Q4_0 rows: one rearranging copy)."""
     cls = MATRIX_FORMATS[fmt]
+    if isinstance(w, Q4Matrix) and cls is Q4Matrix:
+        return w.pack()
     if isinstance(w, cls):
         return w
+    if cls is Q4Matrix:
+        return Q4Matrix.quantize(w.to_dense("cpu", torch.float32) if isinstance(w, QuantMatrix) else w, packed=True)
     return cls.quantize(w.to_dense("cpu", torch.float32) if isinstance(w, QuantMatrix) else w)
 
 

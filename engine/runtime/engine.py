@@ -426,13 +426,14 @@ class _KernelWarmup:
 
     def _run(self, mode: str, cpu_weights: str) -> None:
         try:
-            from engine.kernels import cpu as cpu_kernels, cpu_q4, q4_tiles
+            from engine.kernels import cpu as cpu_kernels, cpu_q4, cpu_q4x8, q4_tiles
 
             quants = () if mode == "dense" else tuple({cpu_weights, "fp32"} & set(cpu_kernels.QUANTS))
             cpu_kernels.warmup(quants=quants)
             if cpu_weights == "int4":
                 cpu_q4.warmup()
                 q4_tiles.warmup()
+                cpu_q4x8.warmup()
         except BaseException as exc:  # noqa: BLE001 - handed to the loading thread
             self._error = exc
 

@@ -96,7 +96,10 @@ def _matrix(dl, w) -> tuple | None:
         q = w.q
         if q.device.type != "cpu" or not q.is_contiguous() or q.shape[0] == 0:
             return None
-        kind = dl.M_Q4_TILES if cpu_q4.n_blocks(w.cols) % 8 == 0 else dl.M_Q4  # matmul_q4_tiles, else matmul_q4
+        if w.packed:
+            kind = dl.M_Q4X8  # cpu_q4x8.matmul_packed
+        else:
+            kind = dl.M_Q4_TILES if cpu_q4.n_blocks(w.cols) % 8 == 0 else dl.M_Q4  # matmul_q4_tiles, else matmul_q4
         return (kind, q.numpy(), _EMPTY_F32) if _plain(q.numpy()) else None
     if isinstance(w, torch.Tensor):
         if w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous() or w.dim() != 2:
@@ -247,7 +250,7 @@ def _build_layer(dl, model, index: int, layer, cache) -> FusedLayer:
             *qkv, *out, k.view(torch.uint8).numpy(), v.view(torch.uint8).numpy(), k.dtype == torch.float16,
             ffn_kind, int(ffn.n_ff), gated, code, float(ffn.threshold),
             *fc1, *fc2, *rows, row_ids, *hot, *gate_up, *down)
-    q4 = any(m[0] in (dl.M_Q4, dl.M_Q4_TILES) for m in mats) or dl.R_Q4 in (rows[0], hot[0])
+    q4 = any(m[0] in (dl.M_Q4, dl.M_Q4_TILES, dl.M_Q4X8) for m in mats) or dl.R_Q4 in (rows[0], hot[0])
     if not all(w.dtype == torch.float32 and w.is_contiguous() for w in (layer.attn_norm.weight,
                                                                         layer.mlp_norm.weight)):
         return FusedLayer(key, None, "norm weights not contiguous fp32")
@@ -265,7 +268,7 @@ def _build_head(dl, model) -> FusedLayer:
         return FusedLayer(key, None, "the head is not on the CPU in a storage the kernel reads")
     scale = model.logit_scale
     args = (norm.weight.numpy(), float(norm.eps), float(scale if scale is not None else 1.0), scale is not None, *m)
-    return FusedLayer(key, args, q4=m[0] in (dl.M_Q4, dl.M_Q4_TILES))
+    return FusedLayer(key, args, q4=m[0] in (dl.M_Q4, dl.M_Q4_TILES, dl.M_Q4X8))
 
 
 def _current(plan: FusedLayer | None, key: tuple) -> bool:
