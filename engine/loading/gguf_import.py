@@ -13,8 +13,10 @@ Written: config.json, model.safetensors in Hugging Face names and layout (F16/BF
 kept as they are; Q4_0/Q8_0 kept as the file's blocks, the checkpoint's quantized tensor
 kinds of engine.loading.weights: `NAME.q4_0` / `NAME.q8_0`, or `NAME.t.q4_0` for
 PowerInfer's transposed down projection, so the checkpoint is about the GGUF's size and
-the CPU tier's 4-bit rows are the file's bytes; `quantized=False` writes them as F32, the
-exact dequantized values), tokenizer.json rebuilt from the file's vocabulary, predictors
+the CPU tier's 4-bit rows are the file's bytes - except a plain file's `ffn_down`, whose
+blocks run along the intermediate dimension: an int4 load requantizes its neuron rows
+(engine.loading.q4_ffn; the summary's `notes` say so); `quantized=False` writes them as
+F32, the exact dequantized values), tokenizer.json rebuilt from the file's vocabulary, predictors
 (fp32) into the sidecar.
 
 Every size, offset and type is checked against the file before a byte is used: a
@@ -479,7 +481,19 @@ def import_gguf(path: str | Path, target: Path, *, activation: str | None = None
         raise
     return {"architecture": m.arch, "powerinfer": m.powerinfer,
             "tensor_types": sorted({t.kind for t in m.tensors.values()}),
-            "predictors": bool(predictors), "sparse_threshold": threshold}
+            "predictors": bool(predictors), "sparse_threshold": threshold, "notes": _notes(plan, quantized)}
+
+
+def _notes(plan, quantized: bool) -> list[str]:
+    """What the import cannot keep as the file's bytes, one line each."""
+    downs = sorted({t.kind for hf, t, how in plan if hf.endswith("mlp.down_proj.weight") and how == "copy"
+                    and t.kind == "Q4_0"})
+    if quantized and downs:
+        return ["ffn_down's Q4_0 blocks run along the intermediate dimension, not along a neuron's row: "
+                "an int4 load requantizes the down projection's neuron rows (ggml's rounding, once, at the "
+                "first load); gate, up, attention and head rows stay the file's bytes (PowerInfer's "
+                "ffn_down_t files keep all of them)"]
+    return []
 
 
 def _write_predictors(target: Path, predictors: dict[int, dict], config: dict, threshold) -> None:

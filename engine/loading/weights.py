@@ -117,6 +117,27 @@ class WeightSource:
             return None
         return self._stored_blocks(name)
 
+    def transposed_rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows lo..hi of the transpose of the matrix `name` (its columns lo..hi) as fp32
+        [hi - lo, rows], reading only what they need: for Q4_0/Q8_0 rows the blocks of
+        those columns, for a float tensor a slice, for a transposed kind its rows."""
+        if name not in self._where:
+            raise ModelFormatError(f"tensor {name} is missing from the checkpoint in {self.model_dir}")
+        if name in self._quant:
+            _, suffix, transposed = self._quant[name]
+            q = self._stored_blocks(name)
+            if transposed:
+                return dequantize_blocks(q[lo:hi].contiguous(), suffix)
+            _, block, size = QUANT_KINDS[suffix]
+            first, last = lo // block, -(-hi // block)  # the blocks that hold columns lo..hi
+            part = dequantize_blocks(q[:, first * size:last * size].contiguous(), suffix)
+            return part[:, lo - first * block:hi - first * block].t().contiguous()
+        try:
+            part = self._open(self._where[name]).get_slice(name)[:, lo:hi]
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise ModelFormatError(f"cannot read tensor {name} ({exc}); the file may be truncated") from None
+        return part.to(torch.float32).t().contiguous()
+
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         if name not in self._where:
             raise ModelFormatError(f"tensor {name} is missing from the checkpoint in {self.model_dir}")
