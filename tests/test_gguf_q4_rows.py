@@ -127,3 +127,45 @@ def test_float_hot_rows_of_a_q4_0_file_are_its_exact_values(plain):
         down = _deq(_rows(raw, f"blk.{i}.ffn_down.weight", D), FF)
         assert torch.equal(hot.down_t.float().cpu(), down.t()[ids]), i
     assert hot_seen > 0
+
+
+def test_predictors_keep_their_file_precision(tmp_path):
+    """PowerInfer's Q4_0 files quantize the predictors too: they are stored as the file's
+    Q4_0 rows and the int4 tier computes with those bytes; an F16 file's stay F16 (half of the
+    fp32 the import used to write)."""
+    from safetensors import safe_open
+
+    from engine.hotcold.predictors import PredictorSet
+    from engine.loading.sidecar import sidecar_dir
+
+    hf = mf.llama_relu(tmp_path / "hf", dtype=torch.float16)
+    g = np.random.default_rng(0)
+    preds = ([g.standard_normal((32, D)).astype(np.float32) for _ in range(2)],
+             [g.standard_normal((FF, 32)).astype(np.float32) for _ in range(2)])
+    for qtype in ("Q4_0", "F16"):
+        path = gf.write_gguf(hf, tmp_path / f"p-{qtype}.powerinfer.gguf", qtype=qtype, predictors=preds,
+                             sparse_threshold=0.0, q4_scales="symmetric")
+        model = tmp_path / qtype
+        import_gguf(path, model)
+        raw = {t.name: np.asarray(t.data).copy() for t in _reader_class()(path, "r").tensors}
+        stored = sidecar_dir(model) / "predictors.safetensors"
+        with safe_open(str(stored), framework="pt") as f:
+            dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+        if qtype == "F16":
+            assert set(dtypes.values()) == {"F16"}
+            assert stored.stat().st_size < 2 * 2 * 32 * (D + FF) * 2 + 4096  # 2 bytes a weight (+ header)
+            loaded = PredictorSet.load(model, 2, D, FF)
+            assert loaded.fc1[0].dtype == torch.float16
+            assert np.array_equal(loaded.fc2[1].numpy(), raw["blk.1.fc2.weight"])
+            continue
+        assert set(dtypes) == {f"layers.{i}.fc{k}.weight.q4_0" for i in range(2) for k in (1, 2)}
+        engine = Engine.load(model, mode="sparse", vram_budget=0, ram_budget=1 << 30, cpu_weights="int4")
+        for i in range(2):
+            for k, rows in ((1, 32), (2, FF)):
+                w = getattr(engine.sparse.predictors, f"fc{k}")[i]
+                assert isinstance(w, Q4Matrix) and np.array_equal(w.q.numpy(), _rows(raw, f"blk.{i}.fc{k}.weight", rows))
+        engine.eos_ids = set()
+        assert len(engine.generate(PROMPT, SamplingParams(max_new_tokens=4, temperature=0)).token_ids) == 4
+        # the fp32 tier reads them dequantized: the file's values
+        fp32 = Engine.load(model, mode="sparse", vram_budget=0, ram_budget=1 << 30, cpu_weights="fp32")
+        assert torch.equal(fp32.sparse.predictors.fc1[0], _deq(_rows(raw, "blk.0.fc1.weight", 32), D))

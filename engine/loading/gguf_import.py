@@ -17,7 +17,7 @@ the CPU tier's 4-bit rows are the file's bytes - except a plain file's `ffn_down
 blocks run along the intermediate dimension: an int4 load requantizes its neuron rows
 (engine.loading.q4_ffn; the summary's `notes` say so); `quantized=False` writes them as
 F32, the exact dequantized values), tokenizer.json rebuilt from the file's vocabulary, predictors
-(fp32) into the sidecar.
+into the sidecar at the file's precision (F16 as F16, Q4_0 as its blocks).
 
 Every size, offset and type is checked against the file before a byte is used: a
 truncated or lying file is refused with one message (ModelFormatError), never a traceback.
@@ -230,9 +230,9 @@ class _SafetensorsWriter:
     """Writes a safetensors file tensor by tensor (the header first, from known shapes),
     so a large model never sits in memory whole; BF16 bytes are copied as they are."""
 
-    def __init__(self, path: Path, entries: list[tuple[str, str, tuple[int, ...]]]):
+    def __init__(self, path: Path, entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict | None = None):
         sizes = {"F32": 4, "F16": 2, "BF16": 2, "U8": 1}
-        header, offset = {}, 0
+        header, offset = ({"__metadata__": metadata} if metadata else {}), 0
         for name, dtype, shape in entries:
             n = math.prod(shape) * sizes[dtype]
             header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
@@ -372,16 +372,16 @@ PREDICTOR_NAME = re.compile(r"^blk\.\d+\.fc[12]\.weight$")
 def import_output_bytes(tensors, header_bytes: int, *, quantized: bool = True) -> int:
     """Bytes the import of a GGUF writes, from its header alone: `tensors` is (name, kind,
     shape, nbytes) per tensor. Tensor data is exact (the rules of _stored_entry and
-    _write_predictors: Q4_0/Q8_0 matrices keep their blocks, F32/F16/BF16 their dtype, any
-    other type - a Q6_K head - and the predictors become F32); the JSON files (tokenizer,
+    _predictor_entry: Q4_0/Q8_0 matrices keep their blocks, F32/F16/BF16 their dtype, any
+    other type - a Q6_K head, Q8_0 predictors - becomes F32); the JSON files (tokenizer,
     config, safetensors headers) are bounded by 4x the GGUF's header, which holds the vocabulary."""
     total = 4 * int(header_bytes) + 64 * 1024
     for name, kind, shape, nbytes in tensors:
         if name == "rope_freqs.weight":
             continue
         total += 160  # its safetensors header entry
-        if PREDICTOR_NAME.match(name):
-            total += 4 * math.prod(shape)
+        if PREDICTOR_NAME.match(name):  # _predictor_entry's precision
+            total += int(nbytes) if kind == "Q4_0" else _DTYPE_BYTES.get(kind, 4) * math.prod(shape)
         elif _kept_as_blocks(kind, len(shape), quantized):
             total += int(nbytes)
         else:
@@ -496,30 +496,49 @@ def _notes(plan, quantized: bool) -> list[str]:
     return []
 
 
-def _write_predictors(target: Path, predictors: dict[int, dict], config: dict, threshold) -> None:
-    """The predictors in the engine's own file (thermocline/predictors.safetensors, fp32)."""
-    from safetensors.numpy import save_file
+def _predictor_entry(name: str, t: GgufTensor) -> tuple[str, str, tuple[int, ...]]:
+    """(stored name, dtype, shape) of a predictor matrix at its file's precision: F16/BF16/F32
+    as they are, Q4_0 as its blocks (PowerInfer's Q4_0 files quantize fc1/fc2 too: the int4
+    tier's predictor rows are then the file's bytes), any other type as F32 (exact)."""
+    from engine.loading.tensor_kinds import quant_name
 
+    if t.kind == "Q4_0":
+        return quant_name(name, "Q4_0"), "U8", (t.shape[0], t.raw.nbytes // t.shape[0])
+    return name, t.kind if t.kind in _DTYPE_BYTES else "F32", t.shape
+
+
+def _write_predictors(target: Path, predictors: dict[int, dict], config: dict, threshold) -> None:
+    """The predictors in the engine's own file (thermocline/predictors.safetensors), at no
+    more than the file's precision (`_predictor_entry`)."""
     from engine.loading.sidecar import sidecar_dir
 
-    tensors = {}
     d, ff = config["hidden_size"], config["intermediate_size"]
+    entries, data = [], []
     for i in sorted(predictors):
         layer = predictors[i]
         if set(layer) != {"fc1.weight", "fc2.weight"}:
             raise ModelFormatError(f"predictor of layer {i} lacks fc1 or fc2")
-        fc1, fc2 = dequantize(layer["fc1.weight"]), dequantize(layer["fc2.weight"])
+        fc1, fc2 = layer["fc1.weight"], layer["fc2.weight"]
         rank = fc1.shape[0]
-        if fc1.shape != (rank, d) or fc2.shape != (ff, rank):
+        if len(fc1.shape) != 2 or tuple(fc1.shape) != (rank, d) or tuple(fc2.shape) != (ff, rank):
             raise ModelFormatError(f"predictor of layer {i} has shapes {list(fc1.shape)} and {list(fc2.shape)}; "
                                    f"expected [rank, {d}] and [{ff}, rank]")
-        tensors[f"layers.{i}.fc1.weight"], tensors[f"layers.{i}.fc2.weight"] = fc1, fc2
+        for part, t in (("fc1", fc1), ("fc2", fc2)):
+            entry = _predictor_entry(f"layers.{i}.{part}.weight", t)
+            entries.append(entry)
+            data.append(np.asarray(t.raw).reshape(entry[2][0], -1) if entry[1] == "U8" or entry[1] == t.kind
+                        else dequantize(t))
     folder = sidecar_dir(target)
     folder.mkdir(parents=True, exist_ok=True)
     value = float(threshold) if threshold is not None else 0.0
     metadata = {"thresholds": json.dumps([value] * len(predictors)), "source": "powerinfer-gguf",
                 "extra": json.dumps({})}
-    save_file(tensors, str(folder / "predictors.safetensors"), metadata=metadata)
+    writer = _SafetensorsWriter(folder / "predictors.safetensors", entries, metadata)
+    try:
+        for (name, _, _), array in zip(entries, data):
+            writer.write(name, array)
+    finally:
+        writer.close()
 
 
 # ---------------------------------------------------------------------------- tokenizer
