@@ -169,3 +169,27 @@ def test_predictors_keep_their_file_precision(tmp_path):
         # the fp32 tier reads them dequantized: the file's values
         fp32 = Engine.load(model, mode="sparse", vram_budget=0, ram_budget=1 << 30, cpu_weights="fp32")
         assert torch.equal(fp32.sparse.predictors.fc1[0], _deq(_rows(raw, "blk.0.fc1.weight", 32), D))
+
+
+def test_stored_blocks_decode_stepwise_to_the_whole_decode(plain, tmp_path, monkeypatch):
+    """WeightSource.get decodes a quantized weight a step of rows at a time (the whole-tensor
+    decode's temporaries were three times an embedding's fp32 copy): the same values, for
+    rows and for a transposed kind, and transposed_rows reads any column range exactly."""
+    from safetensors.torch import save_file
+
+    from engine.loading import weights
+    from engine.loading.weights import WeightSource
+
+    monkeypatch.setattr(weights, "_DEQUANT_ROWS", 7)
+    root, _ = plain
+    quant, exact = WeightSource(root / "q4"), WeightSource(root / "q4-f32")
+    for name in sorted(exact.names()):
+        assert torch.equal(quant.get(name), exact.get(name)), name
+    q = cpu_q4.quantize_rows_q4(torch.randn(45, 96, generator=torch.Generator().manual_seed(1)))
+    save_file({"w.t.q4_0": q, "v.q4_0": q.clone()}, str(tmp_path / "model.safetensors"))
+    src = WeightSource(tmp_path)
+    full = cpu_q4.dequantize_rows_q4(q, 96)
+    assert torch.equal(src.get("w"), full.t()) and torch.equal(src.get("v"), full)
+    for lo, hi in ((0, 96), (5, 40), (32, 64), (90, 96)):
+        assert torch.equal(src.transposed_rows("v", lo, hi), full[:, lo:hi].t())
+    assert torch.equal(src.transposed_rows("w", 3, 20), full[3:20])

@@ -143,8 +143,7 @@ class WeightSource:
             raise ModelFormatError(f"tensor {name} is missing from the checkpoint in {self.model_dir}")
         if name in self._quant:
             _, suffix, transposed = self._quant[name]
-            tensor = dequantize_blocks(self._stored_blocks(name), suffix)
-            tensor = tensor.t().contiguous() if transposed else tensor
+            tensor = _dequantize_stepwise(self._stored_blocks(name), suffix, transposed)
         else:
             try:
                 tensor = self._open(self._where[name]).get_tensor(name)
@@ -187,6 +186,26 @@ class WeightSource:
             if dtype is not None:
                 return dtype
         return torch.float32
+
+
+_DEQUANT_ROWS = 1024  # stored rows decoded per step: the decode's temporaries stay a few MB
+
+
+def _dequantize_stepwise(q: torch.Tensor, suffix: str, transposed: bool) -> torch.Tensor:
+    """Stored block rows as the weight's fp32 matrix (the transpose's when `transposed`),
+    decoded a step of rows at a time into one output: the decode's int16/fp32 temporaries
+    of a whole 32000-row embedding were three times the result."""
+    _, block, size = QUANT_KINDS[suffix]
+    n, cols = q.shape[0], q.shape[1] // size * block
+    out = torch.empty((cols, n) if transposed else (n, cols), dtype=torch.float32)
+    for lo in range(0, n, _DEQUANT_ROWS):
+        hi = min(n, lo + _DEQUANT_ROWS)
+        part = dequantize_blocks(q[lo:hi], suffix)
+        if transposed:
+            out[:, lo:hi] = part.t()
+        else:
+            out[lo:hi] = part
+    return out
 
 
 def _check_block_rows(stored: str, suffix: str, is_uint8: bool, dtype: str, shape: tuple[int, ...]) -> None:
