@@ -49,11 +49,22 @@ class Converter:
         """A weight matrix: with keep_q4 (a CPU-tier layer) a Q4_0 one as its own 4-bit rows
         (engine.loading.quantized.Q4Matrix over the mapped file), else `get`."""
         if self.keep_q4 and where.device.type == "cpu":
+            from engine.loading.quantized import Q4Matrix
+
             rows = self._q4(name, shape)
             if rows is not None:
-                from engine.loading.quantized import Q4Matrix
-
                 return Q4Matrix(rows, shape[1])
+            quant_kind = getattr(self.source, "quant_kind", None)
+            if quant_kind is not None and quant_kind(name) is not None and len(shape) == 2:
+                # other blocks (Q8_0, a Q6_K head): 4-bit rows a step of rows at a time, no fp32 copy
+                from engine.loading.q4_ffn import q4_rows_of
+
+                if tuple(self.source.shape(name)) != tuple(shape):
+                    from engine.errors import ModelFormatError
+
+                    raise ModelFormatError(f"tensor {name} has shape {tuple(self.source.shape(name))} but "
+                                           f"config.json implies {tuple(shape)}")
+                return Q4Matrix(q4_rows_of(self.source, name, shape), shape[1])
         return self.get(name, shape, where)
 
     def matrix_rows(self, parts: list[tuple[str, tuple[int, int]]], where: LoadTarget):

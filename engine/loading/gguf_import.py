@@ -7,11 +7,11 @@ the model registry's command without loading the engine. What is accepted:
   stored transposed as `blk.N.ffn_down_t`, `powerinfer.sparse_threshold`;
 - plain llama.cpp files of the `llama` and `bamboo` architectures;
 - tensors in F32, F16, BF16, Q8_0, Q4_0 and Q6_K (llama-quantize's type for the output head
-  of a Q4_0 file: read as F32, which holds its values d * scale * q exactly); other types,
+  of a Q4_0 file: kept as its blocks, decoded exactly to fp32 when read); other types,
   the other K-quants included, are refused.
 Written: config.json, model.safetensors in Hugging Face names and layout (F16/BF16/F32
-kept as they are; Q4_0/Q8_0 kept as the file's blocks, the checkpoint's quantized tensor
-kinds of engine.loading.weights: `NAME.q4_0` / `NAME.q8_0`, or `NAME.t.q4_0` for
+kept as they are; Q4_0/Q8_0/Q6_K kept as the file's blocks, the checkpoint's quantized tensor
+kinds of engine.loading.weights: `NAME.q4_0` / `NAME.q8_0` / `NAME.q6_k`, or `NAME.t.q4_0` for
 PowerInfer's transposed down projection, so the checkpoint is about the GGUF's size and
 the CPU tier's 4-bit rows are the file's bytes - except a plain file's `ffn_down`, whose
 blocks run along the intermediate dimension: an int4 load requantizes its neuron rows
@@ -362,7 +362,7 @@ def _safetensors_dtype(kind: str) -> str:
 
 
 def _kept_as_blocks(kind: str, ndim: int, quantized: bool) -> bool:
-    return quantized and kind in ("Q4_0", "Q8_0") and ndim == 2
+    return quantized and kind in ("Q4_0", "Q8_0", "Q6_K") and ndim == 2
 
 
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
@@ -372,8 +372,8 @@ PREDICTOR_NAME = re.compile(r"^blk\.\d+\.fc[12]\.weight$")
 def import_output_bytes(tensors, header_bytes: int, *, quantized: bool = True) -> int:
     """Bytes the import of a GGUF writes, from its header alone: `tensors` is (name, kind,
     shape, nbytes) per tensor. Tensor data is exact (the rules of _stored_entry and
-    _predictor_entry: Q4_0/Q8_0 matrices keep their blocks, F32/F16/BF16 their dtype, any
-    other type - a Q6_K head, Q8_0 predictors - becomes F32); the JSON files (tokenizer,
+    _predictor_entry: Q4_0/Q8_0/Q6_K matrices keep their blocks, F32/F16/BF16 their dtype, any
+    other type - Q8_0 predictors - becomes F32); the JSON files (tokenizer,
     config, safetensors headers) are bounded by 4x the GGUF's header, which holds the vocabulary."""
     total = 4 * int(header_bytes) + 64 * 1024
     for name, kind, shape, nbytes in tensors:
@@ -444,7 +444,7 @@ def import_gguf(path: str | Path, target: Path, *, activation: str | None = None
                 progress: Progress | None = None, quantized: bool = True) -> dict:
     """Write the model of a GGUF file into the new folder `target` (removed again on failure).
     Returns a summary: architecture, powerinfer, tensor types, predictors, threshold.
-    quantized: Q4_0/Q8_0 tensors stay blocks (else they are written as F32)."""
+    quantized: Q4_0/Q8_0/Q6_K matrices stay blocks (else they are written as F32)."""
     m = read_gguf(path)
     config = _hf_config(m, activation)
     plan, predictors = _plan(m, config)
