@@ -48,10 +48,10 @@ class PredictorSet:
         """Logits [n_ff] for one token x [d], or [T, n_ff] for x [T, d]."""
         from engine.runtime.model import linear
 
-        fc1, fc2 = self.fc1[layer], self.fc2[layer]
-        if not isinstance(fc1, QuantMatrix) and fc1.device.type == "cpu" and fc1.dtype in _HALF:
-            # stored 16-bit and not placed on a tier (placement converts them): compute in fp32
-            fc1, fc2 = fc1.float(), (fc2 if isinstance(fc2, QuantMatrix) else fc2.float())
+        def computable(w):  # stored 16-bit and not placed on a tier (placement converts them): fp32
+            return w.float() if not isinstance(w, QuantMatrix) and w.device.type == "cpu" and w.dtype in _HALF else w
+
+        fc1, fc2 = computable(self.fc1[layer]), computable(self.fc2[layer])
         dtype = torch.float32 if isinstance(fc1, QuantMatrix) else fc1.dtype
         rows = x.to(dtype).reshape(-1, x.shape[-1])
         out = linear(torch.relu(linear(rows, fc1)), fc2)
