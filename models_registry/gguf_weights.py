@@ -38,8 +38,8 @@ NO_HEADER_IMPORT_FACTOR = 8
 
 
 def import_bytes(endpoint: str, plan: RepoPlan, *, headers: dict, timeout: float = 30.0) -> int:
-    """Bytes the import of the plan's GGUF writes into the model folder (a Q6_K head and the
-    predictors become F32, Q4_0/Q8_0 matrices stay blocks), from its header read with range
+    """Bytes the import of the plan's GGUF writes into the model folder (Q4_0/Q8_0/Q6_K matrices
+    stay blocks, predictors keep their precision), from its header read with range
     requests: gguf_import.import_output_bytes. The one figure the download's disk check and
     the Models page's plan use."""
     from huggingface_hub.utils import get_session

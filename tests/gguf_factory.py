@@ -36,11 +36,13 @@ def _tensors(hf_dir: Path) -> dict[str, np.ndarray]:
 
 def write_gguf(hf_dir: Path, out: Path, *, qtype: str = "F16", powerinfer: bool = True,
                predictors: tuple[list[np.ndarray], list[np.ndarray]] | None = None,
-               sparse_threshold: float | None = None, arch: str = "llama", q6_k: tuple[str, ...] = ()) -> Path:
+               sparse_threshold: float | None = None, arch: str = "llama", q6_k: tuple[str, ...] = (),
+               q4_scales: str = "reference") -> Path:
     """Write hf_dir's model (llama layout) as a GGUF. qtype: F16, BF16-less F32, Q8_0 or Q4_0 for
     the 2-D weights (norms stay F32, as llama.cpp keeps them). Tensors named in `q6_k` become
     random Q6_K blocks (llama-quantize's type for the output head of a Q4_0 file; the gguf
-    package cannot quantize to it)."""
+    package cannot quantize to it). q4_scales: "reference" (ggml's rounding) or "symmetric"
+    (`symmetric_q4_0`: blocks ggml's quantizer never writes, as an imatrix file's are not)."""
     config = json.loads((hf_dir / "config.json").read_text())
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
@@ -79,6 +81,8 @@ def write_gguf(hf_dir: Path, out: Path, *, qtype: str = "F16", powerinfer: bool 
             w.add_tensor(name, a)
         elif qtype == "F16":
             w.add_tensor(name, a.astype(np.float16))
+        elif qtype == "Q4_0" and q4_scales == "symmetric":
+            w.add_tensor(name, symmetric_q4_0(a), raw_dtype=kind)
         else:
             w.add_tensor(name, gguf.quants.quantize(a, kind), raw_dtype=kind)
 
@@ -108,6 +112,20 @@ def write_gguf(hf_dir: Path, out: Path, *, qtype: str = "F16", powerinfer: bool 
         with open(out, "r+b") as f:
             f.write(b"PWRI")
     return out
+
+
+def symmetric_q4_0(a: np.ndarray) -> np.ndarray:
+    """Q4_0 blocks [rows, row bytes] with the scale max|w| / 7 and codes round(w / d) + 8 in
+    1..15: a valid choice (as an imatrix quantization's scales are), but not ggml's reference
+    rounding (scale -max / 8, the code 0 used), so requantizing the values changes the bytes."""
+    blocks = a.astype(np.float32).reshape(-1, 32)
+    d = (np.abs(blocks).max(axis=1, keepdims=True) / 7).astype(np.float16)
+    inv = np.divide(1, d.astype(np.float32), out=np.zeros_like(d, dtype=np.float32), where=d != 0)
+    q = (np.clip(np.rint(blocks * inv), -7, 7) + 8).astype(np.uint8)
+    out = np.empty((len(blocks), 18), dtype=np.uint8)
+    out[:, :2] = d.view(np.uint8)
+    out[:, 2:] = q[:, :16] | (q[:, 16:] << 4)
+    return out.reshape(a.shape[0], -1)
 
 
 def powerinfer_gguf(path: Path, *, layers: int, d: int, n_ff: int, rank: int = 8, vocab: int = 300,

@@ -32,6 +32,8 @@ def test_predictors_of_a_pwri_file_are_read_in_torch_layout(tmp_path):
     assert len(predictors) == 3 and predictors.ranks == [6, 6, 6]
     assert predictors.thresholds == [0.25] * 3
     _same(predictors, expected)
+    # at the file's precision: fc1 is F16 there, fc2 F32
+    assert {w.dtype for w in predictors.fc1} == {torch.float16} and {w.dtype for w in predictors.fc2} == {torch.float32}
     assert path.read_bytes()[:4] == b"PWRI"  # the user's file is left as it was
     assert not [p for p in tmp_path.iterdir() if p != path]
 

@@ -199,8 +199,10 @@ def _q6_k_fp64(raw: np.ndarray) -> np.ndarray:
 
 
 def test_q6_k_output_head_of_a_llama_quantize_q4_0_file_is_read_exactly(tmp_path):
-    """llama-quantize writes a Q4_0 file's output head as Q6_K: imported as F32 (d * scale * q
-    fits fp32's 24 bits), the rest stays Q4_0 blocks."""
+    """llama-quantize writes a Q4_0 file's output head as Q6_K: kept as its blocks (NAME.q6_k,
+    a fifth of F32) and read exactly (d * scale * q fits fp32's 24 bits), the rest stays Q4_0
+    blocks; an int4 CPU tier quantizes the head a step of rows at a time, to the bytes the
+    whole fp32 matrix gives."""
     hf = mf.llama_relu(tmp_path / "hf", hidden=256, ff=256, layers=1, dtype=torch.float16)
     path = gf.write_gguf(hf, tmp_path / "q4-q6k.gguf", qtype="Q4_0", q6_k=("output.weight",), sparse_threshold=0.0)
     import_gguf(path, tmp_path / "m")
@@ -208,12 +210,17 @@ def test_q6_k_output_head_of_a_llama_quantize_q4_0_file_is_read_exactly(tmp_path
     assert raw["output.weight"].tensor_type == gguf.GGMLQuantizationType.Q6_K
     want = _q6_k_fp64(np.asarray(raw["output.weight"].data).reshape(-1))
     source = WeightSource(tmp_path / "m")
-    assert source.quant_kind("lm_head.weight") is None and source.quant_kind("model.embed_tokens.weight")
+    assert source.quant_kind("lm_head.weight") == ("Q6_K", False) and source.quant_kind("model.embed_tokens.weight")
+    assert source.shape("lm_head.weight") == (300, 256)
     head = source.get("lm_head.weight")
     assert head.dtype == torch.float32
     assert torch.equal(head.double(), torch.from_numpy(want.reshape(300, 256)))  # exact in fp32
+    assert torch.equal(source.rows("lm_head.weight", 7, 40), head[7:40])
     logits = Engine.load(tmp_path / "m").score(PROMPT)
     assert torch.isfinite(logits).all()
+    int4 = Engine.load(tmp_path / "m", mode="oracle", vram_budget=0, ram_budget=1 << 30, cpu_weights="int4")
+    assert isinstance(int4.model.lm_head, Q4Matrix)
+    assert torch.equal(int4.model.lm_head.q, cpu_q4.quantize_rows_q4(head))
 
 
 def test_reference_q4_0_file_decodes_as_its_f32_import_on_the_int4_tier(tmp_path):

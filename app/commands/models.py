@@ -257,6 +257,8 @@ def _import_gguf(args) -> int:
         kinds = ", ".join(summary["tensor_types"])
         extra = " with predictors" if summary["predictors"] else ""
         print(f"imported {summary['architecture']} GGUF ({kinds}){extra} as {model_id} at {target}")
+        for note in summary.get("notes", []):
+            print(f"note: {note}")
     return 0
 
 

@@ -27,7 +27,7 @@ class Converter:
         self.skip_ffn = False  # the sparse engine maps this layer's FFN rows from a prepared file
         # The sparse engine's int4 CPU tier: weights stored as Q4_0 blocks stay the file's
         # 4-bit rows (no dequantize-requantize): matrices of this layer (keep_q4) and FFN
-        # rows (keep_q4_ffn, attached to the DenseFfn as `q4_rows`).
+        # rows (keep_q4_ffn: `ffn` returns engine.loading.q4_ffn.Q4StagedFfn, no fp32 copy).
         self.keep_q4 = False
         self.keep_q4_ffn = False
 
@@ -49,11 +49,22 @@ class Converter:
         """A weight matrix: with keep_q4 (a CPU-tier layer) a Q4_0 one as its own 4-bit rows
         (engine.loading.quantized.Q4Matrix over the mapped file), else `get`."""
         if self.keep_q4 and where.device.type == "cpu":
+            from engine.loading.quantized import Q4Matrix
+
             rows = self._q4(name, shape)
             if rows is not None:
-                from engine.loading.quantized import Q4Matrix
-
                 return Q4Matrix(rows, shape[1])
+            quant_kind = getattr(self.source, "quant_kind", None)
+            if quant_kind is not None and quant_kind(name) is not None and len(shape) == 2:
+                # other blocks (Q8_0, a Q6_K head): 4-bit rows a step of rows at a time, no fp32 copy
+                from engine.loading.q4_ffn import q4_rows_of
+
+                if tuple(self.source.shape(name)) != tuple(shape):
+                    from engine.errors import ModelFormatError
+
+                    raise ModelFormatError(f"tensor {name} has shape {tuple(self.source.shape(name))} but "
+                                           f"config.json implies {tuple(shape)}")
+                return Q4Matrix(q4_rows_of(self.source, name, shape), shape[1])
         return self.get(name, shape, where)
 
     def matrix_rows(self, parts: list[tuple[str, tuple[int, int]]], where: LoadTarget):
@@ -96,6 +107,10 @@ class Converter:
             return None
         cfg = self.config
         d, n = cfg.hidden_size, cfg.intermediate_size
+        if self.keep_q4_ffn and up_bias_name is None and down_bias_name is None:
+            staged = self._q4_ffn(gate_name, up_name, down_name)
+            if staged is not None:  # the sparse split takes the 4-bit rows: no fp32 copy of the layer
+                return staged
         up = self.source.get(up_name, (n, d))
         parts = [self.source.get(gate_name, (n, d)), up] if gate_name else [up]
         gate_up = self.stack_rows(parts, where)
@@ -104,21 +119,30 @@ class Converter:
         down_bias = self.maybe(down_bias_name, (d,), where) if down_bias_name else None
         ffn = DenseFfn(gate_up, down_t, gate_name is not None, cfg.activation, cfg.activation_threshold,
                        up_bias, down_bias)
-        ffn.q4_rows = self._q4_ffn(gate_name, up_name, down_name) if self.keep_q4_ffn else None
         return ffn
 
     def _q4_ffn(self, gate_name: str | None, up_name: str, down_name: str):
-        """The layer's FFN as the checkpoint's own 4-bit rows (engine.kernels.cpu_q4.Q4FfnRows)
-        when gate, up and the down projection's transpose are all stored as Q4_0 rows."""
+        """The layer's FFN as 4-bit rows (engine.loading.q4_ffn.Q4StagedFfn) when gate and up
+        are stored as Q4_0 rows: theirs as they are, the down projection's too when stored
+        transposed (PowerInfer's ffn_down_t), else requantized from its values."""
         d, n = self.config.hidden_size, self.config.intermediate_size
         up = self._q4(up_name, (n, d))
         gate = self._q4(gate_name, (n, d)) if gate_name else None
-        down_t = self._q4(down_name, (d, n), transposed=True)
-        if up is None or down_t is None or (gate_name and gate is None):
+        if up is None or (gate_name and gate is None):
             return None
         from engine.kernels.cpu_q4 import Q4FfnRows
+        from engine.loading.q4_ffn import Q4StagedFfn, transposed_q4_rows
 
-        return Q4FfnRows(gate, up, down_t, d)
+        down_t = self._q4(down_name, (d, n), transposed=True)
+        requantized = down_t is None
+        if requantized:
+            if tuple(self.source.shape(down_name)) != (d, n):
+                from engine.errors import ModelFormatError
+
+                raise ModelFormatError(f"tensor {down_name} has shape {tuple(self.source.shape(down_name))} but "
+                                       f"config.json implies {(d, n)}")
+            down_t = transposed_q4_rows(self.source, down_name, (d, n))
+        return Q4StagedFfn(Q4FfnRows(gate, up, down_t, d), self.source, down_name if requantized else None)
 
 
 def load_gated_globals(conv: Converter, names, cpu: LoadTarget, head: LoadTarget):

@@ -48,7 +48,10 @@ class PredictorSet:
         """Logits [n_ff] for one token x [d], or [T, n_ff] for x [T, d]."""
         from engine.runtime.model import linear
 
-        fc1, fc2 = self.fc1[layer], self.fc2[layer]
+        def computable(w):  # stored 16-bit and not placed on a tier (placement converts them): fp32
+            return w.float() if not isinstance(w, QuantMatrix) and w.device.type == "cpu" and w.dtype in _HALF else w
+
+        fc1, fc2 = computable(self.fc1[layer]), computable(self.fc2[layer])
         dtype = torch.float32 if isinstance(fc1, QuantMatrix) else fc1.dtype
         rows = x.to(dtype).reshape(-1, x.shape[-1])
         out = linear(torch.relu(linear(rows, fc1)), fc2)
@@ -72,12 +75,14 @@ class PredictorSet:
 
     # ---------------------------------------------------------------- storage
     def save(self, model_dir: Path) -> Path:
+        """Write the predictors at their own precision (fp32, 16-bit, or a GGUF's Q4_0 rows as
+        `NAME.q4_0`, engine.loading.tensor_kinds), never widened."""
         folder = sidecar_dir(model_dir)
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {}
         for i, (a, b) in enumerate(zip(self.fc1, self.fc2)):
-            tensors[f"layers.{i}.fc1.weight"] = a.detach().float().cpu().contiguous()
-            tensors[f"layers.{i}.fc2.weight"] = b.detach().float().cpu().contiguous()
+            tensors.update(_stored(f"layers.{i}.fc1.weight", a))
+            tensors.update(_stored(f"layers.{i}.fc2.weight", b))
         metadata = {"thresholds": json.dumps(self.thresholds), "source": self.source,
                     "extra": json.dumps(self.extra)}
         path = folder / FILENAME
@@ -104,7 +109,7 @@ class PredictorSet:
 
             with safe_open(str(path), framework="pt") as handle:
                 metadata = handle.metadata() or {}
-            tensors = load_file(str(path))
+            tensors = _from_stored(load_file(str(path)), path)
             thresholds = json.loads(metadata.get("thresholds", "[]"))
             extra = json.loads(metadata.get("extra", "{}"))
         except (SafetensorError, OSError, ValueError) as exc:
@@ -120,8 +125,8 @@ class PredictorSet:
         if list(layers) != list(range(len(layers))):
             raise ModelFormatError(f"predictor layers in {where} are not numbered 0..N-1: {list(layers)}")
         try:
-            fc1 = [layers[i]["fc1.weight"].float() for i in layers]
-            fc2 = [layers[i]["fc2.weight"].float() for i in layers]
+            fc1 = [_kept(layers[i]["fc1.weight"]) for i in layers]
+            fc2 = [_kept(layers[i]["fc2.weight"]) for i in layers]
         except KeyError as exc:
             raise ModelFormatError(f"predictor in {where} lacks {exc}") from None
         if len(thresholds) != len(fc1):
@@ -137,6 +142,48 @@ class PredictorSet:
                     f"predictor of layer {i} has shapes fc1 {tuple(a.shape)}, fc2 {tuple(b.shape)}, which do not "
                     f"fit the model (d={dim}, n_ff={n_ff})"
                 )
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _kept(w):
+    """A predictor matrix at no more than its own precision: 16-bit, fp32 and 4-bit rows stay
+    as they are (each tier converts them when placing them), anything else becomes fp32."""
+    if isinstance(w, QuantMatrix) or w.dtype in _HALF + (torch.float32,):
+        return w
+    return w.float()
+
+
+def _stored(name: str, w) -> dict[str, torch.Tensor]:
+    """How `save` stores one matrix: its tensor at its dtype, or 4-bit rows as NAME.q4_0."""
+    from engine.loading.quantized import Q4Matrix
+    from engine.loading.tensor_kinds import quant_name
+
+    if isinstance(w, Q4Matrix):
+        return {quant_name(name, "Q4_0"): w.q.detach().cpu().contiguous()}
+    if isinstance(w, QuantMatrix):
+        w = w.dequantize()
+    return {name: _kept(w.detach()).cpu().contiguous()}
+
+
+def _from_stored(tensors: dict[str, torch.Tensor], where) -> dict:
+    """`save`'s tensors back: NAME.q4_0 rows as a Q4Matrix under NAME (checked)."""
+    from engine.loading.quantized import Q4Matrix
+    from engine.loading.tensor_kinds import QUANT_KINDS, parse_quant_name
+
+    out = {}
+    for name, t in tensors.items():
+        parsed = parse_quant_name(name)
+        if parsed is None:
+            out[name] = t
+            continue
+        base, suffix, transposed = parsed
+        _, block, size = QUANT_KINDS[suffix]
+        if suffix != "q4_0" or transposed or t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] % size:
+            raise ModelFormatError(f"predictor tensor {name} in {where} is not Q4_0 rows: {t.dtype} {tuple(t.shape)}")
+        out[base] = Q4Matrix(t.contiguous(), t.shape[1] // size * block)
+    return out
 
 
 def import_powerinfer_predictors(src_dir: Path, model_dir: Path) -> Path:
@@ -199,8 +246,8 @@ def import_checkpoint_predictors(model_dir: Path, config) -> Path | None:
     if not all(present):
         missing = [i for i in layers if not present[i]]
         raise ModelFormatError(f"the checkpoint carries predictors for some layers only (none for {missing[:8]})")
-    fc1 = [source.get(fc1_name.format(i=i)).float() for i in layers]
-    fc2 = [source.get(fc2_name.format(i=i)).float() for i in layers]
+    fc1 = [_kept(source.get(fc1_name.format(i=i))) for i in layers]  # at the checkpoint's precision
+    fc2 = [_kept(source.get(fc2_name.format(i=i))) for i in layers]
     predictors = PredictorSet(fc1, fc2, [0.0] * config.num_layers, source="checkpoint")
     predictors.check(config.num_layers, config.hidden_size, config.intermediate_size)
     return predictors.save(model_dir)

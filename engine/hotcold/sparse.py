@@ -204,7 +204,7 @@ def load_sparse(model_dir: Path, config: ModelConfig, mode: str, ctx: int, vram_
     def build_ffn(i: int, dense):
         if dense is None:
             return runtime.cold_ffn(i, prepared_rows.layer_rows(i, config.hidden_size))
-        # a checkpoint's own Q4_0 rows (int4 tier): taken as they are, never requantized
+        # a checkpoint's own Q4_0 rows (int4 tier, engine.loading.q4_ffn): taken as they are
         all_rows = getattr(dense, "q4_rows", None)
         if writer is not None:
             if progress:

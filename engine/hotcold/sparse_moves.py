@@ -16,6 +16,7 @@ from engine.hotcold.hot_q4 import HOT_INT4, Q4HotRows, move_neurons_q4
 from engine.kernels import cpu as cpu_kernels
 from engine.kernels import cpu_q4
 from engine.loading.loader import compute_dtype
+from engine.loading.q4_ffn import Q4StagedFfn
 from engine.runtime.model import DenseFfn
 from engine.hotcold.placement import Placement
 from engine.loading.quantized import QuantMatrix, quantize_matrix
@@ -29,35 +30,37 @@ class TierMoves:
         cpu = torch.device("cpu")
         return (self.fast, self.fast_dtype()) if on_fast else (cpu, torch.float32)
 
-    def split_ffn(self, layer: int, dense: DenseFfn, hot_ids: np.ndarray, all_rows=None) -> HybridFfn:
-        """Split a freshly loaded fp32 CPU FFN into hot and cold rows. `all_rows`: the whole
-        layer already in the CPU format (rows are quantized one by one, so the cold rows
-        are a selection of them)."""
+    def split_ffn(self, layer: int, dense: DenseFfn | Q4StagedFfn, hot_ids: np.ndarray, all_rows=None) -> HybridFfn:
+        """Split a freshly loaded FFN into hot and cold rows: an fp32 CPU DenseFfn, or a
+        checkpoint's 4-bit rows (Q4StagedFfn: no fp32 copy; the float hot rows are read exactly
+        from the checkpoint). `all_rows`: the whole layer already in the CPU format (rows are
+        quantized one by one, so the cold rows are a selection of them)."""
         hot_idx = torch.as_tensor(hot_ids, dtype=torch.long)
         cold_mask = torch.ones(dense.n_ff, dtype=torch.bool)
         cold_mask[hot_idx] = False
         cold_idx = torch.nonzero(cold_mask).flatten()
         device, dtype = self._where(True)
-        gate, up, down_t = dense.gate, dense.up, dense.down_t
+
+        def float_rows(idx):  # (gate, up, down_t) fp32 rows of neurons idx
+            if isinstance(dense, Q4StagedFfn):
+                return dense.float_rows(idx)
+            return (None if dense.gate is None else dense.gate[idx]), dense.up[idx], dense.down_t[idx]
+
         if getattr(self, "hot_weights", None) == HOT_INT4:  # 4-bit hot rows (hot_q4)
             if all_rows is not None and all_rows.quant == cpu_q4.QUANT:  # the same codes as the CPU's
                 hot = Q4HotRows.from_rows(all_rows.select(hot_idx), hot_idx, device, dtype)
             else:
-                hot = Q4HotRows.from_float(None if gate is None else gate[hot_idx], up[hot_idx], down_t[hot_idx],
-                                           hot_idx, device, dtype)
+                hot = Q4HotRows.from_float(*float_rows(hot_idx), hot_idx, device, dtype)
         else:
-            hot = HotRows(
-                None if gate is None else _hot_rows(gate[hot_idx], device, dtype),
-                _hot_rows(up[hot_idx], device, dtype), _hot_rows(down_t[hot_idx], device, dtype),
-                hot_idx.to(device),
-            )
+            gate, up, down_t = float_rows(hot_idx)
+            hot = HotRows(None if gate is None else _hot_rows(gate, device, dtype),
+                          _hot_rows(up, device, dtype), _hot_rows(down_t, device, dtype), hot_idx.to(device))
         if all_rows is not None:
             rows = all_rows if len(cold_idx) == dense.n_ff else all_rows.select(cold_idx)
         else:
-            rows = cold_rows_from_dense(None if gate is None else gate[cold_idx], up[cold_idx], down_t[cold_idx],
-                                        self.cpu_weights)
+            rows = cold_rows_from_dense(*float_rows(cold_idx), self.cpu_weights)
         cold = ColdRows(rows, cold_idx)
-        return HybridFfn(layer, gate is not None, self.config.activation, self.config.activation_threshold,
+        return HybridFfn(layer, dense.gated, self.config.activation, self.config.activation_threshold,
                          dense.n_ff, hot, cold, self.ffn_context(layer))
 
     def cold_ffn(self, layer: int, rows) -> HybridFfn:

@@ -7,15 +7,17 @@ the model registry's command without loading the engine. What is accepted:
   stored transposed as `blk.N.ffn_down_t`, `powerinfer.sparse_threshold`;
 - plain llama.cpp files of the `llama` and `bamboo` architectures;
 - tensors in F32, F16, BF16, Q8_0, Q4_0 and Q6_K (llama-quantize's type for the output head
-  of a Q4_0 file: read as F32, which holds its values d * scale * q exactly); other types,
+  of a Q4_0 file: kept as its blocks, decoded exactly to fp32 when read); other types,
   the other K-quants included, are refused.
 Written: config.json, model.safetensors in Hugging Face names and layout (F16/BF16/F32
-kept as they are; Q4_0/Q8_0 kept as the file's blocks, the checkpoint's quantized tensor
-kinds of engine.loading.weights: `NAME.q4_0` / `NAME.q8_0`, or `NAME.t.q4_0` for
+kept as they are; Q4_0/Q8_0/Q6_K kept as the file's blocks, the checkpoint's quantized tensor
+kinds of engine.loading.weights: `NAME.q4_0` / `NAME.q8_0` / `NAME.q6_k`, or `NAME.t.q4_0` for
 PowerInfer's transposed down projection, so the checkpoint is about the GGUF's size and
-the CPU tier's 4-bit rows are the file's bytes; `quantized=False` writes them as F32, the
-exact dequantized values), tokenizer.json rebuilt from the file's vocabulary, predictors
-(fp32) into the sidecar.
+the CPU tier's 4-bit rows are the file's bytes - except a plain file's `ffn_down`, whose
+blocks run along the intermediate dimension: an int4 load requantizes its neuron rows
+(engine.loading.q4_ffn; the summary's `notes` say so); `quantized=False` writes them as
+F32, the exact dequantized values), tokenizer.json rebuilt from the file's vocabulary, predictors
+into the sidecar at the file's precision (F16 as F16, Q4_0 as its blocks).
 
 Every size, offset and type is checked against the file before a byte is used: a
 truncated or lying file is refused with one message (ModelFormatError), never a traceback.
@@ -228,9 +230,9 @@ class _SafetensorsWriter:
     """Writes a safetensors file tensor by tensor (the header first, from known shapes),
     so a large model never sits in memory whole; BF16 bytes are copied as they are."""
 
-    def __init__(self, path: Path, entries: list[tuple[str, str, tuple[int, ...]]]):
+    def __init__(self, path: Path, entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict | None = None):
         sizes = {"F32": 4, "F16": 2, "BF16": 2, "U8": 1}
-        header, offset = {}, 0
+        header, offset = ({"__metadata__": metadata} if metadata else {}), 0
         for name, dtype, shape in entries:
             n = math.prod(shape) * sizes[dtype]
             header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
@@ -360,7 +362,7 @@ def _safetensors_dtype(kind: str) -> str:
 
 
 def _kept_as_blocks(kind: str, ndim: int, quantized: bool) -> bool:
-    return quantized and kind in ("Q4_0", "Q8_0") and ndim == 2
+    return quantized and kind in ("Q4_0", "Q8_0", "Q6_K") and ndim == 2
 
 
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
@@ -370,16 +372,16 @@ PREDICTOR_NAME = re.compile(r"^blk\.\d+\.fc[12]\.weight$")
 def import_output_bytes(tensors, header_bytes: int, *, quantized: bool = True) -> int:
     """Bytes the import of a GGUF writes, from its header alone: `tensors` is (name, kind,
     shape, nbytes) per tensor. Tensor data is exact (the rules of _stored_entry and
-    _write_predictors: Q4_0/Q8_0 matrices keep their blocks, F32/F16/BF16 their dtype, any
-    other type - a Q6_K head - and the predictors become F32); the JSON files (tokenizer,
+    _predictor_entry: Q4_0/Q8_0/Q6_K matrices keep their blocks, F32/F16/BF16 their dtype, any
+    other type - Q8_0 predictors - becomes F32); the JSON files (tokenizer,
     config, safetensors headers) are bounded by 4x the GGUF's header, which holds the vocabulary."""
     total = 4 * int(header_bytes) + 64 * 1024
     for name, kind, shape, nbytes in tensors:
         if name == "rope_freqs.weight":
             continue
         total += 160  # its safetensors header entry
-        if PREDICTOR_NAME.match(name):
-            total += 4 * math.prod(shape)
+        if PREDICTOR_NAME.match(name):  # _predictor_entry's precision
+            total += int(nbytes) if kind == "Q4_0" else _DTYPE_BYTES.get(kind, 4) * math.prod(shape)
         elif _kept_as_blocks(kind, len(shape), quantized):
             total += int(nbytes)
         else:
@@ -442,7 +444,7 @@ def import_gguf(path: str | Path, target: Path, *, activation: str | None = None
                 progress: Progress | None = None, quantized: bool = True) -> dict:
     """Write the model of a GGUF file into the new folder `target` (removed again on failure).
     Returns a summary: architecture, powerinfer, tensor types, predictors, threshold.
-    quantized: Q4_0/Q8_0 tensors stay blocks (else they are written as F32)."""
+    quantized: Q4_0/Q8_0/Q6_K matrices stay blocks (else they are written as F32)."""
     m = read_gguf(path)
     config = _hf_config(m, activation)
     plan, predictors = _plan(m, config)
@@ -479,33 +481,64 @@ def import_gguf(path: str | Path, target: Path, *, activation: str | None = None
         raise
     return {"architecture": m.arch, "powerinfer": m.powerinfer,
             "tensor_types": sorted({t.kind for t in m.tensors.values()}),
-            "predictors": bool(predictors), "sparse_threshold": threshold}
+            "predictors": bool(predictors), "sparse_threshold": threshold, "notes": _notes(plan, quantized)}
+
+
+def _notes(plan, quantized: bool) -> list[str]:
+    """What the import cannot keep as the file's bytes, one line each."""
+    downs = sorted({t.kind for hf, t, how in plan if hf.endswith("mlp.down_proj.weight") and how == "copy"
+                    and t.kind == "Q4_0"})
+    if quantized and downs:
+        return ["ffn_down's Q4_0 blocks run along the intermediate dimension, not along a neuron's row: "
+                "an int4 load requantizes the down projection's neuron rows (ggml's rounding, once, at the "
+                "first load); gate, up, attention and head rows stay the file's bytes (PowerInfer's "
+                "ffn_down_t files keep all of them)"]
+    return []
+
+
+def _predictor_entry(name: str, t: GgufTensor) -> tuple[str, str, tuple[int, ...]]:
+    """(stored name, dtype, shape) of a predictor matrix at its file's precision: F16/BF16/F32
+    as they are, Q4_0 as its blocks (PowerInfer's Q4_0 files quantize fc1/fc2 too: the int4
+    tier's predictor rows are then the file's bytes), any other type as F32 (exact)."""
+    from engine.loading.tensor_kinds import quant_name
+
+    if t.kind == "Q4_0":
+        return quant_name(name, "Q4_0"), "U8", (t.shape[0], t.raw.nbytes // t.shape[0])
+    return name, t.kind if t.kind in _DTYPE_BYTES else "F32", t.shape
 
 
 def _write_predictors(target: Path, predictors: dict[int, dict], config: dict, threshold) -> None:
-    """The predictors in the engine's own file (thermocline/predictors.safetensors, fp32)."""
-    from safetensors.numpy import save_file
-
+    """The predictors in the engine's own file (thermocline/predictors.safetensors), at no
+    more than the file's precision (`_predictor_entry`)."""
     from engine.loading.sidecar import sidecar_dir
 
-    tensors = {}
     d, ff = config["hidden_size"], config["intermediate_size"]
+    entries, data = [], []
     for i in sorted(predictors):
         layer = predictors[i]
         if set(layer) != {"fc1.weight", "fc2.weight"}:
             raise ModelFormatError(f"predictor of layer {i} lacks fc1 or fc2")
-        fc1, fc2 = dequantize(layer["fc1.weight"]), dequantize(layer["fc2.weight"])
+        fc1, fc2 = layer["fc1.weight"], layer["fc2.weight"]
         rank = fc1.shape[0]
-        if fc1.shape != (rank, d) or fc2.shape != (ff, rank):
+        if len(fc1.shape) != 2 or tuple(fc1.shape) != (rank, d) or tuple(fc2.shape) != (ff, rank):
             raise ModelFormatError(f"predictor of layer {i} has shapes {list(fc1.shape)} and {list(fc2.shape)}; "
                                    f"expected [rank, {d}] and [{ff}, rank]")
-        tensors[f"layers.{i}.fc1.weight"], tensors[f"layers.{i}.fc2.weight"] = fc1, fc2
+        for part, t in (("fc1", fc1), ("fc2", fc2)):
+            entry = _predictor_entry(f"layers.{i}.{part}.weight", t)
+            entries.append(entry)
+            data.append(np.asarray(t.raw).reshape(entry[2][0], -1) if entry[1] == "U8" or entry[1] == t.kind
+                        else dequantize(t))
     folder = sidecar_dir(target)
     folder.mkdir(parents=True, exist_ok=True)
     value = float(threshold) if threshold is not None else 0.0
     metadata = {"thresholds": json.dumps([value] * len(predictors)), "source": "powerinfer-gguf",
                 "extra": json.dumps({})}
-    save_file(tensors, str(folder / "predictors.safetensors"), metadata=metadata)
+    writer = _SafetensorsWriter(folder / "predictors.safetensors", entries, metadata)
+    try:
+        for (name, _, _), array in zip(entries, data):
+            writer.write(name, array)
+    finally:
+        writer.close()
 
 
 # ---------------------------------------------------------------------------- tokenizer

@@ -3,7 +3,8 @@
 PowerInfer's converters write each layer's predictor (`model_N.pt`: fc1 [rank, d],
 fc2 [n_ff, rank]) as GGUF tensors `blk.N.fc1.weight` / `blk.N.fc2.weight` in their torch
 layout (GGUF lists dims reversed; the `gguf` reader gives numpy arrays in torch order),
-fp32 or fp16, and the threshold as `powerinfer.sparse_threshold`. The file may be a sparse
+fp32 or fp16 (Q4_0 in its Q4_0 files), kept at that precision, and the threshold as
+`powerinfer.sparse_threshold`. The file may be a sparse
 local copy holding only the header and these tensors (models_registry/gguf_fetch.py);
 nothing else of it is read.
 
@@ -66,16 +67,25 @@ def _pwri_reader(path: Path):
     return reader
 
 
-def _as_float(tensor) -> np.ndarray:
+def _matrix(tensor):
+    """A predictor tensor at its file's precision: F32/F16 as such, Q4_0 as its 4-bit rows
+    (engine.loading.quantized.Q4Matrix: the int4 tier takes the file's bytes), any other
+    type dequantized to fp32 (exact)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-        return np.asarray(tensor.data, dtype=np.float32)
+    kind = tensor.tensor_type
+    if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return torch.from_numpy(np.array(tensor.data))
+    if kind == GGMLQuantizationType.Q4_0 and len(tensor.shape) == 2:
+        from engine.loading.quantized import Q4Matrix
+
+        cols, rows = (int(x) for x in tensor.shape)  # GGUF order: the row length first
+        return Q4Matrix(torch.from_numpy(np.array(tensor.data).reshape(rows, -1)), cols)
     try:
-        return dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32)
+        return torch.from_numpy(dequantize(np.asarray(tensor.data), kind).astype(np.float32))
     except NotImplementedError:
-        raise ModelFormatError(f"predictor tensor {tensor.name} has type {tensor.tensor_type.name}, "
+        raise ModelFormatError(f"predictor tensor {tensor.name} has type {kind.name}, "
                                "which cannot be read here") from None
 
 
@@ -88,8 +98,8 @@ def read_gguf_predictors(path: Path):
     for t in reader.tensors:
         m = PREDICTOR_TENSOR.match(t.name)
         if m:
-            weight = torch.from_numpy(_as_float(t).copy())
-            if weight.ndim != 2:
+            weight = _matrix(t)
+            if len(weight.shape) != 2:
                 raise ModelFormatError(f"{t.name} in {Path(path).name} is not a matrix")
             layers.setdefault(int(m.group(1)), {})[f"fc{m.group(2)}.weight"] = weight
     if not layers:

@@ -5,7 +5,7 @@ Single files and shards (`model.safetensors.index.json`) are both served by
 copied until the engine converts it into its own layout.
 
 Quantized tensor kinds (`engine.loading.tensor_kinds`, written by the GGUF import):
-`get(NAME)` of a weight stored as `NAME.q4_0` / `NAME.q8_0` / `NAME.t.q4_0` dequantizes
+`get(NAME)` of a weight stored as `NAME.q4_0` / `NAME.q8_0` / `NAME.q6_k` / `NAME.t.q4_0` dequantizes
 (exact: fp32 holds every value); `q4_rows(NAME)` hands the 4-bit rows over as they are,
 so the CPU tier's Q4_0 rows are the file's bytes.
 """
@@ -31,6 +31,11 @@ def dequantize_blocks(q: torch.Tensor, kind: str) -> torch.Tensor:
         from engine.kernels.cpu_q4 import dequantize_rows_q4
 
         return dequantize_rows_q4(q, nbytes // size * block)
+    if kind.lower() == "q6_k":  # ggml's own decode (the gguf package): exact in fp32
+        import gguf
+
+        rows = gguf.quants.dequantize(q.numpy(), gguf.GGMLQuantizationType.Q6_K)
+        return torch.from_numpy(rows.astype("float32", copy=False)).reshape(n, -1)
     blocks = q.reshape(n, nbytes // size, size)
     d = blocks[:, :, :2].contiguous().view(torch.float16).to(torch.float32)  # [n, nb, 1]
     vals = blocks[:, :, 2:].contiguous().view(torch.int8).to(torch.float32)
@@ -117,13 +122,47 @@ class WeightSource:
             return None
         return self._stored_blocks(name)
 
+    def transposed_rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows lo..hi of the transpose of the matrix `name` (its columns lo..hi) as fp32
+        [hi - lo, rows], reading only what they need: for Q4_0/Q8_0 rows the blocks of
+        those columns, for a float tensor a slice, for a transposed kind its rows."""
+        if name not in self._where:
+            raise ModelFormatError(f"tensor {name} is missing from the checkpoint in {self.model_dir}")
+        if name in self._quant:
+            _, suffix, transposed = self._quant[name]
+            q = self._stored_blocks(name)
+            if transposed:
+                return dequantize_blocks(q[lo:hi].contiguous(), suffix)
+            _, block, size = QUANT_KINDS[suffix]
+            first, last = lo // block, -(-hi // block)  # the blocks that hold columns lo..hi
+            part = dequantize_blocks(q[:, first * size:last * size].contiguous(), suffix)
+            return part[:, lo - first * block:hi - first * block].t().contiguous()
+        try:
+            part = self._open(self._where[name]).get_slice(name)[:, lo:hi]
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise ModelFormatError(f"cannot read tensor {name} ({exc}); the file may be truncated") from None
+        return part.to(torch.float32).t().contiguous()
+
+    def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows lo..hi of the matrix `name` as fp32, reading only those rows' bytes."""
+        if name in self._quant and not self._quant[name][2]:
+            return dequantize_blocks(self._stored_blocks(name)[lo:hi].contiguous(), self._quant[name][1])
+        if name in self._quant:  # a transposed kind (only down projections are): decoded whole
+            return self.get(name)[lo:hi].contiguous()
+        if name not in self._where:
+            raise ModelFormatError(f"tensor {name} is missing from the checkpoint in {self.model_dir}")
+        try:
+            part = self._open(self._where[name]).get_slice(name)[lo:hi]
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise ModelFormatError(f"cannot read tensor {name} ({exc}); the file may be truncated") from None
+        return part.to(torch.float32)
+
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         if name not in self._where:
             raise ModelFormatError(f"tensor {name} is missing from the checkpoint in {self.model_dir}")
         if name in self._quant:
             _, suffix, transposed = self._quant[name]
-            tensor = dequantize_blocks(self._stored_blocks(name), suffix)
-            tensor = tensor.t().contiguous() if transposed else tensor
+            tensor = _dequantize_stepwise(self._stored_blocks(name), suffix, transposed)
         else:
             try:
                 tensor = self._open(self._where[name]).get_tensor(name)
@@ -166,6 +205,26 @@ class WeightSource:
             if dtype is not None:
                 return dtype
         return torch.float32
+
+
+_DEQUANT_ROWS = 1024  # stored rows decoded per step: the decode's temporaries stay a few MB
+
+
+def _dequantize_stepwise(q: torch.Tensor, suffix: str, transposed: bool) -> torch.Tensor:
+    """Stored block rows as the weight's fp32 matrix (the transpose's when `transposed`),
+    decoded a step of rows at a time into one output: the decode's int16/fp32 temporaries
+    of a whole 32000-row embedding were three times the result."""
+    _, block, size = QUANT_KINDS[suffix]
+    n, cols = q.shape[0], q.shape[1] // size * block
+    out = torch.empty((cols, n) if transposed else (n, cols), dtype=torch.float32)
+    for lo in range(0, n, _DEQUANT_ROWS):
+        hi = min(n, lo + _DEQUANT_ROWS)
+        part = dequantize_blocks(q[lo:hi], suffix)
+        if transposed:
+            out[:, lo:hi] = part.t()
+        else:
+            out[lo:hi] = part
+    return out
 
 
 def _check_block_rows(stored: str, suffix: str, is_uint8: bool, dtype: str, shape: tuple[int, ...]) -> None:
