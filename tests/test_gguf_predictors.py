@@ -124,3 +124,45 @@ def test_without_an_importer_the_engine_imports_in_a_child_process(local_hub, tm
     plan = fetch_plan("someone/bad-gguf", None, ("*.gguf",), endpoint=local_hub.url, token=None)
     with pytest.raises(UserError, match="3 layers"):
         gguf_fetch.import_gguf_predictors_from_hub(local_hub.url, plan, model, headers={}, importer=None)
+
+
+def _fp64_logits(fc1, fc2, x):
+    from engine.loading.quantized import Q4Matrix
+
+    f1, f2 = (w.dequantize() if isinstance(w, Q4Matrix) else w.float() for w in (fc1, fc2))
+    return torch.relu(x.double() @ f1.double().T) @ f2.double().T
+
+
+@pytest.mark.parametrize("mix", ["f16-q4", "q4-f16", "bf16-f32"])
+def test_predictor_matrices_of_mixed_stored_kinds_compute_their_logits(mix):
+    """A file may store fc1 and fc2 at different kinds (PowerInfer's F16 fc1 with Q4_0 fc2);
+    an unplaced set computes either order against the fp64 product of the stored values. The
+    4-bit side computes with int8 activations: its bound is their rounding (measured 0.21 and
+    0.61 max against logits of magnitude 63)."""
+    from engine.loading.quantized import Q4Matrix
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(32, 64, generator=g), torch.randn(40, 32, generator=g)
+    x = torch.randn(3, 64, generator=g)
+    fc1, fc2 = {"f16-q4": (a.half(), Q4Matrix.quantize(b)), "q4-f16": (Q4Matrix.quantize(a), b.half()),
+                "bf16-f32": (a.bfloat16(), b)}[mix]
+    out = PredictorSet([fc1], [fc2], [0.0], source="test").logits(0, x)
+    ref = _fp64_logits(fc1, fc2, x)
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    bound = 1e-4 if mix == "bf16-f32" else 1.5
+    assert (out.double() - ref).abs().max().item() < bound
+
+
+def test_a_set_placed_on_the_int4_tier_saves_and_loads_back_its_values(tmp_path):
+    """The int4 CPU tier packs a predictor's matrices (interleaved rows); `save` stores plain
+    Q4_0 rows, so the set read back holds the same values (a packed layout read as rows would
+    not)."""
+    g = torch.Generator().manual_seed(1)
+    fc1, fc2 = torch.randn(32, 64, generator=g), torch.randn(40, 32, generator=g)
+    placed = PredictorSet([fc1], [fc2], [0.0], source="test")
+    placed.to(0, torch.device("cpu"), torch.float32, quant="int4")
+    assert placed.fc1[0].packed and placed.fc2[0].packed
+    placed.save(tmp_path)
+    back = PredictorSet.load(tmp_path, 1, 64, 40)
+    for k in ("fc1", "fc2"):
+        assert torch.equal(getattr(back, k)[0].dequantize(), getattr(placed, k)[0].dequantize()), k

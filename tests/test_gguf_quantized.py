@@ -220,7 +220,7 @@ def test_q6_k_output_head_of_a_llama_quantize_q4_0_file_is_read_exactly(tmp_path
     assert torch.isfinite(logits).all()
     int4 = Engine.load(tmp_path / "m", mode="oracle", vram_budget=0, ram_budget=1 << 30, cpu_weights="int4")
     assert isinstance(int4.model.lm_head, Q4Matrix)
-    assert torch.equal(int4.model.lm_head.q, cpu_q4.quantize_rows_q4(head))
+    assert torch.equal(int4.model.lm_head.rows(), cpu_q4.quantize_rows_q4(head))
 
 
 def test_reference_q4_0_file_decodes_as_its_f32_import_on_the_int4_tier(tmp_path):

@@ -156,12 +156,13 @@ def _kept(w):
 
 
 def _stored(name: str, w) -> dict[str, torch.Tensor]:
-    """How `save` stores one matrix: its tensor at its dtype, or 4-bit rows as NAME.q4_0."""
+    """How `save` stores one matrix: its tensor at its dtype, or 4-bit rows as NAME.q4_0
+    (plain rows: a set placed on an int4 CPU tier holds them packed)."""
     from engine.loading.quantized import Q4Matrix
     from engine.loading.tensor_kinds import quant_name
 
     if isinstance(w, Q4Matrix):
-        return {quant_name(name, "Q4_0"): w.q.detach().cpu().contiguous()}
+        return {quant_name(name, "Q4_0"): w.rows().detach().cpu().contiguous()}
     if isinstance(w, QuantMatrix):
         w = w.dequantize()
     return {name: _kept(w.detach()).cpu().contiguous()}

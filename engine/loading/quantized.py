@@ -118,6 +118,10 @@ class Q4Matrix(QuantMatrix):
         return Q4Matrix(cpu_q4x8.pack_rows(self.q, out=host_memory.empty(tuple(self.q.shape), torch.uint8)),
                         self.cols, packed=True)
 
+    def rows(self) -> torch.Tensor:
+        """The plain 4-bit rows (unpacked when packed: a new tensor), what files store."""
+        return cpu_q4x8.unpack_rows(self.q) if self.packed else self.q
+
     @property
     def shape(self) -> torch.Size:
         return torch.Size((self.q.shape[0], self.cols))
