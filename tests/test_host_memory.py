@@ -124,9 +124,12 @@ def test_recache_huge_reads_a_just_written_file_back_in_huge_pages(tmp_path):
             f.write(memoryview(data[lo:lo + (64 << 10)].numpy()))
     mapped = host_memory.map_file(path)
     view = mapped[(5 << 20) + 3:(21 << 20) + 5]
-    np_sum = int(mapped[: 1 << 20].sum())  # a neighbour read before: dropped and read again
+    np_sum = int(mapped[: 1 << 20].sum())  # a neighbour read before
+    mapped[(5 << 20) + 1] ^= 0xFF  # a neighbour written (a private page) in the view's first huge page
     done = host_memory.recache_huge(view, path)
     assert isinstance(done, bool)
+    assert int(mapped[(5 << 20) + 1]) == int(data[(5 << 20) + 1]) ^ 0xFF  # the write is kept
+    mapped[(5 << 20) + 1] ^= 0xFF
     assert torch.equal(torch.from_numpy(mapped), data) and int(mapped[: 1 << 20].sum()) == np_sum
     if done:
         assert _file_pmd_kb(view.ctypes.data) >= 8 << 10
