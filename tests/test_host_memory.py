@@ -113,5 +113,31 @@ def test_file_pages_huge_reads_the_mapping_and_answers(tmp_path):
     assert torch.equal(torch.from_numpy(mapped), data)
 
 
+def test_recache_huge_reads_a_just_written_file_back_in_huge_pages(tmp_path):
+    """A file just written sits in the page cache in small folios; recache_huge drops a view's
+    pages and reads them again through the mapping: the same bytes, and where it says True
+    they are mapped in 2 MB pages, here and in a later mapping of the file (a later load)."""
+    path = tmp_path / "blob.bin"
+    data = torch.randint(0, 256, (24 << 20,), dtype=torch.uint8)
+    with open(path, "wb") as f:
+        for lo in range(0, data.numel(), 64 << 10):  # small writes: small folios
+            f.write(memoryview(data[lo:lo + (64 << 10)].numpy()))
+    mapped = host_memory.map_file(path)
+    view = mapped[(5 << 20) + 3:(21 << 20) + 5]
+    np_sum = int(mapped[: 1 << 20].sum())  # a neighbour read before
+    mapped[(5 << 20) + 1] ^= 0xFF  # a neighbour written (a private page) in the view's first huge page
+    done = host_memory.recache_huge(view, path)
+    assert isinstance(done, bool)
+    assert int(mapped[(5 << 20) + 1]) == int(data[(5 << 20) + 1]) ^ 0xFF  # the write is kept
+    mapped[(5 << 20) + 1] ^= 0xFF
+    assert torch.equal(torch.from_numpy(mapped), data) and int(mapped[: 1 << 20].sum()) == np_sum
+    if done:
+        assert _file_pmd_kb(view.ctypes.data) >= 8 << 10
+        later = host_memory.map_file(path)
+        assert host_memory.file_pages_huge(later[(6 << 20):(20 << 20)]) is True
+        assert torch.equal(torch.from_numpy(later), data)
+    assert host_memory.recache_huge(data.numpy(), path) is False  # not a view of a file mapping
+
+
 def _file_pmd_kb(address: int) -> int:
     return _smaps_kb(address, "FilePmdMapped")

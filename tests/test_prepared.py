@@ -151,18 +151,21 @@ def test_fast_tier_layers_and_head_read_the_checkpoint(tmp_path, llama_dir, monk
     assert torch.equal(fast.score(PROMPT, "oracle"), plain.score(PROMPT, "oracle"))
 
 
-@pytest.mark.parametrize("file_huge", [False, True])
-def test_matrices_read_whole_by_every_token_come_in_huge_pages(tmp_path, monkeypatch, file_huge):
-    """`resident` gives a stored matrix in huge pages: where the file is not mapped in 2 MB
-    pages, a copy in host memory (anonymous huge pages); where it is, the view of the map.
-    The same bytes either way; small tensors stay mapped views."""
+@pytest.mark.parametrize("file_huge,recached", [(False, False), (False, True), (True, None)])
+def test_matrices_read_whole_by_every_token_come_in_huge_pages(tmp_path, monkeypatch, file_huge, recached):
+    """`resident` gives a stored matrix in huge pages: where the file is mapped in 2 MB pages,
+    or its pages could be read again so (recache_huge, tried on the first matrix of two huge
+    pages or more, then on the next ones unchecked), the view of the map; else a copy in host
+    memory (anonymous huge pages). The same bytes either way; small tensors stay mapped views."""
     from engine.loading import host_memory
     from engine.loading.prepared import PreparedDense, write_tensors
     from engine.loading.quantized import Int8Matrix, Q4Matrix
     from test_host_memory import _anon_huge_kb, _thp_mode
 
-    probes = []
+    probes, recaches = [], []
     monkeypatch.setattr(host_memory, "file_pages_huge", lambda a: probes.append(a.nbytes) or file_huge)
+    monkeypatch.setattr(host_memory, "recache_huge",
+                        lambda a, path, check=True: recaches.append((a.nbytes, check)) or bool(recached))
     gen = torch.Generator().manual_seed(3)
     q8 = torch.randint(-127, 128, (3072, 2048), dtype=torch.int8, generator=gen)  # 6 MB
     scale = torch.rand(3072, generator=gen)
@@ -171,8 +174,8 @@ def test_matrices_read_whole_by_every_token_come_in_huge_pages(tmp_path, monkeyp
     path = write_tensors(tmp_path / "d.safetensors", {"b.q4": q4, "a.q": q8, "a.scale": scale, "c": small},
                          {"key": "k", "format": "int8"})
     dense = PreparedDense(path)
-    b = dense.matrix("b", (4096, 1280), resident=True)
     a = dense.matrix("a", (3072, 2048), resident=True)
+    b = dense.matrix("b", (4096, 1280), resident=True)
     c = dense.matrix("c", (64, 16), resident=True)
     assert isinstance(a, Int8Matrix) and isinstance(b, Q4Matrix)
     assert torch.equal(a.q, q8) and torch.equal(a.scale, scale) and torch.equal(b.q, q4) and torch.equal(c, small)
@@ -181,8 +184,11 @@ def test_matrices_read_whole_by_every_token_come_in_huge_pages(tmp_path, monkeyp
         assert dense.holds(a.q) and dense.holds(b.q) and probes == []
         return
     assert probes == [q8.numel()]  # decided once, on the file's largest matrix
-    copied = [] if file_huge else [a.q, b.q]
-    assert dense.holds(a.q) == dense.holds(b.q) == file_huge
+    mapped = file_huge or recached
+    assert recaches == ([] if file_huge else [(q8.numel(), True), (q4.numel(), False)] if recached
+                        else [(q8.numel(), True)])
+    copied = [] if mapped else [a.q, b.q]
+    assert dense.holds(a.q) == dense.holds(b.q) == mapped
     assert torch.equal(a.q, q8) and torch.equal(b.q, q4)
     for t in copied:
         assert t.data_ptr() % host_memory.HUGE_PAGE == 0
@@ -208,3 +214,31 @@ def test_the_rows_writer_names_its_partial_file_by_pid_and_removes_a_killed_writ
     assert writer.tmp.name == f"{target.stem}.{os.getpid()}.partial" and writer.tmp.exists()
     writer.abort()
     assert not writer.tmp.exists() and not target.exists()
+
+
+def test_a_just_written_file_is_read_again_in_huge_pages_and_later_opens_map_it(tmp_path, monkeypatch):
+    """The real kernel's answer: a file just written (small folios) gives its resident
+    matrices either as views read again in 2 MB pages or as copies, the same bytes; where it
+    gave views, a later open of the file finds them huge and maps them with nothing read again."""
+    from engine.loading import host_memory
+    from engine.loading.prepared import PreparedDense, write_tensors
+
+    gen = torch.Generator().manual_seed(5)
+    q8 = torch.randint(-127, 128, (4096, 3072), dtype=torch.int8, generator=gen)  # 12 MB
+    whole = write_tensors(tmp_path / "d.safetensors", {"a.q": q8, "a.scale": torch.rand(4096, generator=gen)},
+                          {"key": "k", "format": "int8"}).read_bytes()
+    path = tmp_path / "small-writes.safetensors"
+    with open(path, "wb") as f:  # 4 KB writes, as a copy makes: the page cache holds small folios
+        for lo in range(0, len(whole), 4096):
+            f.write(whole[lo:lo + 4096])
+    first = PreparedDense(path)
+    a = first.matrix("a", (4096, 3072), resident=True)
+    assert torch.equal(a.q, q8)
+    if not (host_memory.thp_available() and first.holds(a.q)):
+        return  # copied: the file system or kernel keeps small folios here
+    recaches = []
+    real = host_memory.recache_huge
+    monkeypatch.setattr(host_memory, "recache_huge", lambda *args, **kw: recaches.append(1) or real(*args, **kw))
+    later = PreparedDense(path)
+    b = later.matrix("a", (4096, 3072), resident=True)
+    assert later.holds(b.q) and torch.equal(b.q, q8) and recaches == []

@@ -372,6 +372,37 @@ def warmup(quants: tuple[str, ...] = QUANTS, batch: bool = False, dense: bool = 
             "compiled": sum(sum(f.stats.cache_misses.values()) for f in fns), "numba": True}
 
 
+def warmup_prompt(quant: str, sparse: bool) -> None:
+    """Load (or compile) only the kernels a prompt runs over CPU weights in `quant` where the
+    fused decode (engine.runtime.fused_decode, its own warm-up) takes every token after it:
+    the products of the attention (and of the dense FFN) over many tokens, and in the sparse
+    modes the FFN's rows, one token at a time or many at once (the cost model's choice).
+    Anything else loads at its first call (10-60 ms each from numba's disk cache). On the
+    bench model (2 layers of 7B shapes, 10% active) a first prompt of 3, 20 or 200 tokens and
+    the decode after it loaded no other kernel, where `warmup()`'s fourteen took the load
+    0.3-0.4 s longer. int4 weights: cpu_q4 and q4_tiles."""
+    kern = _kernels()
+    if kern is None or quant not in QUANTS:
+        return
+    g = torch.Generator().manual_seed(0)
+    d = 128  # a multiple of the activation block: the int8 x int8 kernels
+    x = torch.randn(d, generator=g)
+    if sparse:
+        if quant == "int8":  # rows as the prepared files hold them, with no quantizing kernel
+            q = [torch.randint(-127, 128, (8, d), dtype=torch.int8, generator=g) for _ in range(3)]
+            rows = CpuFfnRows(q[0], q[1], q[2], torch.ones(8), torch.ones(8), torch.ones(8), quant="int8")
+        else:
+            rows = CpuFfnRows.from_dense(*torch.randn(3, 8, d, generator=g), quant="fp32")
+        sparse_ffn(x, rows, torch.tensor([1, 5]), "relu")
+        sparse_ffn_tokens(torch.randn(_TOKENS_AS_DECODE + 1, d, generator=g), rows, None, 0.0, "relu")  # every row
+    if quant == "int8":
+        matmul_int8(torch.randn(_TOKENS_AS_DECODE, d, generator=g),
+                    torch.randint(-127, 128, (4, d), dtype=torch.int8, generator=g), torch.ones(4))
+    else:
+        with _lock:
+            kern.matvec_rows(torch.randn(8, d, generator=g).numpy(), x.numpy(), 1)
+
+
 # Up to this many tokens `sparse_ffn_tokens` runs the decode kernel once per token.
 _TOKENS_AS_DECODE = 4
 # Cost of the many-token kernel per row of the union the tokens select, in units of one

@@ -895,15 +895,19 @@ def sparse_ffn_predicted(x: torch.Tensor, rows: Q4FfnRows, pred_logits: torch.Te
     return _launch(kern, x, rows, None, pred, ids, pred_threshold, activation, act_threshold, acts)
 
 
-def warmup() -> None:
-    """Compile (or load from the disk cache) the 4-bit kernels on tiny inputs."""
+def warmup(sparse: bool = True, decode: bool = True) -> None:
+    """Compile (or load from the disk cache) the 4-bit kernels on tiny inputs: the many-token
+    product, and with `sparse` the gathered rows', with `decode` the one-token product (which
+    the fused decode replaces: Engine.load leaves it out where the decode is fused)."""
     if _kernels() is None:
         return
     g = torch.Generator().manual_seed(0)
     w = torch.randn(3, 8, 32, generator=g)
     rows = Q4FfnRows.from_dense(w[0], w[1], w[2])
     x = torch.randn(32, generator=g)
-    sparse_ffn(x, rows, torch.tensor([1, 5]), "relu")
-    sparse_ffn_predicted(x, rows, torch.randn(8, generator=g), 0.0, "relu")
-    matvec_q4(x, rows.up, 32)
+    if sparse:
+        sparse_ffn(x, rows, torch.tensor([1, 5]), "relu")
+        sparse_ffn_predicted(x, rows, torch.randn(8, generator=g), 0.0, "relu")
+    if decode:
+        matvec_q4(x, rows.up, 32)
     matmul_q4(x[None], rows.up, 32)

@@ -168,6 +168,7 @@ class PreparedRows:
         if self._map.size != self._base + end:
             raise ValueError(f"{self._map.size} bytes where its header describes {self._base + end}")
         self._file_huge: bool | None = None  # the kernel maps this file in 2 MB pages (see `tensor`)
+        self._recached: bool | None = None  # None: not tried; True: this load re-read pages in 2 MB folios
 
     @classmethod
     def open_if_current(cls, model_dir: Path, fmt: str) -> "PreparedRows | None":
@@ -196,12 +197,18 @@ class PreparedRows:
         20 rotations): anonymous huge pages 19.1 ms, the file in 2 MB pages 20.4 ms; the lead
         measured 18.7 (anonymous huge) vs 22.8 ms from the file in 4 KB pages. The copy costs
         the load 0.3-0.7 s for those 281 MB (faulting fresh huge pages is slow), so it is
-        made only where the file's pages are small."""
+        made only where the file's pages are small and cannot be read again in 2 MB folios
+        (host_memory.recache_huge: a file just written sits in small ones; re-reading the
+        matrix through the mapping costs that load less than the copy, and later loads none)."""
         array = self._view(name)
         if resident and array.nbytes >= host_memory.MIN_BYTES and host_memory.thp_available():
             if self._file_huge is None:
                 self._file_huge = host_memory.file_pages_huge(self._view(self._probe_name()))
-            if not self._file_huge:
+            if not self._file_huge and self._recached is None and array.nbytes >= 2 * host_memory.HUGE_PAGE:
+                self._recached = host_memory.recache_huge(array, self.path)  # checked on one matrix
+            elif not self._file_huge and self._recached:
+                host_memory.recache_huge(array, self.path, check=False)  # the next ones go the same way
+            if not self._file_huge and not self._recached:
                 out = host_memory.empty(array.shape, _TORCH[self.header[name]["dtype"]])
                 host_memory.copy_out_of_map(array, out)
                 return out

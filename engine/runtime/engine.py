@@ -146,6 +146,8 @@ class Engine:
             raise
         warm.join()
         fused_decode.warm(model_obj, cache)  # the one-call-per-layer decode's machine code, now
+        if not _decode_fused(model_obj):  # the unfused decode's kernels too (oracle, GPU layers, ...)
+            _KernelWarmup.run_all(mode, cpu_weights)
         engine = cls(model_dir, config, tokenizer, model_obj, cache, mode, ctx,
                      cls.eos_from(model_dir, config, tokenizer), cls.defaults_from(model_dir), sparse=runtime)
         engine.warnings = notes  # things the user should hear about, not errors (the CLI prints them)
@@ -410,13 +412,17 @@ class Engine:
 
 
 class _KernelWarmup:
-    """The CPU kernels of a load's mode and weight format, loaded on a thread (numba's disk
-    cache; a first compile takes minutes). `join` waits for it and raises what it raised."""
+    """The CPU kernels a prompt of the load's mode and weight format runs, loaded on a thread
+    (numba's disk cache; a first compile takes minutes) while the weights load: numba's first
+    use is mostly Python under the GIL (0.37 s of it refreshing its registries, once a
+    process), the weights' reads mostly not. The decode's own kernels load after the weights
+    (engine.runtime.fused_decode.warm); where the decode cannot be fused, `run_all` then loads
+    every kernel the unfused path may run. `join` waits for the thread and raises what it raised."""
 
     def __init__(self, mode: str, cpu_weights: str):
         # Imported here, not on the thread: two threads importing the same modules at once can
         # see them half initialised.
-        from engine.kernels import cpu as cpu_kernels, cpu_q4, numba_pool, q4_tiles  # noqa: F401
+        from engine.kernels import cpu as cpu_kernels, cpu_q4, cpu_q4x8, numba_pool, q4_tiles  # noqa: F401
 
         numba_pool.kernels()
         self._error: BaseException | None = None
@@ -426,18 +432,46 @@ class _KernelWarmup:
 
     def _run(self, mode: str, cpu_weights: str) -> None:
         try:
-            from engine.kernels import cpu as cpu_kernels, cpu_q4, cpu_q4x8, q4_tiles
-
-            quants = () if mode == "dense" else tuple({cpu_weights, "fp32"} & set(cpu_kernels.QUANTS))
-            cpu_kernels.warmup(quants=quants)
-            if cpu_weights == "int4":
-                cpu_q4.warmup()
-                q4_tiles.warmup()
-                cpu_q4x8.warmup()
+            self.run_prompt(mode, cpu_weights)
         except BaseException as exc:  # noqa: BLE001 - handed to the loading thread
             self._error = exc
+
+    @staticmethod
+    def run_prompt(mode: str, cpu_weights: str) -> None:
+        """What a prompt runs: the products of the attention (int8, fp32: cpu; int4: cpu_q4x8's
+        packed matrices) and, in the sparse modes, the FFN's gathered rows. Loading all of `run_all`'s kernels
+        instead took the bench model's sparse int8 load 0.3-0.4 s more, for 14 kernels of
+        which the first prompt and the fused decode then ran 2."""
+        from engine.kernels import cpu as cpu_kernels, cpu_q4, cpu_q4x8
+
+        sparse = mode != "dense"
+        cpu_kernels.warmup_prompt(cpu_weights, sparse)
+        if cpu_weights == "int4":
+            cpu_q4.warmup(sparse=sparse, decode=False)  # its many-token product: unpacked rows
+            cpu_q4x8.warmup()
+
+    @staticmethod
+    def run_all(mode: str, cpu_weights: str) -> None:
+        """Every kernel of the mode and format, the unfused decode's included."""
+        from engine.kernels import cpu as cpu_kernels, cpu_q4, cpu_q4x8, q4_tiles
+
+        quants = () if mode == "dense" else tuple({cpu_weights, "fp32"} & set(cpu_kernels.QUANTS))
+        cpu_kernels.warmup(quants=quants)
+        if cpu_weights == "int4":
+            cpu_q4.warmup()
+            q4_tiles.warmup()
+            cpu_q4x8.warmup()
 
     def join(self, raise_error: bool = True) -> None:
         self._thread.join()
         if raise_error and self._error is not None:
             raise self._error
+
+
+def _decode_fused(model) -> bool:
+    """Whether the load's warm-up found the decode fused: every layer on the CPU, the first
+    layer's and the head's compiled calls prepared (fused_decode.warm)."""
+    layers = getattr(model, "layers", None) or []
+    plan, head = (getattr(layers[0], "fused", None) if layers else None), getattr(model, "fused_head", None)
+    return (plan is not None and plan.args is not None and head is not None and head.args is not None
+            and all(getattr(layer, "device", torch.device("cpu")).type == "cpu" for layer in layers))
