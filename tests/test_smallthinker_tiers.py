@@ -430,10 +430,12 @@ def test_a_split_expert_on_a_torch_fast_tier_adds_up_to_the_whole_expert(model, 
 
 
 def _prefetch_threads() -> list:
+    import gc
     import threading
 
     from engine.hotcold.moe_tiers import ColdPrefetcher
 
+    gc.collect()  # an earlier test's unreferenced engine ends its thread when collected, not at a random later point
     return [t for t in threading.enumerate() if t.name == ColdPrefetcher.THREAD_NAME and t.is_alive()]
 
 
