@@ -79,11 +79,14 @@ def main(argv=None) -> int:
     if args.one:
         print(json.dumps(one_round(args.model, args.mode, args.cpu_weights, args.threads)))
         return 0
+    from bench.vs_llamacpp import worker_env
+
     rounds = []
     for _ in range(args.rounds):
         out = subprocess.run([sys.executable, "-m", "bench.load_split", "--one", "--model", args.model, "--mode",
                               args.mode, "--cpu-weights", args.cpu_weights, "--threads", str(args.threads)],
-                             capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+                             capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent,
+                             env=worker_env())
         if out.returncode != 0:
             raise SystemExit(f"a round failed:\n{out.stderr[-3000:]}")
         rounds.append(json.loads(out.stdout.strip().splitlines()[-1]))

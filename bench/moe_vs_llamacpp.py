@@ -199,8 +199,10 @@ def worker_ours(root: Path, cpu_weights: str, threads: int, tokens: int, seed: i
 
 
 def spawn(args: list[str]) -> dict:
+    from bench.vs_llamacpp import worker_env
+
     out = subprocess.run([sys.executable, "-m", "bench.moe_vs_llamacpp", *args], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent.parent)
+                         cwd=Path(__file__).resolve().parent.parent, env=worker_env())
     if out.returncode != 0:
         raise RuntimeError(f"worker {args} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
