@@ -27,6 +27,9 @@ scales times the activation block's scale: the accumulator's lanes are the 8 row
 About 45 vector instructions per block of 8 rows, against about 12 per block of one row in
 `cpu_q4.dot4_q4_avx2`. Many tokens share each unpacked block (`K_TOKENS` at a time).
 The integer block products are those of `cpu_q4`'s kernels; only the fp32 sums' order differs.
+
+Measured on the 2-core EPYC (bench.vs_llamacpp's 2-layer 7B-shape model, sparse int4, fused
+decode, the same process alternating layouts): 12.6 ms a token packed, 14.7 ms as rows.
 """
 
 from __future__ import annotations
