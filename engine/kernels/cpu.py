@@ -380,7 +380,7 @@ def warmup_prompt(quant: str, sparse: bool) -> None:
     Anything else loads at its first call (10-60 ms each from numba's disk cache). On the
     bench model (2 layers of 7B shapes, 10% active) a first prompt of 3, 20 or 200 tokens and
     the decode after it loaded no other kernel, where `warmup()`'s fourteen took the load
-    0.3-0.4 s longer. int4 weights: cpu_q4 and q4_tiles."""
+    0.3-0.4 s longer. int4 weights: cpu_q4 (gathered rows) and cpu_q4x8 (packed matrices)."""
     kern = _kernels()
     if kern is None or quant not in QUANTS:
         return

@@ -108,9 +108,10 @@ def recache_huge(a: np.ndarray, path, check: bool = True) -> bool:
     (`file_pages_huge`) and map them with no copy, until memory pressure evicts them (and a
     fault through the mapping then reads them back whole). Only clean pages mapped by no
     process are dropped: the file is synced first, and pages another process maps (or this
-    one, past `a`'s ends) stay small (False when inside `a`). Measured on a 2-core EPYC VM (268 MiB of int8 attention matrices and head,
-    a file just copied): 0.28-0.36 s, where copying them into fresh anonymous huge pages took
-    0.48-0.64 s (mostly first faults of fresh memory); a later load's probe then takes 0.02 s.
+    one, past `a`'s ends) stay small (False when inside `a`). Measured on a 2-core EPYC VM
+    (268 MiB of int8 attention matrices and head, a file just copied): 0.28-0.36 s, where
+    copying them into fresh anonymous huge pages took 0.48-0.64 s (mostly first faults of
+    fresh memory); a later load's probe then takes 0.02 s.
     `check=False` skips the answer's two reads of smaps_rollup (~10 ms each on a loaded
     process) and says True once the pages are read again: for the next matrices of a file
     whose first one came back in 2 MB pages."""

@@ -439,9 +439,9 @@ class _KernelWarmup:
     @staticmethod
     def run_prompt(mode: str, cpu_weights: str) -> None:
         """What a prompt runs: the products of the attention (int8, fp32: cpu; int4: cpu_q4x8's
-        packed matrices) and, in the sparse modes, the FFN's gathered rows. Loading all of `run_all`'s kernels
-        instead took the bench model's sparse int8 load 0.3-0.4 s more, for 14 kernels of
-        which the first prompt and the fused decode then ran 2."""
+        packed matrices) and, in the sparse modes, the FFN's gathered rows. Loading all of
+        `run_all`'s kernels instead took the bench model's sparse int8 load 0.3-0.4 s more, for
+        14 kernels of which the first prompt and the fused decode then ran 2."""
         from engine.kernels import cpu as cpu_kernels, cpu_q4, cpu_q4x8
 
         sparse = mode != "dense"
