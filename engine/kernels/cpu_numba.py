@@ -22,7 +22,7 @@ tokens at once; `quantize_rows_int8` builds int8 rows.
 
 from __future__ import annotations
 
-import numba
+import numba  # noqa: F401 - read as kern.numba (numba_pool: the thread count)
 import numpy as np
 from llvmlite import ir
 from numba import prange, types
@@ -30,6 +30,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from engine.activations import CODES as ACTIVATION_CODES
+from engine.kernels import numba_pool
 
 # The activation codes the kernels branch on (engine.activations, their one home); numba reads
 # these globals as compile-time constants.
@@ -46,18 +47,7 @@ _CACHE_LINE = 64
 _PREFETCH_AHEAD_BYTES = 12288
 
 
-def _njit(**options):
-    """`numba.njit(cache=True)`, or without the disk cache when no cache directory is
-    writable (read-only install and no writable user cache): then it compiles in memory at
-    each start instead of failing at import."""
-
-    def decorate(fn):
-        try:
-            return numba.njit(cache=True, **options)(fn)
-        except RuntimeError:  # numba: "cannot cache function ...: no locator available"
-            return numba.njit(cache=False, **options)(fn)
-
-    return decorate
+_njit = numba_pool.njit
 
 
 @intrinsic

@@ -133,13 +133,7 @@ def _kernels():
 
 
 if numba is not None:
-    def _njit(**options):
-        def decorate(fn):
-            try:
-                return numba.njit(cache=True, **options)(fn)
-            except RuntimeError:  # no writable cache directory
-                return numba.njit(cache=False, **options)(fn)
-        return decorate
+    _njit = numba_pool.njit
 
     # 2^(e - 25) for fp16 exponent e (1..30), 2^-24 for subnormals: value = mantissa * pow2[e]
     pow2 = np.array([2.0 ** -24] + [2.0 ** (e - 25) for e in range(1, 32)], dtype=np.float32)
@@ -746,6 +740,18 @@ def _quantized_act(kern, xp: np.ndarray):
     xd = np.empty(nb, dtype=np.float32)
     xm = np.empty((nb, 8), dtype=np.int32)
     kern.quantize_act_q4(xp, xq, xd, xm)
+    return xq, xd, xm
+
+
+def quantized_act_rows(kern, xp: np.ndarray):
+    """x fp32 [T, nb * 32] -> (xq, xd, xm) as `quantize_act_q4_rows` fills them (the many-token
+    products' input: q4_tiles, cpu_q4x8). Call it holding numba_pool.lock."""
+    tokens, width = xp.shape
+    nb = width // QK
+    xq = np.empty((tokens, width), dtype=np.int8)
+    xd = np.empty((tokens, nb), dtype=np.float32)
+    xm = np.empty((tokens, nb, 8), dtype=np.int32)
+    kern.quantize_act_q4_rows(xp, xq, xd, xm)
     return xq, xd, xm
 
 

@@ -209,13 +209,7 @@ if numba is not None:
 
         return sig, codegen
 
-    def _njit(**options):
-        def decorate(fn):
-            try:
-                return numba.njit(cache=True, **options)(fn)
-            except RuntimeError:  # no writable cache directory
-                return numba.njit(cache=False, **options)(fn)
-        return decorate
+    _njit = numba_pool.njit
 
     @_njit(fastmath=True)
     def plain_row_dot(w, i, xq, xd, xm, t):
@@ -276,14 +270,9 @@ def matmul_packed(x: torch.Tensor, q: torch.Tensor, cols: int) -> torch.Tensor |
         return None
     kern, mod = kerns
     xp = cpu_q4.padded(x, cols).numpy()
-    tokens, width = xp.shape
-    nb = width // cpu_q4.QK
-    xq = np.empty((tokens, width), dtype=np.int8)
-    xd = np.empty((tokens, nb), dtype=np.float32)
-    xm = np.empty((tokens, nb, 8), dtype=np.int32)
     with numba_pool.lock:
         chunks = _CHUNKS_PER_THREAD * numba_pool.use_threads(kern)
-        kern.quantize_act_q4_rows(xp, xq, xd, xm)
+        xq, xd, xm = cpu_q4.quantized_act_rows(kern, xp)
         return torch.from_numpy(mod.matmul_q4x8(q.numpy(), xq, xd, xm, chunks))
 
 

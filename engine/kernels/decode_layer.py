@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -35,6 +34,7 @@ from numba.extending import intrinsic
 from engine.kernels import cpu_numba as K
 from engine.kernels import cpu_q4 as Q
 from engine.kernels import cpu_q4x8 as QX
+from engine.kernels import numba_pool
 from engine.kernels import q4_tiles as QT
 
 _HERE = os.path.abspath(__file__)
@@ -75,13 +75,7 @@ def _install_locators() -> None:
 _install_locators()
 
 
-def _njit(**options):
-    def decorate(fn):
-        try:
-            return numba.njit(cache=True, **options)(fn)
-        except RuntimeError:  # no writable cache directory: compile in memory
-            return numba.njit(cache=False, **options)(fn)
-    return decorate
+_njit = numba_pool.njit
 
 
 # Kinds of a weight matrix (how its bytes are read, and which kernel the unfused path runs).

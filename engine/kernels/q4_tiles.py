@@ -121,13 +121,7 @@ if numba is not None:
     dot_row_tokens_k = _dot_row_tokens(K_TOKENS)
     dot_row_tokens_1 = _dot_row_tokens(1)
 
-    def _njit(**options):
-        def decorate(fn):
-            try:
-                return numba.njit(cache=True, **options)(fn)
-            except RuntimeError:  # no writable cache directory
-                return numba.njit(cache=False, **options)(fn)
-        return decorate
+    _njit = numba_pool.njit
 
     @_njit(parallel=True, fastmath=True)
     def tiles_kernel(w, xq, xd, xo, nchunks):
@@ -172,13 +166,9 @@ def matmul_q4_tiles(x: torch.Tensor, q: torch.Tensor, cols: int) -> torch.Tensor
     if impl is None:
         return None
     xp = cpu_q4.padded(x, cols).numpy()
-    tokens, width = xp.shape
-    xq = np.empty((tokens, width), dtype=np.int8)
-    xd = np.empty((tokens, nb), dtype=np.float32)
-    xm = np.empty((tokens, nb, 8), dtype=np.int32)
     with numba_pool.lock:
         chunks = _CHUNKS_PER_THREAD * numba_pool.use_threads(kern)
-        kern.quantize_act_q4_rows(xp, xq, xd, xm)
+        xq, xd, xm = cpu_q4.quantized_act_rows(kern, xp)
         xo = np.ascontiguousarray(xm[:, :, 0])
         return torch.from_numpy(impl(q.numpy(), xq, xd, xo, chunks))
 
