@@ -172,7 +172,7 @@ def test_disk_full_during_profile_and_train_predictors_then_both_resume(tmp_path
 
 # -- imports ------------------------------------------------------------------------------------
 def test_failed_import_leaves_nothing_and_a_retry_works(tmp_path):
-    model = demo_copy(tmp_path / "outside" / "mymodel")
+    model = demo_copy(tmp_path / "outside" / "mymodel", weights="copy")  # a link out of it is refused
     bad = tmp_path / "outside" / "preds"
     bad.mkdir()
     (bad / "model_0.pt").write_bytes(b"not a pickle, not a tensor")
@@ -215,7 +215,7 @@ def test_import_keeps_powerinfer_sparse_threshold(tmp_path):
     from safetensors import safe_open
 
     box = Sandbox(tmp_path)
-    model = demo_copy(tmp_path / "outside" / "withpreds")
+    model = demo_copy(tmp_path / "outside" / "withpreds", weights="copy")
     preds = tmp_path / "outside" / "powerinfer"
     preds.mkdir()
     gen = torch.Generator().manual_seed(0)
