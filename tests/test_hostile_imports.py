@@ -153,7 +153,7 @@ def test_a_half_gguf_import_left_by_an_older_version_is_damaged_and_replaced(tmp
     listed = _models_list(box)
     assert listed["local/demo"]["status"] == "damaged"
     assert not any(".import" in key for key in listed)
-    box.run("models", "import", str(gguf_path)).assert_ok()
+    box.run("models", "import", str(gguf_path), "--activation", "relu").assert_ok()
     assert _models_list(box)["local/demo"]["status"] == "ready"
     assert not stale.exists()
     box.run("generate", "--model", "local/demo", "--prompt", "Hello", "--max-new-tokens", "2").assert_ok()
@@ -163,7 +163,8 @@ def test_kill_9_during_a_gguf_import_is_never_listed_ready_and_the_rerun_works(t
     gguf_path = _demo_gguf(tmp_path)
     box = Sandbox(tmp_path)
     models = tmp_path / "models"
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "models", "import", str(gguf_path)], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "models", "import", str(gguf_path),
+                             "--activation", "relu"], cwd=REPO,
                             env=box.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
@@ -175,7 +176,7 @@ def test_kill_9_during_a_gguf_import_is_never_listed_ready_and_the_rerun_works(t
     assert proc.returncode == -signal.SIGKILL, "the import finished before it could be killed"
     listed = _models_list(box)
     assert "local/demo" not in listed or listed["local/demo"]["status"] != "ready"
-    box.run("models", "import", str(gguf_path)).assert_ok()
+    box.run("models", "import", str(gguf_path), "--activation", "relu").assert_ok()
     assert _models_list(box)["local/demo"]["status"] == "ready"
     assert not list(models.glob(".import-*"))
     assert box.stray_files() == []
