@@ -122,9 +122,11 @@ class Solving:
         plan = solve(self.problem, vram, ram)
         if not plan.fits:
             best = solve(self.problem, 1 << 62, 1 << 62)
+            what = ("its resident parts (attention, predictors, norms, KV cache, head) and the smallest neuron "
+                    "cache, the rest read from disk," if self.problem.disk_tier else "the CPU side")
             raise BudgetError(
-                f"RAM budget {format_size(ram)} is too small: at a VRAM budget of {format_size(vram)} the CPU "
-                f"side needs {format_size(plan.ram_bytes)}; raise the RAM budget to at least that"
+                f"RAM budget {format_size(ram)} is too small: at a VRAM budget of {format_size(vram)} "
+                f"{what} needs {format_size(plan.min_ram_bytes)}; raise the RAM budget to at least that"
                 + (f" (or give {format_size(best.vram_bytes)} of VRAM, which lowers it to "
                    f"{format_size(best.ram_bytes)})" if self.mode != "sparse" and self.fast.type == "cuda" else "")
             )
