@@ -33,7 +33,8 @@ from bench import emit
 
 from engine import Engine, SamplingParams
 
-REAL = Path(__file__).resolve().parent.parent / "tests" / "data" / "smallthinker-4b-config.json"
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+REAL = TESTS / "data" / "real_configs" / "smallthinker-4b" / "config.json"
 # --smoke: the real config with tiny layers (the test suite's check that the benchmark runs
 # end to end; its figures mean nothing)
 SMOKE = dict(hidden_size=128, head_dim=32, num_attention_heads=4, num_key_value_heads=2, moe_ffn_hidden_size=64,
@@ -77,7 +78,7 @@ def build_checkpoint(root: Path, layers: int, vocab: int, seed: int, smoke: bool
             index["weight_map"].update({k: shard.name for k in f.keys()})
     (root / "model.safetensors.index.json").write_text(json.dumps(index))
     (root / "config.json").write_text(json.dumps(cfg))
-    sys.path.insert(0, str(REAL.parent.parent))
+    sys.path.insert(0, str(TESTS))
     import smallthinker_factory
 
     smallthinker_factory.build_tokenizer(root, 300)
