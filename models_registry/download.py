@@ -273,7 +273,8 @@ def download_model(
     state.update(status="downloading", repo=repo, revision=plan.commit, endpoint=endpoint,
                  catalogue_id=entry.id if entry else None, started=state.get("started") or time.time())
     if not gguf_weights:  # the pinned revision's whole list: `verify` names what is missing (a GGUF is imported, not kept)
-        state["planned"] = {rel: {"size": f.size, "hash": list(f.expected_hash)} for _, rel, f in jobs}
+        state["planned"] = {rel: {"size": f.size, "hash": list(f.expected_hash)}
+                            for repo_plan, rel, f in jobs if repo_plan is plan}  # predictors become a sidecar
     if pred_plan is not None:
         state["predictor"] = {"repo": pred_plan.repo, "revision": pred_plan.commit}
     if entry is not None:  # read by engine.config when config.json names no activation (old Falcon)

@@ -137,6 +137,7 @@ def _models_list(box: Sandbox) -> dict:
 def _demo_gguf(tmp_path: Path) -> Path:
     import gguf_factory as gf
 
+    (tmp_path / "outside").mkdir(exist_ok=True)
     return gf.write_gguf(DEMO, tmp_path / "outside" / "demo.gguf", qtype="F16", powerinfer=False)
 
 
@@ -186,6 +187,7 @@ def test_kill_9_during_a_gguf_import_is_never_listed_ready_and_the_rerun_works(t
 def test_a_gguf_of_another_architecture_is_named_so(tmp_path):
     import gguf_factory as gf
 
+    (tmp_path / "outside").mkdir(exist_ok=True)
     path = gf.write_gguf(DEMO, tmp_path / "outside" / "bert.gguf", qtype="F16", powerinfer=False, arch="bert")
     box = Sandbox(tmp_path)
     box.run("models", "import", str(path)).assert_clean_error("not a GGUF of a supported architecture", "bert")
@@ -211,9 +213,9 @@ def test_a_gguf_whose_architecture_string_claims_2_to_the_63_bytes(tmp_path):
 
 @pytest.mark.parametrize("what", ["file", "gguf"])
 def test_a_file_given_as_a_model_is_called_a_file(tmp_path, what):
+    box = Sandbox(tmp_path)
     path = tmp_path / "outside" / ("notes.txt" if what == "file" else "model.gguf")
     path.write_text("hello")
-    box = Sandbox(tmp_path)
     out = box.run("generate", "--model", str(path), "--prompt", "Hi", "--max-new-tokens", "1")
     line = out.assert_clean_error("is a file, not a folder")
     assert "does not exist" not in line
