@@ -122,3 +122,18 @@ def test_triton_tune():
     report = run_bench("triton_tune", "--smoke", "--json", env={"TRITON_INTERPRET": "1"})
     assert report["layers"] and report["layers"][0]["best"]
 
+
+
+def test_hybrid():
+    """bench.hybrid on the CPU stand-in: the offload baseline computes every neuron, the
+    hybrid placement serves more of them from the fast tier at the same VRAM, and both
+    agree with the all-CPU decode."""
+    report = run_bench("hybrid", "--smoke", "--json")
+    assert [b["vram_share_of_ffn"] for b in report["budgets"]] == [0.25, 0.5]
+    for b in report["budgets"]:
+        hybrid, offload = b["hybrid"], b["offload"]
+        assert offload["ffn_active_fraction"] == 1.0 and hybrid["ffn_active_fraction"] < 0.3
+        assert hybrid["served_hot_fraction"] > offload["served_hot_fraction"]
+        assert hybrid["vram_bytes"] <= b["vram_budget"] and offload["vram_bytes"] <= b["vram_budget"]
+        assert min(hybrid["cosine_vs_cpu"], offload["cosine_vs_cpu"]) > 0.999
+    assert report["budgets"][1]["offload"]["layers_whole_on_fast"] >= 1
