@@ -300,7 +300,12 @@ def worker_ours(root: Path, shape: Shape, mode: str, cpu_weights: str, threads: 
     ttft = min(run(short, 1).ttft_s for _ in range(2))
     pre = min(run(long, 1).ttft_s for _ in range(2))
     stats = run(dprompt, decode_tokens + 1)
-    return {"load_s": load_s, "ttft_s": ttft, "prefill_s": pre, "decode_tok_s": stats.decode_tok_s,
+    selection = {}
+    if engine.sparse is not None:  # the placed predictors against their fp32 original (issue #30)
+        from engine.calibration.evaluation import selection_vs_original
+
+        selection = {k: round(v, 4) for k, v in selection_vs_original(engine, long).items()}
+    return {**selection, "load_s": load_s, "ttft_s": ttft, "prefill_s": pre, "decode_tok_s": stats.decode_tok_s,
             "ffn_active_fraction": round(stats.ffn_active_fraction, 4), "load_peak_rss": load_rss,
             "placed_ram": placed, "load_rss_over_placed": round(load_rss / placed, 3) if placed else None,
             "prepared": (getattr(engine.sparse, "prepared_dense", None) if engine.sparse is not None

@@ -55,6 +55,8 @@ def test_vs_llamacpp(tmp_path):
                        "--workdir", str(tmp_path))
     ours = report["ours"]["sparse:int4"]
     assert ours["decode_tok_s"] > 0 and 0 < ours["ffn_active_fraction"] < 0.5
+    # issue #30: the int4 tier's predictors select what their fp32 original selects
+    assert ours["selected_vs_original"] <= 1.15 and ours["recall_of_original"] >= 0.95
     assert report["llama_cpp_skipped"] == LLAMA_MISSING
     if LLAMA_MISSING is None:
         assert report["ratios_vs_Q4_0"]["sparse:int4"]["decode"] > 0
