@@ -80,7 +80,7 @@ def test_supported_architectures(config, family, activation):
 
 
 @pytest.mark.parametrize("config", [
-    {"model_type": "llama", "hidden_act": "silu"},
+    {"model_type": "llama", "hidden_act": "gelu"},
     {"model_type": "mistral"},
     {"model_type": "falcon"},  # gelu by default
     {"model_type": "qwen2", "hidden_act": "relu"},
