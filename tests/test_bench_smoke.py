@@ -122,3 +122,10 @@ def test_triton_tune():
     report = run_bench("triton_tune", "--smoke", "--json", env={"TRITON_INTERPRET": "1"})
     assert report["layers"] and report["layers"][0]["best"]
 
+
+
+def test_first_start():
+    report = run_bench("first_start", "--rounds", "1")
+    first = report["rounds"][0]["first"]
+    assert first["empty_cache"] and first["kernels_preparing_at_answer"]  # answered before the compile
+    assert report["same_tokens"] and not report["rounds"][0]["second"]["kernels_preparing_at_answer"]

@@ -99,6 +99,7 @@ class Engine:
         self._cached_ids: list[int] = []
         self.warnings: list[str] = []
         self._logits_checked = False  # NaN/Inf weights are caught on the first token after a load
+        self.kernel_preparation = None  # the CPU kernels compiling in the background (a first start)
         # Rows of the head past the tokenizer's vocabulary (padding) are never sampled.
         self.sampled_vocab = tokenizer.vocab_size if tokenizer.vocab_size < config.vocab_size else None
 
@@ -107,16 +108,22 @@ class Engine:
     def load(cls, model: str | Path, *, mode: str = "dense", ctx: int | None = None,
              vram_budget: int | None = None, ram_budget: int | None = None,
              device: str | None = None, threads: int | None = None, cpu_weights: str | None = None,
-             progress: Progress | None = None) -> "Engine":
+             progress: Progress | None = None, kernels: str = "wait") -> "Engine":
         """`cpu_weights`: the format of the weights on the CPU (int8, int4, fp32); None: int8 in
         the sparse modes, fp32 in dense, which is then the exact reference (the CLI and the
-        window pass the user's choice, int8 unless changed)."""
+        window pass the user's choice, int8 unless changed). `kernels` "background": where this
+        machine has not compiled the CPU kernels yet (a first start), they compile on a thread
+        while the engine answers on the torch paths, and come in between two tokens
+        (engine.runtime.kernel_preparation; `kernel_preparation` reports progress); "wait":
+        the load waits for them (minutes on a first start)."""
         if mode not in MODES:
             raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
         if cpu_weights is None:
             cpu_weights = "fp32" if mode == "dense" else "int8"
         if cpu_weights not in ("int4", "int8", "fp32"):
             raise UserError(f"unknown CPU weight format {cpu_weights!r}: choose int4, int8 or fp32")
+        if kernels not in ("wait", "background"):
+            raise ValueError(f"kernels: 'wait' or 'background', not {kernels!r}")
         ctx, threads = check_ctx(ctx), check_threads(threads)
         from engine.runtime import fused_decode
 
@@ -137,19 +144,35 @@ class Engine:
         # Load the CPU kernels' machine code now (numba's disk cache), not in the first token,
         # on a thread while the weights load: numba's first use is mostly Python under the GIL,
         # the weights' reads and copies mostly not.
-        warm = _KernelWarmup(mode, cpu_weights)
+        from engine.kernels import numba_pool
+        from engine.runtime import kernel_preparation as kp
+
+        preparing = None
+        if kernels == "background" and numba_pool.kernels() is not None and not kp.is_cached(kp.kind_of(mode, cpu_weights)):
+            preparing = kp.KernelPreparation(mode, cpu_weights, _KernelWarmup.run_prompt, _KernelWarmup.run_all)
+        warm = _KernelWarmup(mode, cpu_weights) if preparing is None else None
         try:
             model_obj, cache, runtime, dense_prepared = cls._load_model(
                 model_dir, config, mode, ctx, vram_budget, ram_budget, device, progress, cpu_weights)
         except BaseException:
-            warm.join(raise_error=False)  # the load's own error is the one to report
+            if warm is not None:
+                warm.join(raise_error=False)  # the load's own error is the one to report
+            else:
+                preparing.model_loaded(None, None)
             raise
-        warm.join()
-        fused_decode.warm(model_obj, cache)  # the one-call-per-layer decode's machine code, now
-        if not _decode_fused(model_obj):  # the unfused decode's kernels too (oracle, GPU layers, ...)
-            _KernelWarmup.run_all(mode, cpu_weights)
+        if preparing is not None:
+            layers = model_obj.layers
+            scratch = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 2, [la.dtype for la in layers],
+                              [la.device for la in layers], config.sliding_window, cpu_16bit=cache.cpu_16bit)
+            preparing.model_loaded(model_obj, scratch)
+        else:
+            warm.join()
+            fused_decode.warm(model_obj, cache)  # the one-call-per-layer decode's machine code, now
+            if not _decode_fused(model_obj):  # the unfused decode's kernels too (oracle, GPU layers, ...)
+                _KernelWarmup.run_all(mode, cpu_weights)
         engine = cls(model_dir, config, tokenizer, model_obj, cache, mode, ctx,
                      cls.eos_from(model_dir, config, tokenizer), cls.defaults_from(model_dir), sparse=runtime)
+        engine.kernel_preparation = preparing
         engine.warnings = notes  # things the user should hear about, not errors (the CLI prints them)
         if mode == "dense":
             engine.dense_prepared = dense_prepared
@@ -223,6 +246,19 @@ class Engine:
             raise UserError("the prompt has token ids outside the model's vocabulary")
         return ids
 
+    def swap_in_kernels(self) -> bool:
+        """Between tokens: the background-compiled CPU kernels, once all are ready, replace the
+        torch paths from the next computation on. True when they were handed over now."""
+        prep = self.kernel_preparation
+        if prep is None or not prep.ready():
+            return False
+        prep.release()
+        self.kernel_preparation = None
+        if prep.error is not None:
+            self.warnings.append(f"the fast CPU kernels could not be prepared ({prep.error}); "
+                                 "running on the slower torch paths")
+        return prep.error is None
+
     def close(self) -> None:
         """End what the engine runs beside generations (a mixture's prefetch thread); call it
         when the model is unloaded. Idempotent; a generation running now finishes first."""
@@ -267,6 +303,7 @@ class Engine:
         self._cached_ids = self._cached_ids[:reuse]
         stats.cached_tokens = reuse
         start = time.perf_counter()
+        self.swap_in_kernels()
         logits = self._prefill(ids, reuse, cancel)
         if logits is None:  # stopped while reading the prompt: nothing was generated
             stats.finish_reason = "cancelled"
@@ -316,6 +353,7 @@ class Engine:
                     break
                 if self.sparse is not None:
                     self.sparse.at_token_boundary()
+                self.swap_in_kernels()
                 logits = self.model.forward(torch.tensor([token]), position, self.cache)
                 self._cached_ids.append(token)
             if stats.finish_reason in ("length", "cancelled", "context_full"):
@@ -392,6 +430,7 @@ class Engine:
         """Logits [T, vocab] for a whole sequence (teacher forcing) under `mode`."""
         mode = mode or self.mode
         with self._lock:
+            self.swap_in_kernels()
             self._cached_ids = []
             self.cache.reset(0)
             ids = torch.tensor(token_ids)

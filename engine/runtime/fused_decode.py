@@ -336,16 +336,20 @@ def decode_step(model, ids: torch.Tensor, start: int, cache) -> torch.Tensor | N
     return torch.from_numpy(logits)[None]
 
 
-def warm(model, cache) -> None:
+def warm(model, cache, keep: bool = True) -> None:
     """Load the compiled layer and head functions now (numba's disk cache; a first compile takes
     minutes) rather than in the first decoded token: one call of the first layer at position 0,
-    whose cache slot the prompt overwrites before anything reads it, and one of the head."""
+    whose cache slot the prompt overwrites before anything reads it, and one of the head.
+    `keep`: the prepared arguments stay on the model for the first token; False (a background
+    compile beside a running engine, over a scratch cache) leaves the model untouched."""
     if not enabled() or kernels() is None or not model.layers:
         return
     dl = kernels()
     layer = model.layers[0]
-    plan = layer.fused = _build_layer(dl, model, 0, layer, cache)
-    head = model.fused_head = _build_head(dl, model)
+    plan = _build_layer(dl, model, 0, layer, cache)
+    head = _build_head(dl, model)
+    if keep:
+        layer.fused, model.fused_head = plan, head
     table = model.rotary.get(torch.device("cpu"))
     if plan.args is None or head.args is None or table is None or table.cos.dtype != torch.float32:
         return
