@@ -32,7 +32,7 @@ from bench import emit
 
 from engine import Engine, SamplingParams
 from engine.hotcold.activation_stats import ActivationStats
-from engine.hotcold.predictors import PredictorSet
+from engine.loading.predictors import PredictorSet
 
 
 def power_law(n: int, active: float, rng: np.random.Generator, alpha: float = 1.0) -> np.ndarray:

@@ -4,7 +4,7 @@ Order of work: pin the revision to a commit; fetch config.json and refuse unsupp
 architectures before any weights; check free disk; fetch every file resumably into
 `thermocline/partial/`, verify it against the Hub's sha256 (LFS) or git blob id, move it
 into place; then hand the predictor folder to `on_predictors_downloaded(src, model_dir)`
-(the CLI passes `engine.hotcold.predictors.import_powerinfer_predictors`). A file whose hash does
+(the CLI passes `engine.loading.predictor_import.import_powerinfer_predictors`). A file whose hash does
 not match is reported with a `corrupt` event, removed and fetched again; a second mismatch
 stops the download with an error. The model is marked ready only when every file checked.
 """

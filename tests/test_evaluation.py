@@ -89,7 +89,7 @@ def test_predictor_figures_per_layer(trained):
 
 
 def test_predicting_every_neuron_makes_sparse_equal_dense(trained, tmp_path):
-    from engine.hotcold.predictors import PredictorSet
+    from engine.loading.predictors import PredictorSet
 
     model, heldout = trained
     preds = PredictorSet.load(model)

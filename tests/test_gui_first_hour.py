@@ -37,7 +37,7 @@ def window(qtbot, tmp_path, llama_dir, monkeypatch):
 def hybrid_model(tmp_path, llama_dir):
     import torch
 
-    from engine.hotcold.predictors import PredictorSet
+    from engine.loading.predictors import PredictorSet
 
     model = tmp_path / "hybrid"
     shutil.copytree(llama_dir, model)

@@ -6,11 +6,11 @@ import numpy as np
 import torch
 
 from engine.hotcold.activation_stats import ActivationStats
-from engine.config import ModelConfig
+from engine.arch import parse_config
 from engine.hotcold.placement import solve
-from engine.hotcold.sparse import placement_problem
+from engine.hotcold.sparse_solve import placement_problem
 
-CONFIG = ModelConfig.from_dict({
+CONFIG = parse_config({
     "model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 6,
     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "hidden_act": "relu",
 })

@@ -11,7 +11,7 @@ import torch
 from engine import Engine, SamplingParams
 from engine.kernels import cpu_q4
 from engine.kernels.cpu_q4 import Q4FfnRows
-from engine.loading.quantized import Q4Matrix
+from engine.kernels.quantized import Q4Matrix
 
 from test_sparse import PROMPT, RAM, random_predictors, vram_for
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from ..config import ConfigFields, ModelConfig
 
 NAME = "Llama"
+SUPPORTS = "Llama with ReLU/FATReLU/ReLU² (ReluLLaMA, ProSparse)"
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "SparseLlamaForCausalLM")
 MODEL_TYPES = ("llama", "mistral", "sparsellama")
 

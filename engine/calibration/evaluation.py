@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from engine.errors import UserError
 from engine.calibration.profiling import corpus_windows, read_corpus
 from engine.loading.sidecar import SIDECAR, sidecar_dir
+from engine.loading.predictors import PredictorSet
 
 Progress = Callable[[float, str], None]
 EVAL_TEXT = "eval.txt"  # optional held-out text shipped in a model's sidecar folder
@@ -72,8 +73,6 @@ class _LayerTally:
 def evaluate(engine, corpus: list[str | Path] | None = None, settings: EvalSettings | None = None,
              progress: Progress | None = None) -> dict:
     """Evaluate an engine loaded in a sparse mode (see the module docstring)."""
-    from engine.hotcold.predictors import PredictorSet
-
     settings = settings or EvalSettings()
     if engine.sparse is None:
         raise UserError("evaluation needs the model loaded in sparse mode")

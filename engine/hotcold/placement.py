@@ -19,7 +19,7 @@ import numpy as np
 
 from engine.config import ModelConfig
 from engine.kv_storage import cpu_kv_bytes as kv_setting_bytes
-from engine.loading.tensor_kinds import Q4_0_BLOCK, Q4_0_BLOCK_BYTES
+from engine.kernels.tensor_kinds import Q4_0_BLOCK, Q4_0_BLOCK_BYTES
 
 
 @dataclass(frozen=True)

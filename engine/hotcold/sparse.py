@@ -23,21 +23,17 @@ from engine.errors import UserError
 from engine.hotcold.hybrid_ffn import FfnCounters
 from engine.hotcold.hot_q4 import hot_weights
 from engine.loading.loader import compute_dtype, load_transformer
-from engine.runtime.model import Transformer
+from engine.model.transformer import Transformer
 from engine.hotcold.placement import Placement, PlacementProblem
-from engine.hotcold.predictors import PredictorSet, import_checkpoint_predictors
+from engine.loading.predictors import PredictorSet
+from engine.loading.predictor_import import import_checkpoint_predictors
 from engine.hotcold.sparse_memory import MemoryAccounting
 from engine.hotcold.sparse_moves import TierMoves, cold_rows_from_dense
-from engine.hotcold.sparse_solve import (  # noqa: F401 (re-exported: the CLI, moe_tiers, benchmarks and tests import them here)
-    PlacementReport,
-    Solving,
-    default_budgets,
-    pick_fast_device,
-    placement_problem,
-    problem_for_model,
-)
+from engine.hotcold.sparse_solve import Solving, default_budgets, pick_fast_device, problem_for_model
 from engine.hotcold.sparse_tokens import TokenHooks
 from engine.loading.weights import WeightSource
+from engine.loading import prepared
+from engine.loading.sidecar import sidecar_dir
 
 COLD_QUANTS = ("int4", "int8", "fp32")
 log = logging.getLogger(__name__)
@@ -87,8 +83,6 @@ def _prepared_source(model_dir: Path, config: ModelConfig, cpu_weights: str):
     """(mapped prepared rows, None) when a current prepared file exists; else (None, a
     writer for one) for the int8/int4 formats; (None, None) when preparing is off or the
     model's folder cannot be written (a read-only install)."""
-    from engine.loading import prepared
-
     if cpu_weights not in prepared.FORMATS or not prepared.enabled() or prepared.is_bundled(model_dir):
         return None, None
     rows = prepared.PreparedRows.open_if_current(model_dir, cpu_weights)
@@ -109,8 +103,6 @@ _MAPPED = "prepared"  # PredictorSet.source of predictors mapped from a prepared
 
 def _prepared_dense(model_dir: Path, cpu_weights: str):
     """The current prepared dense file (engine.loading.prepared.PreparedDense), or None."""
-    from engine.loading import prepared
-
     if cpu_weights not in prepared.FORMATS or not prepared.enabled() or prepared.is_bundled(model_dir):
         return None
     return prepared.PreparedDense.open_if_current(model_dir, cpu_weights)
@@ -124,8 +116,6 @@ def _mapped_predictors(dense_file, model_dir: Path, config: ModelConfig) -> Pred
     import json
 
     from safetensors import safe_open
-
-    from engine.loading.sidecar import sidecar_dir
 
     with safe_open(str(sidecar_dir(model_dir) / "predictors.safetensors"), framework="pt") as handle:
         metadata = handle.metadata() or {}
@@ -145,8 +135,6 @@ def _mapped_predictors(dense_file, model_dir: Path, config: ModelConfig) -> Pred
 def _write_prepared_dense(model_dir: Path, cpu_weights: str, runtime, progress) -> None:
     """Write the dense prepared file from the model just loaded (its CPU layers, globals
     when the head is on the CPU, predictors); a failure only logs."""
-    from engine.loading import prepared
-
     plan = runtime.plan
     cpu_layers = [i for i, on in enumerate(plan.layer_on_fast) if not on]
     if progress:
@@ -165,10 +153,6 @@ def load_sparse(model_dir: Path, config: ModelConfig, mode: str, ctx: int, vram_
     engine (its KV cache goes where `SparseParts.layer_devices` say, then to the runtime)."""
     if cpu_weights not in COLD_QUANTS:
         raise UserError(f"unknown CPU weight format {cpu_weights!r}: choose int4, int8 or fp32")
-    if config.is_moe:  # placed expert by expert, routed by the model's own router
-        from engine.hotcold.moe_tiers import load_moe
-
-        return load_moe(model_dir, config, mode, ctx, vram_budget, ram_budget, device, progress, cpu_weights)
     if config.mlp_bias:
         raise UserError("sparse modes do not support FFN biases yet; use --mode dense for this model")
     fast = pick_fast_device(device)
@@ -204,7 +188,7 @@ def load_sparse(model_dir: Path, config: ModelConfig, mode: str, ctx: int, vram_
     def build_ffn(i: int, dense):
         if dense is None:
             return runtime.cold_ffn(i, prepared_rows.layer_rows(i, config.hidden_size))
-        # a checkpoint's own Q4_0 rows (int4 tier, engine.loading.q4_ffn): taken as they are
+        # a checkpoint's own Q4_0 rows (int4 tier, engine.model.q4_ffn): taken as they are
         all_rows = getattr(dense, "q4_rows", None)
         if writer is not None:
             if progress:

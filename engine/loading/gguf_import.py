@@ -15,7 +15,7 @@ kinds of engine.loading.weights: `NAME.q4_0` / `NAME.q8_0` / `NAME.q6_k`, or `NA
 PowerInfer's transposed down projection, so the checkpoint is about the GGUF's size and
 the CPU tier's 4-bit rows are the file's bytes - except a plain file's `ffn_down`, whose
 blocks run along the intermediate dimension: an int4 load requantizes its neuron rows
-(engine.loading.q4_ffn; the summary's `notes` say so); `quantized=False` writes them as
+(engine.model.q4_ffn; the summary's `notes` say so); `quantized=False` writes them as
 F32, the exact dequantized values), tokenizer.json rebuilt from the file's vocabulary, predictors
 into the sidecar at the file's precision (F16 as F16, Q4_0 as its blocks).
 
@@ -38,6 +38,8 @@ import numpy as np
 
 from engine.activations import NAMES
 from engine.errors import ModelFormatError, UserError
+from engine.kernels.tensor_kinds import quant_name
+from engine.loading.sidecar import sidecar_dir
 
 POWERINFER_MAGIC = b"PWRI"
 GGUF_MAGIC = b"GGUF"
@@ -391,8 +393,6 @@ def import_output_bytes(tensors, header_bytes: int, *, quantized: bool = True) -
 
 def _stored_entry(hf: str, t: GgufTensor, how: str, quantized: bool) -> tuple[str, str, tuple[int, ...]]:
     """(stored name, safetensors dtype, stored shape) of one weight in the checkpoint."""
-    from engine.loading.tensor_kinds import quant_name
-
     if _kept_as_blocks(t.kind, len(t.shape), quantized):
         rows = t.shape[0]
         return quant_name(hf, t.kind, transposed=how == "transpose"), "U8", (rows, t.raw.nbytes // rows)
@@ -500,8 +500,6 @@ def _predictor_entry(name: str, t: GgufTensor) -> tuple[str, str, tuple[int, ...
     """(stored name, dtype, shape) of a predictor matrix at its file's precision: F16/BF16/F32
     as they are, Q4_0 as its blocks (PowerInfer's Q4_0 files quantize fc1/fc2 too: the int4
     tier's predictor rows are then the file's bytes), any other type as F32 (exact)."""
-    from engine.loading.tensor_kinds import quant_name
-
     if t.kind == "Q4_0":
         return quant_name(name, "Q4_0"), "U8", (t.shape[0], t.raw.nbytes // t.shape[0])
     return name, t.kind if t.kind in _DTYPE_BYTES else "F32", t.shape
@@ -510,8 +508,6 @@ def _predictor_entry(name: str, t: GgufTensor) -> tuple[str, str, tuple[int, ...
 def _write_predictors(target: Path, predictors: dict[int, dict], config: dict, threshold) -> None:
     """The predictors in the engine's own file (thermocline/predictors.safetensors), at no
     more than the file's precision (`_predictor_entry`)."""
-    from engine.loading.sidecar import sidecar_dir
-
     d, ff = config["hidden_size"], config["intermediate_size"]
     entries, data = [], []
     for i in sorted(predictors):

@@ -17,13 +17,20 @@ from typing import Iterator
 
 import torch
 
-from engine.config import DEFAULT_CTX, ModelConfig  # noqa: F401 (DEFAULT_CTX: older imports)
+from engine.config import ModelConfig
+from engine.arch import read_config
 from engine.errors import ContextFullError, ModelFormatError, UserError
-from engine.runtime.kv_cache import KVCache
+from engine.hotcold.moe_tiers import load_moe
+from engine.hotcold.sparse import load_sparse
+from engine.loading.dense_quant import load_dense
+from engine.model.kv_cache import KVCache
 from engine.loading.loader import Progress, model_folder
+from engine.runtime import fused_decode
 from engine.runtime.sampling import Sampler, SamplingParams
 from engine.runtime.tokenizer import StreamDecoder, Tokenizer
-from engine.runtime.validation import check_ctx, check_kv_fits, check_text, check_threads, resolve_device
+from engine.validation import check_ctx, check_kv_fits, check_text, check_threads, resolve_device
+from engine.kernels import cpu as cpu_kernels
+from engine.kernels import cpu_q4, cpu_q4x8, numba_pool, q4_tiles
 
 MODES = ("dense", "sparse", "hybrid", "oracle")
 PREFILL_CHUNK = 128  # prompt tokens per forward: a stop is honoured between chunks
@@ -118,14 +125,12 @@ class Engine:
         if cpu_weights not in ("int4", "int8", "fp32"):
             raise UserError(f"unknown CPU weight format {cpu_weights!r}: choose int4, int8 or fp32")
         ctx, threads = check_ctx(ctx), check_threads(threads)
-        from engine.runtime import fused_decode
-
         fused_decode.enabled()  # a bad THERMOCLINE_FUSED_DECODE is refused here, not at the first token
         device = str(resolve_device(device)) if device is not None else None
         if threads:
             torch.set_num_threads(threads)
         model_dir = model_folder(model)
-        config = ModelConfig.from_dir(model_dir)
+        config = read_config(model_dir)
         check_ctx(ctx)
         notes = []
         if ctx is not None and ctx > config.max_positions:
@@ -145,6 +150,7 @@ class Engine:
             warm.join(raise_error=False)  # the load's own error is the one to report
             raise
         warm.join()
+        model_obj.decoder = fused_decode.decode_step  # one compiled call per CPU layer where it can
         fused_decode.warm(model_obj, cache)  # the one-call-per-layer decode's machine code, now
         if not _decode_fused(model_obj):  # the unfused decode's kernels too (oracle, GPU layers, ...)
             _KernelWarmup.run_all(mode, cpu_weights)
@@ -161,15 +167,13 @@ class Engine:
         mode's mapped prepared file (None elsewhere)."""
         runtime = dense_prepared = None
         if mode in ("sparse", "hybrid", "oracle"):
-            from engine.hotcold.sparse import load_sparse
-
-            parts = load_sparse(model_dir, config, mode, ctx, vram_budget, ram_budget, device, progress, cpu_weights)
+            # a mixture of experts is placed expert by expert, routed by the model's own router
+            load = load_moe if config.is_moe else load_sparse
+            parts = load(model_dir, config, mode, ctx, vram_budget, ram_budget, device, progress, cpu_weights)
             model_obj, runtime = parts.model, parts.runtime
             cache = cls.make_cache(config, ctx, parts.layer_devices, parts.layer_dtypes)
             runtime.cache = cache  # a re-placement moves each layer's KV cache with the layer
         else:
-            from engine.runtime.dense_quant import load_dense
-
             dev = torch.device(device or "cpu")
             # int8/int4 CPU weights: a prepared file mapped, or each layer converted as it loads
             model_obj, dense_prepared = load_dense(model_dir, config, dev, ctx, progress, cpu_weights)
@@ -420,10 +424,8 @@ class _KernelWarmup:
     every kernel the unfused path may run. `join` waits for the thread and raises what it raised."""
 
     def __init__(self, mode: str, cpu_weights: str):
-        # Imported here, not on the thread: two threads importing the same modules at once can
-        # see them half initialised.
-        from engine.kernels import cpu as cpu_kernels, cpu_q4, cpu_q4x8, numba_pool, q4_tiles  # noqa: F401
-
+        # The kernel modules load here, not on the thread: two threads importing the same
+        # modules at once can see them half initialised.
         numba_pool.kernels()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(mode, cpu_weights),
@@ -442,8 +444,6 @@ class _KernelWarmup:
         packed matrices) and, in the sparse modes, the FFN's gathered rows. Loading all of
         `run_all`'s kernels instead took the bench model's sparse int8 load 0.3-0.4 s more, for
         14 kernels of which the first prompt and the fused decode then ran 2."""
-        from engine.kernels import cpu as cpu_kernels, cpu_q4, cpu_q4x8
-
         sparse = mode != "dense"
         cpu_kernels.warmup_prompt(cpu_weights, sparse)
         if cpu_weights == "int4":
@@ -453,8 +453,6 @@ class _KernelWarmup:
     @staticmethod
     def run_all(mode: str, cpu_weights: str) -> None:
         """Every kernel of the mode and format, the unfused decode's included."""
-        from engine.kernels import cpu as cpu_kernels, cpu_q4, cpu_q4x8, q4_tiles
-
         quants = () if mode == "dense" else tuple({cpu_weights, "fp32"} & set(cpu_kernels.QUANTS))
         cpu_kernels.warmup(quants=quants)
         if cpu_weights == "int4":
