@@ -197,7 +197,8 @@ class ConfigFields:
         return value
 
     def activation(self, *keys: str, default: str | None = None, hint: str | None = None) -> str:
-        """The FFN activation, as one of our kernels' names; a non-sparse one is refused."""
+        """The FFN activation, as one of our kernels' names; one we do not compute (GELU) is refused.
+        SiLU is accepted: the model runs dense (engine.activations.is_sparse)."""
         key, value = self._lookup(keys, None)
         if key is None:
             value = hint or default
@@ -205,7 +206,7 @@ class ConfigFields:
         if name is None:
             raise ModelFormatError(
                 f"activation {value!r} of this {self.arch} model is not sparse: Thermocline needs a ReLU-family "
-                f"model; supported: {self.supported}"
+                f"model (or a SiLU one, which runs dense); supported: {self.supported}"
             )
         return name
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -11,6 +10,7 @@ from engine.errors import ModelFormatError
 from models_registry.arch import SUPPORTED_TEXT, detect_architecture
 from models_registry.catalogue import BASE_MODEL_NOTE, DTYPE_BYTES, get_entry, load_catalogue, recommended_entry
 from models_registry.fit import shape_from_config
+from real_config_models import REAL_CONFIGS
 
 REQUIRED = {
     "demo": None,
@@ -25,7 +25,6 @@ REQUIRED = {
     "turbosparse-mistral": None,
     "minicpm-s-1b": "openbmb/MiniCPM-S-1B-sft-gguf",
 }
-REAL_CONFIGS = Path(__file__).resolve().parents[1] / ".." / "shared" / "real_configs"
 # catalogue id -> folder of the published config.json (copied with its source)
 PUBLISHED = {
     "relullama-7b": "relullama-7b", "relullama-70b": "relullama-70b", "prosparse-llama-2-7b": "prosparse-llama-2-7b",
@@ -80,10 +79,10 @@ def test_supported_architectures(config, family, activation):
 
 
 @pytest.mark.parametrize("config", [
-    {"model_type": "llama", "hidden_act": "silu"},
-    {"model_type": "mistral"},
+    {"model_type": "llama", "hidden_act": "gelu"},
+    {"model_type": "gemma3", "hidden_activation": "gelu_pytorch_tanh"},
     {"model_type": "falcon"},  # gelu by default
-    {"model_type": "qwen2", "hidden_act": "relu"},
+    {"model_type": "phi3", "hidden_act": "silu"},
     {},
 ])
 def test_unsupported_architectures_are_refused_naming_what_is_supported(config):
@@ -92,16 +91,20 @@ def test_unsupported_architectures_are_refused_naming_what_is_supported(config):
     assert SUPPORTED_TEXT in str(info.value)
 
 
+@pytest.mark.parametrize("config", [{"model_type": "mistral"}, {"model_type": "qwen2", "hidden_act": "silu"},
+                                    {"model_type": "llama", "hidden_act": "silu"}])
+def test_swiglu_llama_layouts_are_accepted_as_silu(config):
+    # SwiGLU (Mistral's default activation): they run dense, not refused
+    assert detect_architecture({**SIZES, **config}).activation == "silu"
+
+
 def test_falcon_without_activation_field_is_accepted_when_the_catalogue_says_relu():
     assert detect_architecture({**SIZES, "model_type": "falcon"}, known_activation="relu").activation == "relu"
 
 
 @pytest.mark.parametrize("model_id", sorted(PUBLISHED))
 def test_catalogue_agrees_with_the_published_config(model_id):
-    folder = REAL_CONFIGS / PUBLISHED[model_id]
-    if not (folder / "config.json").is_file():
-        pytest.skip(f"{folder} is not here")
-    published = json.loads((folder / "config.json").read_text())
+    published = json.loads((REAL_CONFIGS / PUBLISHED[model_id] / "config.json").read_text())
     entry = get_entry(model_id)
     assert entry.context_length == published["max_position_embeddings"]
     assert entry.dtype == published["torch_dtype"]

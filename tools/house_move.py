@@ -37,6 +37,7 @@ MOVES = {
     "engine.loading.host_memory": "engine.kernels.host_memory",
     "engine.loading.tensor_kinds": "engine.kernels.tensor_kinds",
     "engine.loading.quantized": "engine.kernels.quantized",
+    "engine.loading.ggml_quants": "engine.kernels.ggml_quants",
     # model: the layer types, the transformer and its decode, KV cache, RoPE, the FFN variants
     "engine.runtime.model": "engine.model.layers",
     "engine.runtime.kv_cache": "engine.model.kv_cache",
@@ -57,6 +58,7 @@ NAMES = {
     ("engine.loading.predictors", "import_powerinfer_predictors"): "engine.loading.predictor_import",
     ("engine.loading.predictors", "import_checkpoint_predictors"): "engine.loading.predictor_import",
     ("engine.kernels.numba_pool", "njit"): "engine.kernels.numba_jit",
+    ("engine.hotcold.placement", "predictor_cpu_format"): "engine.cpu_formats",
     # re-export shims removed: each name is imported from the module that defines it
     **{("engine.hotcold.sparse", n): "engine.hotcold.sparse_solve" for n in (
         "PlacementReport", "Solving", "default_budgets", "pick_fast_device", "placement_problem",

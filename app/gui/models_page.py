@@ -82,7 +82,8 @@ def scan_models(custom: list[str], ctx: int, active: str = "") -> dict:
             try:
                 config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
                 est = estimate_fit(config, ctx=ctx, hardware=hw, model_dir=folder,
-                                   known_activation=entry.activation if entry else None)
+                                   known_activation=entry.activation if entry else None,
+                                   sparsity=entry.sparsity if entry else None)
                 verdict, reason = est.verdict, est.reason
             except Exception as exc:  # noqa: BLE001 - a model we cannot size is still listed
                 verdict, reason = "unknown", str(exc)

@@ -19,6 +19,7 @@ from engine.errors import ModelFormatError
 from engine.kernels.quantized import Q4Matrix, QuantMatrix, matrix_nbytes, quantize_matrix
 from engine.kernels.tensor_kinds import QUANT_KINDS, parse_quant_name, quant_name
 from engine.model.layers import linear
+from engine.cpu_formats import predictor_cpu_format
 from engine.loading.sidecar import group_by_layer, sidecar_dir
 
 FILENAME = "predictors.safetensors"
@@ -58,13 +59,14 @@ class PredictorSet:
 
     def to(self, layer: int, device: torch.device, dtype: torch.dtype, int8: bool = False,
            quant: str | None = None) -> None:
-        """Move a layer's predictor to a tier: device and dtype, or int8 (or `quant`: int4)
-        rows on the CPU."""
+        """Move a layer's predictor to a tier: device and dtype, or the rows of the CPU tier
+        whose weights are int8 (or `quant`): int8 on a 4-bit tier too, but for a file's own
+        4-bit matrices (engine.cpu_formats.predictor_cpu_format)."""
         quant = quant or ("int8" if int8 else None)
 
         def place(w):
             if quant in ("int8", "int4"):
-                return quantize_matrix(w, quant)
+                return quantize_matrix(w, quant if isinstance(w, Q4Matrix) else predictor_cpu_format(quant))
             return w.to_dense(device, dtype) if isinstance(w, QuantMatrix) else w.to(device, dtype)
 
         self.fc1[layer], self.fc2[layer] = place(self.fc1[layer]), place(self.fc2[layer])
