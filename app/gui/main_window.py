@@ -224,7 +224,7 @@ class MainWindow(QMainWindow):
     def _step_font(self, step: int) -> None:
         current = self.settings["ui.font_size"] or round(QApplication.font().pointSizeF() or theme.BASE_POINT_SIZE)
         opt = self.settings.option("ui.font_size")
-        self.settings["ui.font_size"] = int(max(7, min(opt.maximum, current + step)))
+        self.settings["ui.font_size"] = int(max(opt.minimum, min(opt.maximum, current + step)))
 
     def _setting_changed(self, name: str, _value) -> None:
         if name in ("ui.theme", "ui.font_size"):
@@ -317,12 +317,22 @@ class MainWindow(QMainWindow):
         dlg.open()
         self.welcome = dlg
 
-    def get_recommended_model(self) -> None:
-        """Start downloading the recommended chat model and show it on the Models page."""
-        from .dialogs import RECOMMENDED_CHAT_MODEL
+        def recommended() -> None:  # the Models page's choice for this machine, once it has looked
+            if isValid(dlg) and self.models.recommended:
+                dlg.set_recommended(self.models.recommended, self.models.rows.get(self.models.recommended, {}))
 
+        self.models.when_scanned(recommended)
+
+    def get_recommended_model(self) -> None:
+        """Start downloading the chat model recommended for this machine (the Models page's
+        choice, the one the welcome names) and show it on the Models page."""
         self.show_page("models")
-        self.models.start_download(RECOMMENDED_CHAT_MODEL)
+
+        def download() -> None:
+            if self.models.recommended:
+                self.models.start_download(self.models.recommended)
+
+        self.models.when_scanned(download)
 
     # -- pages ---------------------------------------------------------------------------
     def show_page(self, name: str) -> None:
