@@ -16,3 +16,12 @@ def emit(result: dict, json_only: bool) -> None:
         for key, value in result.items():
             print(f"{key:28s} {value}")
     print(json.dumps(result))
+
+
+def llama_cpp_missing() -> str | None:
+    """Why llama.cpp's side of a benchmark cannot run here, or None when llama-cpp-python imports."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError as e:
+        return f"llama-cpp-python is not installed ({e}); pip install -e '.[bench]'"
+    return None

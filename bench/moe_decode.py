@@ -33,13 +33,18 @@ from bench import emit
 
 from engine import Engine, SamplingParams
 
-REAL = Path(__file__).resolve().parent.parent / "tests" / "data" / "smallthinker-4b-config.json"
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+REAL = TESTS / "data" / "real_configs" / "smallthinker-4b" / "config.json"
+# --smoke: the real config with tiny layers (the test suite's check that the benchmark runs
+# end to end; its figures mean nothing)
+SMOKE = dict(hidden_size=128, head_dim=32, num_attention_heads=4, num_key_value_heads=2, moe_ffn_hidden_size=64,
+             moe_num_primary_experts=8, moe_num_active_primary_experts=2)
 
 
-def build_checkpoint(root: Path, layers: int, vocab: int, seed: int) -> tuple[Path, dict]:
+def build_checkpoint(root: Path, layers: int, vocab: int, seed: int, smoke: bool = False) -> tuple[Path, dict]:
     cfg = json.loads(REAL.read_text())
     cfg.update(num_hidden_layers=layers, vocab_size=vocab, rope_layout=[1] * layers,
-               sliding_window_layout=[0] * layers, bos_token_id=0, eos_token_id=[0, 2])
+               sliding_window_layout=[0] * layers, bos_token_id=0, eos_token_id=[0, 2], **(SMOKE if smoke else {}))
     d, hd, n, experts = cfg["hidden_size"], cfg["head_dim"], cfg["moe_ffn_hidden_size"], cfg["moe_num_primary_experts"]
     q_rows, kv_rows = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     g = torch.Generator().manual_seed(seed)
@@ -73,7 +78,7 @@ def build_checkpoint(root: Path, layers: int, vocab: int, seed: int) -> tuple[Pa
             index["weight_map"].update({k: shard.name for k in f.keys()})
     (root / "model.safetensors.index.json").write_text(json.dumps(index))
     (root / "config.json").write_text(json.dumps(cfg))
-    sys.path.insert(0, str(REAL.parent.parent))
+    sys.path.insert(0, str(TESTS))
     import smallthinker_factory
 
     smallthinker_factory.build_tokenizer(root, 300)
@@ -93,10 +98,13 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks the benchmark runs (CI)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.layers, args.vocab, args.tokens, args.repeats = 2, 512, 3, 1
     prompt = [3] + list(range(100, 115))
     with tempfile.TemporaryDirectory() as tmp:
-        root, cfg = build_checkpoint(Path(tmp) / "m", args.layers, args.vocab, 0)
+        root, cfg = build_checkpoint(Path(tmp) / "m", args.layers, args.vocab, 0, args.smoke)
         ctx = len(prompt) + args.tokens + 8
         dense = Engine.load(root, ctx=ctx)
         sparse = Engine.load(root, mode="sparse", ctx=ctx, cpu_weights="int8")
@@ -130,7 +138,8 @@ def main(argv=None) -> int:
     dense_bytes = 4 * (layers * (attention + experts * d + 2 * d + k * 3 * n * d) + args.vocab * d + d)
     med = {name: statistics.median(v) for name, v in runs.items()}
     result = {
-        "shape": f"SmallThinker-4B layers x {layers}, vocab {args.vocab} (random weights)",
+        "shape": f"SmallThinker-4B{' (smoke: tiny)' if args.smoke else ''} layers x {layers}, vocab {args.vocab}"
+                 " (random weights)",
         "load_1min": os.getloadavg()[0],
         "dense_tok_s": round(med["dense"], 2),
         "sparse_int8_tok_s": round(med["sparse"], 2),

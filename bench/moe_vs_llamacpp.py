@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import emit
+from bench import emit, llama_cpp_missing
 
 PROMPT = [1] + list(range(260, 275))  # ids that are ordinary pieces in both vocabularies
 
@@ -105,22 +105,24 @@ def write_gguf(path: Path, hf: Path, cfg: dict) -> None:
     w.close()
 
 
-def build(workdir: Path, layers: int, vocab: int, seed: int) -> tuple[dict, dict]:
-    """The model files (reused when workdir already holds them for the same settings)."""
+def build(workdir: Path, layers: int, vocab: int, seed: int, smoke: bool, quantize: bool) -> tuple[dict, dict]:
+    """The model files (reused when workdir already holds them for the same settings); the
+    quantized GGUFs only with `quantize` (llama.cpp quantizes them)."""
     from bench.moe_decode import build_checkpoint
     from bench.vs_llamacpp import quantize_gguf
 
-    stamp = {"layers": layers, "vocab": vocab, "seed": seed, "version": 1}
+    stamp = {"layers": layers, "vocab": vocab, "seed": seed, "smoke": smoke, "version": 1}
     marker = workdir / "stamp.json"
-    files = {"hf": workdir / "hf", "f16": workdir / "model-f16.gguf", "Q8_0": workdir / "model-q8_0.gguf",
-             "Q4_0": workdir / "model-q4_0.gguf"}
+    files = {"hf": workdir / "hf", "f16": workdir / "model-f16.gguf"}
+    if quantize:
+        files.update({"Q8_0": workdir / "model-q8_0.gguf", "Q4_0": workdir / "model-q4_0.gguf"})
     if marker.exists() and json.loads(marker.read_text()) == stamp and all(p.exists() for p in files.values()):
         return files, json.loads((files["hf"] / "config.json").read_text())
     workdir.mkdir(parents=True, exist_ok=True)
     marker.unlink(missing_ok=True)
-    _, cfg = build_checkpoint(files["hf"], layers, vocab, seed)
+    _, cfg = build_checkpoint(files["hf"], layers, vocab, seed, smoke)
     write_gguf(files["f16"], files["hf"], cfg)
-    for kind in ("Q8_0", "Q4_0"):
+    for kind in ("Q8_0", "Q4_0") if quantize else ():
         quantize_gguf(files["f16"], files[kind], kind)
     marker.write_text(json.dumps(stamp))
     return files, cfg
@@ -230,6 +232,7 @@ def main(argv=None) -> int:
                         help="ours:theirs pairs; ours is a CPU weight format (or dense), theirs a GGUF kind")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--path", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks the benchmark runs (CI)")
     args = parser.parse_args(argv)
     if args.worker:
         kind, _, fmt = args.worker.partition(":")
@@ -242,9 +245,12 @@ def main(argv=None) -> int:
 
     import tempfile
 
+    if args.smoke:
+        args.layers, args.vocab, args.tokens, args.repeats = 2, 512, 3, 1
+    llama_skipped = llama_cpp_missing()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="moe_vs_llamacpp_"))
     t0 = time.perf_counter()
-    files, cfg = build(workdir, args.layers, args.vocab, args.seed)
+    files, cfg = build(workdir, args.layers, args.vocab, args.seed, args.smoke, quantize=llama_skipped is None)
     build_s = time.perf_counter() - t0
     pairs = [p.split(":") for p in args.pairs.split(",")]
     common = ["--threads", str(args.threads), "--tokens", str(args.tokens), "--seed", str(args.seed)]
@@ -254,8 +260,9 @@ def main(argv=None) -> int:
         for ours, theirs in pairs:
             runs.setdefault(f"ours_{ours}", []).append(
                 spawn(["--worker", f"ours:{ours}", "--path", str(files["hf"]), *common]))
-            runs.setdefault(f"llama_{theirs}", []).append(
-                spawn(["--worker", "llama", "--path", str(files[theirs]), *common]))
+            if llama_skipped is None:
+                runs.setdefault(f"llama_{theirs}", []).append(
+                    spawn(["--worker", "llama", "--path", str(files[theirs]), *common]))
 
     def med(name, key="decode_tok_s"):
         return statistics.median(r[key] for r in runs[name])
@@ -265,12 +272,14 @@ def main(argv=None) -> int:
         "shape": f"SmallThinker-4BA0.6B layers x {layers}, vocab {args.vocab} (random weights)",
         "threads": args.threads, "decode_tokens": args.tokens, "repeats": args.repeats,
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "build_s": round(build_s, 1),
+        "llama_cpp_skipped": llama_skipped,
         "decode_tok_s": {name: round(med(name), 2) for name in runs},
         "runs_tok_s": {name: [round(r["decode_tok_s"], 2) for r in rs] for name, rs in runs.items()},
     }
     for ours, theirs in pairs:
         a, b = f"ours_{ours}", f"llama_{theirs}"
-        result[f"speedup_{ours}_vs_{theirs}"] = round(med(a) / med(b), 3)
+        if llama_skipped is None:
+            result[f"speedup_{ours}_vs_{theirs}"] = round(med(a) / med(b), 3)
         if ours != "dense":
             whole = layers * k * expert_bytes(cfg, ours.partition("+")[0])
             read = med(a, "expert_MB_per_token") * 1e6
@@ -281,6 +290,8 @@ def main(argv=None) -> int:
             if ours.endswith("+prefetch"):
                 result[f"{ours}_prefetched_MB_per_token"] = round(med(a, "prefetched_MB_per_token"), 3)
                 result[f"{ours}_prefetch_wait_ms_per_token"] = round(med(a, "prefetch_wait_ms_per_token"), 3)
+        if llama_skipped is not None:
+            continue
         # same weights and inputs, different rounding: how often the two argmaxes agree
         top_a, top_b = runs[a][0]["top"], runs[b][0]["top"]
         result[f"top1_agree_{ours}_vs_{theirs}"] = round(sum(x == y for x, y in zip(top_a, top_b)) / len(top_a), 3)

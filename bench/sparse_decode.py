@@ -34,6 +34,10 @@ from engine import Engine, SamplingParams
 from engine.hotcold.activation_stats import ActivationStats
 from engine.hotcold.predictors import PredictorSet
 
+# (d, n_ff, heads, vocab): ReluLLaMA-7B's layers, and tiny ones for --smoke (the test suite's
+# check that the benchmark runs end to end; its figures mean nothing)
+SHAPES = {"7B": (4096, 11008, 32, 32000), "smoke": (128, 512, 4, 512)}
+
 
 def power_law(n: int, active: float, rng: np.random.Generator, alpha: float = 1.0) -> np.ndarray:
     """Firing probabilities p_i ~ 1/rank^alpha over a random neuron order, mean `active`, capped at 1."""
@@ -122,8 +126,11 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vram-share", type=float, default=0.30, help="hybrid VRAM budget: share of FFN weights")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks the benchmark runs (CI)")
     args = parser.parse_args(argv)
-    d, n_ff, heads, vocab = 4096, 11008, 32, 32000
+    if args.smoke:
+        args.rank, args.tokens, args.repeats = 16, 3, 1
+    d, n_ff, heads, vocab = SHAPES["smoke" if args.smoke else "7B"]
     with tempfile.TemporaryDirectory() as tmp:
         root, probs = build_checkpoint(Path(tmp), args.layers, d, n_ff, heads, vocab, args.rank, args.active, 0)
         prompt = [0] + list(range(100, 115))
@@ -167,7 +174,7 @@ def main(argv=None) -> int:
     med = {k: statistics.median(v) for k, v in runs.items()}
     speedup = med["sparse"] / med["dense"]
     result = {
-        "shape": f"{args.layers} layers x (4096 x 11008), vocab 32000",
+        "shape": f"{args.layers} layers x ({d} x {n_ff}), vocab {vocab}",
         "active_target": args.active,
         "ffn_active_fraction": round(active_measured, 4),
         "fired_fraction_of_computed": round(fired, 3),

@@ -31,14 +31,27 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from bench import emit
+from bench import emit, llama_cpp_missing
 
-D, N_FF, HEADS, VOCAB = 4096, 11008, 32, 32000
 SHORT, LONG = 20, 200  # prompt lengths of the TTFT and prefill figures
+
+
+@dataclass(frozen=True)
+class Shape:
+    d: int
+    n_ff: int
+    heads: int
+    vocab: int
+
+
+# ReluLLaMA-7B's layers, and tiny ones for --smoke (the test suite's check that the benchmark
+# runs end to end; its figures mean nothing)
+SHAPES = {"7B": Shape(4096, 11008, 32, 32000), "smoke": Shape(128, 512, 4, 512)}
 
 
 # ----------------------------------------------------------------------- weights
@@ -56,9 +69,11 @@ def _ppf(p: float) -> float:
     return (lo + hi) / 2
 
 
-def make_weights(layers: int, rank: int, active: float, seed: int) -> tuple[dict, list, list]:
+def make_weights(shape: Shape, layers: int, rank: int, active: float, seed: int) -> tuple[dict, list, list]:
     """HF-named fp16 tensors, and the exact predictors (fc1, fc2 per layer, fp32)."""
     import torch
+
+    D, N_FF, VOCAB = shape.d, shape.n_ff, shape.vocab
 
     g = torch.Generator().manual_seed(seed)
 
@@ -100,7 +115,7 @@ def make_weights(layers: int, rank: int, active: float, seed: int) -> tuple[dict
     return tensors, fc1s, fc2s
 
 
-def write_hf(root: Path, tensors: dict, fc1s: list, fc2s: list, layers: int) -> None:
+def write_hf(root: Path, shape: Shape, tensors: dict, fc1s: list, fc2s: list, layers: int) -> None:
     from safetensors.torch import save_file
 
     from engine.hotcold.predictors import PredictorSet
@@ -109,8 +124,8 @@ def write_hf(root: Path, tensors: dict, fc1s: list, fc2s: list, layers: int) -> 
     save_file(tensors, str(root / "model.safetensors"))
     (root / "config.json").write_text(json.dumps({
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "relu",
-        "hidden_size": D, "intermediate_size": N_FF, "num_hidden_layers": layers,
-        "num_attention_heads": HEADS, "num_key_value_heads": HEADS, "vocab_size": VOCAB,
+        "hidden_size": shape.d, "intermediate_size": shape.n_ff, "num_hidden_layers": layers,
+        "num_attention_heads": shape.heads, "num_key_value_heads": shape.heads, "vocab_size": shape.vocab,
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "bos_token_id": 1,
         "eos_token_id": 2, "torch_dtype": "float16",
     }))
@@ -121,9 +136,11 @@ def write_hf(root: Path, tensors: dict, fc1s: list, fc2s: list, layers: int) -> 
     PredictorSet(fc1s, fc2s, [0.0] * layers).save(root)
 
 
-def write_gguf(path: Path, tensors: dict, layers: int) -> None:
-    """f16 GGUF of the same weights; an SPM vocabulary of 32000 pieces llama.cpp loads."""
+def write_gguf(path: Path, shape: Shape, tensors: dict, layers: int) -> None:
+    """f16 GGUF of the same weights; an SPM vocabulary of the model's size llama.cpp loads."""
     import gguf
+
+    D, N_FF, HEADS, VOCAB = shape.d, shape.n_ff, shape.heads, shape.vocab
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("thermocline-bench")
@@ -179,39 +196,41 @@ def quantize_gguf(src: Path, dst: Path, kind: str) -> None:
         raise RuntimeError(f"llama_model_quantize {kind} failed ({rc})")
 
 
-def build(workdir: Path, layers: int, rank: int, active: float, seed: int) -> dict:
-    """The model files (reused when workdir already holds them for the same settings)."""
-    stamp = {"layers": layers, "rank": rank, "active": active, "seed": seed, "version": 1}
+def build(workdir: Path, shape: Shape, layers: int, rank: int, active: float, seed: int, quantize: bool) -> dict:
+    """The model files (reused when workdir already holds them for the same settings); the
+    quantized GGUFs only with `quantize` (llama.cpp quantizes them)."""
+    stamp = {"layers": layers, "rank": rank, "active": active, "seed": seed, "shape": shape.__dict__, "version": 1}
     marker = workdir / "stamp.json"
-    files = {"hf": workdir / "hf", "f16": workdir / "model-f16.gguf", "Q8_0": workdir / "model-q8_0.gguf",
-             "Q4_0": workdir / "model-q4_0.gguf"}
+    files = {"hf": workdir / "hf", "f16": workdir / "model-f16.gguf"}
+    if quantize:
+        files.update({"Q8_0": workdir / "model-q8_0.gguf", "Q4_0": workdir / "model-q4_0.gguf"})
     if marker.exists() and json.loads(marker.read_text()) == stamp and all(p.exists() for p in files.values()):
         return files
     workdir.mkdir(parents=True, exist_ok=True)
     marker.unlink(missing_ok=True)
-    tensors, fc1s, fc2s = make_weights(layers, rank, active, seed)
-    write_hf(files["hf"], tensors, fc1s, fc2s, layers)
+    tensors, fc1s, fc2s = make_weights(shape, layers, rank, active, seed)
+    write_hf(files["hf"], shape, tensors, fc1s, fc2s, layers)
     del fc1s, fc2s
-    write_gguf(files["f16"], tensors, layers)
+    write_gguf(files["f16"], shape, tensors, layers)
     del tensors
-    for kind in ("Q8_0", "Q4_0"):
+    for kind in ("Q8_0", "Q4_0") if quantize else ():
         quantize_gguf(files["f16"], files[kind], kind)
     marker.write_text(json.dumps(stamp))
     return files
 
 
 # ----------------------------------------------------------------------- workers
-def prompts(seed: int) -> tuple[list[int], list[int], list[int]]:
+def prompts(seed: int, vocab: int) -> tuple[list[int], list[int], list[int]]:
     """(short prompt, long prompt, decode prompt): token ids past the specials and bytes."""
     rng = np.random.default_rng(seed)
-    ids = [int(t) for t in rng.integers(300, VOCAB, size=LONG + 64)]
+    ids = [int(t) for t in rng.integers(300, vocab, size=LONG + 64)]
     return [1] + ids[: SHORT - 1], [1] + ids[: LONG - 1], [1] + ids[LONG : LONG + 7]
 
 
-def worker_llama(path: Path, threads: int, decode_tokens: int, seed: int) -> dict:
+def worker_llama(path: Path, shape: Shape, threads: int, decode_tokens: int, seed: int) -> dict:
     import llama_cpp
 
-    short, long, dprompt = prompts(seed)
+    short, long, dprompt = prompts(seed, shape.vocab)
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_batch=512, n_ubatch=512, n_threads=threads,
                           n_threads_batch=threads, verbose=False)
@@ -247,13 +266,14 @@ def worker_llama(path: Path, threads: int, decode_tokens: int, seed: int) -> dic
             "decode_distinct_tokens": len(set(fed))}
 
 
-def worker_ours(root: Path, mode: str, cpu_weights: str, threads: int, decode_tokens: int, seed: int) -> dict:
+def worker_ours(root: Path, shape: Shape, mode: str, cpu_weights: str, threads: int, decode_tokens: int,
+                seed: int) -> dict:
     import torch
 
     from engine import Engine, SamplingParams
 
     torch.set_num_threads(threads)
-    short, long, dprompt = prompts(seed)
+    short, long, dprompt = prompts(seed, shape.vocab)
     t0 = time.perf_counter()
     kwargs = {"cpu_weights": cpu_weights} if cpu_weights else {}  # plain `dense`: the engine's fp32 reference
     engine = Engine.load(root, mode=mode, ctx=512, threads=threads, **kwargs)
@@ -341,17 +361,22 @@ def main(argv=None) -> int:
     parser.add_argument("--llama", default="f16,Q8_0,Q4_0", help="llama.cpp's formats to run, comma-separated")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--path", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks the benchmark runs (CI)")
     args = parser.parse_args(argv)
+    shape = SHAPES["smoke" if args.smoke else "7B"]
 
     if args.worker == "llama":
-        print(json.dumps(worker_llama(args.path, args.threads, args.decode_tokens, args.seed)))
+        print(json.dumps(worker_llama(args.path, shape, args.threads, args.decode_tokens, args.seed)))
         return 0
     if args.worker:
         mode, _, weights = args.worker.partition(":")
         default = None if mode == "dense" else "int8"  # dense:int8, dense:int4: dense on quantized CPU weights
-        print(json.dumps(worker_ours(args.path, mode, weights or default, args.threads, args.decode_tokens,
+        print(json.dumps(worker_ours(args.path, shape, mode, weights or default, args.threads, args.decode_tokens,
                                      args.seed)))
         return 0
+    if args.smoke:
+        args.rank, args.decode_tokens = 8, 4
+    llama_skipped = llama_cpp_missing()
 
     tmp = None
     workdir = args.workdir
@@ -359,14 +384,16 @@ def main(argv=None) -> int:
         tmp = tempfile.TemporaryDirectory()
         workdir = Path(tmp.name)
     t0 = time.perf_counter()
-    files = build(workdir, args.layers, args.rank, args.active, args.seed)
+    files = build(workdir, shape, args.layers, args.rank, args.active, args.seed, quantize=llama_skipped is None)
     build_s = time.perf_counter() - t0
-    common = ["--threads", str(args.threads), "--decode-tokens", str(args.decode_tokens), "--seed", str(args.seed)]
+    common = ["--threads", str(args.threads), "--decode-tokens", str(args.decode_tokens), "--seed", str(args.seed),
+              *(["--smoke"] if args.smoke else [])]
     info = machine()
     # Each round runs every side once, llama.cpp's and ours alternating; each figure keeps its
     # best round: on a shared machine the load moves between processes, and one round leaves
     # one side measured in a quiet minute and the other in a busy one.
-    kinds, names = args.llama.split(","), args.ours.split(",")
+    kinds = [] if llama_skipped else [k for k in args.llama.split(",") if k]
+    names = args.ours.split(",")
     llama, ours = {}, {}
     for r in range(args.rounds):
         for i in range(max(len(kinds), len(names))):
@@ -395,10 +422,11 @@ def main(argv=None) -> int:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()}
 
     result = {
-        "shape": f"{args.layers} layers x (4096 x 11008, 32 heads), vocab 32000",
+        "shape": f"{args.layers} layers x ({shape.d} x {shape.n_ff}, {shape.heads} heads), vocab {shape.vocab}",
         "active_target": args.active, "gate_rank": args.rank, "threads": args.threads, "rounds": args.rounds,
         "machine": info, "build_s": round(build_s, 1),
         "llama_cpp": {k: rounded(v) for k, v in llama.items()},
+        "llama_cpp_skipped": llama_skipped,
         "ours": {k: rounded(v) for k, v in ours.items()},
         # > 1: ours is faster (times are inverted). Goals (issue #13): sparse:int8 decode vs
         # Q8_0 >= 1.6; ttft_20 >= 1/1.5 in every mode; prefill_200 vs Q8_0 >= 0.5; dense decode

@@ -23,7 +23,14 @@ from pathlib import Path
 import numpy as np
 
 from engine.budget_policy import RAM_RESERVE_FRACTION, RAM_RESERVE_MIN, VRAM_RESERVE, usable_ram, usable_vram  # noqa: F401
-from engine.hotcold.placement import ModelBytes, build_problem, hot_row_format, predictor_cpu_bytes, solve
+from engine.hotcold.placement import (
+    ModelBytes,
+    build_problem,
+    hot_row_format,
+    predictor_cpu_bytes,
+    solve,
+    words_per_second,
+)
 from engine.units import format_size
 
 from .arch import ArchInfo, detect_architecture
@@ -31,6 +38,8 @@ from .arch import ArchInfo, detect_architecture
 VERDICT_FITS = "fits"
 VERDICT_HYBRID = "fits with cold neurons on CPU"
 VERDICT_NO = "does not fit"
+VERDICT_DISK = "runs from disk"  # cold rows beyond a RAM neuron cache read from the prepared file
+DEFAULT_ACTIVE_SHARE = 0.15  # neurons a token computes when the catalogue gives no sparsity (ReLU models: 10-33%)
 DEFAULT_PREDICTOR_RANK = 1024
 GiB = 1024**3
 
@@ -170,6 +179,15 @@ class FitEstimate:
     globals_on_gpu: bool = False  # the output head (embeddings stay in RAM)
     verdict: str = VERDICT_NO
     reason: str = ""
+    # the disk tier (engine.hotcold.placement): cold neurons in the RAM cache and on disk, and
+    # per token the expected bytes read from disk and RAM, and the speed they allow
+    cache_neurons: int = 0
+    disk_neurons: int = 0
+    disk_bytes: int = 0
+    disk_read_per_token: float = 0.0
+    ram_read_per_token: float = 0.0
+    words_per_s: float = 0.0
+    min_ram_bytes: int = 0  # the least RAM budget that runs at this VRAM budget
     suggested_vram_budget: int | None = None
     suggested_ram_budget: int | None = None
     shape: dict = field(default_factory=dict)
@@ -200,6 +218,20 @@ class FitEstimate:
         return out
 
 
+def power_law_frequencies(n: int, mean: float) -> np.ndarray:
+    """How often each of n neurons fires when nothing was profiled: Zipf's law (exponent 1,
+    which puts about 80% of the firings on the top 20% of the neurons, PowerInfer's
+    observation), scaled to the mean share, capped at every token."""
+    f = 1.0 / np.arange(1, n + 1, dtype=np.float64)
+    scale = mean * n / f.sum()
+    for _ in range(8):  # capping at 1 lowers the mean: scale up what is left
+        capped = np.minimum(f * scale, 1.0)
+        if capped.sum() >= mean * n * 0.999:
+            break
+        scale *= mean * n / capped.sum()
+    return np.minimum(f * scale, 1.0)
+
+
 def placement_bytes(shape: ModelShape) -> ModelBytes:
     """The element counts the engine's placement rules take."""
     return ModelBytes(
@@ -218,8 +250,11 @@ def placement_bytes(shape: ModelShape) -> ModelBytes:
 
 def place_bytes(shape: ModelShape, *, ctx: int, vram_budget: int, ram_budget: int,
                 predictor_params: list[int] | None = None, predictor_rank: int = DEFAULT_PREDICTOR_RANK,
-                bytes_model: BytesModel = BytesModel()) -> FitEstimate:
-    """Where the engine's own placement rules (engine.placement) put one shape's bytes."""
+                bytes_model: BytesModel = BytesModel(), active_share: float | None = None) -> FitEstimate:
+    """Where the engine's own placement rules (engine.placement) put one shape's bytes.
+    `active_share`: the share of neurons a token computes (1 - the catalogue's sparsity),
+    which sets the bytes a token reads; neurons fire by `power_law_frequencies` (which ones
+    are hot changes no byte count, only the disk tier's expected cache hits)."""
     if ctx <= 0:
         raise ValueError("ctx must be positive")
     if shape.max_positions:  # the engine's cap (ModelConfig.context_length): no longer than trained
@@ -231,7 +266,8 @@ def place_bytes(shape: ModelShape, *, ctx: int, vram_budget: int, ram_budget: in
         predictor_params = [predictor_rank * (shape.d + shape.n_ff)] * shape.n_layers
     # Which neurons are hot does not change any byte count: uniform frequencies will do.
     model = placement_bytes(shape)
-    frequencies = [np.ones(model.n_ff, dtype=np.float32) for _ in range(shape.n_layers)]
+    share = DEFAULT_ACTIVE_SHARE if active_share is None else active_share
+    frequencies = [power_law_frequencies(model.n_ff, share)] * shape.n_layers
     hot = hot_row_format(bm.fast_device, bm.cpu_weights, moe=bool(shape.expert_ff))  # the engine's rule
     problem = build_problem(model, predictor_params, frequencies, ctx, bm.gpu_weight_bytes,
                             bm.gpu_kv_bytes, bm.cpu_weights, fast_device=bm.fast_device, hot_weights=hot,
@@ -253,9 +289,17 @@ def place_bytes(shape: ModelShape, *, ctx: int, vram_budget: int, ram_budget: in
     est.gpu_layers = sum(on_gpu)
     est.globals_on_gpu = plan.head_on_fast
     est.verdict = plan.verdict
+    est.cache_neurons, est.disk_neurons, est.disk_bytes = plan.cache_neurons, plan.disk_neurons, plan.disk_bytes
+    est.disk_read_per_token, est.ram_read_per_token = plan.disk_read_per_token, plan.ram_read_per_token
+    est.words_per_s = round(words_per_second(plan), 1)
+    est.min_ram_bytes = plan.min_ram_bytes
     if est.verdict == VERDICT_NO:
-        est.reason = (f"needs {format_size(est.ram_bytes)} of RAM beside the GPU; the RAM budget is "
+        est.reason = (f"needs {format_size(plan.min_ram_bytes)} of RAM beside the GPU; the RAM budget is "
                       f"{format_size(ram_budget)}")
+    elif est.verdict == VERDICT_DISK:
+        est.reason = (f"{format_size(est.disk_bytes)} of cold FFN rows on disk, a neuron cache in RAM; reads "
+                      f"{format_size(int(est.disk_read_per_token))} from disk per token and runs from disk at "
+                      f"about {est.words_per_s:.2g} words a second")
     elif est.verdict == VERDICT_FITS:
         est.reason = "all layers and FFN neurons on the GPU (embeddings in RAM)"
     elif est.hot_neurons == 0 and est.gpu_layers == 0:
@@ -291,11 +335,12 @@ def suggest_budgets(shape: ModelShape, ctx: int, *, vram_free: int, ram_availabl
 def estimate_fit(config: dict, *, ctx: int, vram_budget: int | None = None, ram_budget: int | None = None,
                  hardware=None, model_dir: Path | None = None, known_activation: str | None = None,
                  predictor_rank: int = DEFAULT_PREDICTOR_RANK,
-                 bytes_model: BytesModel = BytesModel()) -> FitEstimate:
+                 bytes_model: BytesModel = BytesModel(), sparsity: float | None = None) -> FitEstimate:
     """The fit of one model (its config.json dict) for budgets and a context length.
 
     Budgets left as None become the suggested ones for `hardware` (a `HardwareInfo`; no
     hardware and no budget means 0). With `model_dir`, the real predictor sizes are used.
+    `sparsity` (the catalogue's) sets the bytes a token reads (DEFAULT_ACTIVE_SHARE without).
     """
     arch = detect_architecture(config, known_activation)
     shape = shape_from_config(config, arch)
@@ -310,6 +355,7 @@ def estimate_fit(config: dict, *, ctx: int, vram_budget: int | None = None, ram_
     vram = vram_budget if vram_budget is not None else (suggested[0] or 0)
     ram = ram_budget if ram_budget is not None else (suggested[1] or 0)
     est = place_bytes(shape, ctx=ctx, vram_budget=vram, ram_budget=ram, predictor_params=pred,
-                      predictor_rank=predictor_rank, bytes_model=bytes_model)
+                      predictor_rank=predictor_rank, bytes_model=bytes_model,
+                      active_share=None if sparsity is None else 1.0 - sparsity)
     est.suggested_vram_budget, est.suggested_ram_budget = suggested
     return est

@@ -87,13 +87,14 @@ def scan_models(custom: list[str], ctx: int, active: str = "", cpu_weights: str 
         if config:
             try:
                 est = estimate_fit(config, ctx=ctx, hardware=hw, model_dir=folder if has_config else None,
-                                   known_activation=entry.activation if entry else None, bytes_model=bytes_model)
+                                   known_activation=entry.activation if entry else None, bytes_model=bytes_model,
+                                   sparsity=entry.sparsity if entry else None)
             except Exception as exc:  # noqa: BLE001 - a model we cannot size is still listed
                 verdict, reason = "unknown", str(exc)
             else:
                 verdict, reason = est.verdict, est.reason
                 sparsity = entry.sparsity if entry else None
-                words_s = words_per_second(est, sparsity, bandwidth, cpu_weights)
+                words_s = words_per_second(est, bandwidth)
                 shape = est.shape
                 # What a token computes with: a mixture's chosen experts, a sparse model's whole width.
                 capability = est.total_params - (int(shape["n_ff"] * 3 * shape["expert_ff"] * shape["d"]

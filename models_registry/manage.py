@@ -84,10 +84,13 @@ def _fit(config: dict | None, entry: CatalogueEntry | None, folder: Path | None,
 
     try:
         est = estimate_fit(config, ctx=ctx, hardware=hardware, model_dir=folder,
-                           known_activation=entry.activation if entry else None)
+                           known_activation=entry.activation if entry else None,
+                           sparsity=entry.sparsity if entry else None)
     except (UserError, KeyError, ValueError, TypeError):
         return None
     return {"verdict": est.verdict, "vram_bytes": est.vram_bytes, "ram_bytes": est.ram_bytes,
+            "disk_bytes": est.disk_bytes, "disk_read_per_token": est.disk_read_per_token,
+            "words_per_s": est.words_per_s, "min_ram_bytes": est.min_ram_bytes,
             "suggested_vram_budget": est.suggested_vram_budget,
             "suggested_ram_budget": est.suggested_ram_budget, "hot_fraction": est.hot_fraction}
 

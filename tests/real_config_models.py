@@ -1,4 +1,4 @@
-"""Tiny random models with the exact keys of the published configs (../shared/real_configs),
+"""Tiny random models with the exact keys of the published configs (tests/data/real_configs),
 sizes shrunk, saved under the tensor names each family publishes, with a reference
 `transformers` model computing what the family's own code computes.
 
@@ -19,9 +19,9 @@ from safetensors.torch import save_file
 
 from model_factory import WORDS, build_tokenizer
 
-REAL_CONFIGS = Path(__file__).resolve().parent.parent.parent / "shared" / "real_configs"
-if not REAL_CONFIGS.is_dir():  # a worktree's ../shared, or the main checkout's
-    REAL_CONFIGS = Path(__file__).resolve().parent.parent / ".." / "shared" / "real_configs"
+# The published config files with the notes of where each was read (SOURCE), kept in the repository
+# so a fresh clone's suite builds its models from them.
+REAL_CONFIGS = Path(__file__).resolve().parent / "data" / "real_configs"
 
 # Sizes of the tiny models; every other key keeps the published value.
 TINY = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4}

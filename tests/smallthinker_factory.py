@@ -1,9 +1,8 @@
 """Tiny random SmallThinker models and a plain fp64 reference written from the published
 equations (transformers has no SmallThinker; the Hub's modeling code needs remote code).
 
-The config starts from the exact keys of ../shared/real_configs/smallthinker-4b/config.json
-(a copy is kept in tests/data/ so the suite runs without the shared folder) with sizes
-shrunk; the weights are saved under the tensor names the published checkpoints use.
+The config starts from the exact keys of tests/data/real_configs/smallthinker-4b/config.json
+(the published file, with its SOURCE note) with sizes shrunk; the weights are saved under the tensor names the published checkpoints use.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-REAL_CONFIG = Path(__file__).parent / "data" / "smallthinker-4b-config.json"
+REAL_CONFIG = Path(__file__).parent / "data" / "real_configs" / "smallthinker-4b" / "config.json"
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -143,6 +142,10 @@ class Reference:
 
     def forward(self, ids: list[int]) -> torch.Tensor:
         """Logits [T, vocab] (fp64)."""
+        return self.final_hidden(ids) @ self.w["model.embed_tokens.weight"].T  # tied head
+
+    def final_hidden(self, ids: list[int]) -> torch.Tensor:
+        """The final norm's output [T, hidden] (fp64), the head's input."""
         cfg, w = self.cfg, self.w
         T, hd = len(ids), cfg["head_dim"]
         heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -168,8 +171,26 @@ class Reference:
             x = x + attn @ w[p + "self_attn.o_proj.weight"].T
             moe, _ = self.moe(i, router_input, self._rms(x, w[p + "post_attention_layernorm.weight"]))
             x = x + moe
-        x = self._rms(x, w["model.norm.weight"])
-        return x @ w["model.embed_tokens.weight"].T  # tied head
+        return self._rms(x, w["model.norm.weight"])
+
+    def reorder_bound(self, ids: list[int]) -> float:
+        """How far two fp32 computations of these logits may differ when they sum in different
+        orders (torch's GEMM blocking, numba's 8 or 16 SIMD lanes), all else the same.
+
+        A dot product of n terms summed in fp32 in any order is the exact one with each term
+        perturbed by at most gamma_n = n*u / (1 - n*u), u = 2**-24 (Higham, Accuracy and
+        Stability, 3.1), so two orders differ by at most 2 * gamma_n * sum|a_i b_i|. n is the
+        longest sum in the forward pass, and sum|a_i b_i| of the head, |norm(x)| @ |E|^T, the
+        scale of the logits. Each layer's residual branches and the head add one such error
+        (the RMSNorms rescale the stream, so a relative error passes on unamplified to first
+        order): L + 1 of them."""
+        cfg = self.cfg
+        n = max(cfg["hidden_size"], cfg["num_attention_heads"] * cfg["head_dim"], len(ids),
+                cfg["moe_num_active_primary_experts"] * cfg["moe_ffn_hidden_size"])
+        u = 2.0 ** -24
+        gamma = n * u / (1 - n * u)
+        scale = (self.final_hidden(ids).abs() @ self.w["model.embed_tokens.weight"].abs().T).max().item()
+        return 2 * gamma * scale * (cfg["num_hidden_layers"] + 1)
 
     def greedy(self, ids: list[int], steps: int) -> list[int]:
         ids = list(ids)

@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -23,7 +24,6 @@ from engine.loading.prepared import prepared_path
 from engine.hotcold.predictors import PredictorSet
 from hub_server import registry_env  # noqa: F401
 
-gguf = pytest.importorskip("gguf")
 
 PROMPT = [0, 5, 9, 17, 33, 100, 7, 8]
 RANK = 32

@@ -20,7 +20,6 @@ from engine.loading.prepared import PreparedRows, prepared_path
 from engine.loading.quantized import Q4Matrix
 from test_sparse import vram_for
 
-gguf = pytest.importorskip("gguf")
 
 PROMPT = [0, 5, 9, 17, 33, 100, 7, 8]
 D, FF, HEADS, KV, VOCAB = 64, 160, 4, 2, 300

@@ -9,6 +9,7 @@ import shutil
 import struct
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -25,7 +26,6 @@ from engine.loading.quantized import Q4Matrix
 from engine.loading.weights import WeightSource
 from hub_server import registry_env  # noqa: F401
 
-gguf = pytest.importorskip("gguf")
 
 PROMPT = [0, 5, 9, 17, 33, 100, 7, 8]
 RANK = 32

@@ -466,10 +466,6 @@ def test_mode_box_shows_the_mode_that_runs(qtbot, tmp_path, llama_dir, monkeypat
 
 
 def test_demo_model_is_explained_and_gets_no_assistant_prompt(qtbot, tmp_path, monkeypatch):
-    from models_registry.resolve import demo_model_dir
-
-    if not (demo_model_dir() / "config.json").is_file():
-        pytest.skip("demo model not built")
     w = make_window(qtbot, tmp_path, "demo", monkeypatch=monkeypatch)
     try:
         assert w.client.model_info["base_model"] is True

@@ -160,7 +160,7 @@ def test_models_page_lists_catalogue_with_fit(qtbot, tmp_path, llama_dir, monkey
         card = w.models.cards["relullama-7b"]
         assert card.state.text() == "Not downloaded"
         assert card.download_button.isVisible()
-        assert card.verdict.text() in ("fits", "fits with cold neurons on CPU", "does not fit")
+        assert card.verdict.text() in ("fits", "fits with cold neurons on CPU", "runs from disk", "does not fit")
         assert "Llama 2" in card.facts.text()
         assert "RAM" in w.models.machine_label.text()
         # A local folder can be added and used.

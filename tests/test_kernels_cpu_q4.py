@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -10,7 +11,6 @@ import torch.nn.functional as F
 
 from engine.kernels import cpu, cpu_q4
 
-gguf = pytest.importorskip("gguf")
 
 ACTS = ("relu", "fatrelu", "drelu", "relu2")
 # (n_neurons, dim): whole blocks, a padded last block, one block, long rows

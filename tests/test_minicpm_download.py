@@ -8,15 +8,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
 from app.cli import main
 from gguf_factory import powerinfer_gguf
 from hub_server import HubRepo, local_hub, registry_env  # noqa: F401
 from model_factory import build_tokenizer
+from real_config_models import REAL_CONFIGS
 
-PUBLISHED = Path(__file__).resolve().parents[1] / ".." / "shared" / "real_configs" / "minicpm-s-1b-sft" / "config.json"
+PUBLISHED = REAL_CONFIGS / "minicpm-s-1b-sft" / "config.json"
 # Sizes shrunk, ratios kept: heads/kv 3, hidden/dim_model_base 6, ffn/hidden 2.5.
 SHRUNK = {"hidden_size": 96, "intermediate_size": 240, "num_hidden_layers": 2, "num_attention_heads": 6,
           "num_key_value_heads": 2, "vocab_size": 300, "dim_model_base": 16, "max_position_embeddings": 256}
@@ -25,8 +25,6 @@ SHRUNK = {"hidden_size": 96, "intermediate_size": 240, "num_hidden_layers": 2, "
 def _minicpm_repo(out: Path) -> dict[str, bytes]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if not PUBLISHED.is_file():
-        pytest.skip("shared/real_configs/minicpm-s-1b-sft is not here")
     config = json.loads(PUBLISHED.read_text())
     assert "model_type" not in config and config["architectures"] == ["MiniCPMForCausalLM"]
     config.update(SHRUNK)

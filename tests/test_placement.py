@@ -7,7 +7,7 @@ import torch
 
 from engine.hotcold.activation_stats import ActivationStats
 from engine.config import ModelConfig
-from engine.hotcold.placement import solve
+from engine.hotcold.placement import decode_speed, min_cache_neurons, solve
 from engine.hotcold.sparse import placement_problem
 
 CONFIG = ModelConfig.from_dict({
@@ -73,12 +73,38 @@ def test_deterministic_with_ties():
     assert plans[0].hot_ids[0].tolist() == list(range(688)) and plans[0].hot_ids[1].tolist() == list(range(89))
 
 
-def test_ram_budget_below_the_cpu_part_does_not_fit():
+def test_ram_budget_below_the_cpu_part_does_not_fit_without_a_disk_tier():
     p = problem()
+    p = type(p)(**{**p.__dict__, "disk_tier": False})
     need = solve(p, 0, 1 << 40).ram_bytes
     assert not solve(p, 0, need - 1).fits
     assert solve(p, 0, need).fits
     assert solve(p, 0, need - 1).min_ram_bytes == need
+
+
+def test_disk_tier_below_the_cpu_part():
+    """Below the CPU side's bytes the cold rows beyond a neuron cache stay on disk, down to the
+    resident parts plus the working set; the cache is seeded with the most frequent neurons."""
+    p = problem()
+    assert p.disk_tier  # int8 rows of a dense FFN
+    full = solve(p, 0, 1 << 40)
+    resident = full.resident_ram_bytes
+    assert resident == full.ram_bytes - full.tier_bytes["cpu_ffn"]
+    least = resident + min_cache_neurons(p) * p.neuron_cpu
+    assert solve(p, 0, least).verdict == "runs from disk"
+    below = solve(p, 0, least - 1)
+    assert not below.fits and below.min_ram_bytes == least
+    reads = []
+    for share in (0.9, 0.5, 0.1):
+        plan = solve(p, 0, resident + int(share * full.tier_bytes["cpu_ffn"]))
+        assert plan.fits and plan.ram_bytes <= resident + share * full.tier_bytes["cpu_ffn"]
+        assert plan.cache_neurons + plan.disk_neurons == 6 * 688
+        assert plan.ram_bytes == resident + plan.cache_neurons * p.neuron_cpu
+        reads.append(plan.disk_read_per_token)
+        # the cache holds the most frequent cold neurons: its expected hit share beats its size share
+        assert plan.expected_cache_hit >= plan.cache_neurons / (6 * 688)
+    assert reads[0] < reads[1] < reads[2]
+    assert decode_speed(solve(p, 0, least), 20e9, 2e9) < decode_speed(full, 20e9, 2e9)
 
 
 def test_statistics_load_in_numeric_layer_order(tmp_path):

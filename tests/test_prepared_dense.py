@@ -207,7 +207,6 @@ def test_falcon_layer_norms_prepare_as_they_load(tmp_path, monkeypatch, new_arch
 def test_gguf_q4_0_checkpoint_prepares_as_it_loads(tmp_path, monkeypatch):
     """A GGUF's Q4_0 tensors (the checkpoint's quantized kinds): a prepared int4 dense load
     decodes exactly as an unprepared one."""
-    pytest.importorskip("gguf")
     import gguf_factory as gf
     import model_factory as mf
     from engine.loading.gguf_import import import_gguf

@@ -17,6 +17,9 @@ from engine.calibration.profiling import ProfileSettings, profile
 
 PROMPT = [3, 5, 9, 17, 33, 100, 7, 8, 250, 4, 42, 61, 90]
 BIG = 1 << 40
+# Logits compared across tiers within fp32's reordering bound: the fp32 KV cache, so both sides
+# keep the same K/V bits (fp16 rounding flips where fp32 noise sits on a rounding boundary).
+pytestmark = pytest.mark.usefixtures("exact_kv_cache")
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +53,9 @@ def test_every_split_computes_the_dense_logits(model, dense, experts_on_fast, on
     tiers = engine.sparse.plan.summary()["experts_per_tier"]
     assert tiers == {"fast": experts_on_fast or 0, "split": 0, "cpu": 32 - (experts_on_fast or 0)}
     expected = dense.score(PROMPT)
-    assert (engine.score(PROMPT, "hybrid") - expected).abs().max().item() <= 1e-4
+    # the same sums in other orders (gathered experts' shapes pick other GEMM blockings)
+    bound = sf.Reference(model).reorder_bound(PROMPT)
+    assert (engine.score(PROMPT, "hybrid") - expected).abs().max().item() <= bound
     # decode, token by token, through both tiers' kernels
     dense.eos_ids = engine.eos_ids = set()
     params = SamplingParams(max_new_tokens=10, temperature=0)

@@ -16,6 +16,20 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def disk_words_per_s(plan) -> float:
+    from engine.hotcold.placement import words_per_second
+
+    return round(words_per_second(plan), 1)
+
+
+def disk_speed_line(plan) -> str:
+    """What `place` and `models fit` say of a placement that reads neurons from disk."""
+    from engine.units import format_size
+
+    return (f"reads {format_size(int(plan.disk_read_per_token))} from disk per token · runs from disk at about "
+            f"{disk_words_per_s(plan):.2g} words a second")
+
+
 def add_model_options(parser: argparse.ArgumentParser, *, sampling: bool = True) -> None:
     parser.add_argument("--model", default="demo", help="model folder or catalogue id (default: demo)")
     parser.add_argument("--mode", default="dense", choices=("dense", "sparse", "hybrid", "oracle"))

@@ -302,7 +302,8 @@ def cmd_fit(args) -> int:
     hw = probe_hardware()
     est = estimate_fit(config, ctx=args.ctx, vram_budget=args.vram_budget, ram_budget=args.ram_budget,
                        hardware=hw, model_dir=folder, known_activation=entry.activation if entry else None,
-                       bytes_model=BytesModel(cpu_weights=args.cpu_weights, fast_device="cuda" if hw.gpus else "cpu"))
+                       bytes_model=BytesModel(cpu_weights=args.cpu_weights, fast_device="cuda" if hw.gpus else "cpu"),
+                       sparsity=entry.sparsity if entry else None)
     if args.json:
         print(json.dumps(dict(est.to_dict(), model=args.model), indent=2))
         return 0
@@ -318,4 +319,9 @@ def cmd_fit(args) -> int:
     print(f"  {'':44} {'GPU':>12} {'CPU':>12}")
     for label, gpu, cpu in rows:
         print(f"  {label:44} {format_size(gpu):>12} {format_size(cpu):>12}")
+    if est.disk_neurons:
+        print(f"  disk: {format_size(est.disk_bytes)} of FFN rows in the prepared file, {est.cache_neurons} neurons "
+              f"cached in RAM; reads {format_size(int(est.disk_read_per_token))} from disk per token · runs from "
+              f"disk at about {est.words_per_s:.2g} words a second")
+    print(f"  least RAM budget at this VRAM budget: {format_size(est.min_ram_bytes)}")
     return 0

@@ -6,7 +6,7 @@ import json
 
 from engine.units import format_size
 
-from .common import size_arg
+from .common import disk_speed_line, disk_words_per_s, size_arg
 
 
 def register(subparsers) -> None:
@@ -38,6 +38,7 @@ def run(args) -> int:
     plan = solve(problem, args.vram_budget, args.ram_budget)
     summary = plan.summary()
     summary["min_ram_bytes_at_full_vram"] = solve(problem, 1 << 62, 1 << 62).ram_bytes
+    summary["disk"]["words_per_s"] = disk_words_per_s(plan)
     if args.json:
         print(json.dumps(summary))
         return 0 if plan.fits else 2
@@ -47,6 +48,10 @@ def run(args) -> int:
           f"expected hot hit fraction {plan.hot_hit_fraction:.1%} · solved in {plan.solve_s * 1000:.1f} ms")
     for tier, size in plan.tier_bytes.items():
         print(f"  {tier:10s} {format_size(size)}")
+    if plan.disk_neurons:
+        print(f"  disk_ffn   {format_size(plan.disk_bytes)} in the prepared file · neuron cache "
+              f"{plan.cache_neurons} neurons, expected hit {plan.expected_cache_hit:.1%} · "
+              f"{disk_speed_line(plan)}")
     unit = summary.get("unit", "neurons")
     if unit == "experts":
         tiers = summary["experts_per_tier"]
@@ -60,7 +65,7 @@ def run(args) -> int:
     if not plan.fits:
         import sys
 
-        sys.stderr.write(f"error: does not fit: the CPU side needs {format_size(plan.ram_bytes)} of RAM at this "
-                         f"VRAM budget; raise --ram-budget\n")
+        sys.stderr.write(f"error: does not fit: the CPU side needs at least {format_size(plan.min_ram_bytes)} of RAM "
+                         f"at this VRAM budget; raise --ram-budget\n")
         return 2
     return 0

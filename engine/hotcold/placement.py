@@ -8,6 +8,13 @@ ones maximises the expected share of activated neurons served by the fast device
 is a top-k over all neurons (argpartition, linear time), so it runs while a slider
 moves. Everything not on the fast device must fit the RAM budget, or the answer is
 "does not fit" with the minimum RAM.
+
+A third tier, the disk (PowerInfer-2), where the problem allows it (`disk_tier`: int8/int4 CPU
+rows of a dense FFN, which a prepared file holds): the RAM budget may go below the CPU side's
+bytes, down to its resident parts (embeddings, attention, predictors, norms, KV cache, head)
+plus a working set of neuron slots (`WORKING_SHARE` of the largest layer). What RAM is left
+is a neuron cache, seeded with the most frequent cold neurons; the rest stay in the prepared
+file and a token reads those it needs (`disk_read_per_token`, expected from the frequencies).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class PlacementProblem:
     fast_device: str = "cuda:0"
     unit: str = "neurons"  # what is placed: FFN neurons, or neurons of a mixture's experts (engine/hotcold/moe_tiers.py)
     expert_size: int = 0   # a mixture: neurons per expert (a layer's units are expert e's at e*size..)
+    disk_tier: bool = False  # cold rows beyond the RAM budget may stay in the prepared file
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,10 @@ COLD_INT8 = "int8"  # CPU weights as int8 rows with one fp32 scale per row
 COLD_INT4 = "int4"  # CPU weights as 4-bit rows: ggml's Q4_0 blocks, 18 bytes per 32 weights
 CPU_BYTES = 4       # fp32 on the CPU: embeddings, norms, biases, and weights stored as fp32 (the KV cache: engine/kv_storage.py)
 INDEX_BYTES = 8     # the int64 id kept with every hot and cold neuron
+# The disk tier's smallest neuron cache: this share of the largest layer's neurons, slots a
+# token's misses are read into (a layer's predicted set is computed from RAM in one pass).
+WORKING_SHARE = 0.25
+DISK_FORMATS = (COLD_INT8, COLD_INT4)  # the prepared file holds rows in these formats
 Q4_BLOCK, Q4_BLOCK_BYTES = Q4_0_BLOCK, Q4_0_BLOCK_BYTES  # ggml's block_q4_0 (tensor_kinds: torch-free)
 
 
@@ -160,7 +172,7 @@ def attention_cpu_bytes(model: "ModelBytes", params: int, cpu_weights: str) -> i
 def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: list[np.ndarray], ctx: int,
                   fast_weight_bytes: int, fast_kv_bytes: int, cpu_weights: str,
                   fast_device: str = "cuda:0", hot_weights: str | None = None,
-                  cpu_kv_bytes: int | None = None) -> PlacementProblem:
+                  cpu_kv_bytes: int | None = None, disk_tier: bool | None = None) -> PlacementProblem:
     """Bytes of every placeable part, exactly as the engine allocates them.
 
     Fast tier: the output head (its own copy even when tied to the embeddings), each
@@ -170,8 +182,11 @@ def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: l
     rows) are int8 rows with an fp32 scale each when cpu_weights is int8, else fp32; the
     KV cache is cpu_kv_bytes per element (None: the setting, fp16 unless
     THERMOCLINE_KV_CACHE=fp32); the rest is fp32. hot_weights "int4": hot neurons are 4-bit
-    rows (engine.hotcold.hot_q4).
+    rows (engine.hotcold.hot_q4). disk_tier (None: int8/int4 rows of a dense FFN) lets cold
+    rows stay on disk below the RAM budget.
     """
+    if disk_tier is None:
+        disk_tier = cpu_weights in DISK_FORMATS and model.unit == "neurons"
     if cpu_kv_bytes is None:
         cpu_kv_bytes = kv_setting_bytes()
     layers = []
@@ -199,6 +214,7 @@ def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: l
         fast_device=fast_device,
         unit=model.unit,
         expert_size=model.expert_size,
+        disk_tier=disk_tier,
     )
 
 
@@ -220,6 +236,15 @@ class Placement:
     unit: str = "neurons"
     total_units: int = 0  # neurons (of experts, for a mixture) of all layers
     expert_size: int = 0  # a mixture: neurons per expert
+    # the disk tier: cold neurons in the RAM cache and on disk, the bytes on disk, and per token
+    # the expected bytes read from disk and from RAM (weights a decode step reads)
+    cache_neurons: int = 0
+    disk_neurons: int = 0
+    disk_bytes: int = 0
+    disk_read_per_token: float = 0.0
+    ram_read_per_token: float = 0.0
+    expected_cache_hit: float = 1.0  # of the cold neurons a token computes, the share the cache serves
+    resident_ram_bytes: int = 0  # the CPU side without its FFN rows: the least RAM that runs from disk
 
     def summary(self) -> dict:
         out = {
@@ -238,6 +263,10 @@ class Placement:
                                                           self.hot_fraction_per_layer))
             ],
             "solve_s": self.solve_s,
+            "disk": {"cache_neurons": self.cache_neurons, "disk_neurons": self.disk_neurons,
+                     "disk_bytes": self.disk_bytes, "disk_read_per_token": self.disk_read_per_token,
+                     "ram_read_per_token": self.ram_read_per_token, "expected_cache_hit": self.expected_cache_hit,
+                     "resident_ram_bytes": self.resident_ram_bytes},
         }
         if self.unit == "experts":  # a mixture of experts: whole and split experts per tier and layer
             n = self.expert_size
@@ -312,13 +341,26 @@ def solve(problem: PlacementProblem, vram_budget: int, ram_budget: int) -> Place
     total_freq = sum(float(f.sum()) for f in problem.frequencies)
     hot_freq = sum(float(f[ids].sum()) for f, ids in zip(problem.frequencies, hot_ids))
     hit = hot_freq / total_freq if total_freq > 0 else (hot_count / max(hot_count + cold_count, 1))
+    resident = ram - tiers["cpu_ffn"]
+    disk = _disk_tier(problem, hot_ids, cold_count, resident, ram_budget) if ram > ram_budget else None
+    min_ram = ram
+    if disk is not None:
+        min_ram = disk.pop("min_ram")
+    if disk is not None and disk["cache_neurons"] is not None:
+        tiers["cpu_ffn"] = disk["cache_neurons"] * problem.neuron_cpu
+        ram = resident + tiers["cpu_ffn"]
+    else:
+        disk = None
     fits = ram <= ram_budget
     if not fits:
         verdict = "does not fit"
+    elif disk is not None:
+        verdict = "runs from disk"
     elif cold_count == 0 and all(layer_on_fast) and head_on_fast:
         verdict = "fits"
     else:
         verdict = "fits with cold neurons on CPU"
+    cold_read = _cold_read_bytes(problem, hot_ids)
     return Placement(
         head_on_fast=head_on_fast,
         layer_on_fast=layer_on_fast,
@@ -329,11 +371,84 @@ def solve(problem: PlacementProblem, vram_budget: int, ram_budget: int) -> Place
         hot_hit_fraction=hit,
         fits=fits,
         verdict=verdict,
-        min_ram_bytes=ram,  # at this VRAM budget; more VRAM lowers it
+        min_ram_bytes=min_ram,  # at this VRAM budget; more VRAM lowers it
         solve_s=time.perf_counter() - start,
         device=problem.fast_device,
         hot_fraction_per_layer=[len(ids) / max(len(f), 1) for ids, f in zip(hot_ids, problem.frequencies)],
         unit=problem.unit,
         total_units=sum(len(f) for f in problem.frequencies),
         expert_size=problem.expert_size,
+        resident_ram_bytes=resident,
+        ram_read_per_token=tiers["cpu_dense"] - problem.embed_cpu + cold_read
+        - (disk["disk_read_per_token"] if disk else 0.0),
+        **(disk or {}),
     )
+
+
+def _row_bytes(problem: PlacementProblem) -> int:
+    return problem.neuron_cpu - INDEX_BYTES
+
+
+def _cold_read_bytes(problem: PlacementProblem, hot_ids: list[np.ndarray]) -> float:
+    """Expected bytes of cold FFN rows one token reads (each neuron's firing frequency)."""
+    total = 0.0
+    for f, ids in zip(problem.frequencies, hot_ids):
+        total += float(f.sum()) - float(f[ids].sum())
+    return total * _row_bytes(problem)
+
+
+def cold_frequencies(problem: PlacementProblem, hot_ids: list[np.ndarray]) -> list[np.ndarray]:
+    """Per layer, the frequencies of the cold neurons in id order (hot ones left out)."""
+    out = []
+    for f, ids in zip(problem.frequencies, hot_ids):
+        mask = np.ones(len(f), dtype=bool)
+        mask[ids] = False
+        out.append(np.asarray(f, dtype=np.float64)[mask])
+    return out
+
+
+def min_cache_neurons(problem: PlacementProblem) -> int:
+    """The disk tier's working set: slots for a share of the largest layer's neurons."""
+    return int(np.ceil(WORKING_SHARE * max((len(f) for f in problem.frequencies), default=0)))
+
+
+def _disk_tier(problem: PlacementProblem, hot_ids, cold_count: int, resident: int, ram_budget: int) -> dict | None:
+    """The RAM cache and the disk share when the cold rows exceed the RAM budget: the most
+    frequent cold neurons in the cache (its seed), the rest on disk. `cache_neurons` is None
+    (with the least RAM in `min_ram`) when the budget is below the resident parts plus the
+    working set, or the problem has no disk tier."""
+    working = min(cold_count, min_cache_neurons(problem))
+    min_ram = resident + working * problem.neuron_cpu
+    if not problem.disk_tier:
+        return None
+    if ram_budget < min_ram:
+        return {"min_ram": min_ram, "cache_neurons": None}
+    cache = min(cold_count, (ram_budget - resident) // problem.neuron_cpu)
+    freqs = np.sort(np.concatenate(cold_frequencies(problem, hot_ids) or [np.empty(0)]))[::-1]
+    cached_freq, total = float(freqs[:cache].sum()), float(freqs.sum())
+    disk_neurons = cold_count - cache
+    return {"min_ram": min_ram, "cache_neurons": int(cache), "disk_neurons": int(disk_neurons),
+            "disk_bytes": int(disk_neurons * _row_bytes(problem)),
+            "disk_read_per_token": (total - cached_freq) * _row_bytes(problem),
+            "expected_cache_hit": cached_freq / total if total > 0 else 1.0}
+
+
+# What a speed estimate assumes when nothing was measured: the low end of desktop memory
+# bandwidth (DESIGN.md: 20-70 GB/s), an NVMe SSD's random reads of a few KB at a deep queue,
+# and English text's words per token.
+RAM_BANDWIDTH = 20e9
+DISK_BANDWIDTH = 1.5e9
+WORDS_PER_TOKEN = 0.75
+
+
+def words_per_second(plan: Placement, ram_bandwidth: float = RAM_BANDWIDTH,
+                     disk_bandwidth: float = DISK_BANDWIDTH) -> float:
+    """The decode speed in words a second the weight reads of a token allow (decode_speed)."""
+    return decode_speed(plan, ram_bandwidth, disk_bandwidth) * WORDS_PER_TOKEN
+
+
+def decode_speed(plan: Placement, ram_bandwidth: float, disk_bandwidth: float) -> float:
+    """Tokens a second one decode step's weight reads allow: the RAM side at ram_bandwidth,
+    the disk reads at disk_bandwidth (bytes a second), one after the other."""
+    seconds = plan.ram_read_per_token / ram_bandwidth + plan.disk_read_per_token / disk_bandwidth
+    return 1.0 / seconds if seconds > 0 else float("inf")

@@ -72,7 +72,7 @@ class SparseRuntime(TokenHooks, Solving, TierMoves, MemoryAccounting):
         self.cache = None
         self._pending: Placement | None = None
         self._pending_lock = threading.Lock()
-        self.override_masks = None  # benchmarks: callable(layer) -> bool mask [n_ff] replacing the threshold
+        self.override_masks = None  # benchmarks: callable(layer) -> bool mask [n_ff] replacing the threshold, one call per token
         self.prepared_path: Path | None = None  # the prepared rows file read or written at load
         self.prepared_rows = None  # engine.loading.prepared.PreparedRows when this load mapped one
         # the hot tier's rows: 4-bit (engine.hotcold.hot_q4) or None (the fast tier's dtype)

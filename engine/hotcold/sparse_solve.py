@@ -7,7 +7,7 @@ budgets, lock; calls `apply` and `memory`).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -120,15 +120,24 @@ class Solving:
             if vram > total:
                 raise BudgetError(f"VRAM budget {format_size(vram)} exceeds the GPU's {format_size(total)}")
         plan = solve(self.problem, vram, ram)
+        if plan.disk_neurons and not self.reads_from_disk():
+            plan = solve(replace(self.problem, disk_tier=False), vram, ram)
         if not plan.fits:
             best = solve(self.problem, 1 << 62, 1 << 62)
+            what = ("its resident parts (attention, predictors, norms, KV cache, head) and the smallest neuron "
+                    "cache, the rest read from disk," if plan.resident_ram_bytes < plan.min_ram_bytes < plan.ram_bytes
+                    else "the CPU side")
             raise BudgetError(
-                f"RAM budget {format_size(ram)} is too small: at a VRAM budget of {format_size(vram)} the CPU "
-                f"side needs {format_size(plan.ram_bytes)}; raise the RAM budget to at least that"
+                f"RAM budget {format_size(ram)} is too small: at a VRAM budget of {format_size(vram)} "
+                f"{what} needs {format_size(plan.min_ram_bytes)}; raise the RAM budget to at least that"
                 + (f" (or give {format_size(best.vram_bytes)} of VRAM, which lowers it to "
                    f"{format_size(best.ram_bytes)})" if self.mode != "sparse" and self.fast.type == "cuda" else "")
             )
         return plan
+
+    def reads_from_disk(self) -> bool:
+        """Whether this load can keep cold rows on disk (a prepared file of its rows)."""
+        return False
 
     def set_budgets(self, vram: int | None, ram: int | None) -> PlacementReport:
         vram = self.budgets[0] if vram is None else int(vram)

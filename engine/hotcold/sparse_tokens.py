@@ -64,7 +64,10 @@ class TokenHooks:
         logits = self.predictors.logits(layer, x)
         if self.override_masks is not None:
             threshold = self.thresholds[layer]
-            return torch.where(self.override_masks(layer).to(logits.device), threshold + 1.0, threshold - 1.0)
+            # one drawn set per token, as each token decoded alone would draw it
+            masks = [self.override_masks(layer) for _ in range(len(logits) if logits.dim() == 2 else 1)]
+            mask = masks[0] if logits.dim() == 1 else torch.stack(masks)
+            return torch.where(mask.to(logits.device), threshold + 1.0, threshold - 1.0)
         return logits
 
     def begin_generation(self) -> None:

@@ -1,0 +1,124 @@
+"""Every benchmark runs end to end at tiny sizes, so a crash in one fails the suite.
+
+Each runs in its own process as a user runs it (`python -m bench.X`), with its smoke sizes
+(`--smoke`, or its own size arguments made tiny), and its last line must be one JSON
+object. What the figures say is not checked beyond what the run itself must get right: no
+timing is asserted. bench.ffn's smoke run is in test_kernels_cpu.py, bench.triton_aot's in
+test_kernels_triton.py. The llama.cpp side of a comparison runs when llama-cpp-python is
+installed and is reported as skipped, with its reason, when it is not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import llama_cpp_missing  # noqa: E402
+
+LLAMA_MISSING = llama_cpp_missing()
+
+
+def run_bench(name: str, *args: str, env: dict | None = None, timeout: int = 600) -> dict:
+    out = subprocess.run([sys.executable, "-m", f"bench.{name}", *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=timeout, env={**os.environ, **(env or {})})
+    assert out.returncode == 0, f"bench.{name} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def sparse_model(tmp_path_factory) -> Path:
+    """bench.vs_llamacpp's model at its smoke shape (exact predictors), for the benchmarks
+    that take --model."""
+    from bench.vs_llamacpp import SHAPES, build
+
+    return build(tmp_path_factory.mktemp("bench"), SHAPES["smoke"], 2, 8, 0.1, 0, quantize=False)["hf"]
+
+
+def test_sparse_decode():
+    """A many-token prefill with drawn active sets (the crash of issue #30), then the three modes."""
+    report = run_bench("sparse_decode", "--smoke", "--json")
+    assert 0.02 < report["ffn_active_fraction"] < 0.3  # the drawn sets' 10%, not the predictor's choice
+    assert min(report["dense_tok_s"], report["sparse_tok_s"], report["hybrid_tok_s"]) > 0
+    assert 0 < report["hot_hit_fraction"] < 1
+
+
+def test_vs_llamacpp(tmp_path):
+    report = run_bench("vs_llamacpp", "--smoke", "--json", "--ours", "sparse:int4", "--llama", "Q4_0",
+                       "--workdir", str(tmp_path))
+    ours = report["ours"]["sparse:int4"]
+    assert ours["decode_tok_s"] > 0 and 0 < ours["ffn_active_fraction"] < 0.5
+    assert report["llama_cpp_skipped"] == LLAMA_MISSING
+    if LLAMA_MISSING is None:
+        assert report["ratios_vs_Q4_0"]["sparse:int4"]["decode"] > 0
+
+
+def test_moe_vs_llamacpp(tmp_path):
+    report = run_bench("moe_vs_llamacpp", "--smoke", "--json", "--pairs", "int4:Q4_0", "--workdir", str(tmp_path))
+    assert report["llama_cpp_skipped"] == LLAMA_MISSING
+    assert report["decode_tok_s"]["ours_int4"] > 0
+    assert 0 < report["int4_fired_share_in_chosen"] < 1
+    if LLAMA_MISSING is None:
+        assert report["top1_agree_int4_vs_Q4_0"] >= 0.5  # same weights, same forced tokens
+
+
+def test_moe_decode():
+    report = run_bench("moe_decode", "--smoke", "--json")
+    assert report["same_greedy_ids"] and report["reads_within_bound"]
+
+
+def test_load_q4():
+    report = run_bench("load_q4", "--smoke", "--json")
+    assert report["int4_second"]["prepared"] and not report["int4_unprepared"]["prepared"]
+    assert report["int4_second"]["decode_tok_s"] > 0 and report["dense_fp32"]["decode_tok_s"] > 0
+
+
+def test_fused_decode(sparse_model):
+    report = run_bench("fused_decode", "--model", str(sparse_model), "--rounds", "1", "--tokens", "3", "--json")
+    assert report["same_tokens"] and all(report["fused_calls"])
+
+
+def test_load_split(sparse_model):
+    report = run_bench("load_split", "--model", str(sparse_model), "--rounds", "1")
+    assert report["best_load"]["load_s"] > 0 and len(report["rounds"]) == 1
+
+
+def test_decode():
+    report = run_bench("decode", "--hidden", "64", "--layers", "2", "--ff", "128", "--vocab", "512",
+                       "--prompt-tokens", "8", "--new-tokens", "4", "--repeats", "1", "--json")
+    assert report["ours_tok_s"] > 0 and report["transformers_tok_s"] > 0
+
+
+def test_kv_cache():
+    report = run_bench("kv_cache", "--layers", "2", "--heads", "4", "--kv-heads", "4", "--head-dim", "16",
+                       "--contexts", "32", "--repeats", "1", "--json")
+    assert report["per_token_bytes"] == {"fp32": 2 * 2 * 4 * 16 * 4, "fp16": 2 * 2 * 4 * 16 * 2}
+
+
+def test_placement():
+    report = run_bench("placement", "--smoke", "--repeats", "1", "--json")
+    assert 0 < report["smoke"]["hot_hit_fraction"] <= 1
+
+
+def test_kernel_cases():
+    report = run_bench("kernel_cases", "--backends", "numba", "--repeats", "1", "--json")
+    assert report["results"] and all(r["error"] <= r["tol"] for r in report["results"])
+
+
+def test_serve():
+    report = run_bench("serve", "--rounds", "1", "--clients", "2", "--requests", "2", "--max-tokens", "4", "--json")
+    assert report["pairs"] == 8 and report["concurrency"][0]["requests"] == 2
+
+
+def test_triton_tune():
+    pytest.importorskip("triton")
+    report = run_bench("triton_tune", "--smoke", "--json", env={"TRITON_INTERPRET": "1"})
+    assert report["layers"] and report["layers"][0]["best"]
+
