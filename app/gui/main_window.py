@@ -142,6 +142,7 @@ class MainWindow(QMainWindow):
             self.restoreGeometry(QByteArray.fromBase64(settings["ui.geometry"].encode()))
         else:
             self.resize(1280, 800)
+        self._fit_screen()
         if settings["ui.splitter"]:
             self.splitter.restoreState(QByteArray.fromBase64(settings["ui.splitter"].encode()))
         self.apply_appearance()
@@ -155,6 +156,20 @@ class MainWindow(QMainWindow):
         self.conversations.refresh(last)
         self.chat.open_conversation(last)
         self.show_page("chat")
+
+    def _fit_screen(self) -> None:
+        """Never larger than the screen: a first start (1280x800) or a geometry saved on a
+        bigger monitor would put the input box and the conversation's right edge out of sight."""
+        screen = self.screen() or QApplication.primaryScreen()
+        if screen is None:
+            return
+        room = screen.availableGeometry()
+        frame = self.frameGeometry().size() - self.geometry().size()  # the title bar and borders
+        width = min(self.width(), room.width() - frame.width())
+        height = min(self.height(), room.height() - frame.height())
+        if (width, height) != (self.width(), self.height()):
+            self.resize(max(width, self.minimumSizeHint().width()), max(height, 200))
+            self.move(room.topLeft())
 
     def _nav_button(self, text: str, tip: str) -> QPushButton:
         b = QPushButton(text, self)
