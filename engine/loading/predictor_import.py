@@ -41,8 +41,10 @@ def import_powerinfer_predictors(src_dir: Path, model_dir: Path) -> Path:
     for number in sorted(files):  # numeric order: layer 10 after layer 2
         try:
             state = torch.load(files[number], map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - weights_only refuses anything but plain tensors
-            raise ModelFormatError(f"cannot load {files[number].name} safely: {exc}") from None
+        except Exception:  # noqa: BLE001 - weights_only refuses anything but plain tensors
+            # Never torch's message: it ends in advice to load the file with weights_only=False.
+            raise ModelFormatError(f"{files[number].name} holds code, not only tensors, and cannot be loaded "
+                                   "safely; Thermocline never runs it") from None
         if not isinstance(state, dict):
             raise ModelFormatError(f"{files[number].name} is not a state dict")
         layers[number] = {k: v for k, v in state.items() if k in ("fc1.weight", "fc2.weight")}

@@ -8,6 +8,7 @@ publishes and those a checkpoint carries are imported by engine/loading/predicto
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,9 +128,7 @@ class PredictorSet:
             fc2 = [at_own_precision(layers[i]["fc2.weight"]) for i in layers]
         except KeyError as exc:
             raise ModelFormatError(f"predictor in {where} lacks {exc}") from None
-        if len(thresholds) != len(fc1):
-            thresholds = [float(thresholds[0]) if thresholds else 0.0] * len(fc1)
-        return cls(fc1, fc2, [float(t) for t in thresholds], source)
+        return cls(fc1, fc2, _thresholds(thresholds, len(fc1), where), source)
 
     def check(self, num_layers: int | None, dim: int | None, n_ff: int | None) -> None:
         if num_layers is not None and len(self) != num_layers:
@@ -176,4 +175,19 @@ def _from_stored(tensors: dict[str, torch.Tensor], where) -> dict:
         if suffix != "q4_0" or transposed or t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] % size:
             raise ModelFormatError(f"predictor tensor {name} in {where} is not Q4_0 rows: {t.dtype} {tuple(t.shape)}")
         out[base] = Q4Matrix(t.contiguous(), t.shape[1] // size * block)
+    return out
+
+
+def _thresholds(values, layers: int, where) -> list[float]:
+    """One finite number per layer (one number, or a list of one, serves them all)."""
+    if not isinstance(values, list):
+        values = [values]
+    if len(values) != layers:
+        values = values[:1] * layers if values else [0.0] * layers
+    out = []
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ModelFormatError(f"the predictor file {where} holds a threshold that is not a number "
+                                   f"({str(value)[:40]!r}); train or import the predictors again")
+        out.append(float(value))
     return out
