@@ -10,6 +10,7 @@ found by the names its architecture module lists) are copied from it.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from engine.errors import ModelFormatError
-from engine.loading.quantized import QuantMatrix, matrix_nbytes, quantize_matrix
+from engine.hotcold.placement import predictor_cpu_format
+from engine.loading.quantized import Q4Matrix, QuantMatrix, matrix_nbytes, quantize_matrix
 from engine.loading.sidecar import group_by_layer, sidecar_dir
 
 FILENAME = "predictors.safetensors"
@@ -62,13 +64,14 @@ class PredictorSet:
 
     def to(self, layer: int, device: torch.device, dtype: torch.dtype, int8: bool = False,
            quant: str | None = None) -> None:
-        """Move a layer's predictor to a tier: device and dtype, or int8 (or `quant`: int4)
-        rows on the CPU."""
+        """Move a layer's predictor to a tier: device and dtype, or the rows of the CPU tier
+        whose weights are int8 (or `quant`): int8 on a 4-bit tier too, but for a file's own
+        4-bit matrices (engine.hotcold.placement.predictor_cpu_format)."""
         quant = quant or ("int8" if int8 else None)
 
         def place(w):
             if quant in ("int8", "int4"):
-                return quantize_matrix(w, quant)
+                return quantize_matrix(w, quant if isinstance(w, Q4Matrix) else predictor_cpu_format(quant))
             return w.to_dense(device, dtype) if isinstance(w, QuantMatrix) else w.to(device, dtype)
 
         self.fc1[layer], self.fc2[layer] = place(self.fc1[layer]), place(self.fc2[layer])
@@ -129,9 +132,7 @@ class PredictorSet:
             fc2 = [_kept(layers[i]["fc2.weight"]) for i in layers]
         except KeyError as exc:
             raise ModelFormatError(f"predictor in {where} lacks {exc}") from None
-        if len(thresholds) != len(fc1):
-            thresholds = [float(thresholds[0]) if thresholds else 0.0] * len(fc1)
-        return cls(fc1, fc2, [float(t) for t in thresholds], source)
+        return cls(fc1, fc2, _thresholds(thresholds, len(fc1), where), source)
 
     def check(self, num_layers: int | None, dim: int | None, n_ff: int | None) -> None:
         if num_layers is not None and len(self) != num_layers:
@@ -158,7 +159,6 @@ def _kept(w):
 def _stored(name: str, w) -> dict[str, torch.Tensor]:
     """How `save` stores one matrix: its tensor at its dtype, or 4-bit rows as NAME.q4_0
     (plain rows: a set placed on an int4 CPU tier holds them packed)."""
-    from engine.loading.quantized import Q4Matrix
     from engine.loading.tensor_kinds import quant_name
 
     if isinstance(w, Q4Matrix):
@@ -170,7 +170,6 @@ def _stored(name: str, w) -> dict[str, torch.Tensor]:
 
 def _from_stored(tensors: dict[str, torch.Tensor], where) -> dict:
     """`save`'s tensors back: NAME.q4_0 rows as a Q4Matrix under NAME (checked)."""
-    from engine.loading.quantized import Q4Matrix
     from engine.loading.tensor_kinds import QUANT_KINDS, parse_quant_name
 
     out = {}
@@ -209,8 +208,10 @@ def import_powerinfer_predictors(src_dir: Path, model_dir: Path) -> Path:
     for number in sorted(files):  # numeric order: layer 10 after layer 2
         try:
             state = torch.load(files[number], map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - weights_only refuses anything but plain tensors
-            raise ModelFormatError(f"cannot load {files[number].name} safely: {exc}") from None
+        except Exception:  # noqa: BLE001 - weights_only refuses anything but plain tensors
+            # Never torch's message: it ends in advice to load the file with weights_only=False.
+            raise ModelFormatError(f"{files[number].name} holds code, not only tensors, and cannot be loaded "
+                                   "safely; Thermocline never runs it") from None
         if not isinstance(state, dict):
             raise ModelFormatError(f"{files[number].name} is not a state dict")
         layers[number] = {k: v for k, v in state.items() if k in ("fc1.weight", "fc2.weight")}
@@ -252,3 +253,18 @@ def import_checkpoint_predictors(model_dir: Path, config) -> Path | None:
     predictors = PredictorSet(fc1, fc2, [0.0] * config.num_layers, source="checkpoint")
     predictors.check(config.num_layers, config.hidden_size, config.intermediate_size)
     return predictors.save(model_dir)
+
+
+def _thresholds(values, layers: int, where) -> list[float]:
+    """One finite number per layer (one number, or a list of one, serves them all)."""
+    if not isinstance(values, list):
+        values = [values]
+    if len(values) != layers:
+        values = values[:1] * layers if values else [0.0] * layers
+    out = []
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ModelFormatError(f"the predictor file {where} holds a threshold that is not a number "
+                                   f"({str(value)[:40]!r}); train or import the predictors again")
+        out.append(float(value))
+    return out
