@@ -19,6 +19,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.arch import read_config
+from engine.activations import dense_only_words, is_sparse
 from engine.errors import ContextFullError, ModelFormatError, UserError
 from engine.hotcold.moe_tiers import load_moe
 from engine.hotcold.sparse import load_sparse
@@ -136,6 +137,10 @@ class Engine:
         if ctx is not None and ctx > config.max_positions:
             notes.append(f"context {ctx} is capped at the {config.max_positions} positions {model_dir.name} "
                          f"was trained on")
+        if not is_sparse(config.activation, config.activation_threshold):
+            if mode != "dense":
+                raise UserError(f"{model_dir.name}: {dense_only_words(config)}; load it with --mode dense")
+            notes.append(f"{model_dir.name} runs dense: {dense_only_words(config)}")
         ctx = config.context_length(ctx)  # no longer than the model was trained for (as place/fit count)
         check_kv_fits(config, ctx, device)
         tokenizer = Tokenizer(model_dir)
