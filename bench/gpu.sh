@@ -24,9 +24,12 @@
 #   3. python -m bench.ffn --device cuda --json: dense cuBLAS fp16 vs the Triton kernels
 #      (target at 10% active: >= 5x and >= 60% of the copy bandwidth);
 #   4. python -m bench.triton_tune --json: launch configurations compared, the
-#      best one named, predictor_triton vs predictor_torch.
+#      best one named, predictor_triton vs predictor_torch;
+#   5. python -m bench.hybrid --json: end-to-end decode of 8 layers of 7B shapes, hot neurons on
+#      the GPU and cold on the CPU, against our all-CPU sparse decode and a layer-offload
+#      baseline with the same VRAM (25% and 50% of the FFN), logits checked against the CPU's.
 # Outputs in $OUT: versions.txt, pytest.txt, ffn.json (+ ffn.log), tune.json (+ tune.log),
-# summary.txt. DRY_RUN=1 checks the script itself on a machine without a GPU (Triton
+# hybrid.json (+ hybrid.log), summary.txt. DRY_RUN=1 checks the script itself on a machine without a GPU (Triton
 # interpreter, tiny tuning shapes, no bench.ffn).
 set -euo pipefail
 
@@ -131,6 +134,19 @@ step "triton_tune" 150 \
     bash -c "'$PY' -m bench.triton_tune --json $([ "${DRY_RUN:-0}" = 1 ] && echo --smoke) > '$OUT/tune.json' 2> '$OUT/tune.log'"
 # triton_tune --json prints its table on stderr.
 grep -E '^(  |[a-z0-9_]+ \(|predictor|NVIDIA|.*copy [0-9])' "$OUT/tune.log" >> "$OUT/summary.txt" || true
+
+# ---- 5. the headline: hybrid decode vs all-CPU and vs layer offload
+step "bench.hybrid" 360 \
+    bash -c "'$PY' -m bench.hybrid --json $([ "${DRY_RUN:-0}" = 1 ] && echo --smoke) > '$OUT/hybrid.json' 2> '$OUT/hybrid.log'"
+"$PY" - "$OUT/hybrid.json" >> "$OUT/summary.txt" 2>/dev/null <<'EOF' || true
+import json, sys
+r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+print(f"hybrid: {r['shape']}, cuda {r['cuda']}, all-CPU sparse {r['cpu']['decode_tok_s']:.2f} tok/s")
+for b in r["budgets"]:
+    print(f"  VRAM {b['vram_share_of_ffn']:.0%} of FFN: hybrid {b['hybrid']['decode_tok_s']:.2f} tok/s "
+          f"({b['hybrid_vs_offload']}x layer offload, {b['hybrid_vs_cpu']}x all-CPU), "
+          f"cosine vs CPU {b['hybrid']['cosine_vs_cpu']}")
+EOF
 
 if [ "${#FAILED[@]}" -gt 0 ]; then
     log "failed steps: ${FAILED[*]}"

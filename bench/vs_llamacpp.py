@@ -69,8 +69,11 @@ def _ppf(p: float) -> float:
     return (lo + hi) / 2
 
 
-def make_weights(shape: Shape, layers: int, rank: int, active: float, seed: int) -> tuple[dict, list, list]:
-    """HF-named fp16 tensors, and the exact predictors (fc1, fc2 per layer, fp32)."""
+def make_weights(shape: Shape, layers: int, rank: int, active: float, seed: int,
+                 probs: list[np.ndarray] | None = None) -> tuple[dict, list, list]:
+    """HF-named fp16 tensors, and the exact predictors (fc1, fc2 per layer, fp32). With
+    `probs` (per layer, each neuron's firing probability) the neurons fire at those rates
+    instead of all at `active` (bench.hybrid: a power law for the hot/cold split)."""
     import torch
 
     D, N_FF, VOCAB = shape.d, shape.n_ff, shape.vocab
@@ -100,7 +103,11 @@ def make_weights(shape: Shape, layers: int, rank: int, active: float, seed: int)
         P = torch.nn.functional.normalize(randn(rank, D), dim=1)
         P[0] = e
         A = randn(N_FF, rank, std=a)
-        A[:, 0] = -b
+        if probs is None:
+            A[:, 0] = -b
+        else:  # b_i from each neuron's own rate; a neuron that always fires gets a large negative bias
+            p_fire = torch.from_numpy(np.clip(probs[i], 1e-6, 1 - 1e-6)).float()
+            A[:, 0] = -torch.special.ndtri(1 - p_fire) * noise_std / (D / 2) ** 0.5
         tensors[p + "self_attn.q_proj.weight"] = randn(D, D, std=0.02).half()
         tensors[p + "self_attn.k_proj.weight"] = randn(D, D, std=0.02).half()
         tensors[p + "self_attn.v_proj.weight"] = randn(D, D, std=0.02).half()
@@ -293,7 +300,12 @@ def worker_ours(root: Path, shape: Shape, mode: str, cpu_weights: str, threads: 
     ttft = min(run(short, 1).ttft_s for _ in range(2))
     pre = min(run(long, 1).ttft_s for _ in range(2))
     stats = run(dprompt, decode_tokens + 1)
-    return {"load_s": load_s, "ttft_s": ttft, "prefill_s": pre, "decode_tok_s": stats.decode_tok_s,
+    selection = {}
+    if engine.sparse is not None:  # the placed predictors against their fp32 original (issue #30)
+        from engine.calibration.evaluation import selection_vs_original
+
+        selection = {k: round(v, 4) for k, v in selection_vs_original(engine, long).items()}
+    return {**selection, "load_s": load_s, "ttft_s": ttft, "prefill_s": pre, "decode_tok_s": stats.decode_tok_s,
             "ffn_active_fraction": round(stats.ffn_active_fraction, 4), "load_peak_rss": load_rss,
             "placed_ram": placed, "load_rss_over_placed": round(load_rss / placed, 3) if placed else None,
             "prepared": (getattr(engine.sparse, "prepared_dense", None) if engine.sparse is not None

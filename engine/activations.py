@@ -7,11 +7,18 @@ computation every path shares is `engine.kernels.reference.activations`.
   fatrelu  as relu, but values below the threshold become 0 (ProSparse's FATReLU)
   drelu    gated: relu(g) * relu(u)      ungated: relu(u)
   relu2    gated: relu(g)^2 * u          ungated: relu(u)^2
+  silu     gated: silu(g) * u            ungated: silu(u)   (SwiGLU: Llama 2/3, Mistral, Qwen2)
+           with a threshold t > 0, values with |silu(g)| < t become 0 (CATS: the opt-in sparse
+           mode of a SiLU model; at t = 0 it is the dense model)
+
+The first four are the ReLU family (`SPARSE`): their zeros are the model's own. A SiLU model
+has no zeros unless a threshold is calibrated (`engine.calibration.profiling`), so it runs dense.
 """
 
 from __future__ import annotations
 
-NAMES = ("relu", "fatrelu", "drelu", "relu2")
+NAMES = ("relu", "fatrelu", "drelu", "relu2", "silu")
+SPARSE = ("relu", "fatrelu", "drelu", "relu2")  # zeros without a calibrated threshold
 
 # Activation names as configs spell them (lower case) -> ours.
 ALIASES = {
@@ -21,13 +28,21 @@ ALIASES = {
     "relu_squared": "relu2",
     "squared_relu": "relu2",
     "drelu": "drelu",
+    "silu": "silu",
+    "swish": "silu",
 }
 
 # The integer the numba and Triton kernels branch on.
-CODES = {"relu": 0, "fatrelu": 1, "drelu": 2, "relu2": 3}
+CODES = {"relu": 0, "fatrelu": 1, "drelu": 2, "relu2": 3, "silu": 5}
 IDENTITY_CODE = 4  # Triton only: the predictor's fc2 has no activation
 
 
 def check(activation: str) -> None:
     if activation not in NAMES:
         raise ValueError(f"unknown activation {activation!r}; expected one of {NAMES}")
+
+
+def is_sparse(activation: str, threshold: float = 0.0) -> bool:
+    """Whether the FFN's activations have zeros to skip: the ReLU family always, SiLU only
+    with a calibrated CATS threshold."""
+    return activation in SPARSE or (activation == "silu" and threshold > 0)

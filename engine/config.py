@@ -24,7 +24,7 @@ from .errors import ModelFormatError, UserError
 SUPPORTED = (
     "Llama with ReLU/FATReLU/ReLU² (ReluLLaMA, ProSparse), MiniCPM with FATReLU (MiniCPM-S), "
     "Mistral/Bamboo with dReLU (Bamboo, TurboSparse), Falcon with ReLU (ReluFalcon), "
-    "SmallThinker mixtures of ReGLU experts"
+    "SmallThinker mixtures of ReGLU experts, and SwiGLU Llama/Mistral/Qwen2/SmolLM2 (dense)"
 )
 
 # Context length when none is asked for: short enough to keep the KV cache small, and never
@@ -234,7 +234,8 @@ class ConfigFields:
         return value
 
     def activation(self, *keys: str, default: str | None = None, hint: str | None = None) -> str:
-        """The FFN activation, as one of our kernels' names; a non-sparse one is refused."""
+        """The FFN activation, as one of our kernels' names; one we do not compute (GELU) is refused.
+        SiLU is accepted: the model runs dense (engine.activations.is_sparse)."""
         key, value = self._lookup(keys, None)
         if key is None:
             value = hint or default
@@ -242,7 +243,7 @@ class ConfigFields:
         if name is None:
             raise ModelFormatError(
                 f"activation {value!r} of this {self.arch} model is not sparse: Thermocline needs a ReLU-family "
-                f"model; supported: {SUPPORTED}"
+                f"model (or a SiLU one, which runs dense); supported: {SUPPORTED}"
             )
         return name
 

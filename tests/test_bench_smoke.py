@@ -55,6 +55,8 @@ def test_vs_llamacpp(tmp_path):
                        "--workdir", str(tmp_path))
     ours = report["ours"]["sparse:int4"]
     assert ours["decode_tok_s"] > 0 and 0 < ours["ffn_active_fraction"] < 0.5
+    # issue #30: the int4 tier's predictors select what their fp32 original selects
+    assert ours["selected_vs_original"] <= 1.15 and ours["recall_of_original"] >= 0.95
     assert report["llama_cpp_skipped"] == LLAMA_MISSING
     if LLAMA_MISSING is None:
         assert report["ratios_vs_Q4_0"]["sparse:int4"]["decode"] > 0
@@ -122,3 +124,18 @@ def test_triton_tune():
     report = run_bench("triton_tune", "--smoke", "--json", env={"TRITON_INTERPRET": "1"})
     assert report["layers"] and report["layers"][0]["best"]
 
+
+
+def test_hybrid():
+    """bench.hybrid on the CPU stand-in: the offload baseline computes every neuron, the
+    hybrid placement serves more of them from the fast tier at the same VRAM, and both
+    agree with the all-CPU decode."""
+    report = run_bench("hybrid", "--smoke", "--json")
+    assert [b["vram_share_of_ffn"] for b in report["budgets"]] == [0.25, 0.5]
+    for b in report["budgets"]:
+        hybrid, offload = b["hybrid"], b["offload"]
+        assert offload["ffn_active_fraction"] == 1.0 and hybrid["ffn_active_fraction"] < 0.3
+        assert hybrid["served_hot_fraction"] > offload["served_hot_fraction"]
+        assert hybrid["vram_bytes"] <= b["vram_budget"] and offload["vram_bytes"] <= b["vram_budget"]
+        assert min(hybrid["cosine_vs_cpu"], offload["cosine_vs_cpu"]) > 0.999
+    assert report["budgets"][1]["offload"]["layers_whole_on_fast"] >= 1

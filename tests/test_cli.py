@@ -68,7 +68,7 @@ def test_mismatched_tensor_shapes(capsys, tmp_path, llama_dir):
 
 @pytest.mark.parametrize("change, needle", [
     ({"model_type": "gpt2"}, "unknown model_type"),
-    ({"hidden_act": "silu"}, "not sparse"),
+    ({"hidden_act": "gelu"}, "not sparse"),
 ])
 def test_unsupported_architectures(capsys, tmp_path, llama_dir, change, needle):
     model = _broken_copy(llama_dir, tmp_path / "m")

@@ -88,6 +88,20 @@ def test_predictor_figures_per_layer(trained):
     assert report["sparsity"] == pytest.approx(sum(e["sparsity"] for e in layers) / 2)
 
 
+@pytest.mark.parametrize("cpu_weights", ["fp32", "int8", "int4"])
+def test_placed_predictors_select_what_their_original_selects(trained, cpu_weights):
+    """Issue #30: whatever the CPU weights' format, the placed predictor selects at most 1.15x
+    the neurons its original selects and keeps >= 95% of that selection (on an int4 tier the
+    predictors stay int8: at 4 bits they lost the logits' margin around the threshold)."""
+    model, heldout = trained
+    engine = Engine.load(model, mode="sparse", ctx=WINDOW, cpu_weights=cpu_weights)
+    report = evaluate(engine, [heldout], EvalSettings(max_tokens=200, window=WINDOW))
+    assert report["cpu_weights"] == cpu_weights
+    if cpu_weights == "fp32":  # the same matrices: the same selection
+        assert report["selected_vs_original_max"] == report["recall_of_original_min"] == 1.0
+    assert report["selected_vs_original_max"] <= 1.15 and report["recall_of_original_min"] >= 0.95
+
+
 def test_predicting_every_neuron_makes_sparse_equal_dense(trained, tmp_path):
     from engine.hotcold.predictors import PredictorSet
 

@@ -154,9 +154,9 @@ def test_truncated_and_lying_files_are_refused(registry_env, hf_model, tmp_path,
     # a tensor said to be larger than the data it has (its row count doubled)
     big = variant("big", lambda r: _tensor(r, "output.weight").field.parts[3].__setitem__(1, 600))
     _refused(capsys, big)
-    # a type we cannot read (Q4_K) written over a Q4_0 one
-    qk = variant("qk", lambda r: _tensor(r, "blk.0.attn_v.weight").field.parts[4].__setitem__(0, 12))
-    _refused(capsys, qk, "blk.0.attn_v.weight", "Q4_K")
+    # a type we cannot read (Q8_1, an activation type) written over a Q4_0 one
+    qk = variant("qk", lambda r: _tensor(r, "blk.0.attn_v.weight").field.parts[4].__setitem__(0, 9))
+    _refused(capsys, qk, "blk.0.attn_v.weight", "Q8_1")
     # a type id that does not exist
     bad_type = variant("badtype", lambda r: _tensor(r, "blk.0.attn_v.weight").field.parts[4].__setitem__(0, 999))
     _refused(capsys, bad_type)
@@ -184,8 +184,11 @@ def test_unsupported_architecture_and_plain_llama_activation(registry_env, hf_mo
     w.close()
     _refused(capsys, falcon, "falcon")
     plain = gf.write_gguf(hf, tmp_path / "plain.gguf", qtype="Q8_0", powerinfer=False)
-    _refused(capsys, plain, "--activation relu")
-    code, out, err = _import(capsys, plain, "--activation", "relu")
+    # a plain llama file is SwiGLU, as llama.cpp computes it (Llama 2/3, Mistral, SmolLM2)
+    code, out, err = _import(capsys, plain)
+    assert code == 0, err
+    assert json.loads((Path(json.loads(out)["path"]) / "config.json").read_text())["hidden_act"] == "silu"
+    code, out, err = _import(capsys, plain, "--activation", "relu", "--name", "plain-relu")
     assert code == 0, err
     imported = Engine.load(json.loads(out)["path"]).score(PROMPT)
     # Q8_0 (ffn_down requantized nowhere: the engine transposes the exact values)

@@ -87,8 +87,10 @@ def test_smallthinker_4b_is_read_as_a_mixture_of_experts():
 
 def test_the_registry_and_the_engine_refuse_and_accept_the_same_configs():
     llama = rc.real_config("relullama-7b")
-    for bad in ({**llama, "hidden_act": "fat_relu"}, {**llama, "hidden_act": "silu"},
-                {k: v for k, v in llama.items() if k != "hidden_act"}):
+    # without hidden_act a Llama is SwiGLU (transformers' default): both accept it, dense
+    swiglu = {k: v for k, v in llama.items() if k != "hidden_act"}
+    assert parse_config(swiglu).activation == detect_architecture(swiglu).activation == "silu"
+    for bad in ({**llama, "hidden_act": "fat_relu"}, {**llama, "hidden_act": "gelu"}):
         with pytest.raises(ModelFormatError):
             parse_config(bad)
         with pytest.raises(ModelFormatError):

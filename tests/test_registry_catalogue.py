@@ -79,16 +79,23 @@ def test_supported_architectures(config, family, activation):
 
 
 @pytest.mark.parametrize("config", [
-    {"model_type": "llama", "hidden_act": "silu"},
-    {"model_type": "mistral"},
+    {"model_type": "llama", "hidden_act": "gelu"},
+    {"model_type": "gemma3", "hidden_activation": "gelu_pytorch_tanh"},
     {"model_type": "falcon"},  # gelu by default
-    {"model_type": "qwen2", "hidden_act": "relu"},
+    {"model_type": "phi3", "hidden_act": "silu"},
     {},
 ])
 def test_unsupported_architectures_are_refused_naming_what_is_supported(config):
     with pytest.raises(ModelFormatError) as info:
         detect_architecture(config)
     assert SUPPORTED_TEXT in str(info.value)
+
+
+@pytest.mark.parametrize("config", [{"model_type": "mistral"}, {"model_type": "qwen2", "hidden_act": "silu"},
+                                    {"model_type": "llama", "hidden_act": "silu"}])
+def test_swiglu_llama_layouts_are_accepted_as_silu(config):
+    # SwiGLU (Mistral's default activation): they run dense, not refused
+    assert detect_architecture({**SIZES, **config}).activation == "silu"
 
 
 def test_falcon_without_activation_field_is_accepted_when_the_catalogue_says_relu():

@@ -128,7 +128,7 @@ def test_import_a_local_folder(env, capsys, tmp_path):
 
     code, _, err = _run(capsys, "models", "import", str(src), "--name", "mine")
     assert code == 2 and "already exists" in err
-    (src / "config.json").write_text(json.dumps(tiny_llama_config(hidden_act="silu")))
+    (src / "config.json").write_text(json.dumps(tiny_llama_config(hidden_act="gelu")))
     code, _, err = _run(capsys, "models", "import", str(src), "--name", "other")
     assert code == 2 and "not sparse: Thermocline needs a ReLU-family model" in err
 

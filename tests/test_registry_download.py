@@ -264,11 +264,11 @@ def test_saved_token_is_used(hub, env):
 
 
 def test_unsupported_architecture_is_refused_before_the_weights(hub, env):
-    hub.add_repo(HubRepo("tiny/silu-llama", tiny_model_files(hidden_act="silu")))
+    hub.add_repo(HubRepo("tiny/gelu-llama", tiny_model_files(hidden_act="gelu")))
     with pytest.raises(UserError, match="not sparse: Thermocline needs a ReLU-family model"):
-        download_model("tiny/silu-llama")
+        download_model("tiny/gelu-llama")
     assert not _get(hub, WEIGHTS)
-    assert not (env / "models" / "tiny--silu-llama").exists()
+    assert not (env / "models" / "tiny--gelu-llama").exists()
 
 
 def test_catalogue_model_downloads_its_predictors_and_hands_them_over(hub, env):

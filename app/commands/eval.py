@@ -44,6 +44,10 @@ def run(args) -> int:
     print(f"greedy agreement sparse vs dense {report['greedy_agreement'] * 100:.1f}%")
     print(f"sparsity {report['sparsity'] * 100:.1f}%  predicted {report['predicted_sparsity'] * 100:.1f}%  "
           f"recall {report['recall']:.3f}  precision {report['precision']:.3f}")
+    print(f"placed predictors ({report['cpu_weights']}) vs their original: selected "
+          f"{report['selected_vs_original']:.3f}x (worst layer {report['selected_vs_original_max']:.3f}x), "
+          f"recall of the original's selection {report['recall_of_original']:.3f} "
+          f"(worst {report['recall_of_original_min']:.3f})")
     print("layer  sparsity  predicted  recall  precision")
     for r in report["per_layer"]:
         print(f"{r['layer']:5d}  {r['sparsity'] * 100:7.1f}%  {r['predicted_sparsity'] * 100:8.1f}%  "

@@ -1,5 +1,6 @@
-"""Llama and Mistral checkpoints (ReluLLaMA, ProSparse's `sparsellama`, MiniCPM-S's Llama
-format): `model.layers.{i}.self_attn/mlp.*`, gated FFN, RMSNorm.
+"""Llama, Mistral and Qwen2 checkpoints (ReluLLaMA, ProSparse's `sparsellama`, MiniCPM-S's Llama
+format; SwiGLU Llama 2/3, Mistral, Qwen2, SmolLM2, which run dense): `model.layers.{i}.self_attn/mlp.*`,
+gated FFN, RMSNorm.
 
 Also the tensor names (`GatedTensors`) every Llama-layout family shares (Bamboo, MiniCPM).
 Torch-free at import: the model registry parses configs through `parse`.
@@ -12,8 +13,8 @@ from dataclasses import dataclass
 from ..config import ConfigFields, ModelConfig
 
 NAME = "Llama"
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "SparseLlamaForCausalLM")
-MODEL_TYPES = ("llama", "mistral", "sparsellama")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "SparseLlamaForCausalLM", "Qwen2ForCausalLM")
+MODEL_TYPES = ("llama", "mistral", "sparsellama", "qwen2")  # qwen2: the same layout, q/k/v with biases
 
 
 @dataclass(frozen=True)

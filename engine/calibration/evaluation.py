@@ -13,6 +13,10 @@ in the report says which were read.
 - Per layer, from the dense pass with an FFN observer: the true firing set against the
   predictor's (logit >= the layer's threshold): recall, precision, actual and predicted
   sparsity. Model-level figures are the means over layers.
+- Per layer, the placed predictors (in the CPU tier's format) against their original as the
+  predictors file stores it: `selected_vs_original`, the neurons the placed one selects over
+  those the original selects, and `recall_of_original`, the share of the original's selection
+  the placed one keeps (issue #30's goals: <= 1.15 and >= 0.95); the worst layer of each too.
 """
 
 from __future__ import annotations
@@ -53,12 +57,15 @@ class _LayerTally:
 
     def __init__(self):
         self.tp = self.pos = self.pred = self.n = 0
+        self.original = self.kept = 0  # the original predictor's selection, and the placed one's share of it
 
-    def add(self, predicted: torch.Tensor, fired: torch.Tensor) -> None:
+    def add(self, predicted: torch.Tensor, fired: torch.Tensor, original: torch.Tensor) -> None:
         self.tp += int((predicted & fired).sum())
         self.pos += int(fired.sum())
         self.pred += int(predicted.sum())
         self.n += fired.numel()
+        self.original += int(original.sum())
+        self.kept += int((predicted & original).sum())
 
     def figures(self) -> dict:
         return {
@@ -66,7 +73,31 @@ class _LayerTally:
             "predicted_sparsity": 1.0 - self.pred / self.n,
             "recall": self.tp / self.pos if self.pos else 1.0,
             "precision": self.tp / self.pred if self.pred else 1.0,
+            "selected_vs_original": self.pred / self.original if self.original else 1.0,
+            "recall_of_original": self.kept / self.original if self.original else 1.0,
         }
+
+
+def selection_vs_original(engine, token_ids: list[int]) -> dict:
+    """The placed predictors' selection against their original's (the predictors file, in
+    fp32) on one sequence's FFN inputs, over all layers: `selected_vs_original` and
+    `recall_of_original` as `evaluate` reports them (bench.vs_llamacpp's figures)."""
+    from engine.hotcold.predictors import PredictorSet
+
+    placed, original = engine.sparse.predictors, PredictorSet.load(Path(engine.model_dir))
+    tally = _LayerTally()
+
+    def observe(layer: int, pred_input: torch.Tensor, act: torch.Tensor) -> None:
+        selected = placed.predict(layer, pred_input.to(placed.fc1[layer].device)).cpu()
+        tally.add(selected, act.cpu() != 0, original.predict(layer, pred_input.cpu()))
+
+    previous, engine.model.ffn_observer = engine.model.ffn_observer, observe
+    try:
+        engine.score(token_ids, "dense")
+    finally:
+        engine.model.ffn_observer = previous
+    figures = tally.figures()
+    return {k: figures[k] for k in ("selected_vs_original", "recall_of_original")}
 
 
 def evaluate(engine, corpus: list[str | Path] | None = None, settings: EvalSettings | None = None,
@@ -84,15 +115,18 @@ def evaluate(engine, corpus: list[str | Path] | None = None, settings: EvalSetti
     predictors = engine.sparse.predictors  # as the engine runs them (int8 on an int8 CPU tier)
     if predictors is None and not engine.config.is_moe:
         predictors = PredictorSet.load(model_dir)
+    # the predictors as their file stores them, computed in fp32 on the CPU
+    original = PredictorSet.load(model_dir) if predictors is not None else None
     tallies = [_LayerTally() for _ in range(engine.config.num_layers)]
 
     def observe(layer: int, pred_input: torch.Tensor, act: torch.Tensor) -> None:
         if predictors is None:  # a mixture of experts: the router chooses, exactly (act = experts)
             fired = (act != 0).cpu()
-            tallies[layer].add(fired, fired)
+            tallies[layer].add(fired, fired, fired)
             return
         logits = predictors.logits(layer, pred_input.to(predictors.fc1[layer].device))
-        tallies[layer].add((logits >= predictors.thresholds[layer]).cpu(), (act != 0).cpu())
+        selected = original.logits(layer, pred_input.cpu()) >= original.thresholds[layer]
+        tallies[layer].add((logits >= predictors.thresholds[layer]).cpu(), (act != 0).cpu(), selected)
 
     nll = {m: 0.0 for m in MODES}
     agree = scored = 0
@@ -129,6 +163,10 @@ def evaluate(engine, corpus: list[str | Path] | None = None, settings: EvalSetti
         "recall": mean("recall"),
         "precision": mean("precision"),
         "predicted_sparsity": mean("predicted_sparsity"),
+        "selected_vs_original": mean("selected_vs_original"),
+        "selected_vs_original_max": max(layer["selected_vs_original"] for layer in per_layer),
+        "recall_of_original": mean("recall_of_original"),
+        "recall_of_original_min": min(layer["recall_of_original"] for layer in per_layer),
         "predictor_source": predictors.source if predictors else "router",
         "cpu_weights": engine.sparse.cpu_weights,
         "per_layer": per_layer,

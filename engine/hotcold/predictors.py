@@ -19,7 +19,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from engine.errors import ModelFormatError
-from engine.loading.quantized import QuantMatrix, matrix_nbytes, quantize_matrix
+from engine.hotcold.placement import predictor_cpu_format
+from engine.loading.quantized import Q4Matrix, QuantMatrix, matrix_nbytes, quantize_matrix
 from engine.loading.sidecar import group_by_layer, sidecar_dir
 
 FILENAME = "predictors.safetensors"
@@ -62,13 +63,14 @@ class PredictorSet:
 
     def to(self, layer: int, device: torch.device, dtype: torch.dtype, int8: bool = False,
            quant: str | None = None) -> None:
-        """Move a layer's predictor to a tier: device and dtype, or int8 (or `quant`: int4)
-        rows on the CPU."""
+        """Move a layer's predictor to a tier: device and dtype, or the rows of the CPU tier
+        whose weights are int8 (or `quant`): int8 on a 4-bit tier too, but for a file's own
+        4-bit matrices (engine.hotcold.placement.predictor_cpu_format)."""
         quant = quant or ("int8" if int8 else None)
 
         def place(w):
             if quant in ("int8", "int4"):
-                return quantize_matrix(w, quant)
+                return quantize_matrix(w, quant if isinstance(w, Q4Matrix) else predictor_cpu_format(quant))
             return w.to_dense(device, dtype) if isinstance(w, QuantMatrix) else w.to(device, dtype)
 
         self.fc1[layer], self.fc2[layer] = place(self.fc1[layer]), place(self.fc2[layer])
@@ -158,7 +160,6 @@ def _kept(w):
 def _stored(name: str, w) -> dict[str, torch.Tensor]:
     """How `save` stores one matrix: its tensor at its dtype, or 4-bit rows as NAME.q4_0
     (plain rows: a set placed on an int4 CPU tier holds them packed)."""
-    from engine.loading.quantized import Q4Matrix
     from engine.loading.tensor_kinds import quant_name
 
     if isinstance(w, Q4Matrix):
@@ -170,7 +171,6 @@ def _stored(name: str, w) -> dict[str, torch.Tensor]:
 
 def _from_stored(tensors: dict[str, torch.Tensor], where) -> dict:
     """`save`'s tensors back: NAME.q4_0 rows as a Q4Matrix under NAME (checked)."""
-    from engine.loading.quantized import Q4Matrix
     from engine.loading.tensor_kinds import QUANT_KINDS, parse_quant_name
 
     out = {}

@@ -34,7 +34,7 @@ from engine.kernels import numba_pool
 
 # The activation codes the kernels branch on (engine.activations, their one home); numba reads
 # these globals as compile-time constants.
-_RELU, _FATRELU, _DRELU, _RELU2 = (ACTIVATION_CODES[n] for n in ("relu", "fatrelu", "drelu", "relu2"))
+_RELU, _FATRELU, _DRELU, _RELU2, _SILU = (ACTIVATION_CODES[n] for n in ("relu", "fatrelu", "drelu", "relu2", "silu"))
 
 # Elements per inner block: the dot keeps vector accumulators inside a block of constant
 # trip count (a variable one stops LLVM vectorising) and issues the prefetches of the row
@@ -128,6 +128,9 @@ def _rows_ahead(w):
 
 @_njit(inline="always", fastmath=True)
 def _nonlinearity(g, code, thr):
+    if code == _SILU:  # SwiGLU; a CATS threshold zeroes the small magnitudes
+        s = g / (np.float32(1.0) + np.exp(-g))
+        return np.float32(0.0) if thr > 0.0 and abs(s) < thr else s
     if code == _FATRELU:
         return g if g >= thr else np.float32(0.0)
     r = g if g > 0.0 else np.float32(0.0)

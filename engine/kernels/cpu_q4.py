@@ -233,6 +233,9 @@ if numba is not None:
 
     @_njit(inline="always", fastmath=True)
     def nonlinearity(g, code, thr):
+        if code == 5:  # silu (CATS threshold when thr > 0)
+            s = g / (np.float32(1.0) + np.exp(-g))
+            return np.float32(0.0) if thr > 0.0 and abs(s) < thr else s
         if code == 1:  # fatrelu
             return g if g >= thr else np.float32(0.0)
         r = g if g > 0.0 else np.float32(0.0)

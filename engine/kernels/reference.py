@@ -6,7 +6,7 @@ and `down_t` [n, d] (= down_proj.weight.T, contiguous). Accumulation is fp32 wha
 row dtype.
 
 Activations (the nonlinearity acts on the gate when there is one, else on up): the table of
-`engine.activations`. `act_threshold` only matters for fatrelu.
+`engine.activations`. `act_threshold` only matters for fatrelu and silu (CATS).
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ def gate_nonlinearity(g: torch.Tensor, activation: str, act_threshold: float = 0
     """The nonlinearity applied to the gate (gated FFN) or to up (ungated FFN). FATReLU at
     threshold 0 is a plain relu, so NaN stays NaN (a broken checkpoint is caught, not masked)."""
     check_activation(activation)
+    if activation == "silu":  # SwiGLU; a CATS threshold zeroes the small magnitudes
+        s = F.silu(g)
+        return torch.where(s.abs() < act_threshold, torch.zeros((), dtype=g.dtype, device=g.device), s) \
+            if act_threshold > 0 else s
     if activation == "fatrelu" and act_threshold > 0:
         return torch.where(g >= act_threshold, g, torch.zeros((), dtype=g.dtype, device=g.device))
     r = torch.relu(g)

@@ -21,6 +21,7 @@ RELU = tl.constexpr(CODES["relu"])
 FATRELU = tl.constexpr(CODES["fatrelu"])
 DRELU = tl.constexpr(CODES["drelu"])
 RELU2 = tl.constexpr(CODES["relu2"])
+SILU = tl.constexpr(CODES["silu"])
 IDENTITY = tl.constexpr(IDENTITY_CODE)
 ACTIVATION_CODES = {**CODES, "identity": IDENTITY_CODE}
 
@@ -49,7 +50,10 @@ def _rows_dot(w_ptr, stride_w, x_ptr, offs_n, live, d, BLOCK_N: tl.constexpr,
 @triton.jit
 def _gate_activation(g, act_threshold, ACT: tl.constexpr):
     """The nonlinearity applied to the gate (gated FFN) or to up (ungated FFN)."""
-    if ACT == FATRELU:
+    if ACT == SILU:  # SwiGLU; a CATS threshold zeroes the small magnitudes
+        s = g / (1.0 + tl.exp(-g))
+        out = tl.where((act_threshold > 0.0) & (tl.abs(s) < act_threshold), 0.0, s)
+    elif ACT == FATRELU:
         # FATReLU (ProSparse): keep g only at or above the threshold (> 0).
         out = tl.where(g >= act_threshold, g, 0.0)
     elif ACT == RELU2:

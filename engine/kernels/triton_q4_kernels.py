@@ -10,6 +10,7 @@ from engine.activations import CODES, IDENTITY_CODE
 FATRELU = tl.constexpr(CODES["fatrelu"])
 DRELU = tl.constexpr(CODES["drelu"])
 RELU2 = tl.constexpr(CODES["relu2"])
+SILU = tl.constexpr(CODES["silu"])
 IDENTITY = tl.constexpr(IDENTITY_CODE)
 
 
@@ -59,7 +60,10 @@ def _q4_rows_kernel(x_ptr, gate_ptr, up_ptr, rb, n, nb, logits_ptr, ids_ptr, pth
         g = _q4_dot(gate_ptr, row_off, live, x_ptr, nb, BLOCK)
     else:
         g = _q4_dot(up_ptr, row_off, live, x_ptr, nb, BLOCK)
-    if ACT == FATRELU:
+    if ACT == SILU:
+        s = g / (1.0 + tl.exp(-g))
+        a = tl.where((act_thr > 0.0) & (tl.abs(s) < act_thr), 0.0, s)
+    elif ACT == FATRELU:
         a = tl.where(g >= act_thr, g, 0.0)
     elif ACT == RELU2:
         r = tl.maximum(g, 0.0)

@@ -5,12 +5,13 @@ the model registry's command without loading the engine. What is accepted:
 - PowerInfer files: the magic `PWRI` in place of `GGUF` (written over the header by
   PowerInfer's convert.py), predictors `blk.N.fc1` / `blk.N.fc2`, the down projection
   stored transposed as `blk.N.ffn_down_t`, `powerinfer.sparse_threshold`;
-- plain llama.cpp files of the `llama` and `bamboo` architectures;
-- tensors in F32, F16, BF16, Q8_0, Q4_0 and Q6_K (llama-quantize's type for the output head
-  of a Q4_0 file: kept as its blocks, decoded exactly to fp32 when read); other types,
-  the other K-quants included, are refused.
+- plain llama.cpp files of the `llama` and `bamboo` architectures (a plain `llama` file
+  without predictors is SwiGLU, as llama.cpp computes it: Llama 2/3, Mistral, SmolLM2);
+- tensors in F32, F16, BF16, Q8_0, Q4_0 and the types of engine.loading.ggml_quants (Q4_1,
+  Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: kept as their blocks, decoded exactly to fp32 when read);
+  other types are refused.
 Written: config.json, model.safetensors in Hugging Face names and layout (F16/BF16/F32
-kept as they are; Q4_0/Q8_0/Q6_K kept as the file's blocks, the checkpoint's quantized tensor
+kept as they are; Q4_0/Q8_0 and the ggml_quants types kept as the file's blocks, the checkpoint's quantized tensor
 kinds of engine.loading.weights: `NAME.q4_0` / `NAME.q8_0` / `NAME.q6_k`, or `NAME.t.q4_0` for
 PowerInfer's transposed down projection, so the checkpoint is about the GGUF's size and
 the CPU tier's 4-bit rows are the file's bytes - except a plain file's `ffn_down`, whose
@@ -38,6 +39,7 @@ import numpy as np
 
 from engine.activations import NAMES
 from engine.errors import ModelFormatError, UserError
+from engine.loading.ggml_quants import TYPE_NAMES as BLOCK_TYPES
 
 POWERINFER_MAGIC = b"PWRI"
 GGUF_MAGIC = b"GGUF"
@@ -46,13 +48,16 @@ ACTIVATIONS = NAMES
 Progress = Callable[[float, str], None]
 
 _ROWS_PER_STEP = 4096  # rows dequantized at a time: bounds the fp32 copy
+_READS = (f"Thermocline reads F32, F16, BF16, Q8_0, Q4_0, {', '.join(BLOCK_TYPES)} tensors (convert the file to "
+          "one of these with llama.cpp's llama-quantize)")
 
 
 def _types():
     import gguf
 
     T = gguf.GGMLQuantizationType
-    return {T.F32: "F32", T.F16: "F16", T.BF16: "BF16", T.Q8_0: "Q8_0", T.Q4_0: "Q4_0", T.Q6_K: "Q6_K"}
+    return {T.F32: "F32", T.F16: "F16", T.BF16: "BF16", T.Q8_0: "Q8_0", T.Q4_0: "Q4_0",
+            **{T[kind]: kind for kind in BLOCK_TYPES}}
 
 
 @dataclass
@@ -102,9 +107,7 @@ def _reader_class():
                 except ValueError:
                     raise _Refused(f"tensor {name} has the unknown type id {int(raw_dtype[0])}") from None
                 if qtype not in supported:
-                    raise _Refused(f"tensor {name} is {qtype.name}; Thermocline reads F32, F16, BF16, Q8_0 and "
-                                   "Q4_0 tensors (and Q6_K; convert the file to one of these with llama.cpp's "
-                                   "llama-quantize)", user=True)
+                    raise _Refused(f"tensor {name} is {qtype.name}; {_READS}", user=True)
                 shape = [int(x) for x in dims.tolist()]
                 block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
                 if not shape or any(x <= 0 for x in shape) or shape[0] % block:
@@ -170,9 +173,7 @@ def read_gguf(path: str | Path) -> GgufModel:
     for t in reader.tensors:
         kind = supported.get(t.tensor_type)
         if kind is None:
-            raise UserError(f"{path.name}: tensor {t.name} is {t.tensor_type.name}; Thermocline reads F32, F16, "
-                            "BF16, Q8_0, Q4_0 and Q6_K tensors (convert the file to one of these with llama.cpp's "
-                            "llama-quantize)")
+            raise UserError(f"{path.name}: tensor {t.name} is {t.tensor_type.name}; {_READS}")
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         n = math.prod(shape)
         block, block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
@@ -273,10 +274,8 @@ def _hf_config(m: GgufModel, activation: str | None) -> dict:
             activation = "drelu"
         elif m.powerinfer or "blk.0.fc1.weight" in m.tensors:
             activation = "relu"  # PowerInfer's llama models are ReluLLaMA / ProSparse
-        else:
-            raise UserError(f"{m.path.name} is a plain llama GGUF, which does not say its activation; Thermocline "
-                            "runs ReLU-family models only: pass --activation relu (ReluLLaMA, ProSparse) if it is "
-                            "one")
+        else:  # llama.cpp's `llama` computes SiLU: a ReLU Llama's plain file needs --activation relu
+            activation = "silu"
     if activation not in ACTIVATIONS:
         raise UserError(f"unknown activation {activation!r}: choose one of {', '.join(ACTIVATIONS)}")
     config = {
@@ -362,7 +361,7 @@ def _safetensors_dtype(kind: str) -> str:
 
 
 def _kept_as_blocks(kind: str, ndim: int, quantized: bool) -> bool:
-    return quantized and kind in ("Q4_0", "Q8_0", "Q6_K") and ndim == 2
+    return quantized and kind in ("Q4_0", "Q8_0", *BLOCK_TYPES) and ndim == 2
 
 
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2}

@@ -5,7 +5,7 @@ Single files and shards (`model.safetensors.index.json`) are both served by
 copied until the engine converts it into its own layout.
 
 Quantized tensor kinds (`engine.loading.tensor_kinds`, written by the GGUF import):
-`get(NAME)` of a weight stored as `NAME.q4_0` / `NAME.q8_0` / `NAME.q6_k` / `NAME.t.q4_0` dequantizes
+`get(NAME)` of a weight stored as `NAME.q4_0` / `NAME.q8_0` / `NAME.q4_k` (any kind of engine.loading.ggml_quants) / `NAME.t.q4_0` dequantizes
 (exact: fp32 holds every value); `q4_rows(NAME)` hands the 4-bit rows over as they are,
 so the CPU tier's Q4_0 rows are the file's bytes.
 """
@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from engine.loading.confine import check_relative_name
 from engine.errors import ModelFormatError
+from engine.loading.ggml_quants import REFERENCE_KINDS, dequantize_rows
 from engine.loading.tensor_kinds import QUANT_KINDS, parse_quant_name as _parse_quant_name
 
 
@@ -31,11 +32,8 @@ def dequantize_blocks(q: torch.Tensor, kind: str) -> torch.Tensor:
         from engine.kernels.cpu_q4 import dequantize_rows_q4
 
         return dequantize_rows_q4(q, nbytes // size * block)
-    if kind.lower() == "q6_k":  # ggml's own decode (the gguf package): exact in fp32
-        import gguf
-
-        rows = gguf.quants.dequantize(q.numpy(), gguf.GGMLQuantizationType.Q6_K)
-        return torch.from_numpy(rows.astype("float32", copy=False)).reshape(n, -1)
+    if kind.lower() in REFERENCE_KINDS:  # ggml's own decode (the gguf package): exact in fp32
+        return torch.from_numpy(dequantize_rows(q.numpy(), kind.lower()))
     blocks = q.reshape(n, nbytes // size, size)
     d = blocks[:, :, :2].contiguous().view(torch.float16).to(torch.float32)  # [n, nb, 1]
     vals = blocks[:, :, 2:].contiguous().view(torch.int8).to(torch.float32)
