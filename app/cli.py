@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         if args.debug:
             raise
-        sys.stderr.write(f"error: {exc}\n")
+        sys.stderr.write(f"error: {one_line(str(exc))}\n")
         return 2
     except KeyboardInterrupt:
         return 130
@@ -77,6 +77,16 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"error: the disk is full{where}; free some space and run the same command "
                          "again: work already done is kept and resumes\n")
         return 2
+
+
+MAX_ERROR_CHARS = 500
+
+
+def one_line(message: str) -> str:
+    """An error message as one short line: a message that quotes hostile input (a 200 MB
+    string from a tokenizer.json, a library's many-line text) is cut, never echoed whole."""
+    message = " ".join(message.split())
+    return message if len(message) <= MAX_ERROR_CHARS else message[:MAX_ERROR_CHARS - 30] + " … (message cut)"
 
 
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}

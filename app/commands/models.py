@@ -263,24 +263,40 @@ def _import_gguf(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from models_registry.download import verify_model
+    from models_registry.download import verify_files
     from models_registry.manage import model_folder
 
     folder = model_folder(args.model)
     if not folder.is_dir():
         raise UserError(f"{args.model} is not downloaded; nothing to verify")
-    bad = verify_model(folder)
+    report = verify_files(folder)
     if args.json:
-        print(json.dumps({"path": str(folder), "damaged": bad}))
-    elif bad:
-        print(f"{len(bad)} damaged file(s): {', '.join(bad)}; run `thermocline models download {args.model}` "
-              "to fetch them again")
+        print(json.dumps({"path": str(folder), "damaged": report.bad, "missing": report.missing,
+                          "different": report.different}))
+    elif report.bad:
+        parts = ([f"missing: {', '.join(report.missing)}"] if report.missing else []) + \
+                ([f"different from the Hub's: {', '.join(report.different)}"] if report.different else [])
+        print(f"{len(report.bad)} file(s) of {args.model} do not match the pinned revision ({'; '.join(parts)}); "
+              f"run `thermocline models download {args.model}` to fetch them again")
     else:
         print(f"all files of {args.model} match the Hub's hashes")
-    return 1 if bad else 0
+    return 1 if report.bad else 0
 
 
 # -- fit -------------------------------------------------------------------------------------
+def _fit_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise UserError(f"{str(folder)[:160]!r} has no config.json: it is not a model folder")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{str(path)[:160]!r} is not valid JSON ({str(exc)[:120]})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{str(path)[:160]!r} is not a JSON object")
+    return config
+
+
 def cmd_fit(args) -> int:
     from models_registry.catalogue import find_entry
     from models_registry.fit import BytesModel, estimate_fit
@@ -294,8 +310,8 @@ def cmd_fit(args) -> int:
     folder = None
     try:
         folder = resolve_model(args.model)
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (UserError, OSError, ValueError):
+        config = _fit_config(folder)
+    except UserError:
         if entry is None or not entry.config:
             raise
         config = entry.config  # not downloaded: size it from the catalogue's shape

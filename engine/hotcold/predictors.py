@@ -10,6 +10,7 @@ found by the names its architecture module lists) are copied from it.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,9 +132,7 @@ class PredictorSet:
             fc2 = [_kept(layers[i]["fc2.weight"]) for i in layers]
         except KeyError as exc:
             raise ModelFormatError(f"predictor in {where} lacks {exc}") from None
-        if len(thresholds) != len(fc1):
-            thresholds = [float(thresholds[0]) if thresholds else 0.0] * len(fc1)
-        return cls(fc1, fc2, [float(t) for t in thresholds], source)
+        return cls(fc1, fc2, _thresholds(thresholds, len(fc1), where), source)
 
     def check(self, num_layers: int | None, dim: int | None, n_ff: int | None) -> None:
         if num_layers is not None and len(self) != num_layers:
@@ -209,8 +208,10 @@ def import_powerinfer_predictors(src_dir: Path, model_dir: Path) -> Path:
     for number in sorted(files):  # numeric order: layer 10 after layer 2
         try:
             state = torch.load(files[number], map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - weights_only refuses anything but plain tensors
-            raise ModelFormatError(f"cannot load {files[number].name} safely: {exc}") from None
+        except Exception:  # noqa: BLE001 - weights_only refuses anything but plain tensors
+            # Never torch's message: it ends in advice to load the file with weights_only=False.
+            raise ModelFormatError(f"{files[number].name} holds code, not only tensors, and cannot be loaded "
+                                   "safely; Thermocline never runs it") from None
         if not isinstance(state, dict):
             raise ModelFormatError(f"{files[number].name} is not a state dict")
         layers[number] = {k: v for k, v in state.items() if k in ("fc1.weight", "fc2.weight")}
@@ -252,3 +253,18 @@ def import_checkpoint_predictors(model_dir: Path, config) -> Path | None:
     predictors = PredictorSet(fc1, fc2, [0.0] * config.num_layers, source="checkpoint")
     predictors.check(config.num_layers, config.hidden_size, config.intermediate_size)
     return predictors.save(model_dir)
+
+
+def _thresholds(values, layers: int, where) -> list[float]:
+    """One finite number per layer (one number, or a list of one, serves them all)."""
+    if not isinstance(values, list):
+        values = [values]
+    if len(values) != layers:
+        values = values[:1] * layers if values else [0.0] * layers
+    out = []
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ModelFormatError(f"the predictor file {where} holds a threshold that is not a number "
+                                   f"({str(value)[:40]!r}); train or import the predictors again")
+        out.append(float(value))
+    return out

@@ -166,8 +166,10 @@ def read_gguf(path: str | Path) -> GgufModel:
             raise ModelFormatError(f"{path.name} is corrupt: metadata field {name!r} cannot be read") from None
     arch = fields.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise UserError(f"{path.name} is a {arch!r} model; Thermocline imports GGUFs of the "
-                        f"{' and '.join(ARCHITECTURES)} architectures (ReLU-family models)")
+        named = f"its architecture is {arch[:60]!r}" if isinstance(arch, str) and arch else \
+            "it names no readable architecture"
+        raise UserError(f"{path.name} is not a GGUF of a supported architecture ({named}); Thermocline imports "
+                        f"GGUFs of the {' and '.join(ARCHITECTURES)} architectures (ReLU-family models)")
     supported = _types()
     tensors = {}
     for t in reader.tensors:

@@ -22,8 +22,11 @@ def model_folder(model: str | Path) -> Path:
     """The folder `Engine.load` was given; names (`demo`, catalogue and repo ids) resolve in
     the callers (`models_registry.resolve_model`, `app.open_model`)."""
     path = Path(model).expanduser()
+    if path.is_file():
+        raise UserError(f"{str(model)[:160]!r} is a file, not a folder: a model is a folder with a config.json")
     if not path.is_dir():
-        raise UserError(f"model folder {model} does not exist (names resolve with models_registry.resolve_model)")
+        raise UserError(f"model folder {str(model)[:160]!r} does not exist "
+                        "(names resolve with models_registry.resolve_model)")
     return path
 
 

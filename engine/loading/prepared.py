@@ -158,7 +158,12 @@ class PreparedRows:
         self.path = path
         with open(path, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
+            size = os.fstat(f.fileno()).st_size
+            if length > size - 8:  # a damaged length: checked before anything that size is allocated
+                raise ValueError(f"its header length {length} is beyond the file's {size} bytes")
             self.header = json.loads(f.read(length))
+            if not isinstance(self.header, dict):
+                raise ValueError("its header is not a JSON object")
         self.metadata = self.header.pop("__metadata__", {})
         self.fmt = self.metadata.get("format")
         self._map = host_memory.map_file(path)  # copy-on-write, advised for huge pages
