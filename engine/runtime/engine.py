@@ -18,6 +18,7 @@ from typing import Iterator
 import torch
 
 from engine.config import DEFAULT_CTX, ModelConfig  # noqa: F401 (DEFAULT_CTX: older imports)
+from engine.activations import dense_only_words, is_sparse
 from engine.errors import ContextFullError, ModelFormatError, UserError
 from engine.runtime.kv_cache import KVCache
 from engine.loading.loader import Progress, model_folder
@@ -135,6 +136,10 @@ class Engine:
         if ctx is not None and ctx > config.max_positions:
             notes.append(f"context {ctx} is capped at the {config.max_positions} positions {model_dir.name} "
                          f"was trained on")
+        if not is_sparse(config.activation, config.activation_threshold):
+            if mode != "dense":
+                raise UserError(f"{model_dir.name}: {dense_only_words(config)}; load it with --mode dense")
+            notes.append(f"{model_dir.name} runs dense: {dense_only_words(config)}")
         ctx = config.context_length(ctx)  # no longer than the model was trained for (as place/fit count)
         check_kv_fits(config, ctx, device)
         tokenizer = Tokenizer(model_dir)
