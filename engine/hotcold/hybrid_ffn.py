@@ -88,6 +88,18 @@ def concat_rows(parts: list):
                                   cat("down_scale"), quant=parts[0].quant)
 
 
+class ColdIds:
+    """Cold neuron ids whose rows are not held (a disk load's layer while it loads)."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    nbytes = 0
+
+
 class HybridFfn:
     def __init__(self, layer: int, gated: bool, activation: str, threshold: float, n_ff: int,
                  hot: HotRows, cold: ColdRows, context):

@@ -56,6 +56,10 @@ class GenerationStats:
     mode: str = "dense"
     ffn_active_fraction: float = 0.0
     hot_hit_fraction: float = 0.0
+    # the disk tier (engine.hotcold.neuron_cache): of the cold neurons computed, the share the
+    # RAM cache served, and the bytes read from the prepared file per token (prompt included)
+    cache_hit_fraction: float = 1.0
+    disk_read_bytes_per_token: float = 0.0
     vram_bytes: int = 0
     ram_bytes: int = 0
     device: str = "cpu"
@@ -384,6 +388,8 @@ class Engine:
         stats.vram_bytes, stats.ram_bytes, stats.device = mem["vram_bytes"], mem["ram_bytes"], mem["device"]
         if self.sparse is not None:
             stats.ffn_active_fraction, stats.hot_hit_fraction = self.sparse.generation_fractions()
+            stats.cache_hit_fraction, stats.disk_read_bytes_per_token = self.sparse.disk_fractions(
+                stats.prompt_tokens - stats.cached_tokens + stats.new_tokens)
 
     def memory(self) -> dict:
         """Bytes of weights and KV cache per tier, as allocated."""
