@@ -50,6 +50,21 @@ def has_display() -> bool:
     return any(os.environ.get(v) for v in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM"))
 
 
+def _window() -> int:
+    """The window; where its X11 libraries are missing, what to install, then the terminal
+    chat where there is a terminal (the one place that decides the fallback)."""
+    from app.gui.main import explain_missing_libraries, missing_window_libraries, run_window
+
+    missing = missing_window_libraries()
+    if not missing:
+        return run_window()
+    code = explain_missing_libraries(missing)
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return code
+    print("Starting the terminal chat instead…", file=sys.stderr)
+    return main(["chat"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -58,14 +73,12 @@ def main(argv: list[str] | None = None) -> int:
             if not has_display():
                 sys.stderr.write("no display found: starting the terminal chat (`thermocline chat`)\n")
                 return main(["chat"])
-            from app.gui.main import run_window
-
-            return run_window()
+            return _window()
         return int(args.handler(args) or 0)
     except UserError as exc:
         if args.debug:
             raise
-        sys.stderr.write(f"error: {exc}\n")
+        sys.stderr.write(f"error: {one_line(str(exc))}\n")
         return 2
     except KeyboardInterrupt:
         return 130
@@ -77,6 +90,16 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"error: the disk is full{where}; free some space and run the same command "
                          "again: work already done is kept and resumes\n")
         return 2
+
+
+MAX_ERROR_CHARS = 500
+
+
+def one_line(message: str) -> str:
+    """An error message as one short line: a message that quotes hostile input (a 200 MB
+    string from a tokenizer.json, a library's many-line text) is cut, never echoed whole."""
+    message = " ".join(message.split())
+    return message if len(message) <= MAX_ERROR_CHARS else message[:MAX_ERROR_CHARS - 30] + " … (message cut)"
 
 
 _DISK_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,34 +51,40 @@ class Option:
     section: str = ""
     label: str = ""
     choice_labels: tuple | None = None
+    # A value outside [minimum, maximum] that means "not set" (the text size's 0: the system's).
+    unset: Any = None
 
     def validate(self, value: Any) -> Any:
         """The value converted to this option's type; ValueError says why not."""
+        if isinstance(value, float) and not math.isfinite(value):  # 1e400 reads as inf; NaN passes every bound
+            raise ValueError(f"{self.name} must be a finite number, not {value}")
         if value is None:
             if self.nullable:
                 return None
             raise ValueError(f"{self.name} cannot be empty")
         if self.type is bool:
             if not isinstance(value, bool):
-                raise ValueError(f"{self.name} must be true or false, not {value!r}")
+                raise ValueError(f"{self.name} must be true or false, not {_shown(value)}")
         elif self.type is int:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-                raise ValueError(f"{self.name} must be a whole number, not {value!r}")
+                raise ValueError(f"{self.name} must be a whole number, not {_shown(value)}")
             value = int(value)
         elif self.type is float:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{self.name} must be a number, not {value!r}")
+                raise ValueError(f"{self.name} must be a number, not {_shown(value)}")
             value = float(value)
         elif self.type is str:
             if not isinstance(value, str):
-                raise ValueError(f"{self.name} must be text, not {value!r}")
+                raise ValueError(f"{self.name} must be text, not {_shown(value)}")
         elif self.type is dict:
             if not isinstance(value, dict):
-                raise ValueError(f"{self.name} must be a mapping, not {value!r}")
+                raise ValueError(f"{self.name} must be a mapping, not {_shown(value)}")
         elif self.type is list:
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise ValueError(f"{self.name} must be a list of text, not {value!r}")
+                raise ValueError(f"{self.name} must be a list of text, not {_shown(value)}")
             value = list(value)
+        if self.unset is not None and value == self.unset:
+            return value
         if self.minimum is not None and value < self.minimum:
             raise ValueError(f"{self.name} must be at least {self.minimum}, not {value}")
         if self.maximum is not None and value > self.maximum:
@@ -85,6 +92,12 @@ class Option:
         if self.choices is not None and value not in self.choices:
             raise ValueError(f"{self.name} must be one of {', '.join(map(str, self.choices))}")
         return value
+
+
+def _shown(value: Any) -> str:
+    """A value from the file quoted in a warning, never echoed at length."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:70] + "..."
 
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Answer clearly and concisely."
@@ -125,6 +138,8 @@ SCHEMA: tuple[Option, ...] = (
     # The window's local OpenAI-compatible server (its key is never saved).
     Option("server.host", str, "127.0.0.1", "Address the local server listens on; not loopback needs a key."),
     Option("server.port", int, 8080, "Port of the local server.", minimum=1, maximum=65535),
+    Option("server.allowed_origins", list, [], "Web page origins (scheme://host[:port], or *) whose scripts "
+           "may call the local server; none by default (see app/server/guard.py)."),
     # Window state.
     Option("ui.geometry", str, "", "Saved window geometry (base64)."),
     Option("ui.splitter", str, "", "Saved splitter sizes (base64)."),
@@ -133,8 +148,8 @@ SCHEMA: tuple[Option, ...] = (
     Option("ui.theme", str, "system", "Light or dark colours; System follows the desktop.",
            choices=("system", "light", "dark"), section="Appearance", label="Theme",
            choice_labels=("Same as the system", "Light", "Dark")),
-    Option("ui.font_size", int, 0, "Text size in points; 0 keeps the system's size.", minimum=0, maximum=24,
-           section="Appearance", label="Text size"),
+    Option("ui.font_size", int, 0, "Text size in points (7 to 24); 0 keeps the system's size.", minimum=7,
+           maximum=24, unset=0, section="Appearance", label="Text size"),
     Option("ui.welcome_shown", bool, False, "The first-start welcome has been shown."),
     Option("ui.last_conversation", int, None, "Conversation open when the app was closed.", nullable=True),
 )
@@ -245,7 +260,7 @@ class Settings:
             try:
                 self._values[name] = opt.validate(value)
             except ValueError as exc:
-                log.warning("ignoring setting: %s", exc)
+                log.warning("%s: ignoring %s (the default applies): %s", self.path, _shown(name), exc)
 
     def _save(self) -> None:
         try:

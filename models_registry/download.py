@@ -4,7 +4,7 @@ Order of work: pin the revision to a commit; fetch config.json and refuse unsupp
 architectures before any weights; check free disk; fetch every file resumably into
 `thermocline/partial/`, verify it against the Hub's sha256 (LFS) or git blob id, move it
 into place; then hand the predictor folder to `on_predictors_downloaded(src, model_dir)`
-(the CLI passes `engine.hotcold.predictors.import_powerinfer_predictors`). A file whose hash does
+(the CLI passes `engine.loading.predictor_import.import_powerinfer_predictors`). A file whose hash does
 not match is reported with a `corrupt` event, removed and fetched again; a second mismatch
 stops the download with an error. The model is marked ready only when every file checked.
 """
@@ -28,7 +28,8 @@ from .arch import detect_architecture
 from .catalogue import DEFAULT_MODEL_FILES, CatalogueEntry, find_entry
 from .hardware import free_disk
 from .hub import (
-    RemoteFile, RepoPlan, auth_headers, check_access, fetch_plan, file_url, hub_endpoint, hub_error, is_offline,
+    OfflineModeOn, RemoteFile, RepoPlan, auth_headers, check_access, fetch_plan, file_url, hub_endpoint, hub_error,
+    is_offline,
 )
 from .gguf_fetch import choose_gguf, import_gguf_predictors_from_hub
 from .gguf_weights import import_bytes, import_weights_gguf, weights_gguf_plan
@@ -211,7 +212,7 @@ def download_model(
         if state.get("status") == "ready" and _files_intact(model_dir, state):
             ProgressMeter(repo, 0, progress).emit("done", message="offline: using the downloaded copy")
             return _result_from_state(model_dir, repo, state, from_cache=True)
-        raise UserError(f"offline mode: {name} is not downloaded, or incomplete; "
+        raise OfflineModeOn(f"offline mode: {name} is not downloaded, or incomplete; "
                         "turn offline mode off (HF_HUB_OFFLINE / Settings) to download it")
     if state.get("status") == "ready" and _files_intact(model_dir, state) and (
             revision is None or revision == state.get("revision")) and not (
@@ -272,6 +273,9 @@ def download_model(
 
     state.update(status="downloading", repo=repo, revision=plan.commit, endpoint=endpoint,
                  catalogue_id=entry.id if entry else None, started=state.get("started") or time.time())
+    if not gguf_weights:  # the pinned revision's whole list: `verify` names what is missing (a GGUF is imported, not kept)
+        state["planned"] = {rel: {"size": f.size, "hash": list(f.expected_hash)}
+                            for repo_plan, rel, f in jobs if repo_plan is plan}  # predictors become a sidecar
     if pred_plan is not None:
         state["predictor"] = {"repo": pred_plan.repo, "revision": pred_plan.commit}
     if entry is not None:  # read by engine.config when config.json names no activation (old Falcon)
@@ -477,29 +481,58 @@ def _result_from_state(model_dir: Path, repo: str, state: dict, from_cache: bool
                           predictors=state.get("predictors", "none"))
 
 
-def verify_model(model_dir: Path) -> list[str]:
-    """Re-hash every recorded file of a downloaded model; return those that do not match.
+@dataclass
+class VerifyReport:
+    missing: list[str]  # files of the pinned revision that are not on disk
+    different: list[str]  # on disk, but not the Hub's size or hash
 
-    Damaged files are un-marked (the model goes back to "downloading"), never deleted here:
-    the next download reports and re-fetches them.
+    @property
+    def bad(self) -> list[str]:
+        return sorted(self.missing + self.different)
+
+
+def verify_files(model_dir: Path) -> VerifyReport:
+    """Re-hash every file of the pinned revision (the full list recorded when the download
+    began, not only the files that arrived): which are missing, which differ.
+
+    Damaged or missing files are un-marked (the model goes back to "downloading"), never
+    deleted here: the next download reports and re-fetches them.
     """
     state = read_state(model_dir)
-    if not state or not state.get("files"):
+    if not state or not (state.get("files") or state.get("planned")):
         raise UserError(f"{model_dir} has no download record to verify against")
-    bad = []
-    for rel, meta in state["files"].items():
-        if not meta.get("hash"):
-            continue  # imported from a local folder: there is no Hub hash to compare with
+    recorded = state.get("files") or {}
+    if "planned" not in state and state.get("status") != "ready":
+        raise UserError(f"the download into {model_dir} did not finish; run `thermocline models download` "
+                        "again to complete it")
+    expected = {**recorded, **(state.get("planned") or {})}  # the Hub's word wins
+    converted = state.get("converted") or {}
+    missing, different = [], []
+    for rel, meta in sorted(expected.items()):
+        if rel in converted and (Path(model_dir) / converted[rel]).is_file():
+            continue  # a pickle turned into safetensors: the converted file is checked instead
         path = Path(model_dir) / rel
-        kind, expected = meta["hash"]
-        if not path.is_file() or path.stat().st_size != meta["size"] or \
-                hash_file(path, kind, meta["size"]).hexdigest() != expected:
-            bad.append(rel)
-            meta["verified"] = False
-    if bad:
+        if not path.is_file():
+            missing.append(rel)
+        elif not meta.get("hash"):
+            continue  # imported from a local folder: there is no Hub hash to compare with
+        elif path.stat().st_size != meta["size"] or hash_file(path, meta["hash"][0], meta["size"]).hexdigest() \
+                != meta["hash"][1]:
+            different.append(rel)
+        else:
+            continue
+        if rel in recorded:
+            recorded[rel]["verified"] = False
+    if missing or different:
         state["status"] = "downloading"
         write_state(model_dir, state)
-    return bad
+    return VerifyReport(missing, different)
 
 
-__all__ = ["DownloadResult", "IntegrityError", "disk_need", "download_model", "planned_disk", "verify_model"]
+def verify_model(model_dir: Path) -> list[str]:
+    """The files of `verify_files` that are missing or differ, by name."""
+    return verify_files(model_dir).bad
+
+
+__all__ = ["DownloadResult", "IntegrityError", "VerifyReport", "disk_need", "download_model", "planned_disk",
+           "verify_files", "verify_model"]

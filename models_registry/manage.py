@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Callable
 
 from engine.errors import UserError
+from engine.units import format_size
 
 from .arch import detect_architecture
 from .catalogue import CatalogueEntry, find_entry, load_catalogue
 from .download import PREDICTOR_SUBDIR
+from .import_files import SourceFile, SourceFiles, bring_in, check_space
 from .paths import models_dir, repo_folder_name
 from .pickles import convert_pickles as _convert_pickles
 from .pickles import has_pickle_weights
@@ -30,6 +32,7 @@ from .state import SIDECAR, read_state, write_state
 LOCAL_ORG = "local"
 # Sidecar files worth keeping from an imported folder (the rest is another download's state).
 KEPT_SIDECAR_FILES = ("predictors.safetensors", "activation_stats.safetensors")
+MAX_CONFIG_BYTES = 16 << 20
 
 
 @dataclass
@@ -68,7 +71,9 @@ def _listing_for_folder(folder: Path, listing: ModelListing) -> ModelListing:
     listing.path = str(folder)
     listing.bytes_on_disk = _dir_bytes(folder)
     if state is None:
-        listing.status = "ready" if (folder / "config.json").is_file() else "damaged"
+        # A folder placed by hand is taken as is; a local/ one without state is an unfinished import.
+        by_hand = not folder.name.startswith(repo_folder_name(LOCAL_ORG + "/"))
+        listing.status = "ready" if by_hand and (folder / "config.json").is_file() else "damaged"
     else:
         listing.status = {"ready": "ready", "downloading": "downloading"}.get(state.get("status"), "damaged")
         listing.predictors = state.get("predictors", listing.predictors)
@@ -179,16 +184,61 @@ def remove_model(name: str, root: Path | None = None) -> int:
     return freed
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
-    """Hard-link (same filesystem: no second copy of the weights) or copy the file `src`
-    points at: a symlink (a Hugging Face cache snapshot is all relative links into
-    `../../blobs`) is resolved first, or the link made here would dangle."""
-    real = src.resolve(strict=True)
-    dst.parent.mkdir(parents=True, exist_ok=True)
+IMPORT_PREFIX = ".import-"  # no "--": a folder being built is never listed as a model
+
+
+def _clear_stale_imports(root: Path) -> None:
+    """Remove hidden import folders whose process is gone (killed mid-import): the next attempt heals."""
+    for folder in root.glob(IMPORT_PREFIX + "*"):
+        pid = folder.name[len(IMPORT_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or not _process_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
     try:
-        os.link(real, dst, follow_symlinks=False)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
     except OSError:
-        shutil.copy2(real, dst)
+        return True  # alive, someone else's
+    return True
+
+
+def _building_folder(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    _clear_stale_imports(root)
+    return Path(tempfile.mkdtemp(prefix=f"{IMPORT_PREFIX}{os.getpid()}-", dir=root))
+
+
+def _free_target(target: Path, name: str) -> None:
+    """Refuse a name in use; a folder an interrupted import left (no "ready" state) is replaced."""
+    if not os.path.lexists(target):
+        return
+    real_folder = target.is_dir() and not target.is_symlink()
+    state = read_state(target) if real_folder else None
+    if state is not None and state.get("status") == "ready":
+        raise UserError(f"a model named {LOCAL_ORG}/{name} already exists; remove it first or pick another --name")
+    if real_folder:
+        shutil.rmtree(target)
+    else:
+        target.unlink()
+
+
+def _source_folder(src: Path) -> Path:
+    if src.is_file():
+        raise UserError(f"{_shown(src)} is a file, not a folder: import a model folder (with config.json) "
+                        "or a .gguf file")
+    if not src.is_dir():
+        raise UserError(f"{_shown(src)} does not exist")
+    return src
+
+
+def _shown(path: Path) -> str:
+    text = str(path)
+    return repr(text if len(text) <= 160 else text[:150] + "...")
 
 
 def import_model(src: str | os.PathLike, name: str | None = None, *, root: Path | None = None,
@@ -197,42 +247,52 @@ def import_model(src: str | os.PathLike, name: str | None = None, *, root: Path 
                  convert_pickles: Callable[[Path], dict] | None = None) -> Path:
     """Add a local Hugging Face-layout folder to the models folder as `local/<name>`.
 
-    The architecture is checked first. Files are hard-linked when the folder is on the same
-    filesystem, else copied; symlinks are followed. A PowerInfer predictor folder (`model_N.pt`,
+    The architecture is checked first. Only regular files inside the folder are taken
+    (`import_files`: a link out of it, a FIFO or a device is refused, naming it); a file is
+    hard-linked when it is its inode's one name and on the same filesystem, else copied, after
+    the copies are checked against the free disk. A PowerInfer predictor folder (`model_N.pt`,
     with its config.json's `sparse_threshold`) can come along. PyTorch pickles
     (`pytorch_model*.bin`) become safetensors in the new folder (the user's folder is left as it
     is); a pickle that would run code is refused. The import is built in a hidden folder and
-    renamed into place at the end: a failure (a refused pickle or predictor, a full disk) leaves
-    nothing behind, and the same command can be run again.
+    renamed into place at the end: a failure (a refused pickle or predictor, a full disk, a kill)
+    leaves nothing listed, and the same command can be run again.
     """
-    src = Path(src).expanduser()
-    if not (src / "config.json").is_file():
-        raise UserError(f"{src} is not a model folder: it has no config.json")
+    src = _source_folder(Path(src).expanduser())
+    files = SourceFiles(src)
+    if not (src / "config.json").exists() and not (src / "config.json").is_symlink():
+        raise UserError(f"{_shown(src)} is not a model folder: it has no config.json")
+    config_file = files.check(src / "config.json")
     try:
-        config = json.loads((src / "config.json").read_text(encoding="utf-8"))
+        if config_file.size > MAX_CONFIG_BYTES:
+            raise ValueError(f"it is {format_size(config_file.size)}, more than a config can be")
+        config = json.loads(config_file.real.read_text(encoding="utf-8"))
     except (ValueError, OSError) as exc:
-        raise UserError(f"{src}/config.json is not valid JSON: {exc}") from exc
+        raise UserError(f"{_shown(src / 'config.json')} is not valid JSON: {str(exc)[:200]}") from None
     detect_architecture(config)
     weights = [p for p in src.iterdir() if p.suffix == ".safetensors" or
                (p.name.startswith("pytorch_model") and p.suffix == ".bin")]
     if not weights:
-        raise UserError(f"{src} has no weights (*.safetensors or pytorch_model*.bin)")
-    for path in weights:
-        if not path.exists():
-            raise UserError(f"{path} is a broken link; the model folder is incomplete")
+        raise UserError(f"{_shown(src)} has no weights (*.safetensors or pytorch_model*.bin)")
+    taken = _source_files(src, files)
     name = (name or src.resolve().name).strip()
     if not is_repo_id(f"{LOCAL_ORG}/{name}"):
-        raise UserError(f"cannot use {name!r} as a model name: use letters, digits, '-', '_' and '.'")
-    if predictors_dir is not None and not any(Path(predictors_dir).glob("model_*.pt")):
-        raise UserError(f"{predictors_dir} has no PowerInfer predictor files (model_N.pt)")
+        raise UserError(f"cannot use {name[:100]!r} as a model name: use letters, digits, '-', '_' and '.'")
+    predictor_files = []
+    if predictors_dir is not None:
+        pdir = _source_folder(Path(predictors_dir).expanduser())
+        wanted = sorted(pdir.glob("model_*.pt"))
+        if not wanted:
+            raise UserError(f"{_shown(pdir)} has no PowerInfer predictor files (model_N.pt)")
+        extra = pdir / "config.json"  # PowerInfer's sparse_threshold lives here
+        pfiles = SourceFiles(pdir)
+        predictor_files = [pfiles.check(p) for p in wanted + ([extra] if os.path.lexists(extra) else [])]
     root = Path(root or models_dir())
     target = root / repo_folder_name(f"{LOCAL_ORG}/{name}")
-    if target.exists():
-        raise UserError(f"a model named {LOCAL_ORG}/{name} already exists; remove it first or pick another --name")
-    root.mkdir(parents=True, exist_ok=True)
-    building = Path(tempfile.mkdtemp(prefix=".import-", dir=root))  # no "--": never listed as a model
+    _free_target(target, name)
+    building = _building_folder(root)
     try:
-        _import_into(src, building, predictors_dir, on_predictors, convert_pickles)
+        check_space([f for _, f in taken] + predictor_files, root)
+        _import_into(src, building, taken, predictor_files, on_predictors, convert_pickles)
         try:
             os.rename(building, target)  # refuses (ENOTEMPTY/EEXIST) if another import won the race
         except OSError:
@@ -244,18 +304,28 @@ def import_model(src: str | os.PathLike, name: str | None = None, *, root: Path 
     return target
 
 
-def _import_into(src: Path, target: Path, predictors_dir, on_predictors, convert_pickles) -> None:
-    files = {}
+def _source_files(src: Path, files: SourceFiles) -> list[tuple[Path, SourceFile]]:
+    """(path in the new folder, checked file) for every file worth importing."""
+    out = []
     for path in sorted(src.rglob("*")):
         rel = path.relative_to(src)
-        if path.is_dir() or any(part.startswith(".") for part in rel.parts):
+        if any(part.startswith(".") for part in rel.parts) or (path.is_dir() and not path.is_symlink()):
             continue
         if rel.parts[0] == SIDECAR and not (len(rel.parts) == 2 and rel.name in KEPT_SIDECAR_FILES):
             continue
-        if not path.exists():
-            raise UserError(f"{path} is a broken link; the model folder is incomplete")
-        _link_or_copy(path, target / rel)
-        files[rel.as_posix()] = {"size": path.stat().st_size, "hash": None, "verified": False}
+        if path.is_dir():  # a link to a folder: never followed
+            raise UserError(f"{_shown(path)} is a link to a folder; refusing to import it "
+                            "(copy the files into the model folder instead)")
+        out.append((rel, files.check(path)))
+    return out
+
+
+def _import_into(src: Path, target: Path, taken: list, predictor_files: list, on_predictors,
+                 convert_pickles) -> None:
+    files = {}
+    for rel, f in taken:
+        bring_in(f, target / rel)
+        files[rel.as_posix()] = {"size": f.size, "hash": None, "verified": False}
     state = {"status": "ready", "source": "local", "origin": str(src.resolve()), "files": files,
              "size_bytes": sum(f["size"] for f in files.values()), "finished": time.time()}
     if has_pickle_weights(target):
@@ -263,12 +333,10 @@ def _import_into(src: Path, target: Path, predictors_dir, on_predictors, convert
         # failure the caller removes the hidden folder (only links or copies of the user's files).
         _convert_pickles(target, state, convert_pickles, origin=str(src))
         state["size_bytes"] = sum(f["size"] for f in files.values())
-    if predictors_dir is not None:
+    if predictor_files:
         dest = target / SIDECAR / PREDICTOR_SUBDIR
-        wanted = sorted(Path(predictors_dir).glob("model_*.pt"))
-        config = Path(predictors_dir) / "config.json"  # PowerInfer's sparse_threshold lives here
-        for path in wanted + ([config] if config.is_file() else []):
-            _link_or_copy(path, dest / path.name)
+        for f in predictor_files:
+            bring_in(f, dest / f.path.name)
         state["predictors"] = "downloaded"
         if on_predictors is not None:
             on_predictors(dest, target)
@@ -284,25 +352,43 @@ def _gguf_model_name(path: Path) -> str:
 
 def import_gguf_file(src: str | os.PathLike, name: str | None = None, *, root: Path | None = None,
                      convert: Callable[[Path, Path], dict]) -> tuple[Path, dict]:
-    """Add a GGUF file to the models folder as `local/<name>`: `convert(src, target)` (the
+    """Add a GGUF file to the models folder as `local/<name>`: `convert(src, folder)` (the
     engine's GGUF importer, passed in so this package stays free of the engine) writes the
-    model folder, and removes it again when it fails. Returns (folder, convert's summary)."""
+    model folder inside a hidden one, renamed into place once its state is written: a kill
+    mid-import leaves nothing listed. Returns (folder, convert's summary)."""
     src = Path(src).expanduser()
-    if not src.is_file():
-        raise UserError(f"{src} is not a file")
+    if src.is_dir():
+        raise UserError(f"{_shown(src)} is a folder, not a .gguf file")
+    if not os.path.lexists(src):
+        raise UserError(f"{_shown(src)} does not exist")
+    checked = SourceFiles(src.parent).check(src) if not src.is_symlink() else _gguf_link(src)
     name = (name or _gguf_model_name(src)).strip()
     if not is_repo_id(f"{LOCAL_ORG}/{name}"):
-        raise UserError(f"cannot use {name!r} as a model name: use letters, digits, '-', '_' and '.'")
+        raise UserError(f"cannot use {name[:100]!r} as a model name: use letters, digits, '-', '_' and '.'")
     root = Path(root or models_dir())
     target = root / repo_folder_name(f"{LOCAL_ORG}/{name}")
-    if target.exists():
-        raise UserError(f"a model named {LOCAL_ORG}/{name} already exists; remove it first or pick another --name")
-    root.mkdir(parents=True, exist_ok=True)
-    summary = convert(src, target)
-    files = {p.relative_to(target).as_posix(): {"size": p.stat().st_size, "hash": None, "verified": False}
-             for p in sorted(target.rglob("*")) if p.is_file()}
-    state = {"status": "ready", "source": "gguf", "origin": str(src.resolve()), "files": files,
-             "size_bytes": sum(f["size"] for f in files.values()), "finished": time.time(),
-             "predictors": "imported" if summary.get("predictors") else None}
-    write_state(target, state)
+    _free_target(target, name)
+    building = _building_folder(root)
+    try:
+        check_space([checked], root)  # the weights come out about as large as the file
+        model = building / "model"
+        summary = convert(checked.real, model)
+        files = {p.relative_to(model).as_posix(): {"size": p.stat().st_size, "hash": None, "verified": False}
+                 for p in sorted(model.rglob("*")) if p.is_file()}
+        state = {"status": "ready", "source": "gguf", "origin": str(src.resolve()), "files": files,
+                 "size_bytes": sum(f["size"] for f in files.values()), "finished": time.time(),
+                 "predictors": "imported" if summary.get("predictors") else None}
+        write_state(model, state)
+        try:
+            os.rename(model, target)
+        except OSError:
+            raise UserError(f"a model named {LOCAL_ORG}/{name} appeared meanwhile; "
+                            "remove it first or pick another --name") from None
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
     return target, summary
+
+
+def _gguf_link(src: Path) -> SourceFile:
+    """A .gguf given as a link is read where it points (the user named it), if a regular file."""
+    return SourceFiles(src.resolve().parent).check(src.resolve())

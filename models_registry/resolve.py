@@ -52,6 +52,10 @@ def resolve_model(name_or_path: str) -> Path:
         folder = path.resolve()
         record_catalogue_facts(folder)
         return folder
+    if path.is_file():
+        hint = ("import it first: `thermocline models import FILE`" if path.suffix.lower() == ".gguf"
+                else "pass the folder that holds its config.json")
+        raise UserError(f"{_shown(text)} is a file, not a folder: a model is a folder; {hint}")
 
     from .catalogue import find_entry  # local import: catalogue loads a data file
 
@@ -59,16 +63,24 @@ def resolve_model(name_or_path: str) -> Path:
     repo_id = entry.repo if entry is not None else (text if is_repo_id(text) else None)
     if repo_id is None:
         if path.suffix or "/" in text or "\\" in text or text.startswith("."):
-            raise UserError(f"model folder {text} does not exist")
+            raise UserError(f"model folder {_shown(text)} does not exist")
         raise UserError(
-            f"unknown model {text!r}: pass a model folder, `demo`, a catalogue id "
+            f"unknown model {_shown(text)}: pass a model folder, `demo`, a catalogue id "
             "(see `thermocline models list`) or a Hugging Face repo id like org/name"
         )
     folder = downloaded_model_dir(repo_id)
+    if not is_ready(folder) and repo_id.startswith("local/"):
+        raise UserError(f"{text} is not ready: its import did not finish; import it again "
+                        "(`thermocline models import`), which replaces it")
     if not is_ready(folder):
         raise UserError(f"model {text} is not downloaded: run `thermocline models download {text}`")
     record_catalogue_facts(folder)
     return folder
+
+
+def _shown(text: str) -> str:
+    """A name from the command line quoted in an error, never echoed at length."""
+    return repr(text if len(text) <= 160 else text[:150] + "...")
 
 
 def record_catalogue_facts(folder: Path) -> None:
@@ -96,4 +108,6 @@ def is_ready(folder: Path) -> bool:
     from .state import read_state  # local import: avoids a cycle with the downloader
 
     state = read_state(folder)
+    if state is None and folder.name.startswith("local--"):
+        return False  # imports write their state last: without it, the import was cut short
     return (folder / "config.json").is_file() and (state is None or state.get("status") == "ready")

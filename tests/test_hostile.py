@@ -81,6 +81,44 @@ def _with_shard_index(where: Callable[[Path], str]) -> Callable[[Path], tuple]:
     return build
 
 
+def _with_thresholds(value: str) -> Callable[[Path], tuple]:
+    """The demo's predictors with the sidecar's `thresholds` metadata replaced by `value`."""
+    def build(root: Path) -> tuple:
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        model = demo_copy(root / "outside" / "model")
+        src = DEMO / "thermocline" / "predictors.safetensors"
+        with safe_open(str(src), framework="pt") as f:
+            tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+        metadata["thresholds"] = value
+        (model / "thermocline").mkdir()
+        save_file(tensors, str(model / "thermocline" / "predictors.safetensors"), metadata=metadata)
+        return ("generate", "--model", str(model), "--mode", "sparse", "--prompt", "Hello", "--max-new-tokens", "2")
+    return build
+
+
+def _with_tokenizer_version(size: int) -> Callable[[Path], tuple]:
+    def build(root: Path) -> tuple:
+        model = demo_copy(root / "outside" / "model")
+        tok = json.loads((model / "tokenizer.json").read_text())
+        tok["version"] = "v" * size
+        (model / "tokenizer.json").write_text(json.dumps(tok))
+        return ("generate", "--model", str(model), "--prompt", "Hello", "--max-new-tokens", "2")
+    return build
+
+
+def _fit_folder(config: str | None) -> Callable[[Path], tuple]:
+    def build(root: Path) -> tuple:
+        model = demo_copy(root / "outside" / "model")
+        if config is None:
+            (model / "config.json").unlink()
+        else:
+            (model / "config.json").write_text(config)
+        return ("models", "fit", str(model))
+    return build
+
+
 NESTED_LOOPS = "{% for i in range(10**5) %}{% for j in range(10**5) %}{% endfor %}{% endfor %}"
 
 CASES = [
@@ -142,6 +180,15 @@ CASES = [
     Case("shard-index-absolute", _with_shard_index(lambda root: str(root / "outside" / "evil.safetensors")),
          ("outside",)),
     Case("shard-index-backslash", _with_shard_index(lambda root: "..\\evil.safetensors"), ("outside",)),
+    # -- issue 28: sidecar thresholds that are not numbers, `models fit` on folders that are not models
+    Case("thresholds-a-string", _with_thresholds('"abc"'), ("threshold",)),
+    Case("thresholds-list-of-strings", _with_thresholds('["x", "y", "z", "w"]'), ("threshold",)),
+    Case("thresholds-nan", _with_thresholds("[NaN, NaN, NaN, NaN]"), ("threshold",)),
+    Case("tokenizer-version-20mb", _with_tokenizer_version(20_000_000), (), mem_gib=4),
+    Case("fit-without-config", _fit_folder(None), ("no config.json",)),
+    Case("fit-config-not-json", _fit_folder("{not json"), ("not valid JSON",)),
+    Case("fit-config-a-list", _fit_folder("[1, 2]"), ("not a JSON object",)),
+    Case("fit-config-huge-version", _fit_folder('{"version": "' + "v" * 1_000_000 + '"'), ("not valid JSON",)),
 ]
 
 
@@ -151,7 +198,8 @@ def test_bad_input_ends_in_one_error_line(case: Case, tmp_path):
     argv = case.argv(tmp_path) if callable(case.argv) else case.argv
     box = Sandbox(tmp_path)  # files the case set up are not the program's doing
     outcome = box.run(*argv, stdin=case.stdin, mem_gib=case.mem_gib)
-    outcome.assert_clean_error(*case.expect)
+    line = outcome.assert_clean_error(*case.expect)
+    assert len(line) < 600  # quoted, never echoed (issue 28)
     assert box.stray_files() == []
 
 
@@ -190,3 +238,24 @@ def test_chat_refused_template_keeps_the_session(tmp_path):
     out.assert_ok()
     # The first turn is answered; the second is refused (before any answer) and the chat goes on.
     assert "one message only" in out.stdout and out.stdout.count("bot>") == 1
+
+
+def test_a_damaged_prepared_header_length_is_rebuilt_not_allocated(tmp_path):
+    """Issue 28: random bytes over a prepared file's 8-byte header length gave a MemoryError."""
+    import random
+
+    box = Sandbox(tmp_path)
+    model = demo_copy(tmp_path / "models" / "mine")
+    argv = ("generate", "--model", str(model), "--cpu-weights", "int8", "--prompt", "Hello", "--max-new-tokens", "2",
+            "--temperature", "0")
+    first = box.run(*argv)
+    first.assert_ok()
+    prepared = sorted((model / "thermocline").glob("prepared-*.safetensors"))
+    assert prepared, "the first load wrote no prepared file"
+    for path in prepared:
+        data = bytearray(path.read_bytes())
+        data[:300] = random.Random(0).randbytes(300)
+        path.write_bytes(bytes(data))
+    again = box.run(*argv, mem_gib=4)
+    again.assert_ok()
+    assert again.stdout == first.stdout

@@ -164,7 +164,7 @@ def test_disk_full_during_profile_and_train_predictors_then_both_resume(tmp_path
     filler.unlink()
     done = box.run(*train)
     done.assert_ok()
-    from engine.hotcold.predictors import PredictorSet
+    from engine.loading.predictors import PredictorSet
 
     assert len(PredictorSet.load(model)) == 4
     assert box.stray_files() == []
@@ -172,7 +172,7 @@ def test_disk_full_during_profile_and_train_predictors_then_both_resume(tmp_path
 
 # -- imports ------------------------------------------------------------------------------------
 def test_failed_import_leaves_nothing_and_a_retry_works(tmp_path):
-    model = demo_copy(tmp_path / "outside" / "mymodel")
+    model = demo_copy(tmp_path / "outside" / "mymodel", weights="copy")  # a link out of it is refused
     bad = tmp_path / "outside" / "preds"
     bad.mkdir()
     (bad / "model_0.pt").write_bytes(b"not a pickle, not a tensor")
@@ -215,7 +215,7 @@ def test_import_keeps_powerinfer_sparse_threshold(tmp_path):
     from safetensors import safe_open
 
     box = Sandbox(tmp_path)
-    model = demo_copy(tmp_path / "outside" / "withpreds")
+    model = demo_copy(tmp_path / "outside" / "withpreds", weights="copy")
     preds = tmp_path / "outside" / "powerinfer"
     preds.mkdir()
     gen = torch.Generator().manual_seed(0)
@@ -227,3 +227,20 @@ def test_import_keeps_powerinfer_sparse_threshold(tmp_path):
     path = tmp_path / "models" / "local--pi" / "thermocline" / "predictors.safetensors"
     with safe_open(str(path), framework="pt") as f:
         assert json.loads(f.metadata()["thresholds"]) == [0.25] * 4
+
+
+def test_verify_names_the_files_an_interrupted_download_lacks(hub, tmp_path):
+    """Issue 28: verify said 'all files match' with files missing; it compares the pinned revision's list."""
+    box = Sandbox(tmp_path)
+    hub.add_repo(HubRepo(REPO, tiny_model_files(weight_bytes=200_000)))
+    hub.ignore_range.add(WEIGHTS)
+    hub.stall_every[WEIGHTS] = (1000, 0.0)
+    _download(box, hub).assert_clean_error("range")
+    (tmp_path / "models" / FOLDER / "tokenizer.json").unlink(missing_ok=True)  # and one that had arrived
+    out = box.run("models", "verify", REPO, env={"HF_ENDPOINT": hub.url})
+    assert out.rc == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "match the Hub" not in out.stdout.replace("do not match", "")
+    assert "missing" in out.stdout and WEIGHTS in out.stdout and "tokenizer.json" in out.stdout
+    report = json.loads(box.run("models", "verify", REPO, "--json").stdout)
+    assert {WEIGHTS, "tokenizer.json"} <= set(report["missing"]) and report["different"] == []
+    assert box.stray_files() == []

@@ -163,3 +163,33 @@ def test_a_crashed_window_does_not_block_the_next_launch(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=box.env, capture_output=True, text=True,
                           timeout=120)
     assert done.stdout.strip() == "acquired", done.stderr
+
+
+def test_server_panel_says_what_is_allowed_and_refuses_a_bad_origin(qtbot, tmp_path, monkeypatch):
+    """Issue 28: the panel names the web pages allowed; a malformed one is a dialog, not a start."""
+    import httpx
+
+    window = make_window(qtbot, tmp_path, "demo", mode="dense", monkeypatch=monkeypatch)
+    panel = window.server_panel
+    try:
+        panel.port.setValue(0)
+        assert "Web pages in a browser cannot" in panel.access.text() and "none are allowed" in panel.access.text()
+        panel.origins.setText("evil example")
+        panel.switch.setChecked(True)
+        assert panel.server is None and _error_dialogs(window)
+        assert "is not an origin" in _error_dialogs(window)[0].text() + _error_dialogs(window)[0].informativeText()
+        for box in _error_dialogs(window):
+            box.close()
+        panel.origins.setText("http://localhost:3000")
+        panel.switch.setChecked(True)
+        assert panel.server is not None
+        assert "except http://localhost:3000" in panel.access.text()
+        assert window.settings["server.allowed_origins"] == ["http://localhost:3000"]
+        base = panel.url.text()
+        ok = httpx.get(base + "/models", headers={"Origin": "http://localhost:3000"}, timeout=60)
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://localhost:3000"
+        evil = httpx.get(base + "/models", headers={"Origin": "http://evil.example"}, timeout=60)
+        assert evil.status_code == 403 and "access-control-allow-origin" not in evil.headers
+    finally:
+        panel.stop()
+        close_window(window)

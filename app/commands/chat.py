@@ -94,14 +94,16 @@ def run(args) -> int:
     if base and args.system is None and system.strip() == DEFAULT_SYSTEM_PROMPT:
         system = ""  # a base model continues text: an assistant prompt only takes room
     policy = settings["chat.context_policy"]
-    storage = None
+    saver = None
     if not args.no_save:
         try:
             from app.storage import Storage
 
-            storage = Storage()
+            from .chat_saving import ChatSaver
+
+            saver = ChatSaver(Storage())
         except Exception as exc:  # noqa: BLE001 - chatting matters more than keeping it
-            print(f"(this chat will not be saved: {exc})", file=sys.stderr)
+            print(f"(this chat will not be saved: {str(exc)[:200]})", file=sys.stderr)
     _line_editor(config_dir() / "chat_history")
 
     def count(msgs: list[dict]) -> int:
@@ -109,7 +111,7 @@ def run(args) -> int:
 
     head = [{"role": "system", "content": system}] if system.strip() else []
     messages: list[dict] = list(head)
-    conversation = None
+    started = False  # the conversation has its first message
     dropped = 0
     print(f"Thermocline chat · {args.model} · {engine.mode} · reads {engine.ctx:,} tokens. {HELP}")
     if args.model == "demo":
@@ -148,7 +150,7 @@ def run(args) -> int:
                 if command in ("/quit", "/exit"):
                     return 0
                 if command in ("/new", "/reset"):
-                    messages, conversation, dropped = list(head), None, 0
+                    messages, started, dropped = list(head), False, 0
                     engine.reset()
                     print("(new conversation)")
                 elif command in ("/help", "/?"):
@@ -172,14 +174,15 @@ def run(args) -> int:
                 print(f"(the conversation is longer than the model reads: it now forgets the oldest "
                       f"{fitted.dropped} messages; /new starts afresh)")
             dropped = fitted.dropped
-            if storage is not None and conversation is None:
-                conversation = storage.create_conversation(
+            if saver is not None and not started:
+                saver.new_conversation(
                     " ".join(text.split())[:48], system_prompt=system,
                     sampling={k: getattr(params, k) for k in ("temperature", "top_p", "top_k",
                                                                "repetition_penalty", "max_new_tokens")},
                     model=args.model)
-            if storage is not None:
-                storage.add_message(conversation.id, "user", text)
+            started = True
+            if saver is not None:
+                saver.add("user", text)
             cancel = threading.Event()
             answer = []
             sys.stdout.write("bot> ")
@@ -214,17 +217,17 @@ def run(args) -> int:
             reply = "".join(answer).strip()
             messages.append({"role": "assistant", "content": reply})
             s = engine.last_stats
-            if storage is not None:
-                storage.add_message(conversation.id, "assistant", reply, status=status,
-                                    stats={k: getattr(s, k) for k in ("new_tokens", "decode_tok_s", "ttft_s",
-                                                                      "prompt_tokens", "mode")})
+            if saver is not None:
+                saver.add("assistant", reply, status=status,
+                          stats={k: getattr(s, k) for k in ("new_tokens", "decode_tok_s", "ttft_s",
+                                                            "prompt_tokens", "mode")})
             if s.finish_reason == "context_full":
                 print("\n(the conversation filled what the model reads; /new starts a new one)")
             speed = f"{s.decode_tok_s:.1f} tokens/s, " if s.new_tokens > 1 else ""
             sys.stdout.write(f"\n  [{speed}first word after {s.ttft_s * 1000:.0f} ms]\n")
     finally:
-        if storage is not None:
-            storage.close()
+        if saver is not None:
+            saver.close()
 
 
 def _is_utf8(text: str) -> bool:

@@ -86,7 +86,7 @@ def cmd_list(args) -> int:
     from models_registry.paths import models_dir
     from models_registry.remotes import list_remotes
 
-    from engine.runtime.validation import check_ctx
+    from engine.validation import check_ctx
 
     check_ctx(args.ctx, "--ctx")
     listings = list_models(hardware=probe_hardware(), ctx=args.ctx)
@@ -153,11 +153,11 @@ class _Printer:
 
 
 def _predictor_importer():
-    """engine.hotcold.predictors.import_powerinfer_predictors, or None while the engine lacks it."""
+    """engine.loading.predictor_import.import_powerinfer_predictors, or None while the engine lacks it."""
     try:
-        from engine.hotcold.predictors import import_powerinfer_predictors
+        from engine.loading.predictor_import import import_powerinfer_predictors
     except ModuleNotFoundError as exc:
-        if exc.name != "engine.hotcold.predictors":
+        if exc.name != "engine.loading.predictors":
             raise
         return None
     except ImportError as exc:
@@ -193,7 +193,7 @@ def cmd_download(args) -> int:
         return 130
     if result.predictors == "downloaded" and importer is None:
         sys.stderr.write("warning: predictors downloaded but not imported: this engine has no "
-                         "engine.hotcold.predictors.import_powerinfer_predictors\n")
+                         "engine.loading.predictor_import.import_powerinfer_predictors\n")
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -263,39 +263,55 @@ def _import_gguf(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from models_registry.download import verify_model
+    from models_registry.download import verify_files
     from models_registry.manage import model_folder
 
     folder = model_folder(args.model)
     if not folder.is_dir():
         raise UserError(f"{args.model} is not downloaded; nothing to verify")
-    bad = verify_model(folder)
+    report = verify_files(folder)
     if args.json:
-        print(json.dumps({"path": str(folder), "damaged": bad}))
-    elif bad:
-        print(f"{len(bad)} damaged file(s): {', '.join(bad)}; run `thermocline models download {args.model}` "
-              "to fetch them again")
+        print(json.dumps({"path": str(folder), "damaged": report.bad, "missing": report.missing,
+                          "different": report.different}))
+    elif report.bad:
+        parts = ([f"missing: {', '.join(report.missing)}"] if report.missing else []) + \
+                ([f"different from the Hub's: {', '.join(report.different)}"] if report.different else [])
+        print(f"{len(report.bad)} file(s) of {args.model} do not match the pinned revision ({'; '.join(parts)}); "
+              f"run `thermocline models download {args.model}` to fetch them again")
     else:
         print(f"all files of {args.model} match the Hub's hashes")
-    return 1 if bad else 0
+    return 1 if report.bad else 0
 
 
 # -- fit -------------------------------------------------------------------------------------
+def _fit_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise UserError(f"{str(folder)[:160]!r} has no config.json: it is not a model folder")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{str(path)[:160]!r} is not valid JSON ({str(exc)[:120]})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{str(path)[:160]!r} is not a JSON object")
+    return config
+
+
 def cmd_fit(args) -> int:
     from models_registry.catalogue import find_entry
     from models_registry.fit import BytesModel, estimate_fit
     from models_registry.hardware import probe_hardware
     from models_registry.resolve import resolve_model
 
-    from engine.runtime.validation import check_ctx
+    from engine.validation import check_ctx
 
     check_ctx(args.ctx, "--ctx")
     entry = find_entry(args.model)
     folder = None
     try:
         folder = resolve_model(args.model)
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (UserError, OSError, ValueError):
+        config = _fit_config(folder)
+    except UserError:
         if entry is None or not entry.config:
             raise
         config = entry.config  # not downloaded: size it from the catalogue's shape

@@ -22,13 +22,24 @@ def register(subparsers) -> None:
                         help=f"key every request must carry as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
     parser.add_argument("--queue", type=int, default=8, metavar="N",
                         help="requests that may wait behind the running one; more get 429 (default 8)")
+    parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                        help="a web page origin (scheme://host[:port], or *) whose scripts may call the server; "
+                             "repeatable; adds to the server.allowed_origins setting (default: none, only "
+                             "the server's own pages and non-browser clients)")
     parser.set_defaults(handler=run)
+
+
+def allowed_origins_setting() -> list[str]:
+    from app.settings import Settings
+
+    return Settings()["server.allowed_origins"]
 
 
 def run(args) -> int:
     import uvicorn
 
     from app.server.api import build_app
+    from app.server.guard import check_origins
     from app.server.runner import base_url, bind_socket, check_bind, make_config
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
@@ -37,6 +48,7 @@ def run(args) -> int:
         raise UserError(f"port {args.port} is not a TCP port (0-65535)")
     if args.queue < 0:
         raise UserError("--queue must be 0 or more")
+    origins = check_origins([*allowed_origins_setting(), *args.allow_origin])
     engine = load_engine(args)
     model_id = args.model
 
@@ -44,7 +56,8 @@ def run(args) -> int:
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
 
-    app = build_app(lambda: engine, lambda: model_id, api_key=api_key, max_waiting=args.queue, on_request=log_line)
+    app = build_app(lambda: engine, lambda: model_id, api_key=api_key, max_waiting=args.queue, on_request=log_line,
+                    host=args.host, allowed_origins=origins)
     server = uvicorn.Server(make_config(app, args.host, args.port))
     sock = bind_socket(args.host, args.port)
     port = sock.getsockname()[1]

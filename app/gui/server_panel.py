@@ -14,7 +14,7 @@ import logging
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QGuiApplication
-from PySide6.QtWidgets import (QCheckBox, QDockWidget, QFormLayout, QHBoxLayout, QLineEdit,
+from PySide6.QtWidgets import (QCheckBox, QDockWidget, QFormLayout, QHBoxLayout, QLabel, QLineEdit,
                                QPlainTextEdit, QPushButton, QSpinBox, QVBoxLayout, QWidget)
 
 from .dialogs import show_error
@@ -49,8 +49,18 @@ class LocalServerPanel(QWidget):
         self.key.setPlaceholderText("optional on 127.0.0.1; kept for this session only")
         form.addRow("Host", self.host)
         form.addRow("Port", self.port)
+        self.origins = QLineEdit(", ".join(settings["server.allowed_origins"]), self)
+        self.origins.setObjectName("serverOrigins")
+        self.origins.setPlaceholderText("none: web pages cannot call the server")
+        self.origins.setToolTip("Origins of web pages (scheme://host:port, comma-separated, or *) whose "
+                                "scripts may call the server; requests from any other page are refused")
         form.addRow("API key", self.key)
+        form.addRow("Web pages allowed", self.origins)
         layout.addLayout(form)
+        self.access = QLabel(self)
+        self.access.setObjectName("serverAccess")
+        self.access.setWordWrap(True)
+        layout.addWidget(self.access)
         row = QHBoxLayout()
         self.url = QLineEdit(self)
         self.url.setObjectName("serverUrl")
@@ -87,14 +97,17 @@ class LocalServerPanel(QWidget):
     def start(self) -> bool:
         from engine.errors import UserError
 
+        from app.server.guard import check_origins
         from app.server.runner import ServerThread
 
         if self.server is not None:
             return True
         host = self.host.text().strip() or "127.0.0.1"
         try:
+            origins = check_origins(o for o in self.origins.text().split(",") if o.strip())
             server = ServerThread(self._engine, self._model_id, host=host, port=self.port.value(),
-                                  api_key=self.key.text() or None, on_request=self.request_logged.emit)
+                                  api_key=self.key.text() or None, on_request=self.request_logged.emit,
+                                  allowed_origins=tuple(origins))
             server.start()
         except UserError as exc:
             show_error(self.window(), "Could not start the local server", str(exc),
@@ -106,6 +119,7 @@ class LocalServerPanel(QWidget):
             return False
         self.server = server
         self.settings["server.host"] = host
+        self.settings["server.allowed_origins"] = origins
         if self.port.value():
             self.settings["server.port"] = self.port.value()
         self.request_logged.emit(f"listening at {server.url}" + (" (API key required)" if self.key.text() else ""))
@@ -125,8 +139,14 @@ class LocalServerPanel(QWidget):
 
     def _sync(self) -> None:
         running = self.server is not None
-        for w in (self.host, self.port, self.key):
+        for w in (self.host, self.port, self.key, self.origins):
             w.setEnabled(not running)
+        origins = [o.strip() for o in self.origins.text().split(",") if o.strip()]
+        self.access.setText(
+            "Programs on this computer can call it"
+            + ("" if self.host.text().strip() in ("", "127.0.0.1", "localhost", "::1") else ", other machines with the key")
+            + ". Web pages in a browser cannot, "
+            + (f"except {', '.join(origins)}." if origins else "and none are allowed (add one above)."))
         self.url.setText(self.server.url if running else "")
         self.copy_button.setEnabled(running)
 

@@ -18,16 +18,16 @@ from typing import Any, AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .gate import GateFull, GenerationGate, Job
-from .protocol import ApiError, GenerationRequest, bad_request, parse_chat, parse_completion
+from .guard import RequestGuard
+from .protocol import ApiError, GenerationRequest, bad_request, parse_chat, parse_completion, parse_json_body
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 16 * 1024 * 1024
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection first"; only the log sees it
 FINISH_REASONS = {"stop": "stop", "length": "length", "context_full": "length", "cancelled": "stop"}
 # Our figures, added to each response next to OpenAI's `usage`.
@@ -54,8 +54,10 @@ class ServerState:
 
 def build_app(get_engine: Callable[[], Any], get_model_id: Callable[[], str | None], *,
               api_key: str | None = None, max_waiting: int = 8,
-              on_request: Callable[[str], None] | None = None) -> Starlette:
-    """The ASGI application. `on_request` receives one log line per call (never the key)."""
+              on_request: Callable[[str], None] | None = None, host: str = "127.0.0.1",
+              allowed_origins: tuple[str, ...] | list[str] = ()) -> "_Middleware":
+    """The ASGI application behind its request guard (Host, Origin, content type, body size:
+    guard.py). `on_request` receives one log line per call (never the key)."""
     state = ServerState(get_engine, get_model_id, api_key=api_key, max_waiting=max_waiting, on_request=on_request)
 
     async def health(request: Request) -> Response:
@@ -98,13 +100,16 @@ def build_app(get_engine: Callable[[], Any], get_model_id: Callable[[], str | No
         message = f"{request.method} {request.url.path}: {exc.detail}"
         return error_response(ApiError(exc.status_code, message, type=kind))
 
+    async def gone(request: Request, exc: ClientDisconnect) -> Response:
+        return Response(status_code=CLIENT_CLOSED)  # nobody reads it; the log line says so
+
     async def crash(request: Request, exc: Exception) -> Response:
         log.exception("request %s %s failed", request.method, request.url.path)
         return error_response(ApiError(500, f"internal error: {exc.__class__.__name__}: {exc}", type="server_error"))
 
     app = Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error,
-                                                       Exception: crash})
-    return _Middleware(app, state)
+                                                       ClientDisconnect: gone, Exception: crash})
+    return _Middleware(RequestGuard(app, bound_host=host, allowed_origins=allowed_origins), state)
 
 
 def _model_card(model_id: str, created: int, engine) -> dict:
@@ -119,13 +124,8 @@ def _model_not_found(wanted: str, served: str | None) -> ApiError:
 
 
 async def _json_body(request: Request) -> Any:
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    # The guard (guard.py) has checked the type and length already, and counts the body as it comes.
+    return parse_json_body(await request.body())
 
 
 async def _watch_disconnect(request: Request, cancel) -> None:
@@ -300,7 +300,7 @@ async def _sse(job: Job, first: tuple, reply: _Reply, req: GenerationRequest, qu
 class _Middleware:
     """Checks the API key, and writes one log line per call (with the status it got)."""
 
-    def __init__(self, app: Starlette, state: ServerState):
+    def __init__(self, app, state: ServerState):
         self.app, self.state = app, state  # `state`: the gate, the key, the engine getter
 
     async def __call__(self, scope, receive, send) -> None:

@@ -7,8 +7,13 @@ use are ignored, as OpenAI-compatible servers do, so clients that send `user`,
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+MAX_JSON_DEPTH = 64  # far more than any OpenAI body (tool schemas included) needs
+MAX_INT = 2 ** 63 - 1  # every integer field fits a signed 64-bit int
 
 
 class ApiError(Exception):
@@ -49,17 +54,62 @@ class GenerationRequest:
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
+def parse_json_body(body: bytes) -> Any:
+    """A request body as JSON: NaN, Infinity and numbers beyond a float are refused, and so
+    is nesting deeper than MAX_JSON_DEPTH (checked without recursion)."""
+    def no_constant(name: str):
+        raise ValueError(f"{name} is not a JSON number")
+
+    def finite(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(f"the number {text[:40]} is too large")
+        return value
+
+    try:
+        value = json.loads(body, parse_constant=no_constant, parse_float=finite)
+    except RecursionError:
+        raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from None
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+    return value
+
+
+def _depth(value: Any) -> int:
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > MAX_JSON_DEPTH:
+                return depth
+            todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def _shown(value: Any) -> str:
+    """A client's value quoted in an error message, never echoed at length."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:70] + "..."
+
+
 def _number(body: dict, name: str, lo: float | None = None, hi: float | None = None,
             integer: bool = False) -> float | int | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and value != int(value)):
-        kind = "an integer" if integer else "a number"
-        raise bad_request(f"'{name}' must be {kind}, not {value!r}", name, "invalid_type")
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_request(f"'{name}' must be {kind}, not {_shown(value)}", name, "invalid_type")
+    if isinstance(value, float) and not math.isfinite(value):  # the parser refuses them; a caller may not
+        raise bad_request(f"'{name}' must be a finite number, not {value}", name, "invalid_value")
+    if integer and (value != int(value) or abs(value) > MAX_INT):
+        raise bad_request(f"'{name}' must be {kind} of at most 64 bits, not {_shown(value)}", name, "invalid_type")
     if lo is not None and value < lo or hi is not None and value > hi:
         bounds = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
-        raise bad_request(f"'{name}' must be {bounds}, got {value}", name, "invalid_value")
+        raise bad_request(f"'{name}' must be {bounds}, got {_shown(value)}", name, "invalid_value")
     return int(value) if integer else float(value)
 
 
@@ -68,7 +118,7 @@ def _bool(body: dict, name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise bad_request(f"'{name}' must be true or false, not {value!r}", name, "invalid_type")
+        raise bad_request(f"'{name}' must be true or false, not {_shown(value)}", name, "invalid_type")
     return value
 
 
@@ -146,7 +196,7 @@ def parse_chat(body: Any) -> GenerationRequest:
             raise bad_request(f"messages[{i}] must be an object", f"messages[{i}]", "invalid_type")
         role = m.get("role")
         if role not in ROLES:
-            raise bad_request(f"messages[{i}].role must be one of {', '.join(ROLES)}, not {role!r}",
+            raise bad_request(f"messages[{i}].role must be one of {', '.join(ROLES)}, not {_shown(role)}",
                               f"messages[{i}].role", "invalid_value")
         plain.append({"role": ROLES[role], "content": _content_text(m.get("content"), i)})
     return GenerationRequest(prompt=plain, **values)

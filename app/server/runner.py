@@ -35,9 +35,13 @@ def check_bind(host: str, api_key: str | None) -> None:
 def make_config(app, host: str, port: int):
     import uvicorn
 
+    from .http_limits import MAX_HEAD_BYTES, GuardedH11Protocol
+
     # lifespan off: the application keeps no start-up state; access log off: ours names the tokens.
+    # The h11 protocol with a header timeout and a 431 (http_limits.py says why not uvicorn's own).
     return uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-                          timeout_graceful_shutdown=3)
+                          timeout_graceful_shutdown=3, http=GuardedH11Protocol,
+                          h11_max_incomplete_event_size=MAX_HEAD_BYTES)
 
 
 def base_url(host: str, port: int) -> str:
@@ -65,11 +69,11 @@ class ServerThread:
 
     def __init__(self, get_engine: Callable[[], Any], get_model_id: Callable[[], str | None], *,
                  host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None, max_waiting: int = 8,
-                 on_request: Callable[[str], None] | None = None):
+                 on_request: Callable[[str], None] | None = None, allowed_origins: tuple[str, ...] = ()):
         check_bind(host, api_key)
         self.host, self.port = host, port
         self.app = build_app(get_engine, get_model_id, api_key=api_key, max_waiting=max_waiting,
-                             on_request=on_request)
+                             on_request=on_request, host=host, allowed_origins=allowed_origins)
         self._server = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None

@@ -70,21 +70,6 @@ def use_threads(kern) -> int:
     return applied
 
 
-def njit(**options):
-    """`numba.njit(cache=True, **options)`, or without the disk cache when no cache directory
-    is writable (read-only install and no writable user cache): then a kernel compiles in
-    memory at each start instead of failing at import. A plain decorator, so sharing it
-    across kernel files leaves numba's per-file cache tracking as it is."""
-    import numba
-
-    def decorate(fn):
-        try:
-            return numba.njit(cache=True, **options)(fn)
-        except RuntimeError:  # numba: "cannot cache function ...: no locator available"
-            return numba.njit(cache=False, **options)(fn)
-    return decorate
-
-
 def available() -> bool:
     """True when the numba kernels are importable and enabled."""
     return kernels() is not None

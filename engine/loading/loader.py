@@ -11,9 +11,11 @@ from engine.arch import arch_module
 from engine.arch.common import Converter, LoadTarget
 from engine.config import ModelConfig
 from engine.errors import UserError
-from engine.runtime.model import Layer, Transformer
-from engine.runtime.rope import RotaryTable
+from engine.model.layers import Layer
+from engine.model.transformer import Transformer
+from engine.model.rope import RotaryTable
 from engine.loading.weights import WeightSource
+from engine.errors import ModelFormatError
 
 Progress = Callable[[float, str], None]
 
@@ -22,8 +24,11 @@ def model_folder(model: str | Path) -> Path:
     """The folder `Engine.load` was given; names (`demo`, catalogue and repo ids) resolve in
     the callers (`models_registry.resolve_model`, `app.open_model`)."""
     path = Path(model).expanduser()
+    if path.is_file():
+        raise UserError(f"{str(model)[:160]!r} is a file, not a folder: a model is a folder with a config.json")
     if not path.is_dir():
-        raise UserError(f"model folder {model} does not exist (names resolve with models_registry.resolve_model)")
+        raise UserError(f"model folder {str(model)[:160]!r} does not exist "
+                        "(names resolve with models_registry.resolve_model)")
     return path
 
 
@@ -47,8 +52,6 @@ class _HeaderSource:
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         real = self.source.shape(name)
         if shape is not None and tuple(real) != tuple(shape):
-            from engine.errors import ModelFormatError
-
             raise ModelFormatError(f"tensor {name} has shape {tuple(real)} but config.json implies {tuple(shape)}")
         return torch.empty(real, device="meta")
 

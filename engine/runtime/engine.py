@@ -17,13 +17,21 @@ from typing import Iterator
 
 import torch
 
-from engine.config import DEFAULT_CTX, ModelConfig  # noqa: F401 (DEFAULT_CTX: older imports)
+from engine.config import ModelConfig
+from engine.arch import read_config
+from engine.activations import dense_only_words, is_sparse
 from engine.errors import ContextFullError, ModelFormatError, UserError
-from engine.runtime.kv_cache import KVCache
+from engine.hotcold.moe_tiers import load_moe
+from engine.hotcold.sparse import load_sparse
+from engine.loading.dense_quant import load_dense
+from engine.model.kv_cache import KVCache
 from engine.loading.loader import Progress, model_folder
+from engine.runtime import fused_decode
 from engine.runtime.sampling import Sampler, SamplingParams
 from engine.runtime.tokenizer import StreamDecoder, Tokenizer
-from engine.runtime.validation import check_ctx, check_kv_fits, check_text, check_threads, resolve_device
+from engine.validation import check_ctx, check_kv_fits, check_text, check_threads, resolve_device
+from engine.kernels import cpu as cpu_kernels
+from engine.kernels import cpu_q4, cpu_q4x8, numba_pool, q4_tiles
 
 MODES = ("dense", "sparse", "hybrid", "oracle")
 PREFILL_CHUNK = 128  # prompt tokens per forward: a stop is honoured between chunks
@@ -48,6 +56,10 @@ class GenerationStats:
     mode: str = "dense"
     ffn_active_fraction: float = 0.0
     hot_hit_fraction: float = 0.0
+    # the disk tier (engine.hotcold.neuron_cache): of the cold neurons computed, the share the
+    # RAM cache served, and the bytes read from the prepared file per token (prompt included)
+    cache_hit_fraction: float = 1.0
+    disk_read_bytes_per_token: float = 0.0
     vram_bytes: int = 0
     ram_bytes: int = 0
     device: str = "cpu"
@@ -125,19 +137,21 @@ class Engine:
         if kernels not in ("wait", "background"):
             raise ValueError(f"kernels: 'wait' or 'background', not {kernels!r}")
         ctx, threads = check_ctx(ctx), check_threads(threads)
-        from engine.runtime import fused_decode
-
         fused_decode.enabled()  # a bad THERMOCLINE_FUSED_DECODE is refused here, not at the first token
         device = str(resolve_device(device)) if device is not None else None
         if threads:
             torch.set_num_threads(threads)
         model_dir = model_folder(model)
-        config = ModelConfig.from_dir(model_dir)
+        config = read_config(model_dir)
         check_ctx(ctx)
         notes = []
         if ctx is not None and ctx > config.max_positions:
             notes.append(f"context {ctx} is capped at the {config.max_positions} positions {model_dir.name} "
                          f"was trained on")
+        if not is_sparse(config.activation, config.activation_threshold):
+            if mode != "dense":
+                raise UserError(f"{model_dir.name}: {dense_only_words(config)}; load it with --mode dense")
+            notes.append(f"{model_dir.name} runs dense: {dense_only_words(config)}")
         ctx = config.context_length(ctx)  # no longer than the model was trained for (as place/fit count)
         check_kv_fits(config, ctx, device)
         tokenizer = Tokenizer(model_dir)
@@ -160,6 +174,7 @@ class Engine:
             else:
                 preparing.model_loaded(None, None)
             raise
+        model_obj.decoder = fused_decode.decode_step  # one compiled call per CPU layer where it can
         if preparing is not None:
             layers = model_obj.layers
             scratch = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 2, [la.dtype for la in layers],
@@ -184,15 +199,13 @@ class Engine:
         mode's mapped prepared file (None elsewhere)."""
         runtime = dense_prepared = None
         if mode in ("sparse", "hybrid", "oracle"):
-            from engine.hotcold.sparse import load_sparse
-
-            parts = load_sparse(model_dir, config, mode, ctx, vram_budget, ram_budget, device, progress, cpu_weights)
+            # a mixture of experts is placed expert by expert, routed by the model's own router
+            load = load_moe if config.is_moe else load_sparse
+            parts = load(model_dir, config, mode, ctx, vram_budget, ram_budget, device, progress, cpu_weights)
             model_obj, runtime = parts.model, parts.runtime
             cache = cls.make_cache(config, ctx, parts.layer_devices, parts.layer_dtypes)
             runtime.cache = cache  # a re-placement moves each layer's KV cache with the layer
         else:
-            from engine.runtime.dense_quant import load_dense
-
             dev = torch.device(device or "cpu")
             # int8/int4 CPU weights: a prepared file mapped, or each layer converted as it loads
             model_obj, dense_prepared = load_dense(model_dir, config, dev, ctx, progress, cpu_weights)
@@ -413,6 +426,8 @@ class Engine:
         stats.vram_bytes, stats.ram_bytes, stats.device = mem["vram_bytes"], mem["ram_bytes"], mem["device"]
         if self.sparse is not None:
             stats.ffn_active_fraction, stats.hot_hit_fraction = self.sparse.generation_fractions()
+            stats.cache_hit_fraction, stats.disk_read_bytes_per_token = self.sparse.disk_fractions(
+                stats.prompt_tokens - stats.cached_tokens + stats.new_tokens)
 
     def memory(self) -> dict:
         """Bytes of weights and KV cache per tier, as allocated."""
@@ -459,10 +474,8 @@ class _KernelWarmup:
     every kernel the unfused path may run. `join` waits for the thread and raises what it raised."""
 
     def __init__(self, mode: str, cpu_weights: str):
-        # Imported here, not on the thread: two threads importing the same modules at once can
-        # see them half initialised.
-        from engine.kernels import cpu as cpu_kernels, cpu_q4, cpu_q4x8, numba_pool, q4_tiles  # noqa: F401
-
+        # The kernel modules load here, not on the thread: two threads importing the same
+        # modules at once can see them half initialised.
         numba_pool.kernels()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(mode, cpu_weights),
@@ -481,8 +494,6 @@ class _KernelWarmup:
         packed matrices) and, in the sparse modes, the FFN's gathered rows. Loading all of
         `run_all`'s kernels instead took the bench model's sparse int8 load 0.3-0.4 s more, for
         14 kernels of which the first prompt and the fused decode then ran 2."""
-        from engine.kernels import cpu as cpu_kernels, cpu_q4, cpu_q4x8
-
         sparse = mode != "dense"
         cpu_kernels.warmup_prompt(cpu_weights, sparse)
         if cpu_weights == "int4":
@@ -492,8 +503,6 @@ class _KernelWarmup:
     @staticmethod
     def run_all(mode: str, cpu_weights: str) -> None:
         """Every kernel of the mode and format, the unfused decode's included."""
-        from engine.kernels import cpu as cpu_kernels, cpu_q4, cpu_q4x8, q4_tiles
-
         quants = () if mode == "dense" else tuple({cpu_weights, "fp32"} & set(cpu_kernels.QUANTS))
         cpu_kernels.warmup(quants=quants)
         if cpu_weights == "int4":
