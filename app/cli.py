@@ -50,6 +50,21 @@ def has_display() -> bool:
     return any(os.environ.get(v) for v in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM"))
 
 
+def _window() -> int:
+    """The window; where its X11 libraries are missing, what to install, then the terminal
+    chat where there is a terminal (the one place that decides the fallback)."""
+    from app.gui.main import explain_missing_libraries, missing_window_libraries, run_window
+
+    missing = missing_window_libraries()
+    if not missing:
+        return run_window()
+    code = explain_missing_libraries(missing)
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return code
+    print("Starting the terminal chat instead…", file=sys.stderr)
+    return main(["chat"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -58,9 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             if not has_display():
                 sys.stderr.write("no display found: starting the terminal chat (`thermocline chat`)\n")
                 return main(["chat"])
-            from app.gui.main import run_window
-
-            return run_window()
+            return _window()
         return int(args.handler(args) or 0)
     except UserError as exc:
         if args.debug:

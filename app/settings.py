@@ -51,6 +51,8 @@ class Option:
     section: str = ""
     label: str = ""
     choice_labels: tuple | None = None
+    # A value outside [minimum, maximum] that means "not set" (the text size's 0: the system's).
+    unset: Any = None
 
     def validate(self, value: Any) -> Any:
         """The value converted to this option's type; ValueError says why not."""
@@ -81,6 +83,8 @@ class Option:
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise ValueError(f"{self.name} must be a list of text, not {_shown(value)}")
             value = list(value)
+        if self.unset is not None and value == self.unset:
+            return value
         if self.minimum is not None and value < self.minimum:
             raise ValueError(f"{self.name} must be at least {self.minimum}, not {value}")
         if self.maximum is not None and value > self.maximum:
@@ -144,8 +148,8 @@ SCHEMA: tuple[Option, ...] = (
     Option("ui.theme", str, "system", "Light or dark colours; System follows the desktop.",
            choices=("system", "light", "dark"), section="Appearance", label="Theme",
            choice_labels=("Same as the system", "Light", "Dark")),
-    Option("ui.font_size", int, 0, "Text size in points; 0 keeps the system's size.", minimum=0, maximum=24,
-           section="Appearance", label="Text size"),
+    Option("ui.font_size", int, 0, "Text size in points (7 to 24); 0 keeps the system's size.", minimum=7,
+           maximum=24, unset=0, section="Appearance", label="Text size"),
     Option("ui.welcome_shown", bool, False, "The first-start welcome has been shown."),
     Option("ui.last_conversation", int, None, "Conversation open when the app was closed.", nullable=True),
 )

@@ -60,7 +60,7 @@ def offload_copy(model: Path, dest: Path, layers: int, n_ff: int) -> Path:
     import torch
 
     from engine.hotcold.activation_stats import ActivationStats
-    from engine.hotcold.predictors import PredictorSet
+    from engine.loading.predictors import PredictorSet
 
     dest.mkdir(parents=True)
     for f in model.iterdir():

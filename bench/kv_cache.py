@@ -21,7 +21,7 @@ from bench import emit
 
 
 def per_token_bytes(layers: int, kv_heads: int, head_dim: int, cpu_16bit: bool) -> int:
-    from engine.runtime.kv_cache import KVCache
+    from engine.model.kv_cache import KVCache
 
     slots = 64
     cache = KVCache(layers, kv_heads, head_dim, slots, [torch.float32] * layers, [torch.device("cpu")] * layers,

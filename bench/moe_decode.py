@@ -11,8 +11,8 @@ fits this machine (defaults: 4 layers, 32000 tokens; the real model has 32 and 1
 
 Bytes per decoded token are counted from what the engine read (its expert counters) and
 the dense parts' sizes, against the bound "attention + router + norms + the k chosen
-experts whole + the head". Random weights fire about half of an expert's neurons; trained
-ReGLU experts fire fewer, and the bytes fall with them. llama.cpp on the same weights is
+experts whole + the head". The gates fire about 20% of an expert's neurons (`FIRE`), as
+trained ReGLU experts do; random gates alone would fire half. llama.cpp on the same weights is
 bench.moe_vs_llamacpp (which reuses this checkpoint). The last line is one JSON object.
 """
 
@@ -37,11 +37,18 @@ TESTS = Path(__file__).resolve().parent.parent / "tests"
 REAL = TESTS / "data" / "real_configs" / "smallthinker-4b" / "config.json"
 # --smoke: the real config with tiny layers (the test suite's check that the benchmark runs
 # end to end; its figures mean nothing)
+FIRE = 0.2  # share of a chosen expert's neurons that fire (bench weights; None: random gates, ~half)
 SMOKE = dict(hidden_size=128, head_dim=32, num_attention_heads=4, num_key_value_heads=2, moe_ffn_hidden_size=64,
              moe_num_primary_experts=8, moe_num_active_primary_experts=2)
 
 
-def build_checkpoint(root: Path, layers: int, vocab: int, seed: int, smoke: bool = False) -> tuple[Path, dict]:
+def build_checkpoint(root: Path, layers: int, vocab: int, seed: int, smoke: bool = False,
+                     fire: float | None = FIRE) -> tuple[Path, dict]:
+    """The checkpoint; with `fire`, a chosen expert's neurons fire at about that rate, as
+    trained ReGLU experts do (random gates alone fire half): every embedding carries one
+    shared direction u (half its norm after RMSNorm), every gate row a negative component
+    -beta u, so relu(gate) fires where the row's random part exceeds beta |x . u|; the output
+    and down projections are scaled down so the residual stream keeps u through the layers."""
     cfg = json.loads(REAL.read_text())
     cfg.update(num_hidden_layers=layers, vocab_size=vocab, rope_layout=[1] * layers,
                sliding_window_layout=[0] * layers, bos_token_id=0, eos_token_id=[0, 2], **(SMOKE if smoke else {}))
@@ -53,7 +60,16 @@ def build_checkpoint(root: Path, layers: int, vocab: int, seed: int, smoke: bool
         return (torch.randn(*shape, generator=g) * (scale or shape[-1] ** -0.5)).bfloat16()
 
     root.mkdir(parents=True, exist_ok=True)
-    tensors = {"model.embed_tokens.weight": rand(vocab, d, scale=1.0), "model.norm.weight": torch.ones(d).bfloat16()}
+    u = torch.nn.functional.normalize(torch.randn(d, generator=g), dim=0)
+    # x . u = sqrt(d / 2) after RMSNorm; a gate row's random part . x ~ N(0, 1 / 2)
+    beta = 0.0 if fire is None else torch.special.ndtri(torch.tensor(1 - fire)).item() * 0.5 ** 0.5 / (d / 2) ** 0.5
+    shrink = 1.0 if fire is None else 0.1
+    emb = torch.randn(vocab, d, generator=g) + (0.0 if fire is None else d ** 0.5) * u
+
+    def gate_rows(n_rows):
+        return (torch.randn(n_rows, d, generator=g) * (2 * d) ** -0.5 - beta * u).bfloat16()
+
+    tensors = {"model.embed_tokens.weight": emb.bfloat16(), "model.norm.weight": torch.ones(d).bfloat16()}
     for i in range(layers):
         p = f"model.layers.{i}."
         tensors[p + "input_layernorm.weight"] = torch.ones(d).bfloat16()
@@ -61,13 +77,13 @@ def build_checkpoint(root: Path, layers: int, vocab: int, seed: int, smoke: bool
         tensors[p + "self_attn.q_proj.weight"] = rand(q_rows, d)
         tensors[p + "self_attn.k_proj.weight"] = rand(kv_rows, d)
         tensors[p + "self_attn.v_proj.weight"] = rand(kv_rows, d)
-        tensors[p + "self_attn.o_proj.weight"] = rand(d, q_rows)
+        tensors[p + "self_attn.o_proj.weight"] = rand(d, q_rows, scale=shrink * q_rows ** -0.5)
         tensors[p + "block_sparse_moe.primary_router.weight"] = rand(experts, d, scale=d ** -0.5 * 4)
         for e in range(experts):
             q = p + f"block_sparse_moe.experts.{e}."
-            tensors[q + "gate.weight"] = rand(n, d)
+            tensors[q + "gate.weight"] = gate_rows(n) if fire is not None else rand(n, d)
             tensors[q + "up.weight"] = rand(n, d)
-            tensors[q + "down.weight"] = rand(d, n)
+            tensors[q + "down.weight"] = rand(d, n, scale=shrink * n ** -0.5)
         save_file(tensors, str(root / f"model-{i:05d}.safetensors"))  # a shard per layer: less peak memory
         tensors = {}
     index = {"metadata": {}, "weight_map": {}}

@@ -18,8 +18,8 @@ forced on, to measure what it buys on this CPU. Both engines decode the
 same forced token sequence one token at a time (forward + argmax; see `forced_tokens`),
 and the share of steps whose argmax agrees is reported as a numerics check. Each
 measurement is its own process with the same threads; the engines alternate for
-`--repeats` rounds, and each figure is the median. Random weights fire about half of
-a chosen expert's neurons; trained ReGLU experts fire fewer (the bytes fall with them).
+`--repeats` rounds, and each figure is the median. The gates fire about 20% of a chosen
+expert's neurons, as trained ReGLU experts do (bench.moe_decode.build_checkpoint says how).
 Needs the `bench` extra. The last line is one JSON object.
 """
 

@@ -14,9 +14,9 @@ import time
 import numpy as np
 import torch
 
-from engine.config import ModelConfig
+from engine.arch import parse_config
 from engine.hotcold.placement import solve
-from engine.hotcold.sparse import placement_problem
+from engine.hotcold.sparse_solve import placement_problem
 
 SHAPES = {
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -30,7 +30,7 @@ SMOKE = {"smoke": dict(hidden_size=128, intermediate_size=512, num_hidden_layers
 
 
 def measure(shape: dict, repeats: int) -> dict:
-    config = ModelConfig.from_dict({"model_type": "llama", "hidden_act": "relu", **shape})
+    config = parse_config({"model_type": "llama", "hidden_act": "relu", **shape})
     rng = np.random.default_rng(0)
     freqs = [np.sort(rng.pareto(1.1, config.intermediate_size))[::-1] / 50 for _ in range(config.num_layers)]
     problem = placement_problem(config, [1024] * config.num_layers, freqs, 2048, torch.device("cuda:0"),

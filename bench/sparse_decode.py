@@ -32,7 +32,7 @@ from bench import emit
 
 from engine import Engine, SamplingParams
 from engine.hotcold.activation_stats import ActivationStats
-from engine.hotcold.predictors import PredictorSet
+from engine.loading.predictors import PredictorSet
 
 # (d, n_ff, heads, vocab): ReluLLaMA-7B's layers, and tiny ones for --smoke (the test suite's
 # check that the benchmark runs end to end; its figures mean nothing)

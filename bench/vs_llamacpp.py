@@ -125,7 +125,7 @@ def make_weights(shape: Shape, layers: int, rank: int, active: float, seed: int,
 def write_hf(root: Path, shape: Shape, tensors: dict, fc1s: list, fc2s: list, layers: int) -> None:
     from safetensors.torch import save_file
 
-    from engine.hotcold.predictors import PredictorSet
+    from engine.loading.predictors import PredictorSet
 
     root.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(root / "model.safetensors"))

@@ -1,14 +1,13 @@
-"""Model configuration: one reading of a Hugging Face `config.json`, shared by everyone.
+"""Model configuration types: `ModelConfig` (what the engine needs of a `config.json`) and
+`ConfigFields` (checked reads of its keys).
 
-The engine, `thermocline place` and the model registry (fit estimates, download and
-import checks) all call `parse_config`, so they agree on what is loadable. This module
-and the per-architecture parsers in `engine/arch/` are torch-free for that reason.
-
-`parse_config` picks the architecture module (engine/arch/__init__.py says how) and lets
-it fill a `ModelConfig`; the fields are what the engine needs, read from whichever names
-each family uses, and unknown keys are ignored (mlx-lm style). Every value is checked as
-it is read (`ConfigFields`): a config that is not an object, a zero size, a NaN or a
-string where a number belongs is a `ModelFormatError` naming the key.
+`engine.arch.parse_config` / `read_config` are the one reading of config.json (the engine,
+`thermocline place` and the model registry all call them, so they agree on what is
+loadable): they pick the architecture module, which fills a `ModelConfig` through
+`ConfigFields`, from whichever names its family uses; unknown keys are ignored (mlx-lm
+style). Every value is checked as it is read: a config that is not an object, a zero size,
+a NaN or a string where a number belongs is a `ModelFormatError` naming the key. This
+module and the per-architecture parsers are torch-free for the registry's sake.
 """
 
 from __future__ import annotations
@@ -20,12 +19,6 @@ from pathlib import Path
 
 from . import activations as activation_names
 from .errors import ModelFormatError, UserError
-
-SUPPORTED = (
-    "Llama with ReLU/FATReLU/ReLU² (ReluLLaMA, ProSparse), MiniCPM with FATReLU (MiniCPM-S), "
-    "Mistral/Bamboo with dReLU (Bamboo, TurboSparse), Falcon with ReLU (ReluFalcon), "
-    "SmallThinker mixtures of ReGLU experts, and SwiGLU Llama/Mistral/Qwen2/SmolLM2 (dense)"
-)
 
 # Context length when none is asked for: short enough to keep the KV cache small, and never
 # longer than the model was trained for (`ModelConfig.context_length`).
@@ -112,39 +105,8 @@ class ModelConfig:
             raise UserError(f"context length {requested} is too small (at least 8)")
         return min(requested or DEFAULT_CTX, self.max_positions)
 
-    @classmethod
-    def from_dir(cls, model_dir: Path, activation_hint: str | None = None) -> "ModelConfig":
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ModelFormatError(f"{model_dir} has no config.json: is it a Hugging Face model folder?")
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise ModelFormatError(f"cannot read {path}: {exc}") from None
-        return parse_config(raw, activation_hint or recorded_activation(Path(model_dir)))
 
-    @classmethod
-    def from_dict(cls, raw: dict, activation_hint: str | None = None) -> "ModelConfig":
-        return parse_config(raw, activation_hint)
-
-
-def parse_config(raw, activation_hint: str | None = None) -> ModelConfig:
-    """config.json (already decoded) -> ModelConfig, or a ModelFormatError saying why not.
-
-    `activation_hint` names the activation of a catalogue model whose config.json does not
-    (Falcon configs before transformers 4.36 have no activation key); it never overrides one.
-    """
-    from .arch import module_for
-
-    if not isinstance(raw, dict):
-        raise ModelFormatError(f"config.json must be a JSON object, not a {type(raw).__name__}")
-    module = module_for(raw)
-    config = module.parse(ConfigFields(raw, module.NAME), activation_hint)
-    _check(config)
-    return config
-
-
-def _check(cfg: ModelConfig) -> None:
+def check_consistency(cfg: ModelConfig) -> None:
     """Consistency between fields (each field alone was checked as it was read)."""
     if cfg.num_heads % cfg.num_kv_heads:
         raise ModelFormatError(
@@ -161,7 +123,7 @@ def _check(cfg: ModelConfig) -> None:
 def recorded_activation(model_dir: Path) -> str | None:
     """The activation recorded in the folder for a checkpoint whose config.json may not name
     one: `thermocline/download.json`'s `activation`, which the registry writes from its
-    catalogue when it downloads the model (see `parse_config`). Read from the folder, so the
+    catalogue when it downloads the model (see `engine.arch.read_config`). Read from the folder, so the
     engine asks the registry nothing; a missing or unreadable record is no hint."""
     path = Path(model_dir) / DOWNLOAD_RECORD
     try:
@@ -182,8 +144,9 @@ class ConfigFields:
     """Checked reads of config.json keys. A key may have aliases (Falcon's `n_head`); the
     first one present (and not null) is read. Every failure names the key and the value."""
 
-    def __init__(self, raw: dict, arch: str):
+    def __init__(self, raw: dict, arch: str, supported: str = ""):
         self.raw, self.arch = raw, arch
+        self.supported = supported  # what the refusal of a non-sparse activation lists
 
     def has(self, key: str) -> bool:
         return self.raw.get(key) is not None
@@ -243,7 +206,7 @@ class ConfigFields:
         if name is None:
             raise ModelFormatError(
                 f"activation {value!r} of this {self.arch} model is not sparse: Thermocline needs a ReLU-family "
-                f"model (or a SiLU one, which runs dense); supported: {SUPPORTED}"
+                f"model (or a SiLU one, which runs dense); supported: {self.supported}"
             )
         return name
 
@@ -273,7 +236,7 @@ class ConfigFields:
         theta = self.float("rope_theta", default=None, positive=True)  # checked even where params override it
         merged = {"rope_theta": theta, **params}
         merged.update({k: v for k, v in scaling.items() if v is not None})
-        read = ConfigFields(merged, self.arch)
+        read = ConfigFields(merged, self.arch, self.supported)
         kind = read.str("rope_type", "type", default="default")
         if kind not in ("default", "linear", "dynamic", "llama3", "yarn"):
             raise ModelFormatError(f"unsupported RoPE scaling {kind!r}: supported are linear, dynamic, llama3, yarn")

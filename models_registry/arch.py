@@ -1,6 +1,6 @@
 """Which architectures Thermocline runs: the engine's own reading of config.json.
 
-The registry's download, import and fit checks call `engine.config.parse_config` (torch-free,
+The registry's download, import and fit checks call `engine.arch.parse_config` (torch-free,
 one module per architecture in engine/arch/), so a model the registry accepts is one the
 engine loads, and one it refuses is refused with the engine's message. Sparse inference
 only pays with ReLU-family activations; a SiLU/GELU model is refused with a message that
@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import SUPPORTED as SUPPORTED_TEXT
-from engine.config import ModelConfig, parse_config
+from engine.arch import parse_config, supported
+from engine.config import ModelConfig
 from engine.errors import ModelFormatError
+
+SUPPORTED_TEXT = supported()
 
 __all__ = ["SUPPORTED_TEXT", "ArchInfo", "detect_architecture"]
 

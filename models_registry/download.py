@@ -4,7 +4,7 @@ Order of work: pin the revision to a commit; fetch config.json and refuse unsupp
 architectures before any weights; check free disk; fetch every file resumably into
 `thermocline/partial/`, verify it against the Hub's sha256 (LFS) or git blob id, move it
 into place; then hand the predictor folder to `on_predictors_downloaded(src, model_dir)`
-(the CLI passes `engine.hotcold.predictors.import_powerinfer_predictors`). A file whose hash does
+(the CLI passes `engine.loading.predictor_import.import_powerinfer_predictors`). A file whose hash does
 not match is reported with a `corrupt` event, removed and fetched again; a second mismatch
 stops the download with an error. The model is marked ready only when every file checked.
 """
@@ -28,7 +28,8 @@ from .arch import detect_architecture
 from .catalogue import DEFAULT_MODEL_FILES, CatalogueEntry, find_entry
 from .hardware import free_disk
 from .hub import (
-    RemoteFile, RepoPlan, auth_headers, check_access, fetch_plan, file_url, hub_endpoint, hub_error, is_offline,
+    OfflineModeOn, RemoteFile, RepoPlan, auth_headers, check_access, fetch_plan, file_url, hub_endpoint, hub_error,
+    is_offline,
 )
 from .gguf_fetch import choose_gguf, import_gguf_predictors_from_hub
 from .gguf_weights import import_bytes, import_weights_gguf, weights_gguf_plan
@@ -211,7 +212,7 @@ def download_model(
         if state.get("status") == "ready" and _files_intact(model_dir, state):
             ProgressMeter(repo, 0, progress).emit("done", message="offline: using the downloaded copy")
             return _result_from_state(model_dir, repo, state, from_cache=True)
-        raise UserError(f"offline mode: {name} is not downloaded, or incomplete; "
+        raise OfflineModeOn(f"offline mode: {name} is not downloaded, or incomplete; "
                         "turn offline mode off (HF_HUB_OFFLINE / Settings) to download it")
     if state.get("status") == "ready" and _files_intact(model_dir, state) and (
             revision is None or revision == state.get("revision")) and not (

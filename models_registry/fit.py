@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.budget_policy import RAM_RESERVE_FRACTION, RAM_RESERVE_MIN, VRAM_RESERVE, usable_ram, usable_vram  # noqa: F401
+from engine.budget_policy import usable_ram, usable_vram
 from engine.hotcold.placement import (
     ModelBytes,
     build_problem,
@@ -111,12 +111,9 @@ def shape_from_config(config: dict, arch: ArchInfo | None = None) -> ModelShape:
     arch = arch or detect_architecture(config)
     cfg = arch.config or detect_architecture(config).config
     d = cfg.hidden_size
-    if cfg.family == "falcon":
-        parallel_lns = cfg.num_ln_in_parallel_attn if cfg.parallel_attn else 2
-        norms = 2 * d * (1 if parallel_lns == 1 else 2)  # LayerNorm: weight + bias
-        final_norm = 2 * d
-    else:
-        norms, final_norm = 2 * d, d
+    per_norm = 2 * d if cfg.norm_kind == "layer" else d  # LayerNorm: weight + bias; RMSNorm: weight
+    shared_norm = cfg.parallel_attn and cfg.num_ln_in_parallel_attn == 1  # one norm feeds attention and MLP
+    norms, final_norm = per_norm * (1 if shared_norm else 2), per_norm
     return ModelShape(
         family=cfg.family, d=d, n_ff=cfg.n_ff, n_layers=cfg.num_layers, n_heads=cfg.num_heads,
         n_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab=cfg.vocab_size,

@@ -30,6 +30,32 @@ _LLVM_NAMES = {"sse4.2": "sse4_2", "avx512vnni": "avx512_vnni", "avx512bf16": "a
                "amx-bf16": "amx_bf16", "amx-int8": "amx_int8", "fullfp16": "asimdhp",
                "dotprod": "asimddp"}
 
+# The same features in words, strongest first within each group: what a card says of the CPU.
+_FEATURE_WORDS = (
+    (("avx512f",), "AVX-512"),
+    (("avx512_vnni", "avx_vnni"), "fast 8-bit dot products (VNNI)"),
+    (("avx512_bf16",), "bfloat16 math"),
+    (("avx512_fp16",), "half-precision math"),
+    (("amx_int8", "amx_tile"), "AMX matrix units"),
+    (("avx2",), "AVX2"),
+    (("f16c",), "half-precision conversion"),
+    (("sve2", "sve"), "SVE vectors"),
+    (("asimddp",), "fast 8-bit dot products"),
+    (("neon", "asimd"), "NEON vectors"),
+)
+
+
+def cpu_feature_words(simd: list[str]) -> str:
+    """`AVX-512, fast 8-bit dot products (VNNI), AMX matrix units` rather than raw flags;
+    AVX2 is named only when there is no AVX-512 (it implies it)."""
+    have = set(simd)
+    words = [text for flags, text in _FEATURE_WORDS if have & set(flags)]
+    if "AVX-512" in words and "AVX2" in words:
+        words.remove("AVX2")
+    if not any(w in words for w in ("AVX-512", "AVX2", "SVE vectors", "NEON vectors")) and "avx" in have:
+        words.insert(0, "AVX (no AVX2: the slow kernels)")
+    return ", ".join(words)
+
 
 @dataclass
 class GpuInfo:

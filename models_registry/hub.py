@@ -24,13 +24,50 @@ def hub_endpoint(endpoint: str | None = None) -> str:
     return (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
 
 
-def is_offline(offline: bool | None = None) -> bool:
-    if offline is not None:
-        return offline
+class OfflineModeOn(UserError):
+    """Downloads are switched off here (HF_HUB_OFFLINE, THERMOCLINE_OFFLINE or the saved setting)."""
+
+
+class HubUnreachable(UserError):
+    """The Hub could not be reached: no connection, a name that did not resolve, a timeout."""
+
+    def __init__(self, message: str, *, name_not_resolved: bool = False):
+        super().__init__(message)
+        self.name_not_resolved = name_not_resolved
+
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def offline_switch() -> str | None:
+    """What switched downloads off ("HF_HUB_OFFLINE", "THERMOCLINE_OFFLINE", "settings"), or None."""
     from .paths import load_settings
 
-    env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("THERMOCLINE_OFFLINE") or ""
-    return env.strip().lower() in {"1", "true", "yes", "on"} or bool(load_settings().get("offline"))
+    for var in ("HF_HUB_OFFLINE", "THERMOCLINE_OFFLINE"):
+        if (os.environ.get(var) or "").strip().lower() in _TRUE:
+            return var
+    return "settings" if load_settings().get("offline") else None
+
+
+def is_offline(offline: bool | None = None) -> bool:
+    return offline if offline is not None else offline_switch() is not None
+
+
+def _name_not_resolved(exc: BaseException) -> bool:
+    """A DNS failure anywhere in the exception's chain (getaddrinfo's errors are negative errnos)."""
+    import socket
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, socket.gaierror):
+            return True
+        text = str(exc).lower()
+        if "name or service not known" in text or "name resolution" in text or "nodename nor servname" in text \
+                or "getaddrinfo failed" in text:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 @dataclass(frozen=True)
@@ -99,12 +136,13 @@ def hub_error(exc: Exception, repo: str, endpoint: str, token: str | None) -> Us
     if isinstance(exc, errors.RepositoryNotFoundError):
         return UserError(f"repo {repo} was not found on {endpoint} (or it is private and the token cannot see it)")
     if isinstance(exc, errors.OfflineModeIsEnabled):
-        return UserError(f"offline mode is on: cannot reach the Hub to download {repo}")
+        return OfflineModeOn(f"offline mode is on: cannot reach the Hub to download {repo}")
     if isinstance(exc, errors.HfHubHTTPError):
         code = exc.response.status_code if exc.response is not None else "?"
         return UserError(f"the Hub answered HTTP {code} for {repo}; try again later")
-    return UserError(f"cannot reach the Hub at {endpoint} ({exc.__class__.__name__}: {exc}); "
-                     "check the connection, or use offline mode for models already downloaded")
+    return HubUnreachable(f"cannot reach the Hub at {endpoint} ({exc.__class__.__name__}: {exc}); "
+                          "check the connection, or use offline mode for models already downloaded",
+                          name_not_resolved=_name_not_resolved(exc))
 
 
 def fetch_plan(repo: str, revision: str | None, patterns: tuple[str, ...], *, endpoint: str,

@@ -16,7 +16,7 @@ from engine.errors import UserError
 
 from .arch import ArchInfo, detect_architecture
 from .catalogue import DEFAULT_MODEL_FILES, find_entry
-from .hub import auth_headers, check_access, fetch_plan, file_url, hub_endpoint, hub_error, is_offline
+from .hub import OfflineModeOn, auth_headers, check_access, fetch_plan, file_url, hub_endpoint, hub_error, is_offline
 from .token import get_token
 
 
@@ -53,7 +53,7 @@ def check_repo(repo: str, *, revision: str | None = None, endpoint: str | None =
     from huggingface_hub.utils import get_session, hf_raise_for_status
 
     if is_offline():
-        raise UserError(f"offline mode: cannot look at {repo} on the Hub")
+        raise OfflineModeOn(f"offline mode: cannot look at {repo} on the Hub")
     entry = find_entry(repo)
     endpoint, token = hub_endpoint(endpoint), token or get_token()
     plan = fetch_plan(repo, revision, entry.files if entry else DEFAULT_MODEL_FILES, endpoint=endpoint, token=token)

@@ -139,3 +139,10 @@ def test_hybrid():
         assert hybrid["vram_bytes"] <= b["vram_budget"] and offload["vram_bytes"] <= b["vram_budget"]
         assert min(hybrid["cosine_vs_cpu"], offload["cosine_vs_cpu"]) > 0.999
     assert report["budgets"][1]["offload"]["layers_whole_on_fast"] >= 1
+
+
+def test_first_start():
+    report = run_bench("first_start", "--rounds", "1")
+    first = report["rounds"][0]["first"]
+    assert first["empty_cache"] and first["kernels_preparing_at_answer"]  # answered before the compile
+    assert report["same_tokens"] and not report["rounds"][0]["second"]["kernels_preparing_at_answer"]

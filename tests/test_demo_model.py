@@ -12,7 +12,7 @@ import torch
 from engine import Engine, SamplingParams
 from engine.hotcold.activation_stats import ActivationStats
 from engine.calibration.evaluation import EvalSettings, default_corpus, evaluate
-from engine.hotcold.predictors import PredictorSet
+from engine.loading.predictors import PredictorSet
 from models_registry import resolve_model
 from models_registry.resolve import demo_model_dir
 

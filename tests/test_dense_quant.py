@@ -1,4 +1,4 @@
-"""The dense mode on int8 / 4-bit CPU weights (engine.runtime.dense_quant) against references.
+"""The dense mode on int8 / 4-bit CPU weights (engine.loading.dense_quant) against references.
 
 Two references: plain fp64 torch over the matrices as stored (dequantized), which isolates
 the kernels' own error (the activations quantized to int8 blocks: at most half a step of
@@ -16,9 +16,9 @@ import model_factory
 from engine import Engine, SamplingParams
 from engine.errors import UserError
 from engine.kernels.reference import activations
-from engine.loading.quantized import Int8Matrix, Q4Matrix, QuantMatrix
-from engine.runtime.dense_quant import QuantDenseFfn
-from engine.runtime.model import DenseFfn
+from engine.kernels.quantized import Int8Matrix, Q4Matrix, QuantMatrix
+from engine.loading.dense_quant import QuantDenseFfn
+from engine.model.layers import DenseFfn
 
 FORMATS = {"int8": Int8Matrix, "int4": Q4Matrix}
 

@@ -103,7 +103,7 @@ def test_placed_predictors_select_what_their_original_selects(trained, cpu_weigh
 
 
 def test_predicting_every_neuron_makes_sparse_equal_dense(trained, tmp_path):
-    from engine.hotcold.predictors import PredictorSet
+    from engine.loading.predictors import PredictorSet
 
     model, heldout = trained
     preds = PredictorSet.load(model)

@@ -59,7 +59,7 @@ def test_fit_estimate_counts_the_cpu_weight_format(tmp_path, tiny_models, cpu_we
 def test_the_kv_cache_is_counted_in_the_dtype_it_is_stored_in(tmp_path, tiny_models, monkeypatch, kv, kv_bytes):
     """The planner, the fit estimate, the context check and both modes' allocations agree on
     the CPU cache's bytes: fp16 by default, fp32 under THERMOCLINE_KV_CACHE=fp32."""
-    from engine.runtime.validation import kv_bytes_per_token
+    from engine.validation import kv_bytes_per_token
 
     monkeypatch.setenv("THERMOCLINE_KV_CACHE", kv)
     model = tmp_path / "m"

@@ -188,7 +188,7 @@ def test_int4_matrices_fused_packed_and_as_rows(models, mode, monkeypatch, one_t
     reads them so; the same matrices as plain rows (a GGUF's, unpacked) take the row kernels,
     and both decode as the unfused path."""
     from engine.kernels import cpu_q4x8
-    from engine.loading.quantized import Q4Matrix
+    from engine.kernels.quantized import Q4Matrix
 
     dl = fused_decode.kernels()
     kw = {"ram_budget": RAM} if mode == "sparse" else {}

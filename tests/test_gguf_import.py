@@ -21,7 +21,7 @@ from engine.loading.gguf_import import _reader_class
 from engine.kernels import cpu_q4
 from engine.kernels.cpu_q4 import row_bytes
 from engine.loading.prepared import prepared_path
-from engine.hotcold.predictors import PredictorSet
+from engine.loading.predictors import PredictorSet
 from hub_server import registry_env  # noqa: F401
 
 

@@ -9,7 +9,7 @@ import torch
 
 from engine.errors import ModelFormatError, UserError
 from engine.loading.gguf_predictors import import_gguf_predictors, read_gguf_predictors
-from engine.hotcold.predictors import PredictorSet
+from engine.loading.predictors import PredictorSet
 from gguf_factory import powerinfer_gguf
 from hub_server import HubRepo, local_hub, registry_env  # noqa: F401
 from model_factory import llama_relu
@@ -127,7 +127,7 @@ def test_without_an_importer_the_engine_imports_in_a_child_process(local_hub, tm
 
 
 def _fp64_logits(fc1, fc2, x):
-    from engine.loading.quantized import Q4Matrix
+    from engine.kernels.quantized import Q4Matrix
 
     f1, f2 = (w.dequantize() if isinstance(w, Q4Matrix) else w.float() for w in (fc1, fc2))
     return torch.relu(x.double() @ f1.double().T) @ f2.double().T
@@ -139,7 +139,7 @@ def test_predictor_matrices_of_mixed_stored_kinds_compute_their_logits(mix):
     an unplaced set computes either order against the fp64 product of the stored values. The
     4-bit side computes with int8 activations: its bound is their rounding (measured 0.21 and
     0.61 max against logits of magnitude 63)."""
-    from engine.loading.quantized import Q4Matrix
+    from engine.kernels.quantized import Q4Matrix
 
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(32, 64, generator=g), torch.randn(40, 32, generator=g)

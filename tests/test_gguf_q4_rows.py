@@ -17,7 +17,7 @@ from engine import Engine, SamplingParams
 from engine.kernels import cpu_q4
 from engine.loading.gguf_import import _reader_class, _unpermute, import_gguf
 from engine.loading.prepared import PreparedRows, prepared_path
-from engine.loading.quantized import Q4Matrix
+from engine.kernels.quantized import Q4Matrix
 from test_sparse import vram_for
 
 
@@ -136,7 +136,7 @@ def test_predictors_keep_their_file_precision(tmp_path):
     fp32 the import used to write)."""
     from safetensors import safe_open
 
-    from engine.hotcold.predictors import PredictorSet
+    from engine.loading.predictors import PredictorSet
     from engine.loading.sidecar import sidecar_dir
 
     hf = mf.llama_relu(tmp_path / "hf", dtype=torch.float16)

@@ -1,5 +1,5 @@
 """A GGUF's Q4_0 / Q8_0 tensors are imported as the checkpoint's quantized tensor kinds
-(`NAME.q4_0`, `NAME.t.q4_0`, engine.loading.tensor_kinds): the checkpoint is the GGUF's
+(`NAME.q4_0`, `NAME.t.q4_0`, engine.kernels.tensor_kinds): the checkpoint is the GGUF's
 size, every load reads the same values as the F32 import did, and an int4 CPU tier takes
 the file's 4-bit codes as they are (cold rows, attention, head, prepared layout)."""
 
@@ -22,7 +22,7 @@ from engine.kernels import cpu_q4
 from engine.errors import ModelFormatError
 from engine.loading.gguf_import import _reader_class, _unpermute, import_gguf
 from engine.loading.prepared import PreparedRows, prepared_path
-from engine.loading.quantized import Q4Matrix
+from engine.kernels.quantized import Q4Matrix
 from engine.loading.weights import WeightSource
 from hub_server import registry_env  # noqa: F401
 
@@ -244,7 +244,7 @@ def test_q4_0_block_numbers_have_one_home_and_one_decode():
     """ggml's block_q4_0 sizes live in tensor_kinds (torch-free); the kernels and the placement
     rules take them from there, and a checkpoint's Q4_0 tensor decodes with the kernels' decode."""
     from engine.hotcold import placement
-    from engine.loading import tensor_kinds
+    from engine.kernels import tensor_kinds
     from engine.loading.weights import dequantize_blocks
 
     home = (tensor_kinds.Q4_0_BLOCK, tensor_kinds.Q4_0_BLOCK_BYTES)

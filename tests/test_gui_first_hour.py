@@ -37,7 +37,7 @@ def window(qtbot, tmp_path, llama_dir, monkeypatch):
 def hybrid_model(tmp_path, llama_dir):
     import torch
 
-    from engine.hotcold.predictors import PredictorSet
+    from engine.loading.predictors import PredictorSet
 
     model = tmp_path / "hybrid"
     shutil.copytree(llama_dir, model)
@@ -416,15 +416,17 @@ def test_readout_words_for_people():
     assert "30% of neurons used" in text
 
 
-def test_download_errors_in_words():
+def test_download_errors_in_words(monkeypatch):
     import errno
 
     from app.gui.downloads import download_error_words
+    from models_registry.hub import OfflineModeOn
 
     what, todo = download_error_words("bamboo-dpo", OSError(errno.ENOSPC, "No space left on device"))
     assert "disk is full" in what and "Errno" not in what
-    what, _ = download_error_words("x", RuntimeError("offline mode: x is not downloaded; turn offline mode off "
-                                                     "(HF_HUB_OFFLINE / Settings) to download it"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    what, _ = download_error_words("x", OfflineModeOn("offline mode: x is not downloaded; turn offline mode off "
+                                                      "(HF_HUB_OFFLINE / Settings) to download it"))
     assert "HF_HUB_OFFLINE" in what and "Settings" not in what
 
 

@@ -178,7 +178,7 @@ def hybrid_model(tmp_path, llama_dir):
     """The tiny model plus random activation predictors, so it loads in hybrid mode."""
     import torch
 
-    from engine.hotcold.predictors import PredictorSet
+    from engine.loading.predictors import PredictorSet
 
     model = tmp_path / "hybrid"
     shutil.copytree(llama_dir, model)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.loading import host_memory
+from engine.kernels import host_memory
 from engine.kernels import cpu
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")

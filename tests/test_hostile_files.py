@@ -164,7 +164,7 @@ def test_disk_full_during_profile_and_train_predictors_then_both_resume(tmp_path
     filler.unlink()
     done = box.run(*train)
     done.assert_ok()
-    from engine.hotcold.predictors import PredictorSet
+    from engine.loading.predictors import PredictorSet
 
     assert len(PredictorSet.load(model)) == 4
     assert box.stray_files() == []

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engine import Engine  # noqa: E402
-from engine.config import ModelConfig  # noqa: E402
+from engine.arch import read_config
 from engine.hotcold import hot_q4  # noqa: E402
 from engine.hotcold.placement import INDEX_BYTES, ModelBytes, build_problem  # noqa: E402
 from engine.hotcold.sparse_solve import placement_problem  # noqa: E402
@@ -32,7 +32,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def test_placement_counts_4bit_hot_rows(llama_dir):
-    config = ModelConfig.from_dir(llama_dir)
+    config = read_config(llama_dir)
     d = config.hidden_size
     model = ModelBytes.from_config(config)
     freqs = [np.ones(config.intermediate_size)] * config.num_layers
@@ -66,7 +66,7 @@ def q4_hot_engine(llama_dir, tmp_path, monkeypatch):
 
     model = tmp_path / "m"
     shutil.copytree(llama_dir, model)
-    config = ModelConfig.from_dir(model)
+    config = read_config(model)
     random_predictors(config).save(model)
     probe = Engine.load(model, mode="oracle", vram_budget=0, ram_budget=RAM, cpu_weights="int4")
     engine = Engine.load(model, mode="oracle", vram_budget=vram_for(probe, 0.5), ram_budget=RAM,
@@ -161,7 +161,7 @@ def test_cuda_fast_tier_with_int4_cpu_weights_holds_4bit_hot_rows(llama_dir, tmp
     monkeypatch.delenv(hot_q4.HOT_WEIGHTS_ENV, raising=False)
     model = tmp_path / "m"
     shutil.copytree(llama_dir, model)
-    random_predictors(ModelConfig.from_dir(model)).save(model)
+    random_predictors(read_config(model)).save(model)
     probe = Engine.load(model, mode="oracle", device="cuda", vram_budget=0, ram_budget=RAM, cpu_weights="int4")
     engine = Engine.load(model, mode="oracle", device="cuda", vram_budget=vram_for(probe, 0.5), ram_budget=RAM,
                          cpu_weights="int4")

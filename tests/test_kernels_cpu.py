@@ -522,7 +522,7 @@ def test_matmul_int8_equals_the_fp64_product_of_quantized_activations(n, d, T):
 def test_matmul_int8_declines_shapes_it_does_not_cover(n, d):
     """Fewer than 4 rows, or d not a multiple of the activation block: None, and
     Int8Matrix.linear takes its other path to the same product."""
-    from engine.loading.quantized import Int8Matrix
+    from engine.kernels.quantized import Int8Matrix
 
     g = torch.Generator().manual_seed(d)
     m = Int8Matrix.quantize(torch.randn(n, d, generator=g))
@@ -543,7 +543,7 @@ def test_matmul_int8_without_numba_declines(monkeypatch):
 def test_int8_matrix_linear_uses_int8_activations_for_any_token_count():
     """Decode (1 token) and a prefill (many) give the same rows: each token's product does
     not depend on the others in the call."""
-    from engine.loading.quantized import Int8Matrix
+    from engine.kernels.quantized import Int8Matrix
 
     g = torch.Generator().manual_seed(3)
     m = Int8Matrix.quantize(torch.randn(300, 256, generator=g))
@@ -669,7 +669,7 @@ def test_decode_attention_matches_fp64(monkeypatch, use_numba, heads, kv_heads, 
 
 
 def test_cpu_kv_cache_is_16_bit_and_clamps():
-    from engine.runtime.kv_cache import KVCache
+    from engine.model.kv_cache import KVCache
 
     assert KVCache(1, 2, 8, 16, [torch.float32], [torch.device("cpu")], cpu_16bit=False).k[0].dtype == torch.float32
     cache = KVCache(2, 2, 8, 16, [torch.float32, torch.float16], [torch.device("cpu")] * 2, cpu_16bit=True)

@@ -15,12 +15,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from engine.kernels import cpu_q4  # noqa: E402
-from engine.kernels.triton_q4 import (  # noqa: E402
-    available,
-    matvec_q4_triton,
-    q4_activations_triton,
-    sparse_ffn_q4_triton,
-)
+from engine.kernels.triton_ffn import available
+from engine.kernels.triton_q4 import matvec_q4_triton, q4_activations_triton, sparse_ffn_q4_triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICE = "cpu" if INTERPRET else "cuda"

@@ -1,9 +1,19 @@
-"""Imports run with the grain: app -> models_registry -> engine (errors only), app -> engine.
-The engine loads folders and never asks the registry what a name means (names resolve in
-`app.open_model`); Qt and the app stay out of the engine."""
+"""Imports run with the grain.
+
+- The top level: app -> models_registry -> engine (errors only), app -> engine. The engine
+  loads folders and never asks the registry what a name means (names resolve in
+  `app.open_model`); Qt and the app stay out of the engine.
+- Inside engine/, its floors bottom up (import_graph.FLOORS: facts, kernels, model, arch,
+  loading, hotcold, runtime, calibration): a module imports its own floor and those below,
+  imports inside functions counted too.
+- No import circle anywhere in the project (engine, models_registry, app, bench, tools,
+  the tests' helpers), imports inside functions counted too.
+"""
 
 import ast
 from pathlib import Path
+
+import import_graph
 
 import engine
 
@@ -31,3 +41,28 @@ def test_engine_imports_neither_qt_nor_the_app():
 def test_engine_asks_the_registry_nothing_but_the_listed_facts():
     found = _imports(Path(engine.__file__).parent)
     assert found.get("models_registry", set()) <= _REGISTRY_READERS
+
+
+def test_every_engine_subpackage_is_a_floor():
+    root = Path(engine.__file__).parent
+    packages = {p.parent.name for p in root.glob("*/__init__.py")}
+    assert packages == set(import_graph.FLOORS) - {"facts"}
+
+
+def test_engine_imports_run_down_its_floors():
+    up = [f"{e.source} -> {e.target} (line {e.line})" for e in import_graph.upward(import_graph.graph())]
+    assert not up, "imports against engine's floors (facts < kernels < model < arch < loading < hotcold " \
+                   "< runtime < calibration):\n" + "\n".join(up)
+
+
+def test_no_import_circle_anywhere():
+    found = import_graph.circles(import_graph.graph())
+    assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_graph_sees_imports_inside_functions_and_relative_ones():
+    """The checks above would pass on a graph that missed these (the kinds circles hide in)."""
+    edges = {(e.source, e.target, e.in_function) for e in import_graph.graph()}
+    assert ("app.cli", "app.gui.main", True) in edges  # the window, imported when it opens
+    assert ("engine.arch.llama", "engine.arch.common", True) in edges  # `from .common import` in a function
+    assert ("engine.arch.llama", "engine.config", False) in edges  # `from ..config import`

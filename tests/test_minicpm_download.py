@@ -81,7 +81,7 @@ def test_minicpm_s_1b_downloads_with_gguf_predictors_and_chats_in_sparse_mode(lo
     assert ranged and all(r["range"] for r in ranged)
     assert sum(r.get("sent", 0) for r in ranged) < gguf_path.stat().st_size
 
-    from engine.hotcold.predictors import PredictorSet
+    from engine.loading.predictors import PredictorSet
 
     predictors = PredictorSet.load(model_dir, 2, 96, 240)
     for i in range(2):

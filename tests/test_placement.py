@@ -6,11 +6,11 @@ import numpy as np
 import torch
 
 from engine.hotcold.activation_stats import ActivationStats
-from engine.config import ModelConfig
-from engine.hotcold.placement import decode_speed, min_cache_neurons, solve
-from engine.hotcold.sparse import placement_problem
+from engine.arch import parse_config
+from engine.hotcold.placement import INDEX_BYTES, SLOT_META_BYTES, decode_speed, min_cache_neurons, solve
+from engine.hotcold.sparse_solve import placement_problem
 
-CONFIG = ModelConfig.from_dict({
+CONFIG = parse_config({
     "model_type": "llama", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 6,
     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "hidden_act": "relu",
 })
@@ -90,7 +90,9 @@ def test_disk_tier_below_the_cpu_part():
     full = solve(p, 0, 1 << 40)
     resident = full.resident_ram_bytes
     assert resident == full.ram_bytes - full.tier_bytes["cpu_ffn"]
-    least = resident + min_cache_neurons(p) * p.neuron_cpu
+    slot = p.neuron_cpu - INDEX_BYTES + SLOT_META_BYTES
+    maps = 6 * 688 * INDEX_BYTES
+    least = resident + maps + min_cache_neurons(p) * slot
     assert solve(p, 0, least).verdict == "runs from disk"
     below = solve(p, 0, least - 1)
     assert not below.fits and below.min_ram_bytes == least
@@ -99,7 +101,7 @@ def test_disk_tier_below_the_cpu_part():
         plan = solve(p, 0, resident + int(share * full.tier_bytes["cpu_ffn"]))
         assert plan.fits and plan.ram_bytes <= resident + share * full.tier_bytes["cpu_ffn"]
         assert plan.cache_neurons + plan.disk_neurons == 6 * 688
-        assert plan.ram_bytes == resident + plan.cache_neurons * p.neuron_cpu
+        assert plan.ram_bytes == resident + maps + plan.cache_neurons * slot
         reads.append(plan.disk_read_per_token)
         # the cache holds the most frequent cold neurons: its expected hit share beats its size share
         assert plan.expected_cache_hit >= plan.cache_neurons / (6 * 688)

@@ -15,7 +15,7 @@ from engine.errors import UserError
 from engine.calibration.predictor_training import (
     TrainSettings, auto_rank, choose_threshold, firing_skew, prediction_metrics, train_predictors,
 )
-from engine.hotcold.predictors import PredictorSet
+from engine.loading.predictors import PredictorSet
 from engine.calibration.profiling import ProfileSettings, load_pairs, profile
 
 WINDOW = 64

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import Engine, SamplingParams
-from engine.hotcold.predictors import PredictorSet
+from engine.loading.predictors import PredictorSet
 from engine.loading.prepared import DISABLE_ENV, prepared_path
 from engine.loading.weights import WeightSource
 
@@ -157,9 +157,9 @@ def test_matrices_read_whole_by_every_token_come_in_huge_pages(tmp_path, monkeyp
     or its pages could be read again so (recache_huge, tried on the first matrix of two huge
     pages or more, then on the next ones unchecked), the view of the map; else a copy in host
     memory (anonymous huge pages). The same bytes either way; small tensors stay mapped views."""
-    from engine.loading import host_memory
+    from engine.kernels import host_memory
     from engine.loading.prepared import PreparedDense, write_tensors
-    from engine.loading.quantized import Int8Matrix, Q4Matrix
+    from engine.kernels.quantized import Int8Matrix, Q4Matrix
     from test_host_memory import _anon_huge_kb, _thp_mode
 
     probes, recaches = [], []
@@ -220,7 +220,7 @@ def test_a_just_written_file_is_read_again_in_huge_pages_and_later_opens_map_it(
     """The real kernel's answer: a file just written (small folios) gives its resident
     matrices either as views read again in 2 MB pages or as copies, the same bytes; where it
     gave views, a later open of the file finds them huge and maps them with nothing read again."""
-    from engine.loading import host_memory
+    from engine.kernels import host_memory
     from engine.loading.prepared import PreparedDense, write_tensors
 
     gen = torch.Generator().manual_seed(5)

@@ -21,9 +21,9 @@ import real_config_models as rc
 from app.cli import main
 from engine import Engine, SamplingParams
 from engine.loading.prepared import DISABLE_ENV, PreparedDenseMode, dense_mode_path
-from engine.loading.quantized import Int8Matrix, Q4Matrix
+from engine.kernels.quantized import Int8Matrix, Q4Matrix
 from engine.loading.weights import WeightSource
-from engine.runtime.dense_quant import QuantDenseFfn
+from engine.loading.dense_quant import QuantDenseFfn
 
 PROMPT = [1] + [(7 * i + 3) % 290 + 5 for i in range(11)]
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.kernels import cpu_q4, cpu_q4x8, numba_pool
-from engine.loading.quantized import Q4Matrix, quantize_matrix
+from engine.kernels.quantized import Q4Matrix, quantize_matrix
 
 HAS_KERNELS = cpu_q4.int8_activations(cpu_q4._kernels())
 needs_kernels = pytest.mark.skipif(not HAS_KERNELS, reason="the int8 x 4-bit kernels need numba and AVX2")

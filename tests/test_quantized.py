@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.runtime.model import linear
-from engine.loading.quantized import Int8Matrix, matrix_nbytes
+from engine.model.layers import linear
+from engine.kernels.quantized import Int8Matrix, matrix_nbytes
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 7, 20])  # 20: the converted-block path

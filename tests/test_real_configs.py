@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import real_config_models as rc
-from engine.arch import MODULES
-from engine.config import ModelConfig, parse_config
+from engine.arch import family_names
+from engine.arch import read_config
+from engine.arch import parse_config
 from engine.errors import ModelFormatError
 from models_registry.arch import detect_architecture
 
@@ -55,7 +56,7 @@ def test_every_published_config_is_read_with_its_facts(name):
     raw = rc.real_config(name)
     if name not in EXPECTED:
         module, reason = NOT_YET.get(name, (None, ""))
-        if module is not None and module not in MODULES:  # refused, with the type it does not know
+        if module is not None and module not in family_names():  # refused, with the type it does not know
             with pytest.raises(ModelFormatError, match=f"unknown model_type '{module}'"):
                 parse_config(raw)
             return
@@ -178,8 +179,8 @@ def test_one_context_cap_for_the_engine_place_and_fit(tmp_path):
     config = json.loads((model / "config.json").read_text())
     config["max_position_embeddings"] = 64
     (model / "config.json").write_text(json.dumps(config))
-    assert ModelConfig.from_dir(model).context_length(2048) == 64
-    assert ModelConfig.from_dir(model).context_length() == 64
+    assert read_config(model).context_length(2048) == 64
+    assert read_config(model).context_length() == 64
     engine = Engine.load(model, ctx=2048)
     assert engine.ctx == 64
     assert estimate_fit(config, ctx=2048, vram_budget=0, ram_budget=RAM).ctx == 64
@@ -321,7 +322,7 @@ def test_turbosparse_chatml_tokens_round_trip(real_models):
 
 def test_turbosparse_sparse_mode_uses_the_predictors_in_its_checkpoint(real_models, tmp_path):
     from engine import Engine
-    from engine.hotcold.predictors import PredictorSet
+    from engine.loading.predictors import PredictorSet
 
     src, ref, facts = real_models["turbosparse"]
     path = tmp_path / "turbo"
@@ -342,7 +343,7 @@ def test_turbosparse_sparse_mode_uses_the_predictors_in_its_checkpoint(real_mode
 def test_checkpoint_predictors_with_wrong_shapes_are_refused(real_models, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from engine.hotcold.predictors import import_checkpoint_predictors
+    from engine.loading.predictor_import import import_checkpoint_predictors
 
     src, _, facts = real_models["turbosparse"]
     path = tmp_path / "turbo"
@@ -351,8 +352,8 @@ def test_checkpoint_predictors_with_wrong_shapes_are_refused(real_models, tmp_pa
     tensors["model.layers.1.mlp.predictor.fc2.weight"] = torch.zeros(7, 12)
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(ModelFormatError, match="predictor of layer 1"):
-        import_checkpoint_predictors(path, ModelConfig.from_dir(path))
+        import_checkpoint_predictors(path, read_config(path))
     del tensors["model.layers.1.mlp.predictor.fc2.weight"]
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(ModelFormatError, match="some layers only"):
-        import_checkpoint_predictors(path, ModelConfig.from_dir(path))
+        import_checkpoint_predictors(path, read_config(path))

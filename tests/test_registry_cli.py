@@ -68,7 +68,7 @@ def test_download_list_remove_a_catalogue_model(hub, env, capsys):
     assert result["model_dir"] == str(model_dir) and resolve_model("relullama-7b") == model_dir
     assert "done:" in err  # progress went to stderr
     try:
-        from engine.hotcold.predictors import import_powerinfer_predictors  # noqa: F401
+        from engine.loading.predictor_import import import_powerinfer_predictors  # noqa: F401
     except ImportError:  # the engine's importer is not there yet: the step is skipped loudly
         assert result["predictors"] == "downloaded" and "not imported" in err
     else:

@@ -428,7 +428,7 @@ def test_the_catalogues_activation_is_recorded_in_the_folder_for_the_engine(hub,
     """An old Falcon config.json names no activation: the download records the catalogue's
     in the model's folder, where the engine reads it (it asks the registry nothing); a
     download recorded before that gets it when the name is resolved."""
-    from engine.config import ModelConfig
+    from engine.arch import read_config
     from engine.errors import ModelFormatError
     from models_registry.state import write_state
 
@@ -440,11 +440,11 @@ def test_the_catalogues_activation_is_recorded_in_the_folder_for_the_engine(hub,
     result = download_model("relufalcon-40b", with_predictors=False, retry_delay=0)
     state = read_state(result.model_dir)
     assert state["activation"] == "relu"
-    assert ModelConfig.from_dir(result.model_dir).activation == "relu"
+    assert read_config(result.model_dir).activation == "relu"
     del state["activation"]  # as a download made before the record carried it
     write_state(result.model_dir, state)
     with pytest.raises(ModelFormatError, match="not sparse"):  # Falcon's default, GELU: nothing else says relu
-        ModelConfig.from_dir(result.model_dir)
+        read_config(result.model_dir)
     assert resolve_model("relufalcon-40b") == result.model_dir
     assert read_state(result.model_dir)["activation"] == "relu"
-    assert ModelConfig.from_dir(result.model_dir).activation == "relu"
+    assert read_config(result.model_dir).activation == "relu"

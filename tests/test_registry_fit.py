@@ -9,9 +9,18 @@ import pytest
 
 from models_registry.catalogue import find_entry
 from models_registry.fit import (
-    VERDICT_FITS, VERDICT_HYBRID, VERDICT_NO, VRAM_RESERVE, BytesModel, estimate_fit, gpu_bytes_for_everything,
-    place_bytes, predictor_params_from_file, shape_from_config, suggest_budgets,
+    VERDICT_FITS,
+    VERDICT_HYBRID,
+    VERDICT_NO,
+    BytesModel,
+    estimate_fit,
+    gpu_bytes_for_everything,
+    place_bytes,
+    predictor_params_from_file,
+    shape_from_config,
+    suggest_budgets,
 )
+from engine.budget_policy import VRAM_RESERVE
 from models_registry.hardware import GpuInfo, HardwareInfo
 
 GiB = 1024**3
@@ -181,18 +190,18 @@ def test_no_gpu_and_too_little_ram_is_does_not_fit():
      "num_attention_heads": 8, "multi_query": True, "parallel_attn": True, "bias": True, "vocab_size": 100},
 ])
 def test_estimate_matches_the_engine_placement_solver(config):
-    """Same bytes per tier as engine.placement.solve over engine.sparse.placement_problem."""
+    """Same bytes per tier as engine.placement.solve over engine.hotcold.sparse_solve.placement_problem."""
     torch = pytest.importorskip("torch")
-    sparse = pytest.importorskip("engine.hotcold.sparse")
+    sparse_solve = pytest.importorskip("engine.hotcold.sparse_solve")
     placement = pytest.importorskip("engine.hotcold.placement")
-    from engine.config import ModelConfig
+    from engine.arch import parse_config
 
-    engine_config = ModelConfig.from_dict(config)
+    engine_config = parse_config(config)
     shape = shape_from_config(config)
     ranks = [16 + 8 * (i % 3) for i in range(shape.n_layers)]  # uneven ranks, as trained predictors have
     freqs = [np.ones(shape.n_ff) for _ in range(shape.n_layers)]
-    problem = sparse.placement_problem(engine_config, ranks, freqs, 512, torch.device("cuda:0"),
-                                       torch.float16, "int8")
+    problem = sparse_solve.placement_problem(engine_config, ranks, freqs, 512, torch.device("cuda:0"),
+                                             torch.float16, "int8")
     full = gpu_bytes_for_everything(shape, 512, [r * (shape.d + shape.n_ff) for r in ranks])
     for vram in (0, full // 7, full // 2, full - 12345, full):
         ours = place_bytes(shape, ctx=512, vram_budget=vram, ram_budget=64 * GiB,

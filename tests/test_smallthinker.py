@@ -8,7 +8,7 @@ import torch
 
 import smallthinker_factory as sf
 from engine import Engine, SamplingParams
-from engine.config import ModelConfig
+from engine.arch import parse_config
 from engine.errors import ModelFormatError
 
 PROMPT = [3, 5, 9, 17, 33, 100, 7, 8, 250, 4, 42, 61, 90]
@@ -26,7 +26,7 @@ def models(tmp_path_factory):
 
 
 def test_real_config_parses_to_the_published_shape():
-    cfg = ModelConfig.from_dict(sf.real_config())
+    cfg = parse_config(sf.real_config())
     assert (cfg.family, cfg.model_type) == ("smallthinker", "smallthinker")
     assert (cfg.num_experts, cfg.experts_per_token, cfg.intermediate_size) == (32, 4, 768)
     assert (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (1536, 12, 2, 128)
@@ -40,7 +40,7 @@ def test_real_config_parses_to_the_published_shape():
 
 
 def test_layouts_are_read_per_layer():
-    cfg = ModelConfig.from_dict(sf.tiny_config(**MIXED))
+    cfg = parse_config(sf.tiny_config(**MIXED))
     assert cfg.rope_layers == (True, False, True, True)
     assert cfg.window_layers == (False, True, False, True) and cfg.layer_window == 5
 
@@ -55,7 +55,7 @@ def test_malformed_configs_are_refused(change):
     cfg = sf.tiny_config()
     cfg.update(change)
     with pytest.raises(ModelFormatError):
-        ModelConfig.from_dict(cfg)
+        parse_config(cfg)
 
 
 @pytest.mark.parametrize("name", ["real_layout", "mixed_layout", "softmax"])

@@ -7,7 +7,7 @@ import pytest
 
 import smallthinker_factory as sf
 from engine import Engine
-from engine.config import ModelConfig
+from engine.arch import parse_config
 from engine.hotcold.placement import ModelBytes
 from models_registry.arch import detect_architecture
 from models_registry.catalogue import get_entry
@@ -47,7 +47,7 @@ def test_registry_and_engine_count_the_same_bytes():
     """The fit estimate before download places the same units as the engine after it."""
     real = sf.real_config()
     shape = shape_from_config(real, detect_architecture(real))
-    assert placement_bytes(shape) == ModelBytes.from_config(ModelConfig.from_dict(real))
+    assert placement_bytes(shape) == ModelBytes.from_config(parse_config(real))
 
 
 def test_the_4b_fits_8_gb_of_ram_and_the_21b_does_not():

@@ -76,7 +76,7 @@ def test_profile_counts_expert_use_and_neuron_firing_and_the_solver_places_the_h
 
     from model_factory import WORDS
 
-    from engine.hotcold.moe import placement_frequencies
+    from engine.model.moe import placement_frequencies
 
     model = shutil.copytree(model, tmp_path / "m")  # the profile is written beside the model
     corpus = tmp_path / "corpus.txt"
@@ -255,7 +255,7 @@ def test_int4_experts_hold_the_planned_bytes_and_match_their_dequantized_rows(mo
     ffn = engine.model.layers[0].ffn
     assert all(rows.quant == "int4" for rows in ffn.cold.rows.values())
     x = torch.randn(1, engine.config.hidden_size, generator=torch.Generator().manual_seed(3))
-    from engine.hotcold.moe import reglu, route
+    from engine.model.moe import reglu, route
 
     routing = route(engine.model.layers[0].router, x, engine.config.experts_per_token, engine.config.router_softmax)
     expected = torch.zeros(x.shape[1], dtype=torch.float64)
@@ -282,7 +282,7 @@ def test_int4_experts_hold_the_planned_bytes_and_match_their_dequantized_rows(mo
 def test_the_profile_observer_counts_firing_inside_each_chosen_expert():
     """DenseMoe reports, per chosen expert, on how many of the tokens that chose it each
     neuron fired: checked against a plain fp64 computation."""
-    from engine.hotcold.moe import DenseMoe, route
+    from engine.model.moe import DenseMoe, route
 
     g = torch.Generator().manual_seed(5)
     experts, n, d, t = 6, 16, 24, 11
@@ -398,7 +398,7 @@ def test_a_split_expert_on_a_torch_fast_tier_adds_up_to_the_whole_expert(model, 
     """The fast tier's torch path (a GPU's; here fp64 on the CPU, so no kernel stands in):
     an expert split between it and the CPU tier, for one token and for many, equals the
     whole expert in fp64, before and after a re-split."""
-    from engine.hotcold.moe import Routing, reglu
+    from engine.model.moe import Routing, reglu
     from engine.hotcold.moe_tiers import HotExperts
 
     probe = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=BIG, cpu_weights="fp32")

@@ -12,8 +12,9 @@ import torch
 import model_factory as mf
 from engine import BudgetError, Engine, SamplingParams
 from engine.hotcold.activation_stats import ActivationStats
-from engine.hotcold.predictors import PredictorSet, import_powerinfer_predictors
-from engine.loading.quantized import Int8Matrix
+from engine.loading.predictors import PredictorSet
+from engine.loading.predictor_import import import_powerinfer_predictors
+from engine.kernels.quantized import Int8Matrix
 
 FAMILIES = ["llama", "mistral", "falcon_mq", "falcon_new"]
 PROMPT = [0, 5, 9, 17, 33, 100, 7, 8]

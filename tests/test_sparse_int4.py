@@ -11,7 +11,7 @@ import torch
 from engine import Engine, SamplingParams
 from engine.kernels import cpu_q4
 from engine.kernels.cpu_q4 import Q4FfnRows
-from engine.loading.quantized import Int8Matrix, Q4Matrix
+from engine.kernels.quantized import Int8Matrix, Q4Matrix
 
 from test_sparse import PROMPT, RAM, random_predictors, vram_for
 
@@ -90,8 +90,8 @@ def test_predictor_on_the_int4_tier_selects_what_its_original_selects():
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from bench.vs_llamacpp import Shape, make_weights
-    from engine.hotcold.predictors import PredictorSet
-    from engine.loading.quantized import quantize_matrix
+    from engine.loading.predictors import PredictorSet
+    from engine.kernels.quantized import quantize_matrix
 
     tensors, fc1s, fc2s = make_weights(Shape(512, 2048, 4, 512), 1, 64, 0.1, 0)
     emb = tensors["model.embed_tokens.weight"].float()[300:500]

@@ -38,7 +38,7 @@ def pick_model(requested: str, scratch: Path) -> str:
 
     import torch
 
-    from engine.hotcold.predictors import PredictorSet
+    from engine.loading.predictors import PredictorSet
 
     folder = model_factory.llama_relu(scratch / "tiny-relu-llama", hidden=128, layers=8, ff=512)
     cfg = json.loads((folder / "config.json").read_text())

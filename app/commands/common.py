@@ -60,7 +60,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, sampling: bool = True)
 def check_options(args: argparse.Namespace) -> None:
     """Every option checked before the model loads (seconds): a bad value is one `error:` line.
     The checks are the engine's own (engine.validation), which the window and server use too."""
-    from engine.runtime.validation import check_ctx, check_text, check_threads, resolve_device
+    from engine.validation import check_ctx, check_text, check_threads, resolve_device
 
     check_ctx(getattr(args, "ctx", None), "--ctx")
     check_threads(getattr(args, "threads", None), "--threads")
@@ -74,7 +74,7 @@ def check_options(args: argparse.Namespace) -> None:
     if hasattr(args, "max_new_tokens"):
         from types import SimpleNamespace
 
-        from engine.runtime.validation import check_sampling
+        from engine.validation import check_sampling
 
         defaults = dict(temperature=0.7, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0)
         check_sampling(SimpleNamespace(**_sampling_fields(args, defaults)))  # no torch import yet

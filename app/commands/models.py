@@ -86,7 +86,7 @@ def cmd_list(args) -> int:
     from models_registry.paths import models_dir
     from models_registry.remotes import list_remotes
 
-    from engine.runtime.validation import check_ctx
+    from engine.validation import check_ctx
 
     check_ctx(args.ctx, "--ctx")
     listings = list_models(hardware=probe_hardware(), ctx=args.ctx)
@@ -153,11 +153,11 @@ class _Printer:
 
 
 def _predictor_importer():
-    """engine.hotcold.predictors.import_powerinfer_predictors, or None while the engine lacks it."""
+    """engine.loading.predictor_import.import_powerinfer_predictors, or None while the engine lacks it."""
     try:
-        from engine.hotcold.predictors import import_powerinfer_predictors
+        from engine.loading.predictor_import import import_powerinfer_predictors
     except ModuleNotFoundError as exc:
-        if exc.name != "engine.hotcold.predictors":
+        if exc.name != "engine.loading.predictors":
             raise
         return None
     except ImportError as exc:
@@ -193,7 +193,7 @@ def cmd_download(args) -> int:
         return 130
     if result.predictors == "downloaded" and importer is None:
         sys.stderr.write("warning: predictors downloaded but not imported: this engine has no "
-                         "engine.hotcold.predictors.import_powerinfer_predictors\n")
+                         "engine.loading.predictor_import.import_powerinfer_predictors\n")
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -303,7 +303,7 @@ def cmd_fit(args) -> int:
     from models_registry.hardware import probe_hardware
     from models_registry.resolve import resolve_model
 
-    from engine.runtime.validation import check_ctx
+    from engine.validation import check_ctx
 
     check_ctx(args.ctx, "--ctx")
     entry = find_entry(args.model)

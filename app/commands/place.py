@@ -23,16 +23,16 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from engine.config import ModelConfig
+    from engine.arch import read_config
     from engine.hotcold.placement import solve
-    from engine.hotcold.sparse import pick_fast_device, problem_for_model
+    from engine.hotcold.sparse_solve import pick_fast_device, problem_for_model
     from models_registry import resolve_model
 
-    from engine.runtime.validation import check_ctx
+    from engine.validation import check_ctx
 
     check_ctx(args.ctx, "--ctx")
     model_dir = resolve_model(args.model)
-    config = ModelConfig.from_dir(model_dir)
+    config = read_config(model_dir)
     fast = pick_fast_device(args.device)
     problem = problem_for_model(model_dir, config, config.context_length(args.ctx), fast, args.cpu_weights)
     plan = solve(problem, args.vram_budget, args.ram_budget)

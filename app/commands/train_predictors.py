@@ -48,7 +48,7 @@ def run(args) -> int:
         raise UserError("--epochs must be at least 1")
     if not 0 < args.target_recall <= 1:  # also refuses nan
         raise UserError(f"--target-recall must be in (0, 1], not {args.target_recall}")
-    from engine.runtime.validation import check_threads, resolve_device
+    from engine.validation import check_threads, resolve_device
 
     resolve_device(args.device)
     if check_threads(args.threads, "--threads"):

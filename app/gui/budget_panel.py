@@ -34,32 +34,10 @@ MODE_CHOICES = (
 )
 
 
-def probe_machine(model_spec: str, ctx: int) -> dict:
-    """Hardware totals and the suggested budgets for a model (runs off the GUI thread)."""
-    from models_registry.hardware import probe_hardware
+def _probe(spec: str, ctx: int) -> dict:
+    from models_registry.listing import probe_for_model  # numpy and the fit rules: off the start-up path
 
-    hw = probe_hardware()
-    out = {"ram_total": hw.ram_total, "ram_available": hw.ram_available,
-           "vram_total": hw.gpus[0].vram_total if hw.gpus else 0,
-           "gpu_name": hw.gpus[0].name if hw.gpus else "", "gpu_note": hw.gpu_note,
-           "suggested_vram": None, "suggested_ram": None, "suggest_error": ""}
-    try:
-        import json
-
-        from models_registry import resolve_model
-        from models_registry.fit import estimate_fit
-
-        folder = resolve_model(model_spec)
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        trained = config.get("max_position_embeddings") or config.get("n_positions")
-        if isinstance(trained, int) and trained > 0:
-            out["trained_ctx"] = trained
-            ctx = min(ctx, trained)
-        est = estimate_fit(config, ctx=ctx, hardware=hw, model_dir=folder)
-        out["suggested_vram"], out["suggested_ram"] = est.suggested_vram_budget, est.suggested_ram_budget
-    except Exception as exc:  # noqa: BLE001 - no suggestion is fine; say why in the panel
-        out["suggest_error"] = str(exc)
-    return out
+    return probe_for_model(spec, ctx)
 
 
 class BudgetSlider(QWidget):
@@ -292,7 +270,7 @@ class BudgetPanel(QScrollArea):
     # -- machine and suggestions ---------------------------------------------------------
     def refresh_machine(self) -> None:
         spec, ctx = self.settings["model.active"], self.settings["engine.ctx"]
-        run_in_background(lambda: probe_machine(spec, ctx), self._on_machine,
+        run_in_background(lambda: _probe(spec, ctx), self._on_machine,
                           lambda exc: self.suggest_label.setText(f"Could not probe this machine: {exc}"), self)
 
     def _on_machine(self, machine: dict) -> None:
@@ -368,7 +346,7 @@ class BudgetPanel(QScrollArea):
             self.suggest_label.setText(f"Could not probe this machine: {exc}")
             then()
 
-        run_in_background(lambda: probe_machine(spec, ctx), done, failed, self)
+        run_in_background(lambda: _probe(spec, ctx), done, failed, self)
 
     def restore_suggested(self) -> None:
         self.settings.reset("budget.vram_bytes")

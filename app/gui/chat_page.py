@@ -295,7 +295,6 @@ class ChatPage(QWidget):
     def _reload_view(self, show_all: bool = False) -> None:
         self.view.clear()
         self.view.set_empty_text(EMPTY_DEMO if self._is_demo() else EMPTY_CHAT)
-        model = self._model_name()
         hidden = 0
         if self.conversation is not None:
             messages = [m for m in self.storage.messages(self.conversation.id) if m.role != "system"]
@@ -303,7 +302,7 @@ class ChatPage(QWidget):
                 hidden = len(messages) - SHOWN_MESSAGES
                 messages = messages[hidden:]
             for m in messages:
-                self.view.add_message(m.id, m.role, m.content, m.status, m.stats, m.created_at, model)
+                self.view.add_message(m.id, m.role, m.content, m.status, m.stats, m.created_at, self._writer_of(m))
         self.view.set_hidden_count(hidden)
         self.refresh_title()
         self.view.update_actions(self.client.busy)
@@ -471,7 +470,8 @@ class ChatPage(QWidget):
         conv = self.conversation
         params = {**self._sampling(), "context_policy": self.settings["chat.context_policy"],
                   "conversation_id": conv.id}
-        self.session.start(conv.id, self._chat_messages(), params, earlier)
+        self.session.start(conv.id, self._chat_messages(), params, earlier,
+                           model=(self.client.model_info or {}).get("model") or self.settings["model.active"])
         self.readout.setText("● Reading the prompt…  (Esc stops)")
 
     # -- session signals -------------------------------------------------------------------
@@ -569,7 +569,7 @@ class ChatPage(QWidget):
         if s.device:
             parts.append(fmt.device_name(s.device))
         if s.dropped_messages:
-            parts.append(f"oldest {fmt.count(s.dropped_messages, 'message')} not read")
+            parts.append(fmt.oldest_forgotten(s.dropped_messages, "not read", "not read"))
         if final and s.finish_reason == "cancelled":
             parts.insert(0, "stopped")
         return " · ".join(parts) if parts else "…"
@@ -591,6 +591,12 @@ class ChatPage(QWidget):
     def _model_name(self) -> str:
         info = self.client.model_info
         return fmt.model_label(info.get("model") if info else self.settings["model.active"])
+
+    def _writer_of(self, message) -> str:
+        """The model that wrote an answer: its own record, else the one its chat began with
+        (answers saved before answers kept their model), never simply the model loaded now."""
+        spec = (message.stats or {}).get("model") or (self.conversation.model if self.conversation else "")
+        return fmt.model_label(spec) if spec else self._model_name()
 
     def _recount(self) -> None:
         if self.conversation is not None and self.client.model_info:
@@ -647,8 +653,9 @@ class ChatPage(QWidget):
         self.context_label.setText(f"{shown:,} / {total:,} tokens" + (" · oldest not read" if self._dropped else ""))
         tip = "Tokens (word pieces) the model reads of this conversation, of the most it can read at once."
         if self._dropped:
-            tip += (f" The oldest {fmt.count(self._dropped, 'message')} no longer fit and are left out "
-                    "(Preferences → Chat).")
+            words = fmt.oldest_forgotten(self._dropped, "no longer fits and is left out",
+                                         "no longer fit and are left out")
+            tip += f" {words[0].upper()}{words[1:]} (Preferences → Chat)."
         if self.context_label.toolTip() != tip:
             self.context_label.setToolTip(tip)
         self.context_bar.setValue(int(frac * 1000))
@@ -662,8 +669,8 @@ class ChatPage(QWidget):
             if not self.banner.isVisible() or self.banner.property("kind") == "error":
                 self.banner.show_message(
                     f"This conversation is longer than the model can read ({total:,} tokens), so it now "
-                    f"reads only the latest messages: the oldest {fmt.count(self._dropped, 'message')} "
-                    "are forgotten. Start a new chat for a new topic.", "info", "New chat", self.new_conversation)
+                    f"reads only the latest messages: {fmt.oldest_forgotten(self._dropped)}. "
+                    "Start a new chat for a new topic.", "info", "New chat", self.new_conversation)
         elif level == "full":
             self._show_context_full()
         elif level == "warn" and not self.banner.isVisible():

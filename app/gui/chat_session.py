@@ -84,6 +84,7 @@ class ChatSession(QObject):
         self.conversation_id: int | None = None  # of the answer: the user may open another chat meanwhile
         self.answer_text = ""
         self.earlier: list[dict] = []  # versions a regenerated answer can page back to
+        self.model = ""                # the model writing the answer
         self.stopping = False          # Stop pressed; the worker has not answered yet
         self.stopped_before_text = False
         self._dirty = False
@@ -104,11 +105,15 @@ class ChatSession(QObject):
 
     # -- the answer's life -----------------------------------------------------------------
     def start(self, conversation_id: int, messages: list[dict], params: dict,
-              earlier: list[dict] | None = None) -> None:
-        """Add the streaming answer and ask for it; a failed write raises (nothing was asked)."""
+              earlier: list[dict] | None = None, model: str = "") -> None:
+        """Add the streaming answer and ask for it; a failed write raises (nothing was asked).
+        `model` (the one answering) is kept with the answer, so it keeps its writer's name."""
         self.earlier = list(earlier or [])
-        answer = self.storage.add_message(conversation_id, "assistant", "", status=STREAMING,
-                                          stats={"versions": self.earlier} if self.earlier else None)
+        self.model = model
+        stats = {"model": model} if model else {}
+        if self.earlier:
+            stats["versions"] = self.earlier
+        answer = self.storage.add_message(conversation_id, "assistant", "", status=STREAMING, stats=stats or None)
         self.answer_id, self.answer_text, self._dirty = answer.id, "", False
         self.conversation_id = conversation_id
         self.stopping = self.stopped_before_text = False
@@ -174,7 +179,9 @@ class ChatSession(QObject):
             self._drop(final)
             return
         status = STOPPED if reason == "cancelled" else INTERRUPTED if reason == "interrupted" else COMPLETE
-        saved = {**stats, "versions": self.earlier} if self.earlier else stats
+        saved = {**stats, "model": self.model} if self.model else dict(stats)
+        if self.earlier:
+            saved["versions"] = self.earlier
         final.raw = saved
         self._end(status, final)
 
@@ -183,7 +190,8 @@ class ChatSession(QObject):
             return
         self.flush()
         if self.answer_text:
-            self._end(FAILED, AnswerStats.from_dict({"versions": self.earlier} if self.earlier else None))
+            kept = {k: v for k, v in (("model", self.model), ("versions", self.earlier)) if v}
+            self._end(FAILED, AnswerStats.from_dict(kept or None))
         else:  # nothing was said: do not keep an empty answer around
             self._drop(None)
         self.failed.emit(what, todo)

@@ -101,8 +101,6 @@ the button below fetches the one we recommend; the <b>Models</b> page lists the 
 an estimate of how well each fits this machine.</p>
 """
 
-RECOMMENDED_CHAT_MODEL = "bamboo-dpo"  # the catalogue's best small chat model
-
 
 class AboutDialog(QDialog):
     """Help → About: version, what runs where, the licence, and where things are kept."""
@@ -157,10 +155,14 @@ class WelcomeDialog(QDialog):
         text.setWordWrap(True)
         text.setTextFormat(Qt.TextFormat.RichText)
         layout.addWidget(text)
+        self.recommendation = QLabel("Looking at this machine to choose a chat model for it…", self)
+        self.recommendation.setObjectName("hint")
+        self.recommendation.setWordWrap(True)
+        layout.addWidget(self.recommendation)
         buttons = QDialogButtonBox(self)
         self.download_button = buttons.addButton("Download the recommended chat model",
                                                  QDialogButtonBox.ButtonRole.ActionRole)
-        self.download_button.setToolTip("Bamboo 7B chat (about 14 GB): starts the download on the Models page")
+        self.download_button.setToolTip("Starts the download on the Models page")
         self.download_button.clicked.connect(lambda: self.done(self.get_model))
         start = buttons.addButton("Try the demo", QDialogButtonBox.ButtonRole.AcceptRole)
         start.setDefault(True)
@@ -168,3 +170,14 @@ class WelcomeDialog(QDialog):
         layout.addWidget(buttons)
         self.setMinimumWidth(520)
         self.resize(560, self.sizeHint().height())
+
+    def set_recommended(self, spec: str, row: dict) -> None:
+        """Name the model the button downloads: the Models page's choice for this machine."""
+        from . import formatting as fmt
+
+        facts = [f"{fmt.size(row['size'])} to download" if row.get("size") else "",
+                 row.get("speed", "")]
+        facts_text = ", ".join(f for f in facts if f)
+        self.recommendation.setText(f"For this machine: <b>{spec}</b>" + (f" ({facts_text})" if facts_text else "")
+                                    + ". The Models page marks it too.")
+        self.download_button.setToolTip(f"{spec}: starts the download on the Models page")

@@ -95,13 +95,25 @@ def download_error_words(name: str, exc: BaseException) -> tuple[str, str]:
     if code in (errno.EACCES, errno.EPERM, errno.EROFS):
         return (f"Could not download {name}: the models folder cannot be written to.",
                 "Check the folder's permissions, or choose another one with THERMOCLINE_MODELS_DIR.")
-    if "offline" in text.lower():
+    from models_registry.hub import HubUnreachable, OfflineModeOn, offline_switch
+
+    switch = offline_switch() if isinstance(exc, OfflineModeOn) else None
+    if switch == "settings":
+        return (f"Could not download {name}: downloads are switched off in Thermocline's settings "
+                "(offline mode).",
+                "Turn offline mode off (`thermocline models ...` saved it), then press Download again.")
+    if switch is not None:
         return (f"Could not download {name}: downloads are switched off on this computer "
-                "(the HF_HUB_OFFLINE environment variable is set).",
-                "Start Thermocline without HF_HUB_OFFLINE to download models.")
-    network = code in (errno.ECONNREFUSED, errno.ECONNRESET, errno.ENETUNREACH, errno.EHOSTUNREACH,
-                       errno.ETIMEDOUT) or any(w in text.lower() for w in (
-                           "connect", "timed out", "timeout", "name resolution", "network", "unreachable"))
+                f"(the {switch} environment variable is set).",
+                f"Start Thermocline without {switch} to download models.")
+    if isinstance(exc, HubUnreachable) and exc.name_not_resolved:
+        return (f"Could not download {name}: the name of the model server could not be looked up "
+                "(no internet connection, or no DNS).",
+                "Check the internet connection, then press Download again. " + RESUME)
+    low = text.lower()
+    network = isinstance(exc, (HubUnreachable, ConnectionError, TimeoutError)) or code in (
+        errno.ECONNREFUSED, errno.ECONNRESET, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ETIMEDOUT) or any(
+        w in low for w in ("connect", "timed out", "timeout", "name resolution", "network", "unreachable"))
     if network:
         return (f"Could not download {name}: the model server could not be reached.",
                 "Check the internet connection, then press Download again. " + RESUME)

@@ -51,6 +51,12 @@ def count(n: int, word: str) -> str:
     return f"{n:,} {word}" + ("" if n == 1 else "s")
 
 
+def oldest_forgotten(n: int, one: str = "is forgotten", many: str = "are forgotten") -> str:
+    """`the oldest message is forgotten`, `the oldest 3 messages are forgotten`."""
+    n = int(n)
+    return f"the oldest message {one}" if n == 1 else f"the oldest {n:,} messages {many}"
+
+
 MODE_WORDS = {"dense": "every neuron computed", "sparse": "sparse", "hybrid": "sparse (hybrid)",
               "oracle": "exact neurons (checking)"}
 

@@ -122,25 +122,18 @@ def missing_window_libraries() -> list[str]:
 
 
 def explain_missing_libraries(missing: list[str]) -> int:
-    """Say what to install, then offer the terminal chat (where there is a terminal)."""
+    """Say what to install; the exit code of a window that cannot open (the CLI, which
+    alone decides the terminal fallback, offers the terminal chat where there is a terminal)."""
     print("error: the window cannot open: this desktop lacks X11 libraries Qt needs ("
           + ", ".join(missing) + "). Install them with:\n"
           f"  sudo apt install {' '.join(missing)}\n"
           "(the .deb package installs them for you). Meanwhile the terminal chat works: thermocline chat",
           file=sys.stderr)
-    if not (sys.stdin.isatty() and sys.stdout.isatty()):
-        return 2
-    print("Starting the terminal chat instead…", file=sys.stderr)
-    from app.cli import main as cli_main
-
-    return cli_main(["chat"])
+    return 2
 
 
 def run_window(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    missing = missing_window_libraries()
-    if missing:
-        return explain_missing_libraries(missing)
     app = make_application(argv)
     from app.single_instance import SingleInstance
 

@@ -142,6 +142,7 @@ class MainWindow(QMainWindow):
             self.restoreGeometry(QByteArray.fromBase64(settings["ui.geometry"].encode()))
         else:
             self.resize(1280, 800)
+        self._fit_screen()
         if settings["ui.splitter"]:
             self.splitter.restoreState(QByteArray.fromBase64(settings["ui.splitter"].encode()))
         self.apply_appearance()
@@ -155,6 +156,20 @@ class MainWindow(QMainWindow):
         self.conversations.refresh(last)
         self.chat.open_conversation(last)
         self.show_page("chat")
+
+    def _fit_screen(self) -> None:
+        """Never larger than the screen: a first start (1280x800) or a geometry saved on a
+        bigger monitor would put the input box and the conversation's right edge out of sight."""
+        screen = self.screen() or QApplication.primaryScreen()
+        if screen is None:
+            return
+        room = screen.availableGeometry()
+        frame = self.frameGeometry().size() - self.geometry().size()  # the title bar and borders
+        width = min(self.width(), room.width() - frame.width())
+        height = min(self.height(), room.height() - frame.height())
+        if (width, height) != (self.width(), self.height()):
+            self.resize(max(width, self.minimumSizeHint().width()), max(height, 200))
+            self.move(room.topLeft())
 
     def _nav_button(self, text: str, tip: str) -> QPushButton:
         b = QPushButton(text, self)
@@ -224,7 +239,7 @@ class MainWindow(QMainWindow):
     def _step_font(self, step: int) -> None:
         current = self.settings["ui.font_size"] or round(QApplication.font().pointSizeF() or theme.BASE_POINT_SIZE)
         opt = self.settings.option("ui.font_size")
-        self.settings["ui.font_size"] = int(max(7, min(opt.maximum, current + step)))
+        self.settings["ui.font_size"] = int(max(opt.minimum, min(opt.maximum, current + step)))
 
     def _setting_changed(self, name: str, _value) -> None:
         if name in ("ui.theme", "ui.font_size"):
@@ -317,12 +332,22 @@ class MainWindow(QMainWindow):
         dlg.open()
         self.welcome = dlg
 
-    def get_recommended_model(self) -> None:
-        """Start downloading the recommended chat model and show it on the Models page."""
-        from .dialogs import RECOMMENDED_CHAT_MODEL
+        def recommended() -> None:  # the Models page's choice for this machine, once it has looked
+            if isValid(dlg) and self.models.recommended:
+                dlg.set_recommended(self.models.recommended, self.models.rows.get(self.models.recommended, {}))
 
+        self.models.when_scanned(recommended)
+
+    def get_recommended_model(self) -> None:
+        """Start downloading the chat model recommended for this machine (the Models page's
+        choice, the one the welcome names) and show it on the Models page."""
         self.show_page("models")
-        self.models.start_download(RECOMMENDED_CHAT_MODEL)
+
+        def download() -> None:
+            if self.models.recommended:
+                self.models.start_download(self.models.recommended)
+
+        self.models.when_scanned(download)
 
     # -- pages ---------------------------------------------------------------------------
     def show_page(self, name: str) -> None:

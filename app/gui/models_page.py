@@ -8,7 +8,6 @@ runs in the thread pool, downloads on their own threads.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -20,6 +19,7 @@ from PySide6.QtWidgets import (QFileDialog, QFrame, QGridLayout, QHBoxLayout, QI
                                QWidget)
 
 from app.settings import Settings
+from models_registry.listing import scan_models
 
 from . import formatting as fmt
 from .dialogs import show_error
@@ -28,102 +28,6 @@ from .tasks import run_in_background
 from .worker import EngineClient
 
 log = logging.getLogger(__name__)
-
-
-# -- the scan (runs off the GUI thread) --------------------------------------------------
-def _rough_fit(size_bytes: int | None, hw) -> tuple[str, str]:
-    """A verdict from the download size alone, for models whose config we do not have yet."""
-    from models_registry.fit import VERDICT_FITS, VERDICT_HYBRID, VERDICT_NO
-
-    if not size_bytes:
-        return "fit unknown", "fit is estimated once the size is known"
-    vram = hw.usable_vram_free
-    if size_bytes <= vram * 0.85:
-        return VERDICT_FITS, "estimate from the download size"
-    cold = max(0, size_bytes - vram) / 2  # cold neurons are stored as 8-bit rows in RAM
-    if cold <= hw.ram_available * 0.85:
-        return VERDICT_HYBRID, "estimate from the download size"
-    return VERDICT_NO, f"needs about {fmt.gib(cold)} of RAM; {fmt.gib(hw.ram_available)} is free"
-
-
-def _folder_size(folder: Path) -> int:
-    try:
-        return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-    except OSError:
-        return 0
-
-
-def scan_models(custom: list[str], ctx: int, active: str = "") -> dict:
-    """Every model the page lists, with its state on disk and fit on this machine."""
-    from models_registry.catalogue import load_catalogue
-    from models_registry.fit import estimate_fit
-    from models_registry.hardware import probe_hardware
-    from models_registry.resolve import demo_model_dir, downloaded_model_dir, is_ready
-    from models_registry.state import read_state
-
-    hw = probe_hardware()
-    rows = []
-    seen = set()
-
-    def row(spec: str, folder: Path, *, title: str, repo: str | None, entry=None, local: bool = False) -> dict:
-        state = read_state(folder) or {}
-        has_config = (folder / "config.json").is_file()
-        if has_config and is_ready(folder):
-            status = "ready"
-        elif state.get("status") == "downloading" or (folder.exists() and not has_config and not local):
-            status = "partial"
-        else:
-            status = "absent"
-        size = state.get("size_bytes") or (entry.size_bytes if entry else None)  # the Hub's listing once known
-        if status == "ready" and not size:
-            size = _folder_size(folder)
-        verdict, reason = _rough_fit(size, hw)
-        if has_config:
-            try:
-                config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-                est = estimate_fit(config, ctx=ctx, hardware=hw, model_dir=folder,
-                                   known_activation=entry.activation if entry else None,
-                                   sparsity=entry.sparsity if entry else None)
-                verdict, reason = est.verdict, est.reason
-            except Exception as exc:  # noqa: BLE001 - a model we cannot size is still listed
-                verdict, reason = "unknown", str(exc)
-        return {"spec": spec, "title": title, "repo": repo, "folder": str(folder), "status": status,
-                "size": size, "license": entry.license if entry else "see the model card",
-                "params": entry.params if entry else "", "sparsity": entry.sparsity if entry else None,
-                "description": entry.description if entry else ("Local folder" if local else "Added by hand"),
-                "verdict": verdict, "reason": reason, "custom": entry is None, "local": local,
-                "downloadable": repo is not None}
-
-    for entry in load_catalogue():
-        folder = demo_model_dir() if entry.repo is None else downloaded_model_dir(entry.repo)
-        title = f"{entry.id} · recommended first download" if entry.recommended else entry.id
-        rows.append(row(entry.id, folder, title=title, repo=entry.repo, entry=entry))
-        seen.update({entry.id.lower(), (entry.repo or "").lower()})
-    from models_registry.remotes import list_remotes
-
-    for remote in list_remotes():  # models served elsewhere (Add remote…, models add-remote)
-        seen.add(remote.id.lower())
-        rows.append({"spec": remote.id, "title": remote.id, "repo": None, "folder": remote.url, "status": "ready",
-                     "size": None, "license": "see the server", "params": "", "sparsity": None,
-                     "description": f"Runs elsewhere: {remote.model or 'the first model'} at {remote.url}",
-                     "verdict": "runs elsewhere", "reason": "", "custom": True, "local": False,
-                     "downloadable": False, "remote": True})
-    # The active model is listed even when it was chosen by path rather than added here.
-    extra = custom + ([active] if active and Path(active).expanduser().is_absolute() else [])
-    for spec in extra:
-        if spec.lower() in seen:
-            continue
-        seen.add(spec.lower())
-        path = Path(spec).expanduser()
-        if path.is_absolute():
-            rows.append(row(spec, path, title=path.name, repo=None, local=True))
-        else:
-            rows.append(row(spec, downloaded_model_dir(spec), title=spec, repo=spec))
-    gpu = f"{hw.gpus[0].name} ({fmt.gib(hw.gpus[0].vram_total)})" if hw.gpus else "no NVIDIA GPU"
-    machine = (f"This machine: {fmt.gib(hw.ram_total)} RAM ({fmt.gib(hw.ram_available)} free), {gpu}, "
-               f"{hw.cpu_logical_cores or '?'} CPU threads"
-               + (f", {', '.join(f for f in hw.simd if f.startswith('avx'))}" if hw.simd else ""))
-    return {"rows": rows, "machine": machine}
 
 
 # -- widgets ------------------------------------------------------------------------------
@@ -226,7 +130,7 @@ class ModelCard(QFrame):
         params = f" · {info['params']}" if info.get("params") else ""
         self.title.setText(f"<b>{info['title']}</b>{params}")
         self.verdict.setText(info["verdict"])
-        self.verdict.setToolTip(info.get("reason", ""))
+        self.verdict.setToolTip(" · ".join(t for t in (info.get("reason", ""), info.get("speed", "")) if t))
         self.verdict.setProperty("kind", _verdict_kind(info["verdict"]))
         self.verdict.style().unpolish(self.verdict)
         self.verdict.style().polish(self.verdict)
@@ -243,6 +147,8 @@ class ModelCard(QFrame):
                                   "silent for a typical word, which is the work Thermocline skips.")
         if info.get("reason"):
             facts.append(info["reason"])
+        if info.get("speed"):
+            facts.append(info["speed"])
         self.facts.setText(" · ".join(facts))
         self.facts.setOpenExternalLinks(True)
         self.description.setText(info.get("description", ""))
@@ -361,6 +267,9 @@ class ModelsPage(QWidget):
         # spec -> {"asking": bool, "bytes": int | None, "text": str}: a first download being planned
         self.plans: dict[str, dict] = {}
         self.cards: dict[str, ModelCard] = {}
+        self.recommended: str | None = None  # the chat model for this machine (listing.recommend)
+        self.rows: dict[str, dict] = {}      # spec -> the last scan's row
+        self._after_scan: list = []
         self._scanning = False
         self._rescan = False
         self._pending_rows: list = []
@@ -438,15 +347,29 @@ class ModelsPage(QWidget):
             return
         self._scanning = True
         custom, ctx, active = list(self.settings["models.custom"]), self.settings["engine.ctx"], self.active_spec()
-        run_in_background(lambda: scan_models(custom, ctx, active), self._on_scan, self._on_scan_failed, self)
+        weights = self.settings["engine.cpu_weights"]
+        run_in_background(lambda: scan_models(custom, ctx, active, weights), self._on_scan, self._on_scan_failed, self)
 
     def _on_scan_failed(self, exc: BaseException) -> None:
         self._scanning = False
         self.machine_label.setText(f"Could not read the model catalogue: {exc}")
 
+    def when_scanned(self, fn) -> None:
+        """Call `fn()` once the next scan has come in (now, when one has and none is under way)."""
+        if self.rows and not self._scanning:
+            fn()
+            return
+        self._after_scan.append(fn)
+        self.refresh()
+
     def _on_scan(self, result: dict) -> None:
         self._scanning = False
         self.machine_label.setText(result["machine"])
+        self.recommended = result.get("recommended")
+        self.rows = {r["spec"]: r for r in result["rows"]}
+        waiting, self._after_scan = self._after_scan, []
+        for fn in waiting:
+            fn()
         specs = [r["spec"] for r in result["rows"]]
         for spec in list(self.cards):
             if spec not in specs:

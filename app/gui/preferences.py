@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QValidator
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout,
                                QGroupBox, QLabel, QLineEdit, QScrollArea, QSizePolicy, QSpinBox, QVBoxLayout,
                                QWidget)
@@ -28,6 +29,34 @@ _EXTRA_SECTIONS: list[tuple[str, SectionFactory]] = []
 def register_section(title: str, factory: SectionFactory) -> None:
     """Add a custom section (after the schema's) to every Preferences dialog opened later."""
     _EXTRA_SECTIONS[:] = [(t, f) for t, f in _EXTRA_SECTIONS if t != title] + [(title, factory)]
+
+
+class UnsetSpinBox(QSpinBox):
+    """A spin box over an option's `unset` value (shown as the special text) and then
+    [minimum, maximum]: the gap between them (a 1-6 pt text size) cannot be chosen."""
+
+    def __init__(self, opt: Option, parent: QWidget):
+        super().__init__(parent)
+        self.unset, self.low = int(opt.unset), int(opt.minimum)
+        self.setRange(self.unset, int(opt.maximum))
+
+    def stepBy(self, steps: int) -> None:  # noqa: N802 - Qt API
+        value = self.value()
+        if value == self.unset and steps > 0:
+            self.setValue(self.low + steps - 1)
+        elif value > self.unset and value + steps < self.low:
+            self.setValue(self.unset)
+        else:
+            super().stepBy(steps)
+
+    def validate(self, text: str, pos: int):
+        state, text, pos = super().validate(text, pos)
+        if state == QValidator.State.Acceptable and self.unset < self.valueFromText(text) < self.low:
+            state = QValidator.State.Intermediate  # typing "1" on the way to "12" is fine; "1" alone is not
+        return state, text, pos
+
+    def fixup(self, text: str) -> str:
+        return self.textFromValue(self.low)
 
 
 class OptionField:
@@ -49,10 +78,11 @@ class OptionField:
             w.setChecked(bool(value))
             self.get = w.isChecked
         elif opt.type is int:
-            w = QSpinBox(parent)
-            w.setRange(int(opt.minimum if opt.minimum is not None else -2**31),
-                       int(min(opt.maximum if opt.maximum is not None else 2**31 - 1, 2**31 - 1)))
-            if opt.minimum == 0 and opt.name == "ui.font_size":
+            w = UnsetSpinBox(opt, parent) if opt.unset is not None else QSpinBox(parent)
+            if opt.unset is None:
+                w.setRange(int(opt.minimum if opt.minimum is not None else -2**31),
+                           int(min(opt.maximum if opt.maximum is not None else 2**31 - 1, 2**31 - 1)))
+            if opt.name == "ui.font_size":
                 w.setSpecialValueText("System size")
                 w.setSuffix(" pt")
                 w.setMinimumWidth(w.fontMetrics().horizontalAdvance("System size") + 48)

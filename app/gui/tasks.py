@@ -9,6 +9,8 @@ from typing import Any, Callable
 from PySide6.QtCore import QObject, QRunnable, QThreadPool, Signal, Slot
 from shiboken6 import isValid
 
+from engine.errors import UserError
+
 log = logging.getLogger(__name__)
 
 
@@ -49,7 +51,10 @@ class _Task(QRunnable):
         try:
             result = self.fn()
         except Exception as exc:  # noqa: BLE001 - handed to the caller's on_error
-            log.exception("background task failed")
+            if isinstance(exc, UserError):  # expected (offline, bad input): the caller words it
+                log.info("background task: %s", exc)
+            else:
+                log.exception("background task failed")
             self.relay.failed.emit(exc)
             return
         self.relay.done.emit(result)

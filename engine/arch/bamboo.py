@@ -13,6 +13,7 @@ from ..config import ConfigFields, ModelConfig
 from .llama import TENSORS, load_globals, load_layer, parse_gated  # noqa: F401 (same tensors)
 
 NAME = "Bamboo"
+SUPPORTS = "Mistral/Bamboo with dReLU (Bamboo, TurboSparse)"
 ARCHITECTURES = ("BambooForCausalLM",)
 MODEL_TYPES = ("bamboo", "turbosparse")
 EXTENDS = ("mistral",)  # BambooForCausalLM under model_type "mistral" is still Bamboo (dReLU)

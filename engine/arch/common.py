@@ -4,12 +4,28 @@ and the loader of the Llama layout, which several architecture modules name."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from ..config import ModelConfig
-from engine.runtime.model import DenseFfn, Layer, Norm
-from engine.loading.weights import WeightSource
+from engine.model.layers import DenseFfn, Layer, Norm
+from engine.errors import ModelFormatError
+from engine.kernels.quantized import Q4Matrix
+from engine.kernels.cpu_q4 import Q4FfnRows
+from engine.model.q4_ffn import Q4StagedFfn, q4_rows_of, transposed_q4_rows
+
+
+class TensorSource(Protocol):
+    """What the loaders read a checkpoint through (engine.loading.weights.WeightSource, and
+    the loader's header-only source); `q4_rows`, `quant_kind` and `transposed_rows` are
+    optional (a source of stored 4-bit rows has them)."""
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor: ...
+
+    def has(self, name: str) -> bool: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
 
 
 @dataclass
@@ -22,12 +38,12 @@ class LoadTarget:
 class Converter:
     """Reads checkpoint tensors with shape checks and converts them to the compute dtype."""
 
-    def __init__(self, source: WeightSource, config: ModelConfig):
+    def __init__(self, source: TensorSource, config: ModelConfig):
         self.source, self.config = source, config
         self.skip_ffn = False  # the sparse engine maps this layer's FFN rows from a prepared file
         # The sparse engine's int4 CPU tier: weights stored as Q4_0 blocks stay the file's
         # 4-bit rows (no dequantize-requantize): matrices of this layer (keep_q4) and FFN
-        # rows (keep_q4_ffn: `ffn` returns engine.loading.q4_ffn.Q4StagedFfn, no fp32 copy).
+        # rows (keep_q4_ffn: `ffn` returns engine.model.q4_ffn.Q4StagedFfn, no fp32 copy).
         self.keep_q4 = False
         self.keep_q4_ffn = False
 
@@ -39,29 +55,22 @@ class Converter:
         q4_rows = getattr(self.source, "q4_rows", None)
         rows = q4_rows(name, transposed) if q4_rows is not None else None
         if rows is not None and tuple(self.source.shape(name)) != tuple(shape):
-            from engine.errors import ModelFormatError
-
             raise ModelFormatError(f"tensor {name} has shape {tuple(self.source.shape(name))} but config.json "
                                    f"implies {tuple(shape)}")
         return rows
 
     def matrix(self, name: str, shape: tuple[int, int], where: LoadTarget):
         """A weight matrix: with keep_q4 (a CPU-tier layer) a Q4_0 one as its own 4-bit rows
-        (engine.loading.quantized.Q4Matrix over the mapped file), else `get`."""
+        (engine.kernels.quantized.Q4Matrix over the mapped file), else `get`."""
         if self.keep_q4 and where.device.type == "cpu":
-            from engine.loading.quantized import Q4Matrix
-
             rows = self._q4(name, shape)
             if rows is not None:
                 return Q4Matrix(rows, shape[1])
             quant_kind = getattr(self.source, "quant_kind", None)
             if quant_kind is not None and quant_kind(name) is not None and len(shape) == 2:
                 # other blocks (Q8_0, a Q6_K head): 4-bit rows a step of rows at a time, no fp32 copy
-                from engine.loading.q4_ffn import q4_rows_of
 
                 if tuple(self.source.shape(name)) != tuple(shape):
-                    from engine.errors import ModelFormatError
-
                     raise ModelFormatError(f"tensor {name} has shape {tuple(self.source.shape(name))} but "
                                            f"config.json implies {tuple(shape)}")
                 return Q4Matrix(q4_rows_of(self.source, name, shape), shape[1])
@@ -73,8 +82,6 @@ class Converter:
         if self.keep_q4 and where.device.type == "cpu":
             rows = [self._q4(name, shape) for name, shape in parts]
             if all(r is not None for r in rows):
-                from engine.loading.quantized import Q4Matrix
-
                 return Q4Matrix(torch.cat(rows), parts[0][1][1])
         return self.stack_rows([self.source.get(name, shape) for name, shape in parts], where)
 
@@ -122,7 +129,7 @@ class Converter:
         return ffn
 
     def _q4_ffn(self, gate_name: str | None, up_name: str, down_name: str):
-        """The layer's FFN as 4-bit rows (engine.loading.q4_ffn.Q4StagedFfn) when gate and up
+        """The layer's FFN as 4-bit rows (engine.model.q4_ffn.Q4StagedFfn) when gate and up
         are stored as Q4_0 rows: theirs as they are, the down projection's too when stored
         transposed (PowerInfer's ffn_down_t), else requantized from its values."""
         d, n = self.config.hidden_size, self.config.intermediate_size
@@ -130,15 +137,11 @@ class Converter:
         gate = self._q4(gate_name, (n, d)) if gate_name else None
         if up is None or (gate_name and gate is None):
             return None
-        from engine.kernels.cpu_q4 import Q4FfnRows
-        from engine.loading.q4_ffn import Q4StagedFfn, transposed_q4_rows
 
         down_t = self._q4(down_name, (d, n), transposed=True)
         requantized = down_t is None
         if requantized:
             if tuple(self.source.shape(down_name)) != (d, n):
-                from engine.errors import ModelFormatError
-
                 raise ModelFormatError(f"tensor {down_name} has shape {tuple(self.source.shape(down_name))} but "
                                        f"config.json implies {(d, n)}")
             down_t = transposed_q4_rows(self.source, down_name, (d, n))

@@ -10,6 +10,7 @@ from ..config import ConfigFields, ModelConfig
 from ..errors import ModelFormatError
 
 NAME = "Falcon"
+SUPPORTS = "Falcon with ReLU (ReluFalcon)"
 ARCHITECTURES = ("FalconForCausalLM", "RWForCausalLM")
 MODEL_TYPES = ("falcon", "refinedweb", "refinedwebmodel")
 
@@ -64,7 +65,7 @@ def parse(read: ConfigFields, activation_hint: str | None = None) -> ModelConfig
 
 
 def _layer_norm(conv, prefix: str, where):
-    from engine.runtime.model import Norm
+    from engine.model.layers import Norm
 
     d = conv.config.hidden_size
     return Norm(conv.get(prefix + ".weight", (d,), where), conv.get(prefix + ".bias", (d,), where),
@@ -95,7 +96,7 @@ def load_globals(conv, cpu, head):
 def load_layer(conv, i: int, where, ffn_where=None):
     import torch
 
-    from engine.runtime.model import Layer
+    from engine.model.layers import Layer
 
     cfg = conv.config
     d, hd, heads, kv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ..config import ConfigFields, ModelConfig
 
 NAME = "Llama"
+SUPPORTS = "Llama with ReLU/FATReLU/ReLU² (ReluLLaMA, ProSparse), SwiGLU Llama/Mistral/Qwen2/SmolLM2 (dense)"
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "SparseLlamaForCausalLM", "Qwen2ForCausalLM")
 MODEL_TYPES = ("llama", "mistral", "sparsellama", "qwen2")  # qwen2: the same layout, q/k/v with biases
 

@@ -19,6 +19,7 @@ from ..config import ConfigFields, ModelConfig
 from .llama import TENSORS, load_globals, load_layer, parse_gated  # noqa: F401 (same tensors)
 
 NAME = "MiniCPM"
+SUPPORTS = "MiniCPM with FATReLU (MiniCPM-S)"
 ARCHITECTURES = ("MiniCPMForCausalLM",)
 MODEL_TYPES = ("minicpm",)
 

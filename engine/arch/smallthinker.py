@@ -21,6 +21,7 @@ from ..errors import ModelFormatError
 from .llama import GatedTensors
 
 NAME = "SmallThinker"
+SUPPORTS = "SmallThinker mixtures of ReGLU experts"
 ARCHITECTURES = ("SmallThinkerForCausalLM",)
 MODEL_TYPES = ("smallthinker",)
 
@@ -110,8 +111,8 @@ def load_experts(conv, i: int, where):
 
 
 def load_layer(conv, i: int, where, ffn_where=None):
-    from engine.runtime.model import Layer, Norm
-    from engine.hotcold.moe import DenseMoe
+    from engine.model.layers import Layer, Norm
+    from engine.model.moe import DenseMoe
 
     cfg = conv.config
     d, hd = cfg.hidden_size, cfg.head_dim

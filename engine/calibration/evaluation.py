@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from engine.errors import UserError
 from engine.calibration.profiling import corpus_windows, read_corpus
 from engine.loading.sidecar import SIDECAR, sidecar_dir
+from engine.loading.predictors import PredictorSet
 
 Progress = Callable[[float, str], None]
 EVAL_TEXT = "eval.txt"  # optional held-out text shipped in a model's sidecar folder
@@ -82,7 +83,7 @@ def selection_vs_original(engine, token_ids: list[int]) -> dict:
     """The placed predictors' selection against their original's (the predictors file, in
     fp32) on one sequence's FFN inputs, over all layers: `selected_vs_original` and
     `recall_of_original` as `evaluate` reports them (bench.vs_llamacpp's figures)."""
-    from engine.hotcold.predictors import PredictorSet
+    from engine.loading.predictors import PredictorSet
 
     placed, original = engine.sparse.predictors, PredictorSet.load(Path(engine.model_dir))
     tally = _LayerTally()
@@ -103,8 +104,6 @@ def selection_vs_original(engine, token_ids: list[int]) -> dict:
 def evaluate(engine, corpus: list[str | Path] | None = None, settings: EvalSettings | None = None,
              progress: Progress | None = None) -> dict:
     """Evaluate an engine loaded in a sparse mode (see the module docstring)."""
-    from engine.hotcold.predictors import PredictorSet
-
     settings = settings or EvalSettings()
     if engine.sparse is None:
         raise UserError("evaluation needs the model loaded in sparse mode")

@@ -35,6 +35,9 @@ from safetensors.torch import load_file, save_file
 
 from engine.errors import UserError
 from engine.calibration.profiling import load_pairs, profile_dir, read_profile_state
+from engine.hotcold.activation_stats import ActivationStats
+from engine.arch import read_config
+from engine.loading.predictors import PredictorSet
 
 Progress = Callable[[float, str], None]
 PARTIAL_DIR = "predictors"
@@ -201,9 +204,6 @@ def train_layer(x: torch.Tensor, labels: torch.Tensor, rank: int, settings: Trai
 def train_predictors(model_dir: str | Path, settings: TrainSettings | None = None,
                      progress: Progress | None = None, restart: bool = False) -> list[LayerReport]:
     """Train every layer's predictor from the profile and save the model's PredictorSet."""
-    from engine.hotcold.activation_stats import ActivationStats
-    from engine.config import ModelConfig
-    from engine.hotcold.predictors import PredictorSet
 
     settings = settings or TrainSettings()
     if not 0.0 < settings.target_recall <= 1.0:
@@ -213,7 +213,7 @@ def train_predictors(model_dir: str | Path, settings: TrainSettings | None = Non
     if settings.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for but no CUDA device is available")
     model_dir = Path(model_dir)
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = read_config(model_dir)
     if cfg.is_moe:
         raise UserError(f"{model_dir.name} is a mixture of experts: its router chooses the experts and the "
                         "kernels skip the neurons that do not fire, so it needs no predictors")

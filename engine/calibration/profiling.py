@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.errors import UserError
 from engine.loading.sidecar import sidecar_dir
+from engine.hotcold.activation_stats import ActivationStats
 
 Progress = Callable[[float, str], None]
 
@@ -211,7 +212,7 @@ class _Collector:
     def __init__(self, counts: list[torch.Tensor], writers: list[PairWriter],
                  expert_neurons: list[torch.Tensor] | None = None):
         self.counts, self.writers = counts, writers
-        self.neuron_counts = expert_neurons  # a mixture: [experts, n] per layer (engine/hotcold/moe.py calls below)
+        self.neuron_counts = expert_neurons  # a mixture: [experts, n] per layer (engine/model/moe.py calls below)
 
     def expert_neurons(self, layer: int, expert: int, fired: torch.Tensor) -> None:
         """A mixture's expert ran on the tokens that chose it: `fired` [n] counts, per neuron,
@@ -229,8 +230,6 @@ class _Collector:
 def profile(engine, corpus: list[str | Path], settings: ProfileSettings | None = None,
             progress: Progress | None = None, restart: bool = False) -> ProfileResult:
     """Profile a dense-loaded engine over the calibration text; see the module docstring."""
-    from engine.hotcold.activation_stats import ActivationStats
-
     settings = settings or ProfileSettings()
     if settings.max_tokens < 2:
         raise UserError("--max-tokens must be at least 2")

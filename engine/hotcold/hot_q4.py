@@ -21,7 +21,7 @@ import os
 import numpy as np
 import torch
 
-from engine.hotcold.hybrid_ffn import ColdRows, HotRows
+from engine.hotcold.hybrid_ffn import ColdRows, HotRows, concat_rows
 from engine.hotcold.placement import hot_row_format
 from engine.kernels import cpu_q4
 
@@ -154,14 +154,9 @@ def move_neurons_q4(ffn, new_hot: np.ndarray, cold_format: str, to_cold) -> None
     cold_all = np.concatenate([cold_ids[keep_cold], old_hot_ids[demote_pos.numpy()]])
     cold_order = torch.as_tensor(np.argsort(cold_all, kind="stable"))
     if len(parts) > 1:
-        rows = (cpu_q4.Q4FfnRows.concat(parts) if kept.quant == cpu_q4.QUANT else _concat(parts)).select(cold_order)
+        rows = concat_rows(parts).select(cold_order)
     else:
         rows = kept
     ffn.hot = new_hot_rows
     ffn.cold = ColdRows(rows, torch.as_tensor(cold_all[cold_order.numpy()]))
 
-
-def _concat(parts):
-    from engine.hotcold.sparse_moves import _concat_rows
-
-    return _concat_rows(parts)

@@ -76,6 +76,30 @@ class ColdRows:
         return self.rows.nbytes + self.ids.numel() * self.ids.element_size()
 
 
+def concat_rows(parts: list):
+    """Cold rows of one storage (fp32, int8 or 4-bit) stacked in order, as one set of rows."""
+    if parts[0].quant == cpu_q4.QUANT:
+        return cpu_q4.Q4FfnRows.concat(parts)
+    def cat(name):
+        tensors = [getattr(p, name) for p in parts]
+        return None if tensors[0] is None else torch.cat(tensors)
+
+    return cpu_kernels.CpuFfnRows(cat("gate"), cat("up"), cat("down_t"), cat("gate_scale"), cat("up_scale"),
+                                  cat("down_scale"), quant=parts[0].quant)
+
+
+class ColdIds:
+    """Cold neuron ids whose rows are not held (a disk load's layer while it loads)."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    nbytes = 0
+
+
 class HybridFfn:
     def __init__(self, layer: int, gated: bool, activation: str, threshold: float, n_ff: int,
                  hot: HotRows, cold: ColdRows, context):

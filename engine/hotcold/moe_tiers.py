@@ -2,7 +2,7 @@
 others, on the fast device; the rest on the CPU, computed only when the router chooses it.
 
 Placement (engine.placement with `ModelBytes.for_experts`): the unit is one neuron of one
-expert (its gate, up and down rows), ranked by `engine.hotcold.moe.placement_frequencies`: the
+expert (its gate, up and down rows), ranked by `engine.model.moe.placement_frequencies`: the
 CPU rows a token would read while it stays cold, from the profile's expert use and the
 firing of each expert's neurons (`thermocline profile`). The solver reserves the dense
 parts first, then fills the fast device with the top units across all layers, so often
@@ -43,10 +43,12 @@ from engine.errors import UserError
 from engine.kernels import cpu as cpu_kernels
 from engine.kernels import cpu_q4
 from engine.loading.loader import compute_dtype, load_transformer
-from engine.hotcold.moe import DenseMoe, Routing, experts_by_token, reglu
+from engine.model.moe import DenseMoe, Routing, experts_by_token, reglu
 from engine.hotcold.placement import COLD_INT4, COLD_INT8, INDEX_BYTES
-from engine.loading.quantized import quantize_matrix
-from engine.hotcold.sparse import SparseParts, SparseRuntime, cold_rows_from_dense, default_budgets, pick_fast_device, problem_for_model
+from engine.kernels.quantized import quantize_matrix
+from engine.hotcold.sparse import SparseParts, SparseRuntime
+from engine.hotcold.sparse_moves import cold_rows_from_dense
+from engine.hotcold.sparse_solve import default_budgets, pick_fast_device, problem_for_model
 from engine.loading.weights import WeightSource
 
 

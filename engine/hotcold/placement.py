@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.config import ModelConfig
+from engine.cpu_formats import predictor_cpu_format
 from engine.kv_storage import cpu_kv_bytes as kv_setting_bytes
-from engine.loading.tensor_kinds import Q4_0_BLOCK, Q4_0_BLOCK_BYTES
+from engine.kernels.tensor_kinds import Q4_0_BLOCK, Q4_0_BLOCK_BYTES
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,9 @@ INDEX_BYTES = 8     # the int64 id kept with every hot and cold neuron
 # token's misses are read into (a layer's predicted set is computed from RAM in one pass).
 WORKING_SHARE = 0.25
 DISK_FORMATS = (COLD_INT8, COLD_INT4)  # the prepared file holds rows in these formats
+# A cached neuron's bookkeeping beside its rows (owner layer and position, int32 each; its
+# CLOCK count and pinned flag); every cold neuron also has its slot (INDEX_BYTES, -1: on disk).
+SLOT_META_BYTES = 10
 Q4_BLOCK, Q4_BLOCK_BYTES = Q4_0_BLOCK, Q4_0_BLOCK_BYTES  # ggml's block_q4_0 (tensor_kinds: torch-free)
 
 
@@ -146,14 +150,6 @@ def cpu_matrix_bytes(params: int, rows: int, cpu_weights: str) -> int:
         cols = -(-params // rows)
         return rows * -(-cols // Q4_BLOCK) * Q4_BLOCK_BYTES
     return params + rows * CPU_BYTES if cpu_weights == COLD_INT8 else params * CPU_BYTES
-
-
-def predictor_cpu_format(cpu_weights: str) -> str:
-    """The format of predictors (other than a file's own 4-bit ones) on a CPU tier: int8 rows
-    on a 4-bit tier. At 4 bits a predictor's logits lose their margin around the threshold:
-    on 7B shapes that fire at 10%, int4 predictors selected 21% of the neurons and int8 ones
-    10.4% (issue #30), and the predictor is a small share of a token's bytes."""
-    return COLD_INT8 if cpu_weights == COLD_INT4 else cpu_weights
 
 
 def predictor_cpu_bytes(model: "ModelBytes", params: int, cpu_weights: str) -> int:
@@ -352,7 +348,7 @@ def solve(problem: PlacementProblem, vram_budget: int, ram_budget: int) -> Place
     if disk is not None:
         min_ram = disk.pop("min_ram")
     if disk is not None and disk["cache_neurons"] is not None:
-        tiers["cpu_ffn"] = disk["cache_neurons"] * problem.neuron_cpu
+        tiers["cpu_ffn"] = disk["cache_neurons"] * (_row_bytes(problem) + SLOT_META_BYTES) + cold_count * INDEX_BYTES
         ram = resident + tiers["cpu_ffn"]
     else:
         disk = None
@@ -422,13 +418,15 @@ def _disk_tier(problem: PlacementProblem, hot_ids, cold_count: int, resident: in
     frequent cold neurons in the cache (its seed), the rest on disk. `cache_neurons` is None
     (with the least RAM in `min_ram`) when the budget is below the resident parts plus the
     working set, or the problem has no disk tier."""
+    slot = _row_bytes(problem) + SLOT_META_BYTES
+    maps = cold_count * INDEX_BYTES
     working = min(cold_count, min_cache_neurons(problem))
-    min_ram = resident + working * problem.neuron_cpu
+    min_ram = resident + maps + working * slot
     if not problem.disk_tier:
         return None
     if ram_budget < min_ram:
         return {"min_ram": min_ram, "cache_neurons": None}
-    cache = min(cold_count, (ram_budget - resident) // problem.neuron_cpu)
+    cache = min(cold_count, (ram_budget - resident - maps) // slot)
     freqs = np.sort(np.concatenate(cold_frequencies(problem, hot_ids) or [np.empty(0)]))[::-1]
     cached_freq, total = float(freqs[:cache].sum()), float(freqs.sum())
     disk_neurons = cold_count - cache

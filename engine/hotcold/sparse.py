@@ -13,31 +13,29 @@ from __future__ import annotations
 
 import logging
 import threading
+
+import numpy as np
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engine.config import ModelConfig
-from engine.errors import UserError
-from engine.hotcold.hybrid_ffn import FfnCounters
+from engine.errors import BudgetError, UserError
+from engine.hotcold.hybrid_ffn import ColdIds, FfnCounters
 from engine.hotcold.hot_q4 import hot_weights
 from engine.loading.loader import compute_dtype, load_transformer
-from engine.runtime.model import Transformer
+from engine.model.transformer import Transformer
 from engine.hotcold.placement import Placement, PlacementProblem
-from engine.hotcold.predictors import PredictorSet, import_checkpoint_predictors
+from engine.loading.predictors import PredictorSet
+from engine.loading.predictor_import import import_checkpoint_predictors
 from engine.hotcold.sparse_memory import MemoryAccounting
 from engine.hotcold.sparse_moves import TierMoves, cold_rows_from_dense
-from engine.hotcold.sparse_solve import (  # noqa: F401 (re-exported: the CLI, moe_tiers, benchmarks and tests import them here)
-    PlacementReport,
-    Solving,
-    default_budgets,
-    pick_fast_device,
-    placement_problem,
-    problem_for_model,
-)
+from engine.hotcold.sparse_solve import Solving, default_budgets, pick_fast_device, problem_for_model
 from engine.hotcold.sparse_tokens import TokenHooks
 from engine.loading.weights import WeightSource
+from engine.loading import prepared
+from engine.loading.sidecar import sidecar_dir
 
 COLD_QUANTS = ("int4", "int8", "fp32")
 log = logging.getLogger(__name__)
@@ -78,8 +76,74 @@ class SparseRuntime(TokenHooks, Solving, TierMoves, MemoryAccounting):
         # the hot tier's rows: 4-bit (engine.hotcold.hot_q4) or None (the fast tier's dtype)
         self.hot_weights = None if config.is_moe else hot_weights(fast, cpu_weights)
 
+        self.model_dir: Path | None = None
+        self.neuron_cache = None  # engine.hotcold.neuron_cache.NeuronCache: cold rows on disk
+        self._disk_mark = (0, 0, 0)  # the cache's hits, misses and bytes read when the generation began
+
     def close(self) -> None:
-        """Release what outlives a dropped engine (Engine.close): threads of subclasses."""
+        """Release what outlives a dropped engine (Engine.close): threads of subclasses, the
+        disk tier's reader."""
+        if self.neuron_cache is not None:
+            self.neuron_cache.reader.close()
+
+    def reads_from_disk(self) -> bool:
+        from engine.loading import prepared
+
+        return (self.model_dir is not None and not self.config.is_moe and self.cpu_weights in prepared.FORMATS
+                and prepared.enabled() and not prepared.is_bundled(self.model_dir))
+
+    def solve(self, vram: int, ram: int) -> Placement:
+        plan = super().solve(vram, ram)
+        cache, old = self.neuron_cache, self.plan
+        if cache is not None and old is not None and (
+                plan.head_on_fast != old.head_on_fast or plan.layer_on_fast != old.layer_on_fast
+                or any(not np.array_equal(a, b) for a, b in zip(plan.hot_ids, old.hot_ids))):
+            raise BudgetError("this model reads its cold rows from disk: a VRAM budget that moves neurons or "
+                              "layers needs a reload")
+        return plan
+
+    def apply(self, plan: Placement) -> None:
+        if self.neuron_cache is None:
+            return super().apply(plan)
+        self.neuron_cache.resize(cache_capacity(plan))  # between tokens: the only change a disk load allows
+        self.plan = plan
+
+    def begin_generation(self) -> None:
+        super().begin_generation()
+        if self.neuron_cache is not None:
+            c = self.neuron_cache
+            self._disk_mark = (c.hits, c.misses, c.reader.bytes_read)
+
+    def disk_fractions(self, tokens: int) -> tuple[float, float]:
+        """(cache hit share, disk bytes read per token) of this generation."""
+        c = self.neuron_cache
+        if c is None:
+            return 1.0, 0.0
+        hits, misses, read = c.hits - self._disk_mark[0], c.misses - self._disk_mark[1], \
+            c.reader.bytes_read - self._disk_mark[2]
+        return (hits / (hits + misses) if hits + misses else 1.0), read / max(tokens, 1)
+
+
+def cache_capacity(plan: Placement) -> int:
+    """The neuron cache's slots under a plan: its cache share, or every cold neuron when the
+    budget holds them all (a disk load keeps its cache)."""
+    if plan.disk_neurons:
+        return plan.cache_neurons
+    return plan.total_units - sum(len(ids) for ids in plan.hot_ids)
+
+
+def _attach_disk_tier(runtime: "SparseRuntime", model: Transformer, prepared_rows, plan: Placement) -> None:
+    """Cold rows from the prepared file through a neuron cache seeded by the frequencies."""
+    from engine.hotcold.neuron_cache import DiskFfn, NeuronCache, RowReader
+    from engine.hotcold.placement import cold_frequencies
+
+    cold_ids = [layer.ffn.cold.ids.numpy() for layer in model.layers]
+    cache = NeuronCache(prepared_rows, RowReader(prepared_rows.path), cold_ids, cache_capacity(plan),
+                        runtime.config.hidden_size)
+    runtime.neuron_cache = cache
+    cache.seed(cold_frequencies(runtime.problem, plan.hot_ids))
+    for layer in model.layers:
+        layer.ffn = DiskFfn(layer.ffn, cache)
 
 
 
@@ -87,8 +151,6 @@ def _prepared_source(model_dir: Path, config: ModelConfig, cpu_weights: str):
     """(mapped prepared rows, None) when a current prepared file exists; else (None, a
     writer for one) for the int8/int4 formats; (None, None) when preparing is off or the
     model's folder cannot be written (a read-only install)."""
-    from engine.loading import prepared
-
     if cpu_weights not in prepared.FORMATS or not prepared.enabled() or prepared.is_bundled(model_dir):
         return None, None
     rows = prepared.PreparedRows.open_if_current(model_dir, cpu_weights)
@@ -109,8 +171,6 @@ _MAPPED = "prepared"  # PredictorSet.source of predictors mapped from a prepared
 
 def _prepared_dense(model_dir: Path, cpu_weights: str):
     """The current prepared dense file (engine.loading.prepared.PreparedDense), or None."""
-    from engine.loading import prepared
-
     if cpu_weights not in prepared.FORMATS or not prepared.enabled() or prepared.is_bundled(model_dir):
         return None
     return prepared.PreparedDense.open_if_current(model_dir, cpu_weights)
@@ -124,8 +184,6 @@ def _mapped_predictors(dense_file, model_dir: Path, config: ModelConfig) -> Pred
     import json
 
     from safetensors import safe_open
-
-    from engine.loading.sidecar import sidecar_dir
 
     with safe_open(str(sidecar_dir(model_dir) / "predictors.safetensors"), framework="pt") as handle:
         metadata = handle.metadata() or {}
@@ -145,8 +203,6 @@ def _mapped_predictors(dense_file, model_dir: Path, config: ModelConfig) -> Pred
 def _write_prepared_dense(model_dir: Path, cpu_weights: str, runtime, progress) -> None:
     """Write the dense prepared file from the model just loaded (its CPU layers, globals
     when the head is on the CPU, predictors); a failure only logs."""
-    from engine.loading import prepared
-
     plan = runtime.plan
     cpu_layers = [i for i, on in enumerate(plan.layer_on_fast) if not on]
     if progress:
@@ -165,10 +221,6 @@ def load_sparse(model_dir: Path, config: ModelConfig, mode: str, ctx: int, vram_
     engine (its KV cache goes where `SparseParts.layer_devices` say, then to the runtime)."""
     if cpu_weights not in COLD_QUANTS:
         raise UserError(f"unknown CPU weight format {cpu_weights!r}: choose int4, int8 or fp32")
-    if config.is_moe:  # placed expert by expert, routed by the model's own router
-        from engine.hotcold.moe_tiers import load_moe
-
-        return load_moe(model_dir, config, mode, ctx, vram_budget, ram_budget, device, progress, cpu_weights)
     if config.mlp_bias:
         raise UserError("sparse modes do not support FFN biases yet; use --mode dense for this model")
     fast = pick_fast_device(device)
@@ -184,7 +236,9 @@ def load_sparse(model_dir: Path, config: ModelConfig, mode: str, ctx: int, vram_
     storage = WeightSource(model_dir).dtype()
     problem = problem_for_model(model_dir, config, ctx, fast, cpu_weights, predictors, storage)
     runtime = SparseRuntime(threading.RLock(), config, mode, fast, storage, predictors, problem, cpu_weights)
+    runtime.model_dir = Path(model_dir)
     plan = runtime.solve(vram, ram)
+    on_disk = plan.disk_neurons > 0  # cold rows stay in the prepared file (engine.hotcold.neuron_cache)
     if predictors is not None and predictors.source == _MAPPED and any(plan.layer_on_fast):
         # the fast tier takes the predictors at the checkpoint's precision, not the CPU format's
         predictors = PredictorSet.load(model_dir, config.num_layers, config.hidden_size, config.intermediate_size)
@@ -202,9 +256,15 @@ def load_sparse(model_dir: Path, config: ModelConfig, mode: str, ctx: int, vram_
         return prepared_rows is not None and len(plan.hot_ids[i]) == 0 and prepared_rows.has_layer(i)
 
     def build_ffn(i: int, dense):
-        if dense is None:
+        if dense is None:  # mapped rows: on_disk reads none of them (the cache reads by position)
             return runtime.cold_ffn(i, prepared_rows.layer_rows(i, config.hidden_size))
-        # a checkpoint's own Q4_0 rows (int4 tier, engine.loading.q4_ffn): taken as they are
+        ffn = _build_ffn(i, dense)
+        if on_disk:  # keep the hot rows and the cold ids; this layer's rows are in the file
+            ffn.cold = ColdIds(ffn.cold.ids)
+        return ffn
+
+    def _build_ffn(i: int, dense):
+        # a checkpoint's own Q4_0 rows (int4 tier, engine.model.q4_ffn): taken as they are
         all_rows = getattr(dense, "q4_rows", None)
         if writer is not None:
             if progress:
@@ -237,6 +297,12 @@ def load_sparse(model_dir: Path, config: ModelConfig, mode: str, ctx: int, vram_
     for i, on_fast in enumerate(plan.layer_on_fast):
         runtime.place_predictor(i, on_fast)
     runtime.model = model
+    if on_disk:
+        if prepared_rows is None:
+            from engine.loading import prepared
+
+            prepared_rows = runtime.prepared_rows = prepared.PreparedRows(runtime.prepared_path)
+        _attach_disk_tier(runtime, model, prepared_rows, plan)
     model.lm_head = runtime._head_weights(plan.head_on_fast)
     runtime.prepared_dense = dense_file
     if dense_file is None and (writer is not None or prepared_rows is not None):

@@ -26,6 +26,8 @@ class MemoryAccounting:
             tiers[f"{tier}_kv"] += nb(self.cache.k[i], self.cache.v[i])
             tiers["fast_ffn"] += layer.ffn.hot.nbytes
             tiers["cpu_ffn"] += layer.ffn.cold.nbytes
+        if getattr(self, "neuron_cache", None) is not None:  # the disk tier's cache, counted once
+            tiers["cpu_ffn"] += self.neuron_cache.nbytes
         vram = tiers["fast_dense"] + tiers["fast_kv"] + tiers["fast_ffn"]
         ram = tiers["cpu_dense"] + tiers["cpu_kv"] + tiers["cpu_ffn"]
         return {"vram_bytes": vram, "ram_bytes": ram, "device": str(self.fast), "tiers": tiers}

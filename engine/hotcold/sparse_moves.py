@@ -10,16 +10,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.loading import host_memory
-from engine.hotcold.hybrid_ffn import ColdRows, HotRows, HybridFfn
+from engine.kernels import host_memory
+from engine.hotcold.hybrid_ffn import ColdRows, HotRows, HybridFfn, concat_rows
 from engine.hotcold.hot_q4 import HOT_INT4, Q4HotRows, move_neurons_q4
 from engine.kernels import cpu as cpu_kernels
 from engine.kernels import cpu_q4
 from engine.loading.loader import compute_dtype
-from engine.loading.q4_ffn import Q4StagedFfn
-from engine.runtime.model import DenseFfn
+from engine.model.q4_ffn import Q4StagedFfn
+from engine.model.layers import DenseFfn
 from engine.hotcold.placement import Placement
-from engine.loading.quantized import QuantMatrix, quantize_matrix
+from engine.kernels.quantized import QuantMatrix, quantize_matrix
+from engine.model.rope import RotaryTable
 
 
 class TierMoves:
@@ -125,8 +126,6 @@ class TierMoves:
 
     def _ensure_rotary(self, device: torch.device, dtype: torch.dtype) -> None:
         if device not in self.model.rotary:
-            from engine.runtime.rope import RotaryTable
-
             self.model.rotary[device] = RotaryTable(self.config.rope, self.config.head_dim, self.cache.slots,
                                                     dtype, device)
 
@@ -193,7 +192,7 @@ class TierMoves:
             parts.append(cold_rows_from_dense(None if g is None else g[pos], u[pos], d[pos], self.cpu_weights))
         cold_all = np.concatenate([cold_ids[keep_cold], old_hot_ids[demote_pos]])
         cold_order = torch.as_tensor(np.argsort(cold_all, kind="stable"))
-        rows = _concat_rows(parts).select(cold_order) if len(parts) > 1 else kept
+        rows = concat_rows(parts).select(cold_order) if len(parts) > 1 else kept
         ffn.hot = new_hot_rows
         ffn.cold = ColdRows(rows, torch.as_tensor(cold_all[cold_order.numpy()]))
 
@@ -211,14 +210,3 @@ def cold_rows_from_dense(gate, up, down_t, quant: str):
     if quant == cpu_q4.QUANT:
         return cpu_q4.Q4FfnRows.from_dense(gate, up, down_t)
     return cpu_kernels.CpuFfnRows.from_dense(gate, up, down_t, quant=quant)
-
-
-def _concat_rows(parts: list):
-    if parts[0].quant == cpu_q4.QUANT:
-        return cpu_q4.Q4FfnRows.concat(parts)
-    def cat(name):
-        tensors = [getattr(p, name) for p in parts]
-        return None if tensors[0] is None else torch.cat(tensors)
-
-    return cpu_kernels.CpuFfnRows(cat("gate"), cat("up"), cat("down_t"), cat("gate_scale"), cat("up_scale"),
-                                  cat("down_scale"), quant=parts[0].quant)

@@ -18,16 +18,19 @@ from engine.config import ModelConfig
 from engine.errors import BudgetError, UserError
 from engine.loading.loader import compute_dtype
 from engine.hotcold.placement import ModelBytes, Placement, PlacementProblem, build_problem, solve
-from engine.hotcold.predictors import PredictorSet, import_checkpoint_predictors
+from engine.loading.predictors import PredictorSet
+from engine.loading.predictor_import import import_checkpoint_predictors
 from engine.units import format_size
 from engine.loading.weights import WeightSource
-from engine.runtime.kv_cache import kv_storage_dtype
+from engine.model.kv_cache import kv_storage_dtype
+from engine.validation import resolve_device
+from engine.budget_policy import usable_ram, usable_vram
+from engine.hotcold.hot_q4 import hot_weights
+from engine.model.moe import placement_frequencies
 
 
 def pick_fast_device(device: str | None) -> torch.device:
     if device:
-        from engine.runtime.validation import resolve_device
-
         return resolve_device(device)
     return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
 
@@ -36,8 +39,6 @@ def default_budgets(fast: torch.device, mode: str) -> tuple[int, int]:
     """`engine.budget_policy` on this machine now: VRAM 0 without a GPU (the CPU stand-in
     starts empty) and in the sparse mode; RAM what the policy leaves of what is available."""
     import psutil
-
-    from engine.budget_policy import usable_ram, usable_vram
 
     vram = 0
     if mode != "sparse" and fast.type == "cuda":
@@ -70,8 +71,6 @@ def placement_problem(config: ModelConfig, predictor_ranks: list[int], frequenci
                       ctx: int, fast: torch.device, storage: torch.dtype, cpu_weights: str) -> PlacementProblem:
     """The engine's placement problem: the fast tier holds its compute dtype, each KV cache
     the dtype `KVCache` stores it in (fp16 for an fp32 CPU layer unless THERMOCLINE_KV_CACHE=fp32)."""
-    from engine.hotcold.hot_q4 import hot_weights
-
     fast_dtype = compute_dtype(fast, storage)
     fast_bytes = torch.finfo(fast_dtype).bits // 8
     fast_kv_bytes = torch.finfo(kv_storage_dtype(fast, fast_dtype)).bits // 8
@@ -89,7 +88,6 @@ def problem_for_model(model_dir: Path, config: ModelConfig, ctx: int, fast: torc
     if predictors is None and PredictorSet.exists(model_dir):
         predictors = PredictorSet.load(model_dir, config.num_layers, config.hidden_size, config.intermediate_size)
     if config.is_moe:  # the neurons of the experts, ranked by expert use and firing (engine.moe)
-        from engine.hotcold.moe import placement_frequencies
 
         stats = ActivationStats.load(model_dir) if ActivationStats.exists(model_dir) else None
         try:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.loading import host_memory
+from engine.kernels import host_memory
 from engine.kernels import numba_pool, reference
 from engine.kernels.call_args import FfnRowsShape, as_numpy, check_ffn_call, id_array
 from engine.kernels.cpu_quant import dequantize_rows_int8, quantize_rows_int8

@@ -30,7 +30,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from engine.activations import CODES as ACTIVATION_CODES
-from engine.kernels import numba_pool
+from engine.kernels import numba_jit
 
 # The activation codes the kernels branch on (engine.activations, their one home); numba reads
 # these globals as compile-time constants.
@@ -47,7 +47,7 @@ _CACHE_LINE = 64
 _PREFETCH_AHEAD_BYTES = 12288
 
 
-_njit = numba_pool.njit
+_njit = numba_jit.njit
 
 
 @intrinsic

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.loading import host_memory
-from engine.loading.tensor_kinds import Q4_0_BLOCK, Q4_0_BLOCK_BYTES
-from engine.kernels import numba_pool, reference
+from engine.kernels import host_memory
+from engine.kernels.tensor_kinds import Q4_0_BLOCK, Q4_0_BLOCK_BYTES
+from engine.kernels import numba_jit, numba_pool, reference
 from engine.kernels.call_args import FfnRowsShape, as_numpy, check_ffn_call, id_array
 
 QK, BLOCK_BYTES = Q4_0_BLOCK, Q4_0_BLOCK_BYTES  # weights per block; fp16 scale + 16 bytes of nibbles
@@ -133,7 +133,7 @@ def _kernels():
 
 
 if numba is not None:
-    _njit = numba_pool.njit
+    _njit = numba_jit.njit
 
     # 2^(e - 25) for fp16 exponent e (1..30), 2^-24 for subnormals: value = mantissa * pow2[e]
     pow2 = np.array([2.0 ** -24] + [2.0 ** (e - 25) for e in range(1, 32)], dtype=np.float32)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.kernels import cpu_q4, numba_pool
+from engine.kernels import cpu_q4, numba_jit, numba_pool
 
 GROUP = 8  # rows per interleaved group
 K_TOKENS = 4  # tokens per pass over a group (fewer tokens: one at a time)
@@ -209,7 +209,7 @@ if numba is not None:
 
         return sig, codegen
 
-    _njit = numba_pool.njit
+    _njit = numba_jit.njit
 
     @_njit(fastmath=True)
     def plain_row_dot(w, i, xq, xd, xm, t):

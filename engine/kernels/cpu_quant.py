@@ -8,6 +8,7 @@ a quarter of fp32; the relative error per element is at most 1/254 of the row's 
 from __future__ import annotations
 
 import torch
+from engine.kernels import numba_pool
 
 # Rows converted per step: bounds the fp32 temporaries (of non-fp32 input) to a few MB.
 _ROWS_PER_STEP = 512
@@ -21,7 +22,6 @@ def quantize_rows_int8(w: torch.Tensor, out_q: torch.Tensor | None = None,
     n, d = w.shape
     q = torch.empty((n, d), dtype=torch.int8) if out_q is None else out_q
     scale = torch.empty(n, dtype=torch.float32) if out_scale is None else out_scale
-    from engine.kernels import numba_pool
 
     kern = numba_pool.kernels()
     for lo in range(0, n, _ROWS_PER_STEP):

@@ -1,6 +1,6 @@
 """One compiled call per CPU layer's decode step, and one for the final norm and the head.
 
-A decode step through `engine.runtime.model` makes about twenty Python-level calls per
+A decode step through `engine.model.layers` makes about twenty Python-level calls per
 layer (norms, rotary, the cache write, each product, the predictor, the FFN rows, the
 residuals), each a torch op or a numba launch with its own fixed cost: about 6 ms of a
 35 ms token on 2 layers of 7B shapes. Here one plain (not parallel) jitted function runs
@@ -34,7 +34,7 @@ from numba.extending import intrinsic
 from engine.kernels import cpu_numba as K
 from engine.kernels import cpu_q4 as Q
 from engine.kernels import cpu_q4x8 as QX
-from engine.kernels import numba_pool
+from engine.kernels import numba_jit
 from engine.kernels import q4_tiles as QT
 
 _HERE = os.path.abspath(__file__)
@@ -75,7 +75,7 @@ def _install_locators() -> None:
 _install_locators()
 
 
-_njit = numba_pool.njit
+_njit = numba_jit.njit
 
 
 # Kinds of a weight matrix (how its bytes are read, and which kernel the unfused path runs).

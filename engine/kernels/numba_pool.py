@@ -19,10 +19,15 @@ lock = threading.Lock()  # numba's workqueue threading layer aborts on concurren
 _numba = None  # the cpu_numba module once imported; False when unavailable (tests set False)
 _threads = None  # set_num_threads's value; numba's own setting is per calling thread
 _applied = threading.local()  # .n: the count last applied on this calling thread
+# The thread compiling the kernels in the background on a first start (engine.kernels.preparation):
+# meanwhile every other thread gets None from `kernels()` and computes on the torch paths, so no
+# call waits for the compiler or for the launch lock the compiling thread holds.
+_preparing: int | None = None
 
 
 def kernels():
-    """The cpu_numba module, or None when numba is missing or disabled (THERMOCLINE_NO_NUMBA=1)."""
+    """The cpu_numba module, or None when numba is missing or disabled (THERMOCLINE_NO_NUMBA=1),
+    and to every thread but the compiling one while a first start compiles in the background."""
     global _numba
     if _numba is None:
         if os.environ.get("THERMOCLINE_NO_NUMBA", "").strip() not in ("", "0"):
@@ -35,7 +40,21 @@ def kernels():
                 warnings.warn(f"numba CPU kernels unavailable ({e}); using the torch fallback",
                               RuntimeWarning, stacklevel=2)
                 _numba = False
+    if _preparing is not None and _preparing != threading.get_ident():
+        return None
     return _numba or None
+
+
+def module():
+    """The cpu_numba module (or None) for any thread, withheld or not: for its cache's location."""
+    kernels()
+    return _numba or None
+
+
+def withhold_for(ident: int | None) -> None:
+    """Only thread `ident` gets the kernels until called with None (engine.kernels.preparation)."""
+    global _preparing
+    _preparing = ident
 
 
 def use_threads(kern) -> int:
@@ -49,21 +68,6 @@ def use_threads(kern) -> int:
             kern.numba.set_num_threads(_threads)
         applied = _applied.n = kern.numba.get_num_threads()
     return applied
-
-
-def njit(**options):
-    """`numba.njit(cache=True, **options)`, or without the disk cache when no cache directory
-    is writable (read-only install and no writable user cache): then a kernel compiles in
-    memory at each start instead of failing at import. A plain decorator, so sharing it
-    across kernel files leaves numba's per-file cache tracking as it is."""
-    import numba
-
-    def decorate(fn):
-        try:
-            return numba.njit(cache=True, **options)(fn)
-        except RuntimeError:  # numba: "cannot cache function ...: no locator available"
-            return numba.njit(cache=False, **options)(fn)
-    return decorate
 
 
 def available() -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.kernels import cpu_q4, numba_pool
+from engine.kernels import cpu_q4, numba_jit, numba_pool
 
 K_TOKENS = 4  # tokens per pass over a row (fewer tokens: one at a time)
 _CHUNKS_PER_THREAD = 8
@@ -121,7 +121,7 @@ if numba is not None:
     dot_row_tokens_k = _dot_row_tokens(K_TOKENS)
     dot_row_tokens_1 = _dot_row_tokens(1)
 
-    _njit = numba_pool.njit
+    _njit = numba_jit.njit
 
     @_njit(parallel=True, fastmath=True)
     def tiles_kernel(w, xq, xd, xo, nchunks):

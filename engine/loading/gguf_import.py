@@ -7,7 +7,7 @@ the model registry's command without loading the engine. What is accepted:
   stored transposed as `blk.N.ffn_down_t`, `powerinfer.sparse_threshold`;
 - plain llama.cpp files of the `llama` and `bamboo` architectures (a plain `llama` file
   without predictors is SwiGLU, as llama.cpp computes it: Llama 2/3, Mistral, SmolLM2);
-- tensors in F32, F16, BF16, Q8_0, Q4_0 and the types of engine.loading.ggml_quants (Q4_1,
+- tensors in F32, F16, BF16, Q8_0, Q4_0 and the types of engine.kernels.ggml_quants (Q4_1,
   Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: kept as their blocks, decoded exactly to fp32 when read);
   other types are refused.
 Written: config.json, model.safetensors in Hugging Face names and layout (F16/BF16/F32
@@ -16,7 +16,7 @@ kinds of engine.loading.weights: `NAME.q4_0` / `NAME.q8_0` / `NAME.q6_k`, or `NA
 PowerInfer's transposed down projection, so the checkpoint is about the GGUF's size and
 the CPU tier's 4-bit rows are the file's bytes - except a plain file's `ffn_down`, whose
 blocks run along the intermediate dimension: an int4 load requantizes its neuron rows
-(engine.loading.q4_ffn; the summary's `notes` say so); `quantized=False` writes them as
+(engine.model.q4_ffn; the summary's `notes` say so); `quantized=False` writes them as
 F32, the exact dequantized values), tokenizer.json rebuilt from the file's vocabulary, predictors
 into the sidecar at the file's precision (F16 as F16, Q4_0 as its blocks).
 
@@ -39,7 +39,9 @@ import numpy as np
 
 from engine.activations import NAMES
 from engine.errors import ModelFormatError, UserError
-from engine.loading.ggml_quants import TYPE_NAMES as BLOCK_TYPES
+from engine.kernels.tensor_kinds import quant_name
+from engine.loading.sidecar import sidecar_dir
+from engine.kernels.ggml_quants import TYPE_NAMES as BLOCK_TYPES
 
 POWERINFER_MAGIC = b"PWRI"
 GGUF_MAGIC = b"GGUF"
@@ -392,8 +394,6 @@ def import_output_bytes(tensors, header_bytes: int, *, quantized: bool = True) -
 
 def _stored_entry(hf: str, t: GgufTensor, how: str, quantized: bool) -> tuple[str, str, tuple[int, ...]]:
     """(stored name, safetensors dtype, stored shape) of one weight in the checkpoint."""
-    from engine.loading.tensor_kinds import quant_name
-
     if _kept_as_blocks(t.kind, len(t.shape), quantized):
         rows = t.shape[0]
         return quant_name(hf, t.kind, transposed=how == "transpose"), "U8", (rows, t.raw.nbytes // rows)
@@ -501,8 +501,6 @@ def _predictor_entry(name: str, t: GgufTensor) -> tuple[str, str, tuple[int, ...
     """(stored name, dtype, shape) of a predictor matrix at its file's precision: F16/BF16/F32
     as they are, Q4_0 as its blocks (PowerInfer's Q4_0 files quantize fc1/fc2 too: the int4
     tier's predictor rows are then the file's bytes), any other type as F32 (exact)."""
-    from engine.loading.tensor_kinds import quant_name
-
     if t.kind == "Q4_0":
         return quant_name(name, "Q4_0"), "U8", (t.shape[0], t.raw.nbytes // t.shape[0])
     return name, t.kind if t.kind in _DTYPE_BYTES else "F32", t.shape
@@ -511,8 +509,6 @@ def _predictor_entry(name: str, t: GgufTensor) -> tuple[str, str, tuple[int, ...
 def _write_predictors(target: Path, predictors: dict[int, dict], config: dict, threshold) -> None:
     """The predictors in the engine's own file (thermocline/predictors.safetensors), at no
     more than the file's precision (`_predictor_entry`)."""
-    from engine.loading.sidecar import sidecar_dir
-
     d, ff = config["hidden_size"], config["intermediate_size"]
     entries, data = [], []
     for i in sorted(predictors):

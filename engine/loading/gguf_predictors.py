@@ -22,6 +22,9 @@ import numpy as np
 import torch
 
 from engine.errors import ModelFormatError, UserError
+from engine.kernels.quantized import Q4Matrix
+from engine.loading.predictors import PredictorSet
+from engine.arch import read_config
 
 PREDICTOR_TENSOR = re.compile(r"^blk\.(\d+)\.fc([12])(?:\.weight)?$")
 THRESHOLD_KEY = "powerinfer.sparse_threshold"
@@ -69,7 +72,7 @@ def _pwri_reader(path: Path):
 
 def _matrix(tensor):
     """A predictor tensor at its file's precision: F32/F16 as such, Q4_0 as its 4-bit rows
-    (engine.loading.quantized.Q4Matrix: the int4 tier takes the file's bytes), any other
+    (engine.kernels.quantized.Q4Matrix: the int4 tier takes the file's bytes), any other
     type dequantized to fp32 (exact)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -78,8 +81,6 @@ def _matrix(tensor):
     if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         return torch.from_numpy(np.array(tensor.data))
     if kind == GGMLQuantizationType.Q4_0 and len(tensor.shape) == 2:
-        from engine.loading.quantized import Q4Matrix
-
         cols, rows = (int(x) for x in tensor.shape)  # GGUF order: the row length first
         return Q4Matrix(torch.from_numpy(np.array(tensor.data).reshape(rows, -1)), cols)
     try:
@@ -91,8 +92,6 @@ def _matrix(tensor):
 
 def read_gguf_predictors(path: Path):
     """The PredictorSet a PowerInfer GGUF carries (raises ModelFormatError when it has none)."""
-    from engine.hotcold.predictors import PredictorSet
-
     reader = _open(Path(path))
     layers: dict[int, dict] = {}
     for t in reader.tensors:
@@ -114,9 +113,7 @@ def import_gguf_predictors(path: Path, model_dir: Path) -> Path:
     """Predictors of a PowerInfer GGUF -> `thermocline/predictors.safetensors`, checked against the model."""
     predictors = read_gguf_predictors(path)
     if (Path(model_dir) / "config.json").is_file():
-        from engine.config import ModelConfig
-
-        cfg = ModelConfig.from_dir(model_dir)
+        cfg = read_config(model_dir)
         predictors.check(cfg.num_layers, cfg.hidden_size, cfg.intermediate_size)
     return predictors.save(model_dir)
 

@@ -11,9 +11,11 @@ from engine.arch import arch_module
 from engine.arch.common import Converter, LoadTarget
 from engine.config import ModelConfig
 from engine.errors import UserError
-from engine.runtime.model import Layer, Transformer
-from engine.runtime.rope import RotaryTable
+from engine.model.layers import Layer
+from engine.model.transformer import Transformer
+from engine.model.rope import RotaryTable
 from engine.loading.weights import WeightSource
+from engine.errors import ModelFormatError
 
 Progress = Callable[[float, str], None]
 
@@ -50,8 +52,6 @@ class _HeaderSource:
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         real = self.source.shape(name)
         if shape is not None and tuple(real) != tuple(shape):
-            from engine.errors import ModelFormatError
-
             raise ModelFormatError(f"tensor {name} has shape {tuple(real)} but config.json implies {tuple(shape)}")
         return torch.empty(real, device="meta")
 

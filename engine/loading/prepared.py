@@ -29,8 +29,11 @@ import torch
 
 from engine.kernels import cpu as cpu_kernels
 from engine.kernels import cpu_q4
-from engine.loading import host_memory
+from engine.kernels import host_memory
 from engine.loading.sidecar import sidecar_dir
+from engine.loading.predictors import FILENAME
+from engine.kernels.quantized import Int8Matrix, Q4Matrix
+from engine.model.layers import Norm
 
 log = logging.getLogger(__name__)
 
@@ -265,8 +268,6 @@ def dense_path(model_dir: Path, fmt: str) -> Path:
 
 def dense_key(model_dir: Path, fmt: str) -> str:
     """The checkpoint's key, the predictors file's size and time, and this layout's version."""
-    from engine.hotcold.predictors import FILENAME
-
     h = hashlib.sha256(f"dense{DENSE_LAYOUT_VERSION}:{checkpoint_key(model_dir, fmt)}".encode())
     pred = sidecar_dir(model_dir) / FILENAME
     if pred.is_file():
@@ -277,8 +278,6 @@ def dense_key(model_dir: Path, fmt: str) -> str:
 
 def _matrix_parts(name: str, w) -> dict[str, torch.Tensor]:
     """A weight in its stored form: a plain tensor, or a quantized matrix's arrays."""
-    from engine.loading.quantized import Int8Matrix, Q4Matrix
-
     if isinstance(w, Int8Matrix):
         return {f"{name}.q": w.q, f"{name}.scale": w.scale}
     if isinstance(w, Q4Matrix):  # rows, or packed in groups of 8 (engine.kernels.cpu_q4x8): by name
@@ -288,8 +287,6 @@ def _matrix_parts(name: str, w) -> dict[str, torch.Tensor]:
 
 def dense_tensors(model, predictors, cpu_layers: list[int], head_on_cpu: bool) -> dict[str, torch.Tensor]:
     """What the dense file holds, by name, from a loaded model (references, no copies)."""
-    from engine.runtime.model import Norm
-
     out: dict[str, torch.Tensor] = {}
     for i in cpu_layers:
         layer = model.layers[i]
@@ -388,8 +385,6 @@ class PreparedDense(PreparedRows):
         """A weight as stored: a mapped tensor or a quantized matrix over mapped arrays (with
         `resident`, read into huge pages: see `tensor`); `shape` ([n, cols], the checkpoint's)
         is checked against it."""
-        from engine.loading.quantized import Int8Matrix, Q4Matrix
-
         q4 = next((f"{name}.{s}" for s in ("q4", Q4_PACKED) if f"{name}.{s}" in self.header), None)
         if q4 is not None:
             q = self.tensor(q4, resident)
@@ -427,8 +422,6 @@ class PreparedDense(PreparedRows):
     def fill_layer(self, i: int, layer) -> None:
         """Replace the shape-only (meta) tensors of a layer built from the checkpoint's
         headers with the mapped ones."""
-        from engine.runtime.model import Norm
-
         for field in ("attn_norm", "mlp_norm", "qkv", "qkv_bias", "out", "out_bias"):
             value = getattr(layer, field)
             if value is None:
@@ -456,7 +449,7 @@ class PreparedDense(PreparedRows):
 
 # ------------------------------------------------------------------ the dense mode's whole model
 # `prepared-<format>-dense-mode.safetensors`: everything a dense-mode load with int8/int4 CPU
-# weights builds (engine.runtime.dense_quant), every layer and the globals, in its final form:
+# weights builds (engine.loading.dense_quant), every layer and the globals, in its final form:
 # the names of the dense file above for the norms, biases, attention matrices, embeddings,
 # final norm and an own head, and per layer the FFN as the dense mode computes it,
 # `layers.{i}.ffn.gate_up` ([2n or n, d] rows) and `layers.{i}.ffn.down` ([d, n] rows, the

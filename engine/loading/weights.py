@@ -4,8 +4,8 @@ Single files and shards (`model.safetensors.index.json`) are both served by
 `WeightSource.get(name)`, which returns a tensor backed by the mapped file: nothing is
 copied until the engine converts it into its own layout.
 
-Quantized tensor kinds (`engine.loading.tensor_kinds`, written by the GGUF import):
-`get(NAME)` of a weight stored as `NAME.q4_0` / `NAME.q8_0` / `NAME.q4_k` (any kind of engine.loading.ggml_quants) / `NAME.t.q4_0` dequantizes
+Quantized tensor kinds (`engine.kernels.tensor_kinds`, written by the GGUF import):
+`get(NAME)` of a weight stored as `NAME.q4_0` / `NAME.q8_0` / `NAME.q4_k` (any kind of engine.kernels.ggml_quants) / `NAME.t.q4_0` dequantizes
 (exact: fp32 holds every value); `q4_rows(NAME)` hands the 4-bit rows over as they are,
 so the CPU tier's Q4_0 rows are the file's bytes.
 """
@@ -20,8 +20,9 @@ from safetensors import SafetensorError, safe_open
 
 from engine.loading.confine import check_relative_name
 from engine.errors import ModelFormatError
-from engine.loading.ggml_quants import REFERENCE_KINDS, dequantize_rows
-from engine.loading.tensor_kinds import QUANT_KINDS, parse_quant_name as _parse_quant_name
+from engine.kernels.cpu_q4 import dequantize_rows_q4
+from engine.kernels.tensor_kinds import QUANT_KINDS, parse_quant_name as _parse_quant_name
+from engine.kernels.ggml_quants import REFERENCE_KINDS, dequantize_rows
 
 
 def dequantize_blocks(q: torch.Tensor, kind: str) -> torch.Tensor:
@@ -29,7 +30,6 @@ def dequantize_blocks(q: torch.Tensor, kind: str) -> torch.Tensor:
     _, block, size = QUANT_KINDS[kind.lower()]
     n, nbytes = q.shape
     if kind.lower() == "q4_0":  # the 4-bit kernels' own decode (imported here: it loads numba)
-        from engine.kernels.cpu_q4 import dequantize_rows_q4
 
         return dequantize_rows_q4(q, nbytes // size * block)
     if kind.lower() in REFERENCE_KINDS:  # ggml's own decode (the gguf package): exact in fp32

@@ -17,13 +17,21 @@ from typing import Iterator
 
 import torch
 
-from engine.config import DEFAULT_CTX, ModelConfig  # noqa: F401 (DEFAULT_CTX: older imports)
+from engine.config import ModelConfig
+from engine.arch import read_config
+from engine.activations import dense_only_words, is_sparse
 from engine.errors import ContextFullError, ModelFormatError, UserError
-from engine.runtime.kv_cache import KVCache
+from engine.hotcold.moe_tiers import load_moe
+from engine.hotcold.sparse import load_sparse
+from engine.loading.dense_quant import load_dense
+from engine.model.kv_cache import KVCache
 from engine.loading.loader import Progress, model_folder
+from engine.runtime import fused_decode
 from engine.runtime.sampling import Sampler, SamplingParams
 from engine.runtime.tokenizer import StreamDecoder, Tokenizer
-from engine.runtime.validation import check_ctx, check_kv_fits, check_text, check_threads, resolve_device
+from engine.validation import check_ctx, check_kv_fits, check_text, check_threads, resolve_device
+from engine.kernels import cpu as cpu_kernels
+from engine.kernels import cpu_q4, cpu_q4x8, numba_pool, q4_tiles
 
 MODES = ("dense", "sparse", "hybrid", "oracle")
 PREFILL_CHUNK = 128  # prompt tokens per forward: a stop is honoured between chunks
@@ -48,6 +56,10 @@ class GenerationStats:
     mode: str = "dense"
     ffn_active_fraction: float = 0.0
     hot_hit_fraction: float = 0.0
+    # the disk tier (engine.hotcold.neuron_cache): of the cold neurons computed, the share the
+    # RAM cache served, and the bytes read from the prepared file per token (prompt included)
+    cache_hit_fraction: float = 1.0
+    disk_read_bytes_per_token: float = 0.0
     vram_bytes: int = 0
     ram_bytes: int = 0
     device: str = "cpu"
@@ -99,6 +111,7 @@ class Engine:
         self._cached_ids: list[int] = []
         self.warnings: list[str] = []
         self._logits_checked = False  # NaN/Inf weights are caught on the first token after a load
+        self.kernel_preparation = None  # the CPU kernels compiling in the background (a first start)
         # Rows of the head past the tokenizer's vocabulary (padding) are never sampled.
         self.sampled_vocab = tokenizer.vocab_size if tokenizer.vocab_size < config.vocab_size else None
 
@@ -107,49 +120,74 @@ class Engine:
     def load(cls, model: str | Path, *, mode: str = "dense", ctx: int | None = None,
              vram_budget: int | None = None, ram_budget: int | None = None,
              device: str | None = None, threads: int | None = None, cpu_weights: str | None = None,
-             progress: Progress | None = None) -> "Engine":
+             progress: Progress | None = None, kernels: str = "wait") -> "Engine":
         """`cpu_weights`: the format of the weights on the CPU (int8, int4, fp32); None: int8 in
         the sparse modes, fp32 in dense, which is then the exact reference (the CLI and the
-        window pass the user's choice, int8 unless changed)."""
+        window pass the user's choice, int8 unless changed). `kernels` "background": where this
+        machine has not compiled the CPU kernels yet (a first start), they compile on a thread
+        while the engine answers on the torch paths, and come in between two tokens
+        (engine.runtime.kernel_preparation; `kernel_preparation` reports progress); "wait":
+        the load waits for them (minutes on a first start)."""
         if mode not in MODES:
             raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
         if cpu_weights is None:
             cpu_weights = "fp32" if mode == "dense" else "int8"
         if cpu_weights not in ("int4", "int8", "fp32"):
             raise UserError(f"unknown CPU weight format {cpu_weights!r}: choose int4, int8 or fp32")
+        if kernels not in ("wait", "background"):
+            raise ValueError(f"kernels: 'wait' or 'background', not {kernels!r}")
         ctx, threads = check_ctx(ctx), check_threads(threads)
-        from engine.runtime import fused_decode
-
         fused_decode.enabled()  # a bad THERMOCLINE_FUSED_DECODE is refused here, not at the first token
         device = str(resolve_device(device)) if device is not None else None
         if threads:
             torch.set_num_threads(threads)
         model_dir = model_folder(model)
-        config = ModelConfig.from_dir(model_dir)
+        config = read_config(model_dir)
         check_ctx(ctx)
         notes = []
         if ctx is not None and ctx > config.max_positions:
             notes.append(f"context {ctx} is capped at the {config.max_positions} positions {model_dir.name} "
                          f"was trained on")
+        if not is_sparse(config.activation, config.activation_threshold):
+            if mode != "dense":
+                raise UserError(f"{model_dir.name}: {dense_only_words(config)}; load it with --mode dense")
+            notes.append(f"{model_dir.name} runs dense: {dense_only_words(config)}")
         ctx = config.context_length(ctx)  # no longer than the model was trained for (as place/fit count)
         check_kv_fits(config, ctx, device)
         tokenizer = Tokenizer(model_dir)
         # Load the CPU kernels' machine code now (numba's disk cache), not in the first token,
         # on a thread while the weights load: numba's first use is mostly Python under the GIL,
         # the weights' reads and copies mostly not.
-        warm = _KernelWarmup(mode, cpu_weights)
+        from engine.kernels import numba_pool
+        from engine.runtime import kernel_preparation as kp
+
+        preparing = None
+        if kernels == "background" and numba_pool.kernels() is not None and not kp.is_cached(kp.kind_of(mode, cpu_weights)):
+            preparing = kp.KernelPreparation(mode, cpu_weights, _KernelWarmup.run_prompt, _KernelWarmup.run_all)
+        warm = _KernelWarmup(mode, cpu_weights) if preparing is None else None
         try:
             model_obj, cache, runtime, dense_prepared = cls._load_model(
                 model_dir, config, mode, ctx, vram_budget, ram_budget, device, progress, cpu_weights)
         except BaseException:
-            warm.join(raise_error=False)  # the load's own error is the one to report
+            if warm is not None:
+                warm.join(raise_error=False)  # the load's own error is the one to report
+            else:
+                preparing.model_loaded(None, None)
             raise
-        warm.join()
-        fused_decode.warm(model_obj, cache)  # the one-call-per-layer decode's machine code, now
-        if not _decode_fused(model_obj):  # the unfused decode's kernels too (oracle, GPU layers, ...)
-            _KernelWarmup.run_all(mode, cpu_weights)
+        model_obj.decoder = fused_decode.decode_step  # one compiled call per CPU layer where it can
+        if preparing is not None:
+            layers = model_obj.layers
+            scratch = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 2, [la.dtype for la in layers],
+                              [la.device for la in layers], config.sliding_window, cpu_16bit=cache.cpu_16bit)
+            preparing.model_loaded(model_obj, scratch)
+        else:
+            warm.join()
+            fused_decode.warm(model_obj, cache)  # the one-call-per-layer decode's machine code, now
+            if not _decode_fused(model_obj):  # the unfused decode's kernels too (oracle, GPU layers, ...)
+                _KernelWarmup.run_all(mode, cpu_weights)
         engine = cls(model_dir, config, tokenizer, model_obj, cache, mode, ctx,
                      cls.eos_from(model_dir, config, tokenizer), cls.defaults_from(model_dir), sparse=runtime)
+        engine.kernel_preparation = preparing
         engine.warnings = notes  # things the user should hear about, not errors (the CLI prints them)
         if mode == "dense":
             engine.dense_prepared = dense_prepared
@@ -161,15 +199,13 @@ class Engine:
         mode's mapped prepared file (None elsewhere)."""
         runtime = dense_prepared = None
         if mode in ("sparse", "hybrid", "oracle"):
-            from engine.hotcold.sparse import load_sparse
-
-            parts = load_sparse(model_dir, config, mode, ctx, vram_budget, ram_budget, device, progress, cpu_weights)
+            # a mixture of experts is placed expert by expert, routed by the model's own router
+            load = load_moe if config.is_moe else load_sparse
+            parts = load(model_dir, config, mode, ctx, vram_budget, ram_budget, device, progress, cpu_weights)
             model_obj, runtime = parts.model, parts.runtime
             cache = cls.make_cache(config, ctx, parts.layer_devices, parts.layer_dtypes)
             runtime.cache = cache  # a re-placement moves each layer's KV cache with the layer
         else:
-            from engine.runtime.dense_quant import load_dense
-
             dev = torch.device(device or "cpu")
             # int8/int4 CPU weights: a prepared file mapped, or each layer converted as it loads
             model_obj, dense_prepared = load_dense(model_dir, config, dev, ctx, progress, cpu_weights)
@@ -223,6 +259,19 @@ class Engine:
             raise UserError("the prompt has token ids outside the model's vocabulary")
         return ids
 
+    def swap_in_kernels(self) -> bool:
+        """Between tokens: the background-compiled CPU kernels, once all are ready, replace the
+        torch paths from the next computation on. True when they were handed over now."""
+        prep = self.kernel_preparation
+        if prep is None or not prep.ready():
+            return False
+        prep.release()
+        self.kernel_preparation = None
+        if prep.error is not None:
+            self.warnings.append(f"the fast CPU kernels could not be prepared ({prep.error}); "
+                                 "running on the slower torch paths")
+        return prep.error is None
+
     def close(self) -> None:
         """End what the engine runs beside generations (a mixture's prefetch thread); call it
         when the model is unloaded. Idempotent; a generation running now finishes first."""
@@ -267,6 +316,7 @@ class Engine:
         self._cached_ids = self._cached_ids[:reuse]
         stats.cached_tokens = reuse
         start = time.perf_counter()
+        self.swap_in_kernels()
         logits = self._prefill(ids, reuse, cancel)
         if logits is None:  # stopped while reading the prompt: nothing was generated
             stats.finish_reason = "cancelled"
@@ -316,6 +366,7 @@ class Engine:
                     break
                 if self.sparse is not None:
                     self.sparse.at_token_boundary()
+                self.swap_in_kernels()
                 logits = self.model.forward(torch.tensor([token]), position, self.cache)
                 self._cached_ids.append(token)
             if stats.finish_reason in ("length", "cancelled", "context_full"):
@@ -375,6 +426,8 @@ class Engine:
         stats.vram_bytes, stats.ram_bytes, stats.device = mem["vram_bytes"], mem["ram_bytes"], mem["device"]
         if self.sparse is not None:
             stats.ffn_active_fraction, stats.hot_hit_fraction = self.sparse.generation_fractions()
+            stats.cache_hit_fraction, stats.disk_read_bytes_per_token = self.sparse.disk_fractions(
+                stats.prompt_tokens - stats.cached_tokens + stats.new_tokens)
 
     def memory(self) -> dict:
         """Bytes of weights and KV cache per tier, as allocated."""
@@ -392,6 +445,7 @@ class Engine:
         """Logits [T, vocab] for a whole sequence (teacher forcing) under `mode`."""
         mode = mode or self.mode
         with self._lock:
+            self.swap_in_kernels()
             self._cached_ids = []
             self.cache.reset(0)
             ids = torch.tensor(token_ids)
@@ -420,10 +474,8 @@ class _KernelWarmup:
     every kernel the unfused path may run. `join` waits for the thread and raises what it raised."""
 
     def __init__(self, mode: str, cpu_weights: str):
-        # Imported here, not on the thread: two threads importing the same modules at once can
-        # see them half initialised.
-        from engine.kernels import cpu as cpu_kernels, cpu_q4, cpu_q4x8, numba_pool, q4_tiles  # noqa: F401
-
+        # The kernel modules load here, not on the thread: two threads importing the same
+        # modules at once can see them half initialised.
         numba_pool.kernels()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(mode, cpu_weights),
@@ -442,8 +494,6 @@ class _KernelWarmup:
         packed matrices) and, in the sparse modes, the FFN's gathered rows. Loading all of
         `run_all`'s kernels instead took the bench model's sparse int8 load 0.3-0.4 s more, for
         14 kernels of which the first prompt and the fused decode then ran 2."""
-        from engine.kernels import cpu as cpu_kernels, cpu_q4, cpu_q4x8
-
         sparse = mode != "dense"
         cpu_kernels.warmup_prompt(cpu_weights, sparse)
         if cpu_weights == "int4":
@@ -453,8 +503,6 @@ class _KernelWarmup:
     @staticmethod
     def run_all(mode: str, cpu_weights: str) -> None:
         """Every kernel of the mode and format, the unfused decode's included."""
-        from engine.kernels import cpu as cpu_kernels, cpu_q4, cpu_q4x8, q4_tiles
-
         quants = () if mode == "dense" else tuple({cpu_weights, "fp32"} & set(cpu_kernels.QUANTS))
         cpu_kernels.warmup(quants=quants)
         if cpu_weights == "int4":

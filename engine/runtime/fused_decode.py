@@ -32,7 +32,10 @@ from engine.errors import UserError
 from engine.hotcold import hot_q4
 from engine.kernels import cpu_q4, numba_pool
 from engine.kernels import cpu as cpu_kernels
-from engine.loading.quantized import Int8Matrix, Q4Matrix
+from engine.kernels.quantized import Int8Matrix, Q4Matrix
+from engine.hotcold.hybrid_ffn import HybridFfn
+from engine.loading.dense_quant import QuantDenseFfn
+from engine.model.layers import DenseFfn
 
 FUSED_ENV = "THERMOCLINE_FUSED_DECODE"
 _SWITCH = {"": True, "1": True, "on": True, "true": True, "yes": True,
@@ -69,7 +72,7 @@ def kernels():
         if kern is None or not kern.HAS_AVX2:
             return None  # not cached: tests turn numba off and on
         try:
-            from engine.kernels import decode_layer
+            from engine.kernels import decode_layer  # numba at import: only where it runs
             _module = decode_layer
         except Exception as e:  # noqa: BLE001 - a broken numba/llvmlite: the unfused path still runs
             warnings.warn(f"fused decode unavailable ({e}); using the unfused path", RuntimeWarning, stacklevel=2)
@@ -188,10 +191,6 @@ def _why_not_layer(model, index: int, layer, cache) -> str:
 
 
 def _build_layer(dl, model, index: int, layer, cache) -> FusedLayer:
-    from engine.hotcold.hybrid_ffn import HybridFfn
-    from engine.runtime.dense_quant import QuantDenseFfn
-    from engine.runtime.model import DenseFfn
-
     key = _layer_key(model, index, layer, cache)
     why = _why_not_layer(model, index, layer, cache)
     if why:
@@ -336,16 +335,20 @@ def decode_step(model, ids: torch.Tensor, start: int, cache) -> torch.Tensor | N
     return torch.from_numpy(logits)[None]
 
 
-def warm(model, cache) -> None:
+def warm(model, cache, keep: bool = True) -> None:
     """Load the compiled layer and head functions now (numba's disk cache; a first compile takes
     minutes) rather than in the first decoded token: one call of the first layer at position 0,
-    whose cache slot the prompt overwrites before anything reads it, and one of the head."""
+    whose cache slot the prompt overwrites before anything reads it, and one of the head.
+    `keep`: the prepared arguments stay on the model for the first token; False (a background
+    compile beside a running engine, over a scratch cache) leaves the model untouched."""
     if not enabled() or kernels() is None or not model.layers:
         return
     dl = kernels()
     layer = model.layers[0]
-    plan = layer.fused = _build_layer(dl, model, 0, layer, cache)
-    head = model.fused_head = _build_head(dl, model)
+    plan = _build_layer(dl, model, 0, layer, cache)
+    head = _build_head(dl, model)
+    if keep:
+        layer.fused, model.fused_head = plan, head
     table = model.rotary.get(torch.device("cpu"))
     if plan.args is None or head.args is None or table is None or table.cos.dtype != torch.float32:
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from engine.validation import check_sampling
 
 
 @dataclass
@@ -21,8 +22,6 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise UserError for any value out of range (NaN, negative, a seed past 2**64...);
         the one check the command line, the window and the server all use."""
-        from engine.runtime.validation import check_sampling
-
         check_sampling(self)
 
 

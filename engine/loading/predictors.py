@@ -1,17 +1,14 @@
 """Per-layer activation predictors: logits = fc2(relu(fc1(x))), a neuron is predicted
 active when its logit >= the layer's threshold.
 
-Ours are stored as safetensors in the sidecar folder; PowerInfer's published ones
-(`model_{N}.pt` state dicts, one per layer) are imported with `weights_only=True` and
-ordered by layer number, never as strings; those a checkpoint carries (TurboSparse,
-found by the names its architecture module lists) are copied from it.
+A `PredictorSet` is stored as safetensors in the sidecar folder; those PowerInfer
+publishes and those a checkpoint carries are imported by engine/loading/predictor_import.py.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,12 +17,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from engine.errors import ModelFormatError
-from engine.hotcold.placement import predictor_cpu_format
-from engine.loading.quantized import Q4Matrix, QuantMatrix, matrix_nbytes, quantize_matrix
+from engine.kernels.quantized import Q4Matrix, QuantMatrix, matrix_nbytes, quantize_matrix
+from engine.kernels.tensor_kinds import QUANT_KINDS, parse_quant_name, quant_name
+from engine.model.layers import linear
+from engine.cpu_formats import predictor_cpu_format
 from engine.loading.sidecar import group_by_layer, sidecar_dir
 
 FILENAME = "predictors.safetensors"
-_POWERINFER_FILE = re.compile(r"^model_(\d+)\.pt$")
 
 
 @dataclass
@@ -48,8 +46,6 @@ class PredictorSet:
 
     def logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Logits [n_ff] for one token x [d], or [T, n_ff] for x [T, d]."""
-        from engine.runtime.model import linear
-
         def computable(w):  # stored 16-bit and not placed on a tier (placement converts them): fp32
             return w.float() if not isinstance(w, QuantMatrix) and w.device.type == "cpu" and w.dtype in _HALF else w
 
@@ -66,7 +62,7 @@ class PredictorSet:
            quant: str | None = None) -> None:
         """Move a layer's predictor to a tier: device and dtype, or the rows of the CPU tier
         whose weights are int8 (or `quant`): int8 on a 4-bit tier too, but for a file's own
-        4-bit matrices (engine.hotcold.placement.predictor_cpu_format)."""
+        4-bit matrices (engine.cpu_formats.predictor_cpu_format)."""
         quant = quant or ("int8" if int8 else None)
 
         def place(w):
@@ -79,7 +75,7 @@ class PredictorSet:
     # ---------------------------------------------------------------- storage
     def save(self, model_dir: Path) -> Path:
         """Write the predictors at their own precision (fp32, 16-bit, or a GGUF's Q4_0 rows as
-        `NAME.q4_0`, engine.loading.tensor_kinds), never widened."""
+        `NAME.q4_0`, engine.kernels.tensor_kinds), never widened."""
         folder = sidecar_dir(model_dir)
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {}
@@ -128,8 +124,8 @@ class PredictorSet:
         if list(layers) != list(range(len(layers))):
             raise ModelFormatError(f"predictor layers in {where} are not numbered 0..N-1: {list(layers)}")
         try:
-            fc1 = [_kept(layers[i]["fc1.weight"]) for i in layers]
-            fc2 = [_kept(layers[i]["fc2.weight"]) for i in layers]
+            fc1 = [at_own_precision(layers[i]["fc1.weight"]) for i in layers]
+            fc2 = [at_own_precision(layers[i]["fc2.weight"]) for i in layers]
         except KeyError as exc:
             raise ModelFormatError(f"predictor in {where} lacks {exc}") from None
         return cls(fc1, fc2, _thresholds(thresholds, len(fc1), where), source)
@@ -148,7 +144,7 @@ class PredictorSet:
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _kept(w):
+def at_own_precision(w):
     """A predictor matrix at no more than its own precision: 16-bit, fp32 and 4-bit rows stay
     as they are (each tier converts them when placing them), anything else becomes fp32."""
     if isinstance(w, QuantMatrix) or w.dtype in _HALF + (torch.float32,):
@@ -159,19 +155,15 @@ def _kept(w):
 def _stored(name: str, w) -> dict[str, torch.Tensor]:
     """How `save` stores one matrix: its tensor at its dtype, or 4-bit rows as NAME.q4_0
     (plain rows: a set placed on an int4 CPU tier holds them packed)."""
-    from engine.loading.tensor_kinds import quant_name
-
     if isinstance(w, Q4Matrix):
         return {quant_name(name, "Q4_0"): w.rows().detach().cpu().contiguous()}
     if isinstance(w, QuantMatrix):
         w = w.dequantize()
-    return {name: _kept(w.detach()).cpu().contiguous()}
+    return {name: at_own_precision(w.detach()).cpu().contiguous()}
 
 
 def _from_stored(tensors: dict[str, torch.Tensor], where) -> dict:
     """`save`'s tensors back: NAME.q4_0 rows as a Q4Matrix under NAME (checked)."""
-    from engine.loading.tensor_kinds import QUANT_KINDS, parse_quant_name
-
     out = {}
     for name, t in tensors.items():
         parsed = parse_quant_name(name)
@@ -184,75 +176,6 @@ def _from_stored(tensors: dict[str, torch.Tensor], where) -> dict:
             raise ModelFormatError(f"predictor tensor {name} in {where} is not Q4_0 rows: {t.dtype} {tuple(t.shape)}")
         out[base] = Q4Matrix(t.contiguous(), t.shape[1] // size * block)
     return out
-
-
-def import_powerinfer_predictors(src_dir: Path, model_dir: Path) -> Path:
-    """PowerInfer's `model_{N}.pt` files (+ optional config.json sparse_threshold) -> our sidecar."""
-    src_dir = Path(src_dir)
-    files = {int(m.group(1)): p for p in src_dir.iterdir() if (m := _POWERINFER_FILE.match(p.name))}
-    ggufs = sorted(src_dir.glob("*.gguf"))
-    if not files and ggufs:  # PowerInfer's GGUF carries them as blk.N.fc1/fc2
-        from engine.loading.gguf_predictors import import_gguf_predictors
-
-        return import_gguf_predictors(ggufs[0], model_dir)
-    if not files:
-        raise ModelFormatError(f"{src_dir} has no model_N.pt predictor files")
-    threshold = 0.0
-    config = src_dir / "config.json"
-    if config.is_file():
-        try:
-            threshold = float(json.loads(config.read_text(encoding="utf-8")).get("sparse_threshold", 0.0))
-        except (OSError, ValueError, TypeError):
-            raise ModelFormatError(f"cannot read {config}") from None
-    layers = {}
-    for number in sorted(files):  # numeric order: layer 10 after layer 2
-        try:
-            state = torch.load(files[number], map_location="cpu", weights_only=True)
-        except Exception:  # noqa: BLE001 - weights_only refuses anything but plain tensors
-            # Never torch's message: it ends in advice to load the file with weights_only=False.
-            raise ModelFormatError(f"{files[number].name} holds code, not only tensors, and cannot be loaded "
-                                   "safely; Thermocline never runs it") from None
-        if not isinstance(state, dict):
-            raise ModelFormatError(f"{files[number].name} is not a state dict")
-        layers[number] = {k: v for k, v in state.items() if k in ("fc1.weight", "fc2.weight")}
-    predictors = PredictorSet._from_layers(layers, [threshold] * len(layers), "powerinfer", src_dir)
-    if (Path(model_dir) / "config.json").is_file():
-        from engine.config import ModelConfig
-
-        cfg = ModelConfig.from_dir(model_dir)
-        predictors.check(cfg.num_layers, cfg.hidden_size, cfg.intermediate_size)
-    return predictors.save(model_dir)
-
-
-def import_checkpoint_predictors(model_dir: Path, config) -> Path | None:
-    """Predictors carried inside the checkpoint -> our sidecar (its path), unless there is
-    one already. None when the architecture or this checkpoint carries none.
-
-    The names come from the architecture module's `PREDICTOR_TENSORS` (engine/arch); every
-    layer must have both, with shapes that fit the model. They are read with the threshold
-    0: TurboSparse fires a neuron when sigmoid(logit) > 0.5, i.e. logit > 0 (equality has
-    measure zero).
-    """
-    from engine.arch import arch_module
-    from engine.loading.weights import WeightSource
-
-    names = getattr(arch_module(config.arch), "PREDICTOR_TENSORS", None)
-    if names is None or PredictorSet.exists(model_dir):
-        return None
-    source = WeightSource(model_dir)
-    fc1_name, fc2_name = names
-    layers = range(config.num_layers)
-    present = [source.has(fc1_name.format(i=i)) and source.has(fc2_name.format(i=i)) for i in layers]
-    if not any(present):
-        return None
-    if not all(present):
-        missing = [i for i in layers if not present[i]]
-        raise ModelFormatError(f"the checkpoint carries predictors for some layers only (none for {missing[:8]})")
-    fc1 = [_kept(source.get(fc1_name.format(i=i))) for i in layers]  # at the checkpoint's precision
-    fc2 = [_kept(source.get(fc2_name.format(i=i))) for i in layers]
-    predictors = PredictorSet(fc1, fc2, [0.0] * config.num_layers, source="checkpoint")
-    predictors.check(config.num_layers, config.hidden_size, config.intermediate_size)
-    return predictors.save(model_dir)
 
 
 def _thresholds(values, layers: int, where) -> list[float]:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from engine.kernels import cpu as cpu_kernels
 from engine.kernels import cpu_q4, cpu_q4x8, q4_tiles
 from engine.kernels.cpu_quant import dequantize_rows_int8, quantize_rows_int8
-from engine.loading import host_memory
+from engine.kernels import host_memory
 
 # Rows converted per step of a many-token product: bounds the fp32 copy to a few MB.
 _BLOCK_ROWS = 1024

@@ -4,20 +4,20 @@ A weight `NAME` of a checkpoint may be stored as ggml blocks instead of floats: 
 tensor `NAME.q4_0` or `NAME.q8_0`, shape [rows, row bytes], whose rows are NAME's rows
 (a row of `cols` weights is cols / 32 blocks: Q4_0 an fp16 scale and 16 bytes of nibbles,
 18 bytes; Q8_0 an fp16 scale and 32 int8, 34 bytes; or `NAME.q4_1` ... `NAME.q6_k`, the
-blocks of engine.loading.ggml_quants), or `NAME.t.q4_0` / `NAME.t.q8_0`,
+blocks of engine.kernels.ggml_quants), or `NAME.t.q4_0` / `NAME.t.q8_0`,
 whose rows are those of NAME's transpose (PowerInfer's `ffn_down_t`, the engine's down_t
 rows). `engine.loading.weights.WeightSource` answers them under NAME.
 """
 
 from __future__ import annotations
 
-from engine.loading.ggml_quants import REFERENCE_KINDS
+from engine.kernels.ggml_quants import REFERENCE_KINDS
 
 # ggml's block_q4_0: 32 weights in an fp16 scale + 16 bytes of nibbles. The one home of these
 # numbers (torch-free): engine.kernels.cpu_q4 and engine.hotcold.placement take them from here.
 Q4_0_BLOCK, Q4_0_BLOCK_BYTES = 32, 18
 # stored-name suffix -> (kind, weights per block, bytes per block): ggml's block_q4_0 / block_q8_0,
-# and the types decoded by ggml's reference (engine.loading.ggml_quants: Q4_1 ... Q6_K)
+# and the types decoded by ggml's reference (engine.kernels.ggml_quants: Q4_1 ... Q6_K)
 QUANT_KINDS = {"q4_0": ("Q4_0", Q4_0_BLOCK, Q4_0_BLOCK_BYTES), "q8_0": ("Q8_0", 32, 34), **REFERENCE_KINDS}
 TRANSPOSED = "t"  # NAME.t.q4_0: rows of NAME's transpose
 

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.loading.quantized import Int8Matrix, matrix_nbytes
+from engine.kernels.quantized import Int8Matrix, matrix_nbytes
+from engine.model.layers import linear
 
 
 @dataclass
@@ -44,8 +45,6 @@ class Routing:
 
 def route(router: torch.Tensor | Int8Matrix, x: torch.Tensor, k: int, softmax: bool) -> Routing:
     """x [T, d] -> the k experts of each token and their weights (fp32)."""
-    from engine.runtime.model import linear
-
     logits = linear(x, router).float()
     top, experts = torch.topk(logits, k, dim=-1)
     if softmax:

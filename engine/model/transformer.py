@@ -1,14 +1,13 @@
 """The transformer: plain tensors and functions, one decode step at a time.
 
-Every architecture is converted at load time into one layer layout (`LayerWeights`):
-fused QKV, norms, and an FFN object that owns its rows in the neuron-major layout of
-docs/ARCHITECTURE.md. The FFN object is swapped per mode (dense, sparse, hybrid,
-oracle) without touching the rest. Attention is dense on the device of its layer.
+Attention is dense on the device of its layer; each layer's FFN is whatever object the
+load put there (engine/model/layers.py). A one-token step may instead run through
+`Transformer.decoder`, a hook the engine supplies (engine.runtime.fused_decode: one
+compiled call per CPU layer); the layers below stay the reference and the fallback.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -16,137 +15,15 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.kernels import cpu as cpu_kernels
-from engine.kernels.reference import activations
-from engine.runtime import fused_decode
-from engine.runtime.kv_cache import KVCache
-from engine.hotcold.moe import route
-from engine.loading.quantized import Int8Matrix, QuantMatrix, matrix_nbytes
-from engine.runtime.rope import RotaryTable, apply_rotary
+from engine.kernels.quantized import Int8Matrix, matrix_nbytes
+from engine.model.kv_cache import KVCache
+from engine.model.layers import FfnObserver, Layer, Norm, linear
+from engine.model.moe import route
+from engine.model.rope import RotaryTable, apply_rotary
 
-# Called per layer with (layer index, predictor input [T, d], true FFN activations [T, n_ff]).
-FfnObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
-
-
-@dataclass
-class Norm:
-    weight: torch.Tensor
-    bias: torch.Tensor | None  # LayerNorm (Falcon) has one, RMSNorm none
-    eps: float
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None:
-            if x.dtype != torch.float32:  # 16-bit on a GPU: normalise in fp32, as the references do
-                xf = x.float()
-                return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-            variance = x.pow(2).mean(-1, keepdim=True)
-            return x * torch.rsqrt(variance + self.eps) * self.weight
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
-
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.weight, self.bias)
-
-
-# Up to this many tokens on the CPU, one matrix-vector product per token beats torch's
-# matrix product, which reads the weights at a fraction of the bandwidth at small T
-# (32000 x 4096 fp32 on 2 cores: 2 tokens 38 vs 64 ms, 4 tokens 72 vs 106 ms).
-_PER_TOKEN_MAX = 4
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor | Int8Matrix, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, d] @ weight[n, d]^T (+ bias). A few tokens on the CPU go through our own
-    matrix-vector kernel, which streams the weights about twice as fast as torch's; int8
-    matrices (the CPU tier's, see engine.quantized) through their own product."""
-    if isinstance(weight, QuantMatrix):
-        out = weight.linear(x)
-    elif x.shape[0] <= _PER_TOKEN_MAX and x.device.type == "cpu" and x.dtype == torch.float32:
-        out = torch.stack([cpu_kernels.matvec(row, weight) for row in x])
-    else:
-        return F.linear(x, weight, bias)
-    return out + bias if bias is not None else out
-
-
-def _nbytes(*tensors: torch.Tensor | Int8Matrix | None) -> int:
-    return sum(matrix_nbytes(t) for t in tensors)
-
-
-class DenseFfn:
-    """The whole FFN with dense matmuls: prefill, the `dense` mode, and the reference.
-
-    Rows are neuron-major: `gate_up` stacks gate rows over up rows ([2n, d], one matmul),
-    `down_t` is the down projection transposed ([n, d]).
-    """
-
-    def __init__(self, gate_up: torch.Tensor, down_t: torch.Tensor, gated: bool, activation: str,
-                 threshold: float, up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None):
-        self.gate_up, self.down_t = gate_up, down_t
-        self.gated, self.activation, self.threshold = gated, activation, threshold
-        self.up_bias, self.down_bias = up_bias, down_bias
-        self.n_ff = down_t.shape[0]
-
-    @property
-    def gate(self) -> torch.Tensor | None:
-        return self.gate_up[: self.n_ff] if self.gated else None
-
-    @property
-    def up(self) -> torch.Tensor:
-        return self.gate_up[self.n_ff :] if self.gated else self.gate_up
-
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.gate_up, self.down_t, self.up_bias, self.down_bias)
-
-    def activations(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            pre = linear(x, self.gate_up)
-            gate_pre, up_pre = pre[..., : self.n_ff], pre[..., self.n_ff :]
-        else:
-            gate_pre, up_pre = None, linear(x, self.gate_up, self.up_bias)
-        return activations(gate_pre, up_pre, self.activation, self.threshold)
-
-    def project(self, act: torch.Tensor) -> torch.Tensor:
-        if act.shape[0] == 1 and act.device.type == "cpu" and act.dtype == torch.float32:
-            out = cpu_kernels.combine(act[0].contiguous(), self.down_t)[None]
-        else:
-            out = act @ self.down_t
-        return out + self.down_bias if self.down_bias is not None else out
-
-    def __call__(self, x: torch.Tensor, pred_input: torch.Tensor, layer: int,
-                 observer: FfnObserver | None = None) -> torch.Tensor:
-        act = self.activations(x)
-        if observer is not None:
-            observer(layer, pred_input, act)
-        return self.project(act)
-
-
-@dataclass
-class Layer:
-    attn_norm: Norm
-    mlp_norm: Norm | None  # None: the MLP reads the attention norm's output (Falcon parallel, 1 LN)
-    qkv: torch.Tensor | Int8Matrix  # [(heads + 2 kv_heads) * head_dim, d], rows q | k | v
-    qkv_bias: torch.Tensor | None
-    out: torch.Tensor | Int8Matrix  # [d, heads * head_dim]
-    out_bias: torch.Tensor | None
-    ffn: object            # DenseFfn or a sparse FFN with the same call signature
-    parallel: bool         # Falcon: attention and MLP both read the layer input
-    device: torch.device
-    # Mixture of experts (engine/hotcold/moe.py): the router reads the layer input before attention,
-    # and `ffn` then takes the routing in place of the predictor input.
-    router: torch.Tensor | Int8Matrix | None = None
-    rope: bool = True          # False: this layer's attention has no positions (NoPE)
-    window: int | None = None  # attend over the last `window` positions only
-    fused: object = None  # fused_decode.FusedLayer: this layer's prepared decode call, built on first use
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype the layer computes in (int8 matrices compute in their norm's fp32)."""
-        return self.attn_norm.weight.dtype
-
-    @property
-    def dense_nbytes(self) -> int:
-        """Bytes of everything but the FFN rows."""
-        norms = self.attn_norm.nbytes + (self.mlp_norm.nbytes if self.mlp_norm else 0)
-        return norms + _nbytes(self.qkv, self.qkv_bias, self.out, self.out_bias, self.router)
+# A one-token decode in place of the layers: (model, ids [1], position, cache) -> logits
+# [1, vocab], or None where it cannot run this step (the layers below then run).
+Decoder = Callable[["Transformer", torch.Tensor, int, KVCache], "torch.Tensor | None"]
 
 
 class Transformer:
@@ -156,7 +33,8 @@ class Transformer:
         self.embed, self.layers, self.final_norm, self.lm_head = embed, layers, final_norm, lm_head
         self.rotary = rotary
         self.ffn_observer: FfnObserver | None = None
-        self.fused_head = None  # fused_decode.FusedLayer of the final norm and the head
+        self.decoder: Decoder | None = None  # set by the engine (runtime.fused_decode.decode_step)
+        self.fused_head = None  # the decoder's prepared call of the final norm and the head
         self.scale = config.head_dim ** -0.5
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
@@ -179,8 +57,8 @@ class Transformer:
     def forward(self, ids: torch.Tensor, start: int, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
         """Run tokens `ids` [T] at positions start.. ; returns logits [T or 1, vocab] (fp32)."""
         count = ids.shape[0]
-        if count == 1:  # decode: one compiled call per layer where the model allows (fused_decode)
-            logits = fused_decode.decode_step(self, ids, start, cache)
+        if count == 1 and self.decoder is not None:  # decode: one compiled call per layer where it can
+            logits = self.decoder(self, ids, start, cache)
             if logits is not None:
                 return logits
         cache.prepare(start, count)

@@ -4,7 +4,7 @@ A dense decode step reads every weight once, so on the CPU its bytes set the spe
 weights (what the checkpoint's 16 bits become for torch's CPU products) read 4 bytes a
 weight where llama.cpp's Q8_0 reads 1.06 and Q4_0 0.56. Here a freshly loaded CPU layer's
 attention projections and FFN, and an untied output head, become the CPU tier's quantized
-matrices (`engine.loading.quantized`: int8 rows with a scale each, or ggml's Q4_0 blocks),
+matrices (`engine.kernels.quantized`: int8 rows with a scale each, or ggml's Q4_0 blocks),
 whose products quantize the activations to int8 blocks and run int8 x int8 / int8 x 4-bit
 dot products, one token (decode) or a whole prompt (prefill, each row read once for all
 its tokens) per call. fp32 stays the exact reference (`cpu_weights="fp32"`).
@@ -26,8 +26,11 @@ from pathlib import Path
 import torch
 
 from engine.errors import ModelFormatError
-from engine.loading.quantized import QuantMatrix, matrix_nbytes, quantize_matrix
-from engine.runtime.model import DenseFfn, Layer, Transformer, linear
+from engine.kernels.quantized import QuantMatrix, matrix_nbytes, quantize_matrix
+from engine.model.layers import DenseFfn, Layer, linear
+from engine.model.transformer import Transformer
+from engine.loading import prepared
+from engine.loading.loader import load_transformer
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +134,6 @@ def load_dense(model_dir: Path, config, device: torch.device, ctx: int, progress
     else the checkpoint is read and quantized layer by layer, and the result written into
     the sidecar for the next load where one may be written (`prepared.may_write`; a failure
     to write only logs)."""
-    from engine.loading import prepared
-    from engine.loading.loader import load_transformer
 
     devices = [device] * config.num_layers
     preparable = (fmt in prepared.FORMATS and device.type == "cpu" and not config.is_moe

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from engine.kernels import cpu_q4
-from engine.loading import host_memory
+from engine.kernels import host_memory
 
 _COLS_PER_STEP = 512  # columns of the down projection per step: [d, 512] fp32 is 8 MB at d = 4096
 

@@ -1,0 +1,464 @@
+"""The disk tier (PowerInfer-2): cold FFN rows stay in the prepared file; a neuron cache in
+RAM holds those that fire often, and a token reads the ones it needs and misses.
+
+- `RowReader` reads rows of the prepared file (`engine.loading.prepared`) with positional
+  reads that do not stay in the page cache: `os.pread` and `POSIX_FADV_DONTNEED` over the
+  ranges read (Linux, macOS' pread alone), or, where there is no `os.pread` (Windows), a
+  handle per thread with seek and readinto (the portable path; the standby list keeps the
+  pages, which Windows does not charge to the process). Wanted rows are sorted, runs of
+  neighbours (gaps of up to `GAP_ROWS` rows) coalesced into one read, and the reads spread
+  over `read_threads` threads (pread releases the GIL: the disk sees a queue of them).
+- `NeuronCache` is one pool of slots for all layers (each slot holds one neuron's gate, up
+  and down rows, and an int8 tier's three scales), counted in bytes against the RAM budget
+  (`slot_bytes`, `map_bytes`) and never above it. It is seeded with the most frequent cold
+  neurons (the activation statistics); those firing on at least `PIN_FREQUENCY` of tokens
+  are pinned (never evicted; at most half the slots, and never the working set of
+  `placement.WORKING_SHARE` of a layer that a token's misses are read into); the rest are kept by CLOCK with
+  counts (recency by the sweeping hand, frequency by a count of up to 3 that each hit
+  raises and each pass lowers). `resize` moves its capacity between tokens.
+- `DiskFfn` is a `HybridFfn` whose cold rows are the cache's: per token its predictor picks
+  the neurons, the missing ones are read into free or evicted slots, and the same kernel as
+  in RAM runs over the same positions with a slot index per position (`idx`), so each
+  position computes the same row bytes in the same chunks: the same bits as in RAM. Only
+  when one layer's predicted set exceeds the slots that may be evicted is it computed in
+  rounds (`overflow_rounds`), whose sums are exact but summed in another order.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.errors import UserError
+from engine.hotcold.hybrid_ffn import HybridFfn
+from engine.hotcold.placement import SLOT_META_BYTES, WORKING_SHARE
+from engine.kernels import cpu as cpu_kernels
+from engine.kernels import cpu_q4
+
+GAP_ROWS = 2  # neighbours this close are read in one call (the rows between are dropped)
+PIN_FREQUENCY = 0.5  # seeded neurons firing this often are never evicted
+MAX_COUNT = 3
+READ_THREADS_ENV = "THERMOCLINE_DISK_READ_THREADS"
+
+
+def read_threads() -> int:
+    value = os.environ.get(READ_THREADS_ENV, "").strip()
+    return max(1, int(value)) if value.isdigit() else 4
+
+
+@dataclass
+class Part:
+    """One stored matrix of a layer's rows in the file: where row 0 starts, bytes a row."""
+    offset: int
+    row_bytes: int
+    dtype: np.dtype
+    width: int  # elements a row
+
+
+def _parts_of(prepared, layer: int) -> list[Part]:
+    """gate, up, down_t (and their scales on an int8 tier), as in the file."""
+    out = []
+    names = ["gate", "up", "down_t"] if f"layers.{layer}.gate" in prepared.header else ["up", "down_t"]
+    if prepared.fmt == "int8":
+        names += [f"{n}_scale" for n in names]
+    for name in names:
+        entry = prepared.header[f"layers.{layer}.{name}"]
+        dtype = {"U8": np.uint8, "I8": np.int8, "F32": np.float32}[entry["dtype"]]
+        shape = entry["shape"]
+        width = shape[1] if len(shape) > 1 else 1
+        out.append(Part(prepared._base + entry["data_offsets"][0], width * np.dtype(dtype).itemsize,
+                        np.dtype(dtype), width))
+    return out
+
+
+def runs(ids: np.ndarray, gap: int = GAP_ROWS) -> list[tuple[int, int]]:
+    """Sorted ids as (first, count) runs, neighbours within `gap` rows joined."""
+    if not len(ids):
+        return []
+    breaks = np.flatnonzero(np.diff(ids) > gap + 1)
+    starts = np.concatenate([[0], breaks + 1])
+    ends = np.concatenate([breaks, [len(ids) - 1]])
+    return [(int(ids[s]), int(ids[e] - ids[s] + 1)) for s, e in zip(starts, ends)]
+
+
+def min_cache_neurons_of(cold_ids: list[np.ndarray]) -> int:
+    """The working set (placement.min_cache_neurons) of these layers' cold neurons."""
+    return int(np.ceil(WORKING_SHARE * max((len(ids) for ids in cold_ids), default=0)))
+
+
+class RowReader:
+    """Positional reads of a prepared file's rows that leave no pages in the page cache."""
+
+    def __init__(self, path, threads: int | None = None):
+        self.path = str(path)
+        self.threads = threads or read_threads()
+        self.portable = not hasattr(os, "pread")  # Windows
+        self._fd = None if self.portable else os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="neuron-read") if self.threads > 1 else None
+        self.bytes_read = 0
+        self.calls = 0
+        self.seconds = 0.0
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def _pread(self, size: int, offset: int) -> bytes:
+        if not self.portable:
+            return os.pread(self._fd, size, offset)
+        f = getattr(self._local, "f", None)
+        if f is None:
+            f = self._local.f = open(self.path, "rb", buffering=0)
+        f.seek(offset)
+        return f.read(size)
+
+    def _drop(self, lo: int, hi: int) -> None:
+        if hasattr(os, "posix_fadvise") and self._fd is not None and hi > lo:
+            os.posix_fadvise(self._fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
+
+    def read(self, parts: list[Part], ids: np.ndarray, dest: list[np.ndarray], slots: np.ndarray) -> None:
+        """Rows `ids` (sorted) of each part into dest[p][slots] (slots aligned with ids)."""
+        start = time.perf_counter()
+        spans = runs(ids)
+        jobs = []
+        pos = np.searchsorted(ids, [a for a, _ in spans])
+        for p, part in enumerate(parts):
+            for (first, count), at in zip(spans, pos):
+                jobs.append((p, part, first, count, int(at)))
+
+        def one(job):
+            p, part, first, count, at = job
+            data = self._pread(count * part.row_bytes, part.offset + first * part.row_bytes)
+            if len(data) != count * part.row_bytes:
+                raise OSError(f"{self.path}: short read (the prepared file was cut)")
+            block = np.frombuffer(data, dtype=part.dtype).reshape(count, part.width)
+            end = int(np.searchsorted(ids, first + count))
+            want = ids[at:end] - first
+            target = dest[p]
+            target[slots[at:end]] = block[want].reshape(target[slots[at:end]].shape)
+            return len(data)
+
+        if self._pool is not None and len(jobs) > 1:
+            sizes = list(self._pool.map(one, jobs))
+        else:
+            sizes = [one(j) for j in jobs]
+        for part in parts:
+            if len(ids):
+                self._drop(part.offset + int(ids[0]) * part.row_bytes, part.offset + (int(ids[-1]) + 1) * part.row_bytes)
+        self.bytes_read += sum(sizes)
+        self.calls += len(jobs)
+        self.seconds += time.perf_counter() - start
+
+
+class NeuronCache:
+    """One pool of neuron slots for every layer's cold rows (see the module's docstring)."""
+
+    def __init__(self, prepared, reader: RowReader, cold_ids: list[np.ndarray], capacity: int, d: int):
+        self.prepared, self.reader, self.d = prepared, reader, d
+        self.fmt = prepared.fmt
+        self.parts = [_parts_of(prepared, i) for i in range(len(cold_ids))]
+        self.cold_ids = [np.asarray(ids, dtype=np.int64) for ids in cold_ids]
+        self.slot_of = [np.full(len(ids), -1, dtype=np.int64) for ids in self.cold_ids]
+        self.hits = self.misses = self.overflow_rounds = 0
+        self._allocate(max(int(capacity), 1))
+
+    # ------------------------------------------------------------------ storage
+    def _allocate(self, capacity: int) -> None:
+        self.capacity = capacity
+        parts = self.parts[0]
+        self.pool = [np.zeros((capacity, part.width), dtype=part.dtype) if part.width > 1
+                     else np.zeros(capacity, dtype=part.dtype) for part in parts]
+        self.slot_layer = np.full(capacity, -1, dtype=np.int32)
+        self.slot_pos = np.zeros(capacity, dtype=np.int32)
+        self.count = np.zeros(capacity, dtype=np.uint8)
+        self.pinned = np.zeros(capacity, dtype=bool)
+        self.hand = 0
+        self._rows()
+
+    def _rows(self) -> None:
+        """The kernels' view of the pool (rebuilt when the pool is)."""
+        t = [torch.from_numpy(a) for a in self.pool]
+        if self.fmt == "int4":
+            gate, up, down = (t[0], t[1], t[2]) if len(t) == 3 else (None, t[0], t[1])
+            self.rows = cpu_q4.Q4FfnRows(gate, up, down, self.d)
+        else:
+            k = len(t) // 2
+            q, s = t[:k], t[k:]
+            gate, up, down = (q[0], q[1], q[2]) if k == 3 else (None, q[0], q[1])
+            gs, us, ds = (s[0], s[1], s[2]) if k == 3 else (None, s[0], s[1])
+            self.rows = cpu_kernels.CpuFfnRows(gate, up, down, gs, us, ds, quant="int8")
+        total = max(len(ids) for ids in self.cold_ids) if self.cold_ids else 0
+        self._pred_ids = [self._padded(ids, max(total, self.capacity)) for ids in self.cold_ids]
+
+    @staticmethod
+    def _padded(ids: np.ndarray, n: int) -> np.ndarray:
+        out = np.zeros(n, dtype=np.int64)  # the kernels check n predictor ids (n = the pool's rows)
+        out[:len(ids)] = ids
+        return out
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(a.nbytes for a in self.pool) // self.capacity + SLOT_META_BYTES
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cache holds: its slots (rows and bookkeeping) and every cold neuron's slot map."""
+        return (sum(a.nbytes for a in self.pool) + self.slot_layer.nbytes + self.slot_pos.nbytes
+                + self.count.nbytes + self.pinned.nbytes + sum(m.nbytes for m in self.slot_of))
+
+    def used(self) -> int:
+        return int((self.slot_layer >= 0).sum())
+
+    # ------------------------------------------------------------------ filling
+    def seed(self, frequencies: list[np.ndarray]) -> None:
+        """The most frequent cold neurons (frequencies per layer, aligned with cold_ids), the
+        ones firing on PIN_FREQUENCY of tokens pinned (at most half the slots)."""
+        flat = np.concatenate(frequencies) if frequencies else np.empty(0)
+        take = min(self.capacity, flat.size)
+        if not take:
+            return
+        order = np.argsort(-flat, kind="stable")[:take]
+        bounds = np.cumsum([0] + [len(f) for f in frequencies])
+        working = min_cache_neurons_of(self.cold_ids)  # never pinned: a token's misses go there
+        pin_left = max(0, min(self.capacity // 2, self.capacity - working))
+        slot = 0
+        for layer in range(len(frequencies)):
+            pos = np.sort(order[(order >= bounds[layer]) & (order < bounds[layer + 1])] - bounds[layer])
+            if not len(pos):
+                continue
+            slots = np.arange(slot, slot + len(pos))
+            self._fill(layer, pos, slots)
+            hot = frequencies[layer][pos] >= PIN_FREQUENCY
+            pin = slots[hot][:pin_left]
+            self.pinned[pin] = True
+            pin_left -= len(pin)
+            self.count[slots] = MAX_COUNT
+            slot += len(pos)
+
+    def _fill(self, layer: int, positions: np.ndarray, slots: np.ndarray) -> None:
+        """Read cold positions (sorted) of a layer into slots, and map them."""
+        self.reader.read(self.parts[layer], self.cold_ids[layer][positions], self.pool, slots)
+        self.slot_layer[slots] = layer
+        self.slot_pos[slots] = positions
+        self.count[slots] = 1
+        self.slot_of[layer][positions] = slots
+
+    def _evict(self, slots: np.ndarray) -> None:
+        owners = self.slot_layer[slots]
+        for layer in np.unique(owners[owners >= 0]):
+            mine = slots[owners == layer]
+            self.slot_of[layer][self.slot_pos[mine]] = -1
+        self.slot_layer[slots] = -1
+        self.pinned[slots] = False
+
+    def _victims(self, m: int, busy: np.ndarray) -> np.ndarray:
+        """Up to m slots to (re)fill: free ones first, then CLOCK over the unpinned, not busy."""
+        free = np.flatnonzero((self.slot_layer < 0) & ~busy)[:m]
+        if len(free) >= m:
+            return free
+        chosen = [free]
+        need = m - len(free)
+        taken = np.zeros(self.capacity, dtype=bool)
+        taken[free] = True
+        sweep = 0
+        while need > 0 and sweep < (MAX_COUNT + 2) * self.capacity:
+            span = min(self.capacity, max(4 * need, 1024))
+            window = (self.hand + np.arange(span)) % self.capacity
+            open_ = window[~self.pinned[window] & ~busy[window] & ~taken[window]]
+            ready = open_[self.count[open_] == 0][:need]
+            if len(ready):
+                chosen.append(ready)
+                taken[ready] = True
+                need -= len(ready)
+                last = int(np.flatnonzero(window == ready[-1])[0])
+                self.hand = (self.hand + last + 1) % self.capacity
+                continue
+            dec = open_[self.count[open_] > 0]
+            self.count[dec] -= 1
+            self.hand = (self.hand + span) % self.capacity
+            sweep += span
+        out = np.concatenate(chosen)
+        self._evict(out[self.slot_layer[out] >= 0])
+        return out
+
+    def ensure(self, layer: int, positions: np.ndarray) -> list[np.ndarray]:
+        """Make the cold positions (sorted) of a layer resident; the groups to compute them in
+        (one group unless the layer wants more slots than may be evicted)."""
+        slots = self.slot_of[layer][positions]
+        hit = slots >= 0
+        self.hits += int(hit.sum())
+        self.misses += int((~hit).sum())
+        hit_slots = slots[hit]
+        self.count[hit_slots] = np.minimum(self.count[hit_slots] + 1, MAX_COUNT)
+        missing = positions[~hit]
+        if not len(missing):
+            return [positions]
+        busy = np.zeros(self.capacity, dtype=bool)
+        busy[hit_slots] = True
+        victims = self._victims(len(missing), busy)
+        if len(victims) >= len(missing):
+            self._fill(layer, missing, victims)
+            return [positions]
+        # more than the pool can hold at once: the hits, then the rest in rounds
+        groups = [positions[hit]] if hit.any() else []
+        busy[:] = False
+        room = len(victims) + len(hit_slots)
+        self._evict(hit_slots)  # the hits are computed first; their slots are free for the rounds after
+        for lo in range(0, len(missing), max(room, 1)):
+            groups.append(missing[lo:lo + room])
+        self.overflow_rounds += len(groups) - 1
+        return groups
+
+    def fill_group(self, layer: int, group: np.ndarray) -> None:
+        """Make a round's positions resident (ensure's rounds after the first)."""
+        missing = group[self.slot_of[layer][group] < 0]
+        if len(missing):
+            busy = np.zeros(self.capacity, dtype=bool)
+            self._fill(layer, missing, self._victims(len(missing), busy))
+
+    def slot_index(self, layer: int) -> np.ndarray:
+        """Per cold position its slot (0 for positions on disk: the kernel reads no row there)."""
+        return np.maximum(self.slot_of[layer], 0)
+
+    def pred_ids(self, layer: int) -> np.ndarray:
+        return self._pred_ids[layer]
+
+    # ------------------------------------------------------------------ resizing
+    def resize(self, capacity: int) -> None:
+        """A new capacity, kept between tokens: the most valuable entries (pinned, then by
+        count) stay, copied matrix by matrix into the new pool."""
+        capacity = max(int(capacity), 1)
+        if capacity == self.capacity:
+            return
+        occupied = np.flatnonzero(self.slot_layer >= 0)
+        rank = np.lexsort((-self.count[occupied].astype(np.int16), ~self.pinned[occupied]))
+        keep = occupied[rank[:capacity]]
+        old = (self.pool, self.slot_layer, self.slot_pos, self.count, self.pinned)
+        pool_old = self.pool
+        self.pool = []
+        for a in pool_old:  # one matrix at a time: the old one is dropped before the next is copied
+            new = np.zeros((capacity,) + a.shape[1:], dtype=a.dtype)
+            new[:len(keep)] = a[keep]
+            self.pool.append(new)
+        del pool_old
+        _, layer_old, pos_old, count_old, pinned_old = old
+        self.capacity = capacity
+        self.slot_layer = np.full(capacity, -1, dtype=np.int32)
+        self.slot_pos = np.zeros(capacity, dtype=np.int32)
+        self.count = np.zeros(capacity, dtype=np.uint8)
+        self.pinned = np.zeros(capacity, dtype=bool)
+        n = len(keep)
+        self.slot_layer[:n], self.slot_pos[:n] = layer_old[keep], pos_old[keep]
+        self.count[:n], self.pinned[:n] = count_old[keep], pinned_old[keep]
+        for m in self.slot_of:
+            m[:] = -1
+        for s in range(n):
+            self.slot_of[self.slot_layer[s]][self.slot_pos[s]] = s
+        self.hand = 0
+        self._rows()
+
+
+class DiskColdRows:
+    """A layer's cold neurons as the cache holds them (ColdRows' interface)."""
+
+    def __init__(self, cache: NeuronCache, layer: int):
+        self.cache, self.layer = cache, layer
+        self.ids = torch.from_numpy(cache.cold_ids[layer])
+
+    def __len__(self) -> int:
+        return len(self.cache.cold_ids[self.layer])
+
+    @property
+    def rows(self):
+        return self.cache.rows
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # the cache's bytes are counted once, by the runtime
+
+
+class DiskFfn(HybridFfn):
+    """A HybridFfn whose cold rows live in the neuron cache and the prepared file."""
+
+    def __init__(self, base: HybridFfn, cache: NeuronCache):
+        super().__init__(base.layer, base.gated, base.activation, base.threshold, base.n_ff, base.hot,
+                         DiskColdRows(cache, base.layer), base.context)
+        self.cache = cache
+
+    def _cold_decode(self, x: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
+        if not len(self.cold):
+            return torch.zeros(x.shape[-1], dtype=torch.float32)
+        if logits is None:
+            raise UserError("the oracle mode computes every neuron: load the model with its rows in RAM")
+        return self._from_cache(x.to("cpu", torch.float32), logits.to("cpu", torch.float32))
+
+    def _from_cache(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        cache, layer, thr = self.cache, self.layer, self.context.threshold
+        ids = cache.cold_ids[layer]
+        pred = logits.numpy()
+        positions = np.flatnonzero(pred[ids] >= thr)
+        groups = cache.ensure(layer, positions)
+        y = None
+        for k, group in enumerate(groups):
+            if k:
+                cache.fill_group(layer, group)
+            if len(groups) > 1:  # a round: only its positions pass the threshold
+                masked = np.full_like(pred, -np.inf)
+                masked[ids[group]] = pred[ids[group]]
+                part = self._kernel(x, torch.from_numpy(masked), thr)
+            else:
+                part = self._kernel(x, logits, thr)
+            y = part if y is None else y + part
+        return y
+
+    def _kernel(self, x: torch.Tensor, logits: torch.Tensor, thr: float) -> torch.Tensor:
+        """The in-RAM kernel over the same positions, each reading its slot's row."""
+        cache, layer = self.cache, self.layer
+        rows = cache.rows
+        idx = cache.slot_index(layer)
+        k = len(idx)
+        module = cpu_q4 if rows.quant == cpu_q4.QUANT else cpu_kernels
+        kern = module._kernels()
+        if kern is None:  # torch: the selected rows in position order, as the in-RAM torch path
+            ids = cache.cold_ids[layer]
+            active = np.flatnonzero(logits.numpy()[ids] >= thr)
+            sub = rows.select(torch.from_numpy(idx[active]))
+            return module.sparse_ffn(x, sub, None, self.activation, self.threshold)
+        acts = np.empty(k, dtype=np.float32)
+        return module._launch(kern, x, rows, idx, logits.numpy(), cache.pred_ids(layer), thr, self.activation,
+                              self.threshold, acts)
+
+    def _predicted_tokens(self, x: torch.Tensor, pred_input: torch.Tensor) -> torch.Tensor:
+        """A prompt as decoding each token alone would compute it, token by token."""
+        logits = self.context.logits(pred_input).to("cpu", torch.float32)
+        out = torch.stack([self._cold_decode(x[t].to("cpu", torch.float32), logits[t]) for t in range(x.shape[0])])
+        if len(self.hot):
+            saved, self.cold = self.cold, _NoRows()
+            try:
+                out = out + super()._predicted_tokens(x, pred_input).to("cpu", torch.float32)
+            finally:
+                self.cold = saved
+        return out.to(x.device, x.dtype)
+
+    def _batched(self, x: torch.Tensor, pred_input: torch.Tensor, observer) -> torch.Tensor:
+        raise UserError("profiling, the oracle mode and scoring read every neuron: load the model with its rows "
+                        "in RAM (a larger --ram-budget)")
+
+
+class _NoRows:
+    """No cold rows (the hot tier's share of a prompt)."""
+    ids = torch.empty(0, dtype=torch.long)
+
+    def __len__(self) -> int:
+        return 0

@@ -1,0 +1,189 @@
+"""The project's import graph, read from the code (imports inside functions included).
+
+`python tests/import_graph.py` prints the figures (circles, arrows against engine's floors,
+imports inside functions, noqa comments); `tests/test_layering.py` asserts on the same graph.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "models_registry", "app", "bench", "tools")
+
+# engine's floors, bottom up: a module may import its own floor and the ones below.
+# The facts are engine's top-level modules (torch-free: errors, units, activations, config).
+FLOORS = ("facts", "kernels", "model", "arch", "loading", "hotcold", "runtime", "calibration")
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str  # importing module
+    target: str  # imported project module
+    line: int
+    in_function: bool
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[0] == "tests":  # the tests' helpers are imported by bare name (conftest's sys.path)
+        parts = parts[1:]
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def project_files() -> dict[str, Path]:
+    found = {}
+    for top in PACKAGES + ("tests",):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if "__pycache__" not in path.parts:
+                found[module_name(path)] = path
+    return found
+
+
+def _resolve(name: str, modules: dict) -> str | None:
+    """The longest prefix of a dotted name that is a project module."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:n])
+        if candidate in modules:
+            return candidate
+    return None
+
+
+def _functions_lines(tree: ast.AST) -> set[int]:
+    """ids of the import statements written inside a function."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            for sub in ast.walk(node):
+                if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                    inside.add(id(sub))
+    return inside
+
+
+def imports_of(name: str, path: Path, modules: dict) -> list[Import]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    inside = _functions_lines(tree)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".") if package else []
+                base = base[: len(base) - node.level + 1] if node.level > 1 else base
+                stem = ".".join(base + ([node.module] if node.module else []))
+            else:
+                stem = node.module or ""
+            targets = [f"{stem}.{a.name}" if f"{stem}.{a.name}" in modules else stem for a in node.names]
+        for target in targets:
+            resolved = _resolve(target, modules)
+            if resolved and resolved != name:
+                found.append(Import(name, resolved, node.lineno, id(node) in inside))
+    return found
+
+
+def graph() -> list[Import]:
+    modules = project_files()
+    edges = []
+    for name, path in modules.items():
+        edges += imports_of(name, path, modules)
+    return edges
+
+
+def floor_of(module: str) -> str | None:
+    """engine's floor of a module; None outside engine."""
+    parts = module.split(".")
+    if parts[0] != "engine":
+        return None
+    if len(parts) == 1 or parts[1] not in FLOORS:
+        return "facts"
+    return parts[1]
+
+
+def upward(edges: list[Import]) -> list[Import]:
+    """engine's imports that run up its floors."""
+    out = []
+    for e in edges:
+        a, b = floor_of(e.source), floor_of(e.target)
+        if a and b and FLOORS.index(b) > FLOORS.index(a) and e.source != "engine":
+            out.append(e)
+    return out
+
+
+def circles(edges: list[Import]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    succ: dict[str, set[str]] = {}
+    for e in edges:
+        succ.setdefault(e.source, set()).add(e.target)
+        succ.setdefault(e.target, set())
+    index, low, stack, on, out = {}, {}, [], set(), []
+    sys.setrecursionlimit(10000)
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in succ[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(succ):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def function_imports() -> int:
+    count = 0
+    for path in project_files().values():
+        count += len(_functions_lines(ast.parse(path.read_text(encoding="utf-8"))))
+    return count
+
+
+def noqa_count() -> int:
+    pattern = re.compile(r"#\s*noqa")
+    return sum(len(pattern.findall(p.read_text(encoding="utf-8"))) for p in project_files().values())
+
+
+def main() -> None:
+    edges = graph()
+    found = circles(edges)
+    print(f"circles: {len(found)}")
+    for c in found:
+        print("   ", len(c), " ".join(c))
+    up = upward(edges)
+    print(f"upward arrows in engine: {len(up)}")
+    for e in up:
+        print(f"    {e.source} -> {e.target} (line {e.line}{', in a function' if e.in_function else ''})")
+    inside = [e for e in edges if e.in_function]
+    print(f"project imports inside functions: {len(inside)} "
+          f"(engine: {sum(e.source.startswith('engine') for e in inside)})")
+    print(f"import statements inside functions (any module): {function_imports()}")
+    print(f"noqa comments: {noqa_count()}")
+
+
+if __name__ == "__main__":
+    main()

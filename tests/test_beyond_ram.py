@@ -1,0 +1,137 @@
+"""The disk tier (engine.hotcold.neuron_cache): a RAM budget below the model's rows keeps the
+cold rows in the prepared file behind a neuron cache, and decodes the same bits as in RAM."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from engine import BudgetError, Engine, SamplingParams
+from engine.hotcold.activation_stats import ActivationStats
+from engine.hotcold.placement import solve
+from engine.loading.prepared import prepared_path
+
+from test_prepared import FRESH
+from test_sparse import PROMPT, RAM, random_predictors
+
+GREEDY = SamplingParams(max_new_tokens=10, temperature=0)
+
+
+def _model(tmp_path, llama_dir):
+    model = tmp_path / "m"
+    shutil.copytree(llama_dir, model, ignore=FRESH)
+    config = Engine.load(model).config
+    random_predictors(config, threshold=0.8).save(model)  # about a tenth of the neurons a token
+    g = torch.Generator().manual_seed(1)  # a power law of firing counts: a few neurons fire often
+    counts = [(torch.rand(config.intermediate_size, generator=g) ** 6) * 100 for _ in range(config.num_layers)]
+    ActivationStats(counts, tokens=100).save(model)
+    return model
+
+
+def _budget(engine, share: float) -> int:
+    """The RAM budget of the resident parts plus `share` of the cold rows (at least the least
+    that runs from disk: the resident parts and the working set of slots)."""
+    plan = engine.sparse.plan
+    least = solve(engine.sparse.problem, 0, 0).min_ram_bytes
+    return max(least, int(plan.resident_ram_bytes + share * plan.tier_bytes["cpu_ffn"]))
+
+
+def _step_logits(engine, ids: list[int]) -> list[torch.Tensor]:
+    """Logits of each token fed alone (the decode path), from an empty cache."""
+    engine.reset()
+    engine.sparse.begin_generation()
+    return [engine.model.forward(torch.tensor([t]), pos, engine.cache)[-1].clone() for pos, t in enumerate(ids)]
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_disk_decodes_the_same_bits_as_ram(tmp_path, llama_dir, fmt, monkeypatch):
+    # the same kernels: the unfused decode (a disk layer is not fused; the fused decode's own
+    # bits are its tests' business)
+    monkeypatch.setenv("THERMOCLINE_FUSED_DECODE", "0")
+    model = _model(tmp_path, llama_dir)
+    in_ram = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights=fmt)  # writes the prepared file
+    in_ram.eos_ids = set()
+    ids = PROMPT + in_ram.generate(PROMPT, GREEDY).token_ids
+    reference = _step_logits(in_ram, ids)
+    for share in (0.5, 0.0):
+        disk = Engine.load(model, mode="sparse", ram_budget=_budget(in_ram, share), cpu_weights=fmt)
+        disk.eos_ids = set()
+        cache = disk.sparse.neuron_cache
+        assert cache is not None and disk.sparse.plan.verdict == "runs from disk"
+        got = _step_logits(disk, ids)
+        assert all(torch.equal(a, b) for a, b in zip(reference, got))
+        assert cache.reader.bytes_read > 0 and cache.misses > 0 and cache.overflow_rounds == 0
+        result = disk.generate(PROMPT, GREEDY)
+        assert result.token_ids == ids[len(PROMPT):]
+        hit, read = result.stats.cache_hit_fraction, result.stats.disk_read_bytes_per_token
+        assert 0.0 < hit <= 1.0 and (hit < 1.0) == (read > 0)  # misses are read, hits are not
+        assert disk.memory()["ram_bytes"] <= _budget(in_ram, share)
+        disk.close()
+
+
+def test_cache_never_exceeds_its_budget_and_resizes_between_tokens(tmp_path, llama_dir):
+    model = _model(tmp_path, llama_dir)
+    probe = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights="int4")
+    big, small = _budget(probe, 0.6), _budget(probe, 0.15)
+    engine = Engine.load(model, mode="sparse", ram_budget=big, cpu_weights="int4")
+    engine.eos_ids = set()
+    cache = engine.sparse.neuron_cache
+    sizes = []
+    moved = []
+
+    for i, _ in enumerate(engine.stream(PROMPT, SamplingParams(max_new_tokens=8, temperature=0))):
+        sizes.append(cache.capacity)
+        assert engine.memory()["ram_bytes"] <= (big if i < 4 else max(big, small))
+        assert cache.used() <= cache.capacity
+        if i == 3:
+            moved.append(engine.set_budgets(ram=small))  # between two tokens of the generation
+    assert sizes[0] > sizes[-1] == engine.sparse.plan.cache_neurons
+    assert engine.memory()["ram_bytes"] <= small
+    assert cache.nbytes == engine.memory()["tiers"]["cpu_ffn"]
+    report = engine.set_budgets(ram=big)
+    assert report.applied and cache.capacity == sizes[0]
+
+
+def test_a_budget_below_the_resident_parts_is_one_error_line(tmp_path, llama_dir):
+    model = _model(tmp_path, llama_dir)
+    probe = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights="int4")
+    least = probe.sparse.solve(0, 1 << 40).resident_ram_bytes  # below the working set of slots
+    with pytest.raises(BudgetError, match="resident parts"):
+        Engine.load(model, mode="sparse", ram_budget=least, cpu_weights="int4")
+    run = subprocess.run([sys.executable, "-m", "app.cli", "generate", "--model", str(model), "--mode", "sparse",
+                          "--cpu-weights", "int4", "--ram-budget", str(least), "--prompt", "hi",
+                          "--max-new-tokens", "1"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "at least" in lines[0]
+
+
+def test_kill_while_reading_leaves_nothing_to_heal(tmp_path, llama_dir):
+    model = _model(tmp_path, llama_dir)
+    probe = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights="int4")
+    budget = _budget(probe, 0.1)
+    probe.close()
+    path = prepared_path(model, "int4")
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    files = sorted(p.name for p in path.parent.iterdir())
+    code = (f"from engine import Engine, SamplingParams\n"
+            f"e = Engine.load({str(model)!r}, mode='sparse', ram_budget={budget}, cpu_weights='int4')\n"
+            f"e.eos_ids = set()\nprint('reading', flush=True)\n"
+            f"while True:\n    e.generate([1, 2, 3], SamplingParams(max_new_tokens=50, temperature=0))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "reading"
+    time.sleep(1.0)
+    proc.kill()
+    proc.wait()
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+    assert sorted(p.name for p in path.parent.iterdir()) == files
+    again = Engine.load(model, mode="sparse", ram_budget=budget, cpu_weights="int4")
+    assert again.sparse.prepared_path == path and again.sparse.neuron_cache is not None  # mapped, not rebuilt
+    assert np.isfinite(again.generate(PROMPT, GREEDY).stats.decode_tok_s)

