@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.errors import ModelFormatError, UserError
+from engine.kernels.quantized import Int8Matrix, Q4Matrix
 from engine.loading.gguf_predictors import import_gguf_predictors, read_gguf_predictors
 from engine.loading.predictors import PredictorSet
 from gguf_factory import powerinfer_gguf
@@ -154,14 +155,18 @@ def test_predictor_matrices_of_mixed_stored_kinds_compute_their_logits(mix):
 
 
 def test_a_set_placed_on_the_int4_tier_saves_and_loads_back_its_values(tmp_path):
-    """The int4 CPU tier packs a predictor's matrices (interleaved rows); `save` stores plain
-    Q4_0 rows, so the set read back holds the same values (a packed layout read as rows would
-    not)."""
+    """A file's own 4-bit predictors (PowerInfer's Q4_0 rows) keep their bytes on the int4 CPU
+    tier, packed there (interleaved rows); `save` stores plain Q4_0 rows, so the set read back
+    holds the same values (a packed layout read as rows would not). Float predictors become
+    int8 rows on that tier (engine.cpu_formats.predictor_cpu_format)."""
     g = torch.Generator().manual_seed(1)
     fc1, fc2 = torch.randn(32, 64, generator=g), torch.randn(40, 32, generator=g)
-    placed = PredictorSet([fc1], [fc2], [0.0], source="test")
+    placed = PredictorSet([Q4Matrix.quantize(fc1)], [Q4Matrix.quantize(fc2)], [0.0], source="test")
     placed.to(0, torch.device("cpu"), torch.float32, quant="int4")
     assert placed.fc1[0].packed and placed.fc2[0].packed
+    floats = PredictorSet([fc1], [fc2], [0.0], source="test")
+    floats.to(0, torch.device("cpu"), torch.float32, quant="int4")
+    assert isinstance(floats.fc1[0], Int8Matrix) and isinstance(floats.fc2[0], Int8Matrix)
     placed.save(tmp_path)
     back = PredictorSet.load(tmp_path, 1, 64, 40)
     for k in ("fc1", "fc2"):
