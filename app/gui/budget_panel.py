@@ -478,6 +478,7 @@ class BudgetPanel(QScrollArea):
         if self.machine is not None and not self.machine.get("vram_total"):
             # No GPU: the VRAM budget is always 0; naming it only confuses.
             message = re.sub(r"at a VRAM budget of \S+ \S+ the CPU side needs", "the model needs", message)
+            message = re.sub(r"at a VRAM budget of \S+ \S+ ", "", message)  # the disk tier's wording
         self._set_verdict(f"These budgets cannot work: {message}.{kept}".replace("..", "."), "bad")
 
     @Slot(str)
