@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.cpu_formats import predictor_cpu_format
 from engine.kernels import host_memory
 from engine.kernels import numba_pool, reference
 from engine.kernels.call_args import FfnRowsShape, as_numpy, check_ffn_call, id_array
@@ -382,12 +383,12 @@ def warmup_prompt(quant: str, sparse: bool) -> None:
     the decode after it loaded no other kernel, where `warmup()`'s fourteen took the load
     0.3-0.4 s longer. int4 weights: cpu_q4 (gathered rows) and cpu_q4x8 (packed matrices)."""
     kern = _kernels()
-    if kern is None or quant not in QUANTS:
+    if kern is None:
         return
     g = torch.Generator().manual_seed(0)
     d = 128  # a multiple of the activation block: the int8 x int8 kernels
     x = torch.randn(d, generator=g)
-    if sparse:
+    if sparse and quant in QUANTS:  # int4's rows: cpu_q4.warmup
         if quant == "int8":  # rows as the prepared files hold them, with no quantizing kernel
             q = [torch.randint(-127, 128, (8, d), dtype=torch.int8, generator=g) for _ in range(3)]
             rows = CpuFfnRows(q[0], q[1], q[2], torch.ones(8), torch.ones(8), torch.ones(8), quant="int8")
@@ -395,10 +396,10 @@ def warmup_prompt(quant: str, sparse: bool) -> None:
             rows = CpuFfnRows.from_dense(*torch.randn(3, 8, d, generator=g), quant="fp32")
         sparse_ffn(x, rows, torch.tensor([1, 5]), "relu")
         sparse_ffn_tokens(torch.randn(_TOKENS_AS_DECODE + 1, d, generator=g), rows, None, 0.0, "relu")  # every row
-    if quant == "int8":
+    if quant == "int8" or (sparse and predictor_cpu_format(quant) == "int8"):  # int4's predictors too
         matmul_int8(torch.randn(_TOKENS_AS_DECODE, d, generator=g),
                     torch.randint(-127, 128, (4, d), dtype=torch.int8, generator=g), torch.ones(4))
-    else:
+    elif quant in QUANTS:
         with _lock:
             kern.matvec_rows(torch.randn(8, d, generator=g).numpy(), x.numpy(), 1)
 
