@@ -63,6 +63,9 @@ def ref_acts(x, gate, up, activation, act_threshold=0.0):
         pre = gate.double() @ x
     if activation == "fatrelu":
         a = torch.where(pre >= act_threshold, pre, torch.zeros_like(pre))
+    elif activation == "silu":  # SwiGLU's x * sigmoid(x); CATS zeroes magnitudes under its threshold
+        a = pre * torch.sigmoid(pre)
+        a = torch.where(a.abs() < act_threshold, torch.zeros_like(a), a)
     elif activation == "relu2":
         a = torch.relu(pre) ** 2
     else:  # relu, drelu
