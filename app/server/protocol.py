@@ -50,6 +50,7 @@ class GenerationRequest:
     logit_bias: dict[int, float] | None = None
     # response_format json_object / json_schema: the JSON schema the answer is constrained to
     response_schema: dict | bool | None = None
+    tools: Any = None  # app.server.tools.ToolRequest: the functions offered and tool_choice
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -149,7 +150,8 @@ def _stop(body: dict) -> list[str]:
 _SAMPLING_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "stream",
                     "stream_options", "n", "logprobs", "response_format"}
-CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                                  "parallel_tool_calls"}
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 # Fields that describe the caller or ask for bookkeeping that changes no answer: accepted as
 # they are (`prediction` is a latency hint: the answer is the model's either way).
@@ -157,9 +159,6 @@ CALLER_FIELDS = {"user", "metadata", "safety_identifier", "prompt_cache_key", "s
 # Features this server does not have: accepted only when they ask for the default, refused
 # with a 400 naming the field otherwise. Each value: (is the default?, what to tell the client).
 _UNSUPPORTED = {
-    "tools": (lambda v: v in ([],), "tool calls are not supported by this server yet"),
-    "tool_choice": (lambda v: v == "none", "tool calls are not supported by this server yet"),
-    "parallel_tool_calls": (lambda v: isinstance(v, bool), "'parallel_tool_calls' must be true or false"),
     "functions": (lambda v: v in ([],), "the deprecated 'functions' field is not supported; send 'tools'"),
     "function_call": (lambda v: v == "none", "the deprecated 'function_call' field is not supported; "
                       "send 'tool_choice'"),
@@ -285,9 +284,9 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
     return bias
 
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # What a message may carry; `refusal` is an assistant's earlier refusal text, shown as nothing.
-MESSAGE_FIELDS = {"role", "content", "name", "refusal"}
+MESSAGE_FIELDS = {"role", "content", "name", "refusal", "tool_calls", "tool_call_id"}
 
 
 def _content_text(content: Any, i: int) -> str:
@@ -308,6 +307,8 @@ def _content_text(content: Any, i: int) -> str:
 
 
 def parse_chat(body: Any) -> GenerationRequest:
+    from .tools import history_message, parse_tools
+
     values = _common(body, "chat completion")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -325,14 +326,14 @@ def parse_chat(body: Any) -> GenerationRequest:
             if key not in MESSAGE_FIELDS and value is not None:
                 raise bad_request(f"messages[{i}].{_shown(key)[1:-1]}: this server does not take that field "
                                   "in a message", f"messages[{i}].{key}", "unsupported")
-        message = {"role": ROLES[role], "content": _content_text(m.get("content"), i)}
+        message = history_message(m, i, ROLES[role], _content_text(m.get("content"), i))
         name = m.get("name")
         if name is not None:  # the template may show who spoke; most ignore it
             if not isinstance(name, str):
                 raise bad_request(f"messages[{i}].name must be a string", f"messages[{i}].name", "invalid_type")
             message["name"] = name
         plain.append(message)
-    return GenerationRequest(prompt=plain, **values)
+    return GenerationRequest(prompt=plain, tools=parse_tools(body), **values)
 
 
 def parse_completion(body: Any) -> GenerationRequest:
