@@ -15,24 +15,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import ApiError, bad_request, check_json_schema
+from .tools import history_message, parse_tools
+
+__all__ = ["ApiError", "bad_request", "check_json_schema", "GenerationRequest", "parse_chat", "parse_completion",
+           "parse_json_body"]
+
 MAX_JSON_DEPTH = 64  # far more than any OpenAI body (tool schemas included) needs
 MAX_INT = 2 ** 63 - 1  # every integer field fits a signed 64-bit int
-
-
-class ApiError(Exception):
-    """An error the client caused (or a busy server), answered as OpenAI does."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
 
 
 @dataclass
@@ -255,18 +245,6 @@ def _response_format(body: dict) -> dict | bool | None:
     return schema
 
 
-def check_json_schema(schema: Any, where: str) -> None:
-    """A 400 naming `where` when `schema` is not valid JSON Schema (draft 2020-12's metaschema)."""
-    import jsonschema
-
-    try:
-        jsonschema.Draft202012Validator.check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        path = "".join(f"[{p!r}]" for p in exc.absolute_path)
-        raise bad_request(f"'{where}' is not valid JSON Schema: {exc.message[:300]}"
-                          f"{' at ' + path if path else ''}", where, "invalid_schema") from None
-
-
 def _logit_bias(body: dict) -> dict[int, float] | None:
     """OpenAI's map of token ids (JSON keys: strings of digits) to a bias in [-100, 100]."""
     value = body.get("logit_bias")
@@ -307,8 +285,6 @@ def _content_text(content: Any, i: int) -> str:
 
 
 def parse_chat(body: Any) -> GenerationRequest:
-    from .tools import history_message, parse_tools
-
     values = _common(body, "chat completion")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:

@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .protocol import bad_request, check_json_schema
+from .errors import bad_request, check_json_schema
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's function names (and the dots some clients send)
 
