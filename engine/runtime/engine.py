@@ -252,13 +252,15 @@ class Engine:
         return {k: data[k] for k in keys if k in data}
 
     # --------------------------------------------------------------- generation
-    def encode_prompt(self, prompt: str | list[dict] | list[int]) -> list[int]:
+    def encode_prompt(self, prompt: str | list[dict] | list[int], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a text, a conversation (rendered by the chat template, which receives
+        `tools`, OpenAI's function definitions, where given) or ids."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(check_text(prompt, "the prompt"))
         elif prompt and isinstance(prompt[0], dict):
             for m in prompt:
                 check_text(m.get("content") if isinstance(m, dict) else m, "a message")
-            ids = self.tokenizer.encode_chat(prompt)
+            ids = self.tokenizer.encode_chat(prompt, tools=tools)
         else:
             ids = [int(i) for i in prompt]
         if not ids:
@@ -313,14 +315,14 @@ class Engine:
             self.cache.reset(0)
 
     def stream(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None,
-               cancel: threading.Event | None = None) -> Iterator[TokenEvent]:
+               cancel: threading.Event | None = None, tools: list[dict] | None = None) -> Iterator[TokenEvent]:
         params = params or SamplingParams()
         params.validate()
         outside = [t for t in params.logit_bias if t >= self.config.vocab_size]
         if outside:
             raise UserError(f"logit bias names token {outside[0]}, outside the model's vocabulary "
                             f"of {self.config.vocab_size}")
-        ids = self.encode_prompt(prompt)
+        ids = self.encode_prompt(prompt, tools)
         if not self.cache.rolling and len(ids) >= self.ctx:
             raise ContextFullError(
                 f"the prompt has {len(ids)} tokens but the context holds {self.ctx}; "
@@ -446,8 +448,8 @@ class Engine:
         return logits
 
     def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None,
-                 cancel: threading.Event | None = None) -> GenerationResult:
-        text = "".join(event.text for event in self.stream(prompt, params, cancel))
+                 cancel: threading.Event | None = None, tools: list[dict] | None = None) -> GenerationResult:
+        text = "".join(event.text for event in self.stream(prompt, params, cancel, tools))
         return GenerationResult(text, list(self.last_token_ids), self.last_stats)
 
     # -------------------------------------------------------------- inspection
