@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import threading
 import time
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, read_cats
 from engine.arch import read_config
 from engine.activations import dense_only_words, is_sparse
 from engine.errors import ContextFullError, ModelFormatError, UserError
@@ -149,7 +150,13 @@ class Engine:
         if ctx is not None and ctx > config.max_positions:
             notes.append(f"context {ctx} is capped at the {config.max_positions} positions {model_dir.name} "
                          f"was trained on")
-        if not is_sparse(config.activation, config.activation_threshold):
+        if mode != "dense" and config.activation == "silu":
+            # CATS: a SiLU model profiled with --target-sparsity runs sparse at its calibrated
+            # thresholds; dense mode stays the model itself
+            cats = read_cats(model_dir, config.num_layers)
+            if cats is not None:
+                config = dataclasses.replace(config, cats_thresholds=cats["thresholds"])
+        if not is_sparse(config.activation, config.activation_threshold, config.cats_thresholds):
             if mode != "dense":
                 raise UserError(f"{model_dir.name}: {dense_only_words(config)}; load it with --mode dense")
             notes.append(f"{model_dir.name} runs dense: {dense_only_words(config)}")
