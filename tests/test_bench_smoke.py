@@ -120,6 +120,11 @@ def test_serve():
     assert report["pairs"] == 8 and report["concurrency"][0]["requests"] == 2
 
 
+def test_grammar():
+    report = run_bench("grammar", "--tokens", "20")
+    assert report["llguidance"]["tokens"] > 0 and report["llguidance"]["mask_ms"] > 0
+
+
 def test_triton_tune():
     pytest.importorskip("triton")
     report = run_bench("triton_tune", "--smoke", "--json", env={"TRITON_INTERPRET": "1"})

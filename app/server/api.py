@@ -139,8 +139,14 @@ async def _watch_disconnect(request: Request, cancel) -> None:
 
 def _sampling(engine, req: GenerationRequest):
     from engine import SamplingParams, UserError
+    from engine.runtime.constraints import GrammarSpec
 
     values = {**getattr(engine, "generation_defaults", {}), **req.sampling_values()}
+    vocab = getattr(getattr(engine, "config", None), "vocab_size", None)
+    outside = [t for t in values.get("logit_bias") or {} if vocab is not None and t >= vocab]
+    if outside:
+        raise bad_request(f"'logit_bias' names token {outside[0]}, outside the model's vocabulary of {vocab}",
+                          "logit_bias", "invalid_value")
     # No max_tokens on a chat: answer until the model stops or the context is full.
     max_new = req.max_tokens if req.max_tokens is not None else int(getattr(engine, "ctx", 2048))
     params = SamplingParams(max_new_tokens=max_new, seed=req.seed, stop=list(req.stop), **values)
@@ -148,7 +154,20 @@ def _sampling(engine, req: GenerationRequest):
         params.validate()
     except UserError as exc:
         raise bad_request(str(exc)) from None
+    if req.response_schema is not None:
+        params.grammar = _grammar(engine, GrammarSpec.json_schema(req.response_schema), "response_format")
     return params
+
+
+def _grammar(engine, spec, field: str):
+    """`spec`, once the engine's grammar library has compiled it; a 400 naming `field` if not."""
+    from engine.errors import UserError
+
+    try:
+        engine.check_grammar(spec)
+    except UserError as exc:
+        raise bad_request(f"'{field}': {exc}", field, "invalid_schema") from None
+    return spec
 
 
 def _engine_error(exc: BaseException) -> ApiError:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from engine.hotcold.activation_stats import ActivationStats
+from engine.arch import arch_module
 from engine.config import ModelConfig
 from engine.errors import BudgetError, UserError
 from engine.loading.loader import compute_dtype
@@ -75,7 +76,9 @@ def placement_problem(config: ModelConfig, predictor_ranks: list[int], frequenci
     fast_bytes = torch.finfo(fast_dtype).bits // 8
     fast_kv_bytes = torch.finfo(kv_storage_dtype(fast, fast_dtype)).bits // 8
     cpu_kv_bytes = torch.finfo(kv_storage_dtype(torch.device("cpu"), torch.float32)).bits // 8
-    params = [rank * (config.hidden_size + config.intermediate_size) for rank in predictor_ranks]
+    # a mixture's predictors are its experts' own: one of each rank per expert
+    params = [rank * (config.hidden_size + config.intermediate_size) * max(config.num_experts, 1)
+              for rank in predictor_ranks]
     hot = None if config.is_moe else hot_weights(fast, cpu_weights)  # 4-bit hot rows count their bytes
     return build_problem(ModelBytes.from_config(config), params, frequencies, ctx, fast_bytes, fast_kv_bytes,
                          cpu_weights, str(fast), hot_weights=hot, cpu_kv_bytes=cpu_kv_bytes)
@@ -102,6 +105,9 @@ def problem_for_model(model_dir: Path, config: ModelConfig, ctx: int, fast: torc
     else:  # no profile yet: every neuron alike, placement by neuron order
         frequencies = [np.ones(config.n_ff) for _ in range(config.num_layers)]
     ranks = predictors.ranks if predictors else [0] * config.num_layers
+    if config.is_moe:  # the experts' own predictors (TurboSparse-Mixtral), ranks from the checkpoint's shapes
+        expert_ranks = getattr(arch_module(config.arch), "predictor_ranks", None)
+        ranks = (expert_ranks and expert_ranks(WeightSource(model_dir), config)) or [0] * config.num_layers
     storage = storage or WeightSource(model_dir).dtype()
     return placement_problem(config, ranks, frequencies, ctx, fast, storage, cpu_weights)
 

@@ -32,7 +32,7 @@ from engine.kernels import cpu_q4
 from engine.kernels import host_memory
 from engine.loading.sidecar import sidecar_dir
 from engine.loading.predictors import FILENAME
-from engine.kernels.quantized import Int8Matrix, Q4Matrix
+from engine.kernels.quantized import Int8Matrix, Q4Matrix, Q4MinMatrix
 from engine.model.layers import Norm
 
 log = logging.getLogger(__name__)
@@ -259,6 +259,7 @@ class PreparedRows:
 # layers are built over shape-only (meta) tensors and then given the mapped ones.
 DENSE_LAYOUT_VERSION = 3  # 2: 4-bit matrices packed in groups of 8 rows (`.q4x8`); 3: int8 predictors on int4
 Q4_PACKED = "q4x8"  # the name suffix of a packed 4-bit matrix (`.q4`: plain rows)
+Q4_OFFSETS = "q4min"  # beside `.q4`/`.q4x8`: a Q4_1 matrix's block offsets (engine.kernels.quantized.Q4MinMatrix)
 _MATRIX_SUFFIXES = ("", ".q", ".q4", "." + Q4_PACKED)
 
 
@@ -282,6 +283,8 @@ def _matrix_parts(name: str, w) -> dict[str, torch.Tensor]:
         return {f"{name}.q": w.q, f"{name}.scale": w.scale}
     if isinstance(w, Q4Matrix):  # rows, or packed in groups of 8 (engine.kernels.cpu_q4x8): by name
         return {f"{name}.{Q4_PACKED if w.packed else 'q4'}": w.q}
+    if isinstance(w, Q4MinMatrix):  # Q4_1 blocks: the 4-bit rows and their block offsets
+        return {**_matrix_parts(name, w.rows), f"{name}.{Q4_OFFSETS}": w.offsets}
     return {name: w}
 
 
@@ -395,6 +398,11 @@ class PreparedDense(PreparedRows):
             w = Q4Matrix(q, shape[1], packed=q4.endswith(Q4_PACKED))
             if q.shape[1] != cpu_q4.row_bytes(shape[1]):
                 raise ValueError(f"{name}: 4-bit rows of {q.shape[1]} bytes do not hold {shape[1]} columns")
+            if f"{name}.{Q4_OFFSETS}" in self.header:
+                offsets = self.tensor(f"{name}.{Q4_OFFSETS}", resident)
+                if tuple(offsets.shape) != (q.shape[0], cpu_q4.n_blocks(shape[1])) or offsets.dtype != torch.float32:
+                    raise ValueError(f"{name}: block offsets of shape {tuple(offsets.shape)} for {tuple(shape)}")
+                w = Q4MinMatrix(w, offsets)
         elif f"{name}.q" in self.header:
             w = Int8Matrix(self.tensor(f"{name}.q", resident), self.tensor(f"{name}.scale"))
         else:
@@ -457,7 +465,7 @@ class PreparedDense(PreparedRows):
 # from the sparse modes' dense part: that one holds only the placement's CPU layers and the
 # predictors (its key follows the predictors file), and on a GGUF's Q4_0 weights it keeps the
 # file's codes where the dense mode requantizes, so the two need not agree.
-DENSE_MODE_LAYOUT_VERSION = 2  # 2: 4-bit matrices packed in groups of 8 rows (`.q4x8`)
+DENSE_MODE_LAYOUT_VERSION = 3  # 2: 4-bit matrices packed in groups of 8 rows (`.q4x8`); 3: Q4_1 kept (`.q4min`)
 
 
 def dense_mode_path(model_dir: Path, fmt: str) -> Path:

@@ -110,6 +110,7 @@ class Engine:
         self._lock = sparse.lock if sparse is not None else threading.RLock()
         self._cached_ids: list[int] = []
         self.warnings: list[str] = []
+        self._token_grammar = None  # built at the first constrained request (token_grammar)
         self._logits_checked = False  # NaN/Inf weights are caught on the first token after a load
         self.kernel_preparation = None  # the CPU kernels compiling in the background (a first start)
         self._kernel_gate = None  # numba_pool.KernelGate: the kernels this engine computes with (None: all)
@@ -265,6 +266,19 @@ class Engine:
             raise UserError("the prompt has token ids outside the model's vocabulary")
         return ids
 
+    def token_grammar(self):
+        """The grammar library's view of this model's tokenizer (engine.runtime.constraints),
+        built at the first constrained request."""
+        if self._token_grammar is None:
+            from engine.runtime.constraints import TokenGrammar
+
+            self._token_grammar = TokenGrammar(self.tokenizer, self.eos_ids)
+        return self._token_grammar
+
+    def check_grammar(self, spec) -> None:
+        """GrammarError (a UserError) naming the problem when `spec` cannot constrain this model."""
+        self.token_grammar().check(spec)
+
     def swap_in_kernels(self) -> bool:
         """Between tokens: each CPU kernel compiled in the background since the last token
         replaces its torch path from the next computation on. True when the last of them came
@@ -311,6 +325,10 @@ class Engine:
                cancel: threading.Event | None = None) -> Iterator[TokenEvent]:
         params = params or SamplingParams()
         params.validate()
+        outside = [t for t in params.logit_bias if t >= self.config.vocab_size]
+        if outside:
+            raise UserError(f"logit bias names token {outside[0]}, outside the model's vocabulary "
+                            f"of {self.config.vocab_size}")
         ids = self.encode_prompt(prompt)
         if not self.cache.rolling and len(ids) >= self.ctx:
             raise ContextFullError(
@@ -323,7 +341,8 @@ class Engine:
     def _generate(self, ids: list[int], params: SamplingParams, cancel: threading.Event | None):
         stats = GenerationStats(prompt_tokens=len(ids), mode=self.mode)
         self.last_stats = stats
-        sampler = Sampler(params, self.sampled_vocab)
+        constraint = self.token_grammar().start(params.grammar) if params.grammar is not None else None
+        sampler = Sampler(params, self.sampled_vocab, constraint)
         decoder = StreamDecoder(self.tokenizer)
         if self.sparse is not None:
             self.sparse.begin_generation()
@@ -351,12 +370,16 @@ class Engine:
         stats.finish_reason = "length"
         try:
             while True:
+                if constraint is not None:  # the room left, so the grammar can close in time
+                    constraint.room = min(params.max_new_tokens - len(generated),
+                                          self.ctx - len(history) if not self.cache.rolling else 1 << 30)
                 token = sampler(logits[-1], history)
                 if token in self.eos_ids:
                     stats.finish_reason = "stop"
                     break
                 generated.append(token)
                 history.append(token)
+                sampler.accept(token)
                 pending += decoder.push(token)
                 full = emitted + pending
                 hit = min((i for i in (full.find(s, max(0, len(emitted) - len(s))) for s in params.stop if s)
