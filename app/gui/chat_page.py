@@ -18,7 +18,7 @@ from app.settings import DEFAULT_SYSTEM_PROMPT, Settings
 from app.storage import COMPLETE, FAILED, STREAMING, WRITE_ERRORS, Conversation, Storage
 
 from . import formatting as fmt
-from .chat_session import FLUSH_MS, SAVE_RETRY_MS, AnswerStats, ChatSession  # noqa: F401 (re-exported)
+from .chat_session import AnswerStats, ChatSession
 from .chat_view import ChatView
 from .context_policy import answer_room
 from .dialogs import ConversationSettingsDialog, show_error
@@ -560,6 +560,9 @@ class ChatPage(QWidget):
             parts.append(f"GPU served {fmt.percent(hit)}")
         elif on_gpu and s.expected_hot_hit_fraction is not None:
             parts.append(f"GPU share ≈{fmt.percent(s.expected_hot_hit_fraction)} (expected)")
+        disk_read, cache_hit = s.disk_read_bytes_per_token, s.cache_hit_fraction
+        if disk_read is not None and cache_hit is not None and not dense and (disk_read > 0 or cache_hit < 1):
+            parts.append(f"cache served {fmt.percent(cache_hit)} · {fmt.size(disk_read)} a token from disk")
         for name, used, budget in (("VRAM", s.vram_bytes, s.vram_budget), ("RAM", s.ram_bytes, s.ram_budget)):
             if used is None or (name == "VRAM" and not used and not on_gpu):
                 continue

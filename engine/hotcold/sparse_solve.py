@@ -61,11 +61,24 @@ class PlacementReport:
     device: str
     applied: bool  # False: queued for the next token boundary of a running generation
     allocated: dict[str, int] | None = None  # bytes really held after applying
+    # the disk tier (engine.hotcold.neuron_cache): the expected reads a token makes from disk,
+    # the share of the cold neurons it computes that the RAM cache serves, the speed those
+    # reads allow, and the least RAM budget that runs at this VRAM budget
+    disk_read_per_token: float = 0.0
+    expected_cache_hit: float = 1.0
+    disk_words_per_second: float | None = None
+    min_ram_bytes: int = 0
 
     @classmethod
-    def from_placement(cls, plan: Placement, applied: bool, allocated: dict | None) -> "PlacementReport":
+    def from_placement(cls, plan: Placement, applied: bool, allocated: dict | None,
+                       least_ram: int = 0) -> "PlacementReport":
+        from engine.hotcold.placement import words_per_second
+
+        on_disk = plan.verdict == "runs from disk"
         return cls(plan.hot_fraction_per_layer, dict(plan.tier_bytes), plan.vram_bytes, plan.ram_bytes,
-                   plan.hot_hit_fraction, plan.verdict, plan.solve_s, plan.device, applied, allocated)
+                   plan.hot_hit_fraction, plan.verdict, plan.solve_s, plan.device, applied, allocated,
+                   plan.disk_read_per_token, plan.expected_cache_hit,
+                   words_per_second(plan) if on_disk else None, least_ram)
 
 
 def placement_problem(config: ModelConfig, predictor_ranks: list[int], frequencies: list[np.ndarray],
@@ -148,15 +161,23 @@ class Solving:
         ram = self.budgets[1] if ram is None else int(ram)
         plan = self.solve(vram, ram)
         self.budgets = (vram, ram)
+        least = self.least_ram(vram)
         if self.lock.acquire(blocking=False):
             try:
                 self.apply(plan)
-                return PlacementReport.from_placement(plan, True, self.memory()["tiers"])
+                return PlacementReport.from_placement(plan, True, self.memory()["tiers"], least)
             finally:
                 self.lock.release()
         with self._pending_lock:  # a generation holds the engine: move at its next token
             self._pending = plan
-        return PlacementReport.from_placement(plan, False, None)
+        return PlacementReport.from_placement(plan, False, None, least)
+
+    def least_ram(self, vram: int) -> int:
+        """The least RAM budget that runs at this VRAM budget: the resident parts and the disk
+        tier's working set where this load can read rows from disk, else every CPU byte."""
+        problem = self.problem if self.reads_from_disk() else replace(self.problem, disk_tier=False)
+        return solve(problem, 0 if self.mode == "sparse" else vram, 0).min_ram_bytes
 
     def report(self) -> PlacementReport:
-        return PlacementReport.from_placement(self.plan, True, self.memory()["tiers"])
+        return PlacementReport.from_placement(self.plan, True, self.memory()["tiers"],
+                                              self.least_ram(self.budgets[0]))

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import threading
 import time
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, read_cats
 from engine.arch import read_config
 from engine.activations import dense_only_words, is_sparse
 from engine.errors import ContextFullError, ModelFormatError, UserError
@@ -152,7 +153,13 @@ class Engine:
         if ctx is not None and ctx > config.max_positions:
             notes.append(f"context {ctx} is capped at the {config.max_positions} positions {model_dir.name} "
                          f"was trained on")
-        if not is_sparse(config.activation, config.activation_threshold):
+        if mode != "dense" and config.activation == "silu":
+            # CATS: a SiLU model profiled with --target-sparsity runs sparse at its calibrated
+            # thresholds; dense mode stays the model itself
+            cats = read_cats(model_dir, config.num_layers)
+            if cats is not None:
+                config = dataclasses.replace(config, cats_thresholds=cats["thresholds"])
+        if not is_sparse(config.activation, config.activation_threshold, config.cats_thresholds):
             if mode != "dense":
                 raise UserError(f"{model_dir.name}: {dense_only_words(config)}; load it with --mode dense")
             notes.append(f"{model_dir.name} runs dense: {dense_only_words(config)}")
@@ -251,13 +258,15 @@ class Engine:
         return {k: data[k] for k in keys if k in data}
 
     # --------------------------------------------------------------- generation
-    def encode_prompt(self, prompt: str | list[dict] | list[int]) -> list[int]:
+    def encode_prompt(self, prompt: str | list[dict] | list[int], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a text, a conversation (rendered by the chat template, which receives
+        `tools`, OpenAI's function definitions, where given) or ids."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(check_text(prompt, "the prompt"))
         elif prompt and isinstance(prompt[0], dict):
             for m in prompt:
                 check_text(m.get("content") if isinstance(m, dict) else m, "a message")
-            ids = self.tokenizer.encode_chat(prompt)
+            ids = self.tokenizer.encode_chat(prompt, tools=tools)
         else:
             ids = [int(i) for i in prompt]
         if not ids:
@@ -322,14 +331,14 @@ class Engine:
             self.cache.reset(0)
 
     def stream(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None,
-               cancel: threading.Event | None = None) -> Iterator[TokenEvent]:
+               cancel: threading.Event | None = None, tools: list[dict] | None = None) -> Iterator[TokenEvent]:
         params = params or SamplingParams()
         params.validate()
         outside = [t for t in params.logit_bias if t >= self.config.vocab_size]
         if outside:
             raise UserError(f"logit bias names token {outside[0]}, outside the model's vocabulary "
                             f"of {self.config.vocab_size}")
-        ids = self.encode_prompt(prompt)
+        ids = self.encode_prompt(prompt, tools)
         if not self.cache.rolling and len(ids) >= self.ctx:
             raise ContextFullError(
                 f"the prompt has {len(ids)} tokens but the context holds {self.ctx}; "
@@ -457,8 +466,8 @@ class Engine:
         return logits
 
     def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None,
-                 cancel: threading.Event | None = None) -> GenerationResult:
-        text = "".join(event.text for event in self.stream(prompt, params, cancel))
+                 cancel: threading.Event | None = None, tools: list[dict] | None = None) -> GenerationResult:
+        text = "".join(event.text for event in self.stream(prompt, params, cancel, tools))
         return GenerationResult(text, list(self.last_token_ids), self.last_stats)
 
     # -------------------------------------------------------------- inspection
