@@ -18,10 +18,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench import llama_cpp_missing
 
-from bench import llama_cpp_missing  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 LLAMA_MISSING = llama_cpp_missing()
 
@@ -129,7 +128,6 @@ def test_triton_tune():
     pytest.importorskip("triton")
     report = run_bench("triton_tune", "--smoke", "--json", env={"TRITON_INTERPRET": "1"})
     assert report["layers"] and report["layers"][0]["best"]
-
 
 
 def test_hybrid():
