@@ -20,7 +20,9 @@
 # Steps: each is logged and time-limited; a failing step does not stop the next ones,
 # and the script exits 1 at the end if any failed.
 #   1. versions: nvidia-smi, python, torch (+CUDA), triton;
-#   2. pytest tests/test_kernels_triton.py, test_cuda_engine.py and test_kernel_cases.py on CUDA (TRITON_INTERPRET unset);
+#   2. pytest tests/test_kernels_triton.py, test_cuda_engine.py and test_kernel_cases.py on CUDA (TRITON_INTERPRET unset),
+#      and the three-tier placement of test_beyond_ram.py (hot neurons on the GPU, a neuron cache in
+#      RAM, cold rows on disk: the same logits as every cold row in RAM);
 #   3. python -m bench.ffn --device cuda --json: dense cuBLAS fp16 vs the Triton kernels
 #      (target at 10% active: >= 5x and >= 60% of the copy bandwidth);
 #   4. python -m bench.triton_tune --json: launch configurations compared, the
@@ -120,6 +122,8 @@ fi
 # ---- 2. kernel tests on CUDA
 step "pytest tests/test_kernels_triton.py tests/test_cuda_engine.py tests/test_kernel_cases.py" 240 \
     bash -c "'$PY' -m pytest tests/test_kernels_triton.py tests/test_cuda_engine.py tests/test_kernel_cases.py -q -p no:cacheprovider 2>&1 | tee '$OUT/pytest.txt'; exit \${PIPESTATUS[0]}"
+step "pytest tests/test_beyond_ram.py -k three_tiers (VRAM, RAM cache, disk)" 240 \
+    bash -c "'$PY' -m pytest tests/test_beyond_ram.py -k three_tiers -q -p no:cacheprovider 2>&1 | tee '$OUT/pytest_three_tiers.txt'; exit \${PIPESTATUS[0]}"
 
 # ---- 3. the benchmark: dense cuBLAS vs Triton
 if [ "${DRY_RUN:-0}" != 1 ]; then

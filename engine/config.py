@@ -77,11 +77,18 @@ class ModelConfig:
     embedding_scale: float = 1.0
     residual_scale: float = 1.0
     logit_scale: float = 1.0
-    # Mixture of experts (SmallThinker): `num_experts` ReGLU experts of `intermediate_size`
-    # neurons each, `experts_per_token` chosen by a router; 0 experts means a dense FFN.
+    # Mixture of experts (SmallThinker, TurboSparse-Mixtral): `num_experts` experts of
+    # `intermediate_size` neurons each (ReGLU, or dReLU: `activation`), `experts_per_token` chosen by a router; 0 experts means a dense FFN.
     num_experts: int = 0
     experts_per_token: int = 0
     router_softmax: bool = False  # softmax over the chosen logits, else sigmoid renormalised
+    # What the router reads: "layer" the layer input before attention (SmallThinker), "ffn"
+    # the FFN's normed input after attention (Mixtral, TurboSparse-Mixtral).
+    router_input: str = "layer"
+    # A mixture whose experts carry neuron predictors (TurboSparse-Mixtral): their rank per
+    # layer as the published code gives it, for size and fit estimates before a download
+    # (the engine reads the checkpoint's shapes); () where not known.
+    expert_predictor_ranks: tuple[int, ...] = ()
     # Per-layer attention layouts (SmallThinker's rope_layout / sliding_window_layout):
     # () = every layer alike (RoPE, and `sliding_window` for all). `window_layers[i]` True:
     # layer i attends over the last `layer_window` positions only.

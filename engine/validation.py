@@ -49,6 +49,20 @@ def check_sampling(p) -> None:
         raise UserError(f"min-p must be in [0, 1), not {p.min_p}")
     if _number(p.repetition_penalty, "repetition penalty") <= 0:
         raise UserError(f"repetition penalty must be > 0, not {p.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):  # (the command line has no such options)
+        if not -2 <= _number(getattr(p, name, 0.0), name.replace("_", " ")) <= 2:
+            raise UserError(f"{name.replace('_', ' ')} must be between -2 and 2, not {getattr(p, name)}")
+    logit_bias = getattr(p, "logit_bias", {})
+    if not isinstance(logit_bias, dict):
+        raise UserError("logit bias must map token ids to numbers")
+    for token, bias in logit_bias.items():
+        if _integer(token, "a logit bias's token id") < 0:
+            raise UserError(f"logit bias: token id {token} is negative")
+        if not -100 <= _number(bias, "a logit bias") <= 100:
+            raise UserError(f"logit bias of token {token} must be between -100 and 100, not {bias}")
+    grammar = getattr(p, "grammar", None)
+    if grammar is not None and getattr(grammar, "kind", None) not in ("json_schema", "lark"):
+        raise UserError(f"grammar must be a JSON schema or a Lark grammar, not {grammar!r}"[:200])
     if p.seed is not None and not 0 <= _integer(p.seed, "seed") < SEED_LIMIT:
         raise UserError(f"seed must be between 0 and 2**64 - 1, not {p.seed}")
     if not isinstance(p.stop, (list, tuple)) or not all(isinstance(s, str) for s in p.stop):

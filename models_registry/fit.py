@@ -65,6 +65,9 @@ class ModelShape:
     # the placed unit; every layer also has a router [n_ff, d]. 0: a dense FFN.
     expert_ff: int = 0
     max_positions: int | None = None  # the context cap (ModelConfig.context_length)
+    # Experts that carry neuron predictors (TurboSparse-Mixtral): each layer's predictor
+    # parameters over all its experts, E * rank * (d + expert_ff); () where none or unknown.
+    expert_predictor_params: tuple[int, ...] = ()
 
     @property
     def ffn_matrices(self) -> int:
@@ -103,7 +106,7 @@ class ModelShape:
         per_layer = (self.attention_params_per_layer + self.norm_params_per_layer
                      + self.n_ff * self.ffn_params_per_neuron)
         return (self.embedding_params + self.lm_head_params + self.final_norm_params
-                + self.n_layers * per_layer)
+                + self.n_layers * per_layer + sum(self.expert_predictor_params))
 
 
 def shape_from_config(config: dict, arch: ArchInfo | None = None) -> ModelShape:
@@ -120,6 +123,8 @@ def shape_from_config(config: dict, arch: ArchInfo | None = None) -> ModelShape:
         tied_embeddings=cfg.tie_word_embeddings, gated=cfg.gated, attn_bias=cfg.attention_bias,
         norm_params_per_layer=norms, final_norm_params=final_norm, max_positions=cfg.max_positions,
         expert_ff=cfg.intermediate_size if cfg.num_experts else 0,
+        expert_predictor_params=tuple(cfg.num_experts * rank * (d + cfg.intermediate_size)
+                                      for rank in cfg.expert_predictor_ranks),
     )
 
 
@@ -257,8 +262,8 @@ def place_bytes(shape: ModelShape, *, ctx: int, vram_budget: int, ram_budget: in
     if shape.max_positions:  # the engine's cap (ModelConfig.context_length): no longer than trained
         ctx = min(ctx, shape.max_positions)
     bm = bytes_model
-    if shape.expert_ff:  # the router chooses the experts: no predictors
-        predictor_params = [0] * shape.n_layers
+    if shape.expert_ff:  # the router chooses the experts; predictors only where the experts carry them
+        predictor_params = list(shape.expert_predictor_params) or [0] * shape.n_layers
     elif predictor_params is None or len(predictor_params) != shape.n_layers:
         predictor_params = [predictor_rank * (shape.d + shape.n_ff)] * shape.n_layers
     # Which neurons are hot does not change any byte count: uniform frequencies will do.

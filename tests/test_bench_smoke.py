@@ -120,6 +120,11 @@ def test_serve():
     assert report["pairs"] == 8 and report["concurrency"][0]["requests"] == 2
 
 
+def test_grammar():
+    report = run_bench("grammar", "--tokens", "20")
+    assert report["llguidance"]["tokens"] > 0 and report["llguidance"]["mask_ms"] > 0
+
+
 def test_triton_tune():
     pytest.importorskip("triton")
     report = run_bench("triton_tune", "--smoke", "--json", env={"TRITON_INTERPRET": "1"})
@@ -147,3 +152,25 @@ def test_first_start():
     first = report["rounds"][0]["first"]
     assert first["empty_cache"] and first["kernels_preparing_at_answer"]  # answered before the compile
     assert report["same_tokens"] and not report["rounds"][0]["second"]["kernels_preparing_at_answer"]
+
+
+def test_beyond_ram():
+    """bench.beyond_ram at tiny shapes: the disk runs decode the in-RAM run's tokens, read from
+    disk, keep the engine's bytes within their budgets and (as root) run in a memory cgroup;
+    llama.cpp's runs under the same limits come back (or are reported killed at the limit)."""
+    report = run_bench("beyond_ram", "--smoke", "--json", timeout=1500)
+    runs = report["runs"]
+    assert runs["in_ram"]["decode_tok_s"] > 0 and runs["in_ram"]["cache_hit_share"] == 1.0
+    assert report["same_tokens_as_in_ram"]
+    for name in ("disk_50", "disk_90", "disk_50_no_lookahead", "disk_90_no_lookahead", "disk_min"):
+        run = runs[name]
+        assert run["verdict"] == "runs from disk" and run["decode_tok_s"] > 0
+        assert run["engine_ram_bytes"] <= run["ram_budget"]
+        assert 0 <= run["cache_hit_share"] <= 1 and run["engine_read_per_token"] >= 0
+        assert (run["cgroup"] is not None) == (report["cgroup"] == "ok")
+    assert runs["disk_50"]["breakdown"]["lookahead"] and not runs["disk_50_no_lookahead"]["breakdown"]["lookahead"]
+    assert report["ratios"]["disk_50_engine_bytes_within_budget"] and report["ratios"]["disk_90_engine_bytes_within_budget"]
+    assert report["budgets"]["disk_90"] < report["budgets"]["disk_50"] < report["sizes"]["placed"]
+    if LLAMA_MISSING is None:
+        for name in ("llama_50", "llama-norepack_50", "llama_90", "llama-norepack_90"):
+            assert runs[name]["killed"] or runs[name]["decode_tok_s"] > 0

@@ -1,5 +1,6 @@
 """The disk tier (engine.hotcold.neuron_cache): a RAM budget below the model's rows keeps the
-cold rows in the prepared file behind a neuron cache, and decodes the same bits as in RAM."""
+cold rows on disk (neuron bundles beside the prepared file) behind a neuron cache, and
+decodes the same bits as in RAM, whichever read path and overlap it takes."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from engine import BudgetError, Engine, SamplingParams
 from engine.hotcold.activation_stats import ActivationStats
 from engine.hotcold.placement import solve
+from engine.hotcold.neuron_bundles import bundles_path
 from engine.loading.prepared import prepared_path
 
 from test_prepared import FRESH
@@ -60,14 +62,20 @@ def test_disk_decodes_the_same_bits_as_ram(tmp_path, llama_dir, fmt, monkeypatch
     in_ram.eos_ids = set()
     ids = PROMPT + in_ram.generate(PROMPT, GREEDY).token_ids
     reference = _step_logits(in_ram, ids)
-    for share in (0.5, 0.0):
+    # half the cold rows cached: O_DIRECT reads (this test's folder is on a disk) and the next
+    # layer read ahead; none cached: Windows' portable reads, each layer's misses when it misses
+    for share, path, ahead in ((0.5, "o_direct", "1"), (0.0, "portable", "0")):
+        monkeypatch.setenv("THERMOCLINE_DISK_READ_PATH", path)
+        monkeypatch.setenv("THERMOCLINE_DISK_LOOKAHEAD", ahead)
         disk = Engine.load(model, mode="sparse", ram_budget=_budget(in_ram, share), cpu_weights=fmt)
         disk.eos_ids = set()
         cache = disk.sparse.neuron_cache
         assert cache is not None and disk.sparse.plan.verdict == "runs from disk"
+        assert cache.reader.path_kind in ((path, "pread+nocache") if path == "o_direct" else (path,))
         got = _step_logits(disk, ids)
         assert all(torch.equal(a, b) for a, b in zip(reference, got))
         assert cache.reader.bytes_read > 0 and cache.misses > 0 and cache.overflow_rounds == 0
+        assert (cache.ahead_neurons > 0) == (ahead == "1")
         result = disk.generate(PROMPT, GREEDY)
         assert result.token_ids == ids[len(PROMPT):]
         hit, read = result.stats.cache_hit_fraction, result.stats.disk_read_bytes_per_token
@@ -118,8 +126,9 @@ def test_kill_while_reading_leaves_nothing_to_heal(tmp_path, llama_dir):
     probe = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights="int4")
     budget = _budget(probe, 0.1)
     probe.close()
+    Engine.load(model, mode="sparse", ram_budget=budget, cpu_weights="int4").close()  # writes the bundles
     path = prepared_path(model, "int4")
-    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    before = [hashlib.sha256(p.read_bytes()).hexdigest() for p in (path, bundles_path(path))]
     files = sorted(p.name for p in path.parent.iterdir())
     code = (f"from engine import Engine, SamplingParams\n"
             f"e = Engine.load({str(model)!r}, mode='sparse', ram_budget={budget}, cpu_weights='int4')\n"
@@ -130,8 +139,58 @@ def test_kill_while_reading_leaves_nothing_to_heal(tmp_path, llama_dir):
     time.sleep(1.0)
     proc.kill()
     proc.wait()
-    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+    assert [hashlib.sha256(p.read_bytes()).hexdigest() for p in (path, bundles_path(path))] == before
     assert sorted(p.name for p in path.parent.iterdir()) == files
     again = Engine.load(model, mode="sparse", ram_budget=budget, cpu_weights="int4")
     assert again.sparse.prepared_path == path and again.sparse.neuron_cache is not None  # mapped, not rebuilt
     assert np.isfinite(again.generate(PROMPT, GREEDY).stats.decode_tok_s)
+
+
+def test_a_cut_bundles_file_is_rebuilt_and_decodes_the_same(tmp_path, llama_dir, monkeypatch):
+    monkeypatch.setenv("THERMOCLINE_FUSED_DECODE", "0")
+    model = _model(tmp_path, llama_dir)
+    probe = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights="int4")
+    budget = _budget(probe, 0.3)
+    probe.close()
+    first = Engine.load(model, mode="sparse", ram_budget=budget, cpu_weights="int4")
+    first.eos_ids = set()
+    expected = first.generate(PROMPT, GREEDY).token_ids
+    first.close()
+    bundles = bundles_path(prepared_path(model, "int4"))
+    whole = bundles.read_bytes()
+    with open(bundles, "r+b") as f:  # cut in the middle of the last layer
+        f.truncate(len(whole) - len(whole) // 7)
+    again = Engine.load(model, mode="sparse", ram_budget=budget, cpu_weights="int4")
+    again.eos_ids = set()
+    assert bundles.read_bytes() == whole  # rebuilt from the prepared file
+    assert again.generate(PROMPT, GREEDY).token_ids == expected
+
+
+def test_three_tiers_hot_on_the_fast_device_cold_in_the_cache_and_on_disk(tmp_path, llama_dir, monkeypatch):
+    """VRAM (hot neurons), RAM (resident parts and the neuron cache) and disk at once: the
+    hybrid mode with a VRAM budget for a share of the neurons and a RAM budget below the cold
+    rows decodes the same bits as the same VRAM budget with every cold row in RAM. On the
+    GPU under bench/gpu.sh; here the CPU stands in for the fast device."""
+    monkeypatch.setenv("THERMOCLINE_FUSED_DECODE", "0")
+    model = _model(tmp_path, llama_dir)
+    probe = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=RAM, cpu_weights="int4")
+    problem = probe.sparse.problem
+    dense_fast = problem.head_fast + sum(c.dense_fast + c.kv_fast for c in problem.layers)
+    vram = dense_fast + problem.neuron_fast * len(problem.layers) * 8  # about 8 hot neurons a layer
+    probe.close()
+    in_ram = Engine.load(model, mode="hybrid", vram_budget=vram, ram_budget=RAM, cpu_weights="int4")
+    in_ram.eos_ids = set()
+    assert sum(len(ids) for ids in in_ram.sparse.plan.hot_ids) > 0
+    ids = PROMPT + in_ram.generate(PROMPT, GREEDY).token_ids
+    reference = _step_logits(in_ram, ids)
+    plan = in_ram.sparse.plan
+    budget = max(solve(in_ram.sparse.problem, vram, 0).min_ram_bytes,
+                 int(plan.resident_ram_bytes + 0.3 * plan.tier_bytes["cpu_ffn"]))
+    disk = Engine.load(model, mode="hybrid", vram_budget=vram, ram_budget=budget, cpu_weights="int4")
+    disk.eos_ids = set()
+    assert disk.sparse.plan.verdict == "runs from disk" and disk.sparse.neuron_cache is not None
+    assert [len(a) for a in disk.sparse.plan.hot_ids] == [len(a) for a in plan.hot_ids]
+    got = _step_logits(disk, ids)
+    assert all(torch.equal(a, b) for a, b in zip(reference, got))
+    assert disk.sparse.neuron_cache.misses > 0
+    assert disk.memory()["ram_bytes"] <= budget

@@ -109,6 +109,51 @@ def test_sampler_filters():
     assert Sampler(SamplingParams(temperature=0, repetition_penalty=2.0))(logits, [0]) == 1
 
 
+def test_openai_penalties_and_logit_bias_follow_their_definitions():
+    """logit[j] - count[j] * frequency - (count[j] > 0) * presence, over this answer's tokens only
+    (the prompt in `history` does not count), after the bias is added."""
+    logits = torch.tensor([5.0, 4.0, 1.0, -3.0, 0.5])
+    params = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=1.25, logit_bias={3: 7.0, 4: -2.0})
+    sampler = Sampler(params)
+    for token in (0, 0, 2):
+        sampler.accept(token)
+    counts = [2, 0, 1, 0, 0]
+    bias = [0.0, 0.0, 0.0, 7.0, -2.0]
+    expected = [float(v) + b - c * 1.25 - (0.5 if c else 0.0)
+                for v, b, c in zip(logits.tolist(), bias, counts)]
+    got = sampler.adjust(logits, history=[4, 4, 4, 0, 0, 2])  # the prompt (4, 4, 4) is not penalised
+    assert got.double().tolist() == pytest.approx(expected, abs=1e-6)
+    assert sampler(logits, [0, 0, 2]) == 1  # 0 fell to 2.0, 3 rose to 4.0, tying 1: argmax takes the first
+    # -100 bans a token even when greedy; a negative penalty favours what was said.
+    assert Sampler(SamplingParams(temperature=0, logit_bias={0: -100}))(logits, []) == 1
+    favour = Sampler(SamplingParams(temperature=0, presence_penalty=-2, frequency_penalty=-2))
+    favour.accept(1)
+    assert favour(logits, []) == 1
+    assert torch.equal(logits, torch.tensor([5.0, 4.0, 1.0, -3.0, 0.5]))  # the model's logits untouched
+
+
+@pytest.mark.parametrize("field, value", [("presence_penalty", 2.5), ("frequency_penalty", float("nan")),
+                                          ("logit_bias", {0: 101}), ("logit_bias", {-1: 1}), ("logit_bias", [1])])
+def test_out_of_range_penalties_are_user_errors(field, value):
+    with pytest.raises(UserError):
+        SamplingParams(**{field: value}).validate()
+
+
+def test_penalties_through_the_engine(llama_dir):
+    engine = Engine.load(llama_dir)
+    engine.eos_ids = set()
+    plain = engine.generate("the quick brown", SamplingParams(max_new_tokens=12, temperature=0)).token_ids
+    penalised = engine.generate("the quick brown", SamplingParams(max_new_tokens=12, temperature=0,
+                                                                  presence_penalty=2, frequency_penalty=2))
+    assert penalised.token_ids != plain or len(set(plain)) == len(plain)
+    assert len(set(penalised.token_ids)) >= len(set(plain))
+    banned = engine.generate("the quick brown", SamplingParams(max_new_tokens=12, temperature=0,
+                                                               logit_bias={t: -100 for t in plain}))
+    assert not set(banned.token_ids) & set(plain)
+    with pytest.raises(UserError, match="outside the model's vocabulary"):
+        engine.generate("the quick", SamplingParams(logit_bias={engine.config.vocab_size: 1}))
+
+
 def test_every_sampling_option_through_the_engine(llama_dir):
     engine = Engine.load(llama_dir)
     params = SamplingParams(max_new_tokens=8, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05,

@@ -29,7 +29,7 @@ REQUIRED = {
 PUBLISHED = {
     "relullama-7b": "relullama-7b", "relullama-70b": "relullama-70b", "prosparse-llama-2-7b": "prosparse-llama-2-7b",
     "bamboo-base": "bamboo-base", "bamboo-dpo": "bamboo-dpo", "turbosparse-mistral": "turbosparse-mistral",
-    "minicpm-s-1b": "minicpm-s-1b-sft",
+    "minicpm-s-1b": "minicpm-s-1b-sft", "turbosparse-mixtral": "turbosparse-mixtral",
 }
 
 
@@ -125,7 +125,7 @@ def test_relullama_7b_is_fp32_with_2048_positions_and_relufalcon_ships_pickles()
 
 def test_chat_and_base_models_are_marked():
     chat = {e.id for e in load_catalogue() if e.chat}
-    assert chat == {"minicpm-s-1b", "bamboo-dpo", "turbosparse-mistral",
+    assert chat == {"minicpm-s-1b", "bamboo-dpo", "turbosparse-mistral", "turbosparse-mixtral",
                     "smallthinker-4b-a0.6b-instruct", "smallthinker-21b-a3b-instruct"}
     for model_id in ("relullama-7b", "prosparse-llama-2-7b", "bamboo-base", "relufalcon-40b"):
         entry = get_entry(model_id)

@@ -464,11 +464,31 @@ class BudgetPanel(QScrollArea):
             facts.append(f"Placed: VRAM {fmt.gib(report['vram_bytes'])}, RAM {fmt.gib(report.get('ram_bytes'))}"
                          if on_gpu else  # no GPU: the fast tier is RAM too
                          f"Placed: RAM {fmt.gib((report.get('ram_bytes') or 0) + (report['vram_bytes'] or 0))}")
+        if report.get("verdict") == "runs from disk":  # the disk tier (issue #29)
+            facts.append(f"Cold neurons on disk: reads about <b>{fmt.size(report.get('disk_read_per_token'))}</b> "
+                         f"from disk per token, the RAM cache serving about "
+                         f"{fmt.percent(report.get('expected_cache_hit'))} of them; runs from disk at about "
+                         f"{report.get('disk_words_per_second') or 0:.0f} words a second")
+        self._show_ram_floor(report)
         solve = report.get("solve_s")
         dev = report.get("device")
         if solve is not None or dev:
             facts.append(f"Solved in {fmt.seconds(solve)} for {fmt.device_name(dev)}")
         self.place_facts.setText("<br>".join(facts))
+
+    def _show_ram_floor(self, report: dict) -> None:
+        """Under the RAM slider: the least budget that runs (the resident parts and the disk
+        tier's smallest cache), where the model can run from disk below its full size."""
+        least = report.get("min_ram_bytes") or 0
+        if not least:
+            return
+        if report.get("verdict") == "runs from disk" or least < (report.get("ram_bytes") or 0):
+            self.ram.note.setText(f"Runs down to {fmt.gib(least)}: below what the model needs in RAM, its cold "
+                                  "neurons are read from disk (slower).")
+        else:
+            self.ram.note.setText(f"Needs at least {fmt.gib(least)}.")
+        self.ram.note.setToolTip(f"The least RAM budget that runs: {fmt.size(least)}")
+        self.ram.note.show()
 
     @Slot(str)
     def show_placement_error(self, message: str) -> None:

@@ -38,6 +38,10 @@ class AnswerStats:
     ffn_active_fraction: float = 0.0
     hot_hit_fraction: float | None = None
     expected_hot_hit_fraction: float | None = None
+    # the disk tier: the share of the cold neurons computed that the RAM cache served, and
+    # the bytes read from disk per token (None: the model is all in memory)
+    cache_hit_fraction: float | None = None
+    disk_read_bytes_per_token: float | None = None
     device: str | None = None
     vram_bytes: int | None = None
     ram_bytes: int | None = None

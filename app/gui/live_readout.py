@@ -46,6 +46,9 @@ def live_text(stats: AnswerStats | dict, final: bool = False) -> str:
         parts.append(f"GPU served {fmt.percent(hit)}")
     elif on_gpu and s.expected_hot_hit_fraction is not None:
         parts.append(f"GPU share ≈{fmt.percent(s.expected_hot_hit_fraction)} (expected)")
+    disk_read, cache_hit = s.disk_read_bytes_per_token, s.cache_hit_fraction
+    if disk_read is not None and cache_hit is not None and not dense and (disk_read > 0 or cache_hit < 1):
+        parts.append(f"cache served {fmt.percent(cache_hit)} · {fmt.size(disk_read)} a token from disk")
     for name, used, budget in (("VRAM", s.vram_bytes, s.vram_budget), ("RAM", s.ram_bytes, s.ram_budget)):
         if used is None or (name == "VRAM" and not used and not on_gpu):
             continue

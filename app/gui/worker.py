@@ -396,6 +396,9 @@ class EngineWorker(QObject):
         if sparse is not None and hasattr(sparse, "generation_fractions"):
             try:  # share of firing neurons so far, and how many the hot tier served
                 live["ffn_active_fraction"], live["hot_hit_fraction"] = sparse.generation_fractions()
+                if getattr(sparse, "neuron_cache", None) is not None:  # the disk tier: cache hits, disk reads
+                    tokens = (live.get("prompt_tokens", 0) - live.get("cached_tokens", 0)) + stats["new_tokens"]
+                    live["cache_hit_fraction"], live["disk_read_bytes_per_token"] = sparse.disk_fractions(tokens)
             except Exception:  # noqa: BLE001 - a readout, never worth failing an answer
                 pass
         if self._last_placement and "hot_hit_fraction" not in live:

@@ -1,8 +1,11 @@
 """OpenAI request bodies checked into plain values, and OpenAI-style error bodies.
 
-Known fields are type-checked (a wrong type is a 400 naming the field); fields we do not
-use are ignored, as OpenAI-compatible servers do, so clients that send `user`,
-`presence_penalty` or `logit_bias` still work.
+Every field a client sends is either honoured or refused with a 400 that names it: a
+silently ignored field is a 200 with a wrong answer (tools that never get called, "JSON"
+that is free text). Known fields are type-checked (a wrong type is a 400 naming the field);
+fields that only describe the caller (`user`, `metadata`, ...) are accepted, fields whose
+feature this server lacks are refused unless they ask for the default, and a field no API
+defines is refused as unknown (a typo would otherwise pass for a default).
 """
 
 from __future__ import annotations
@@ -12,24 +15,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import ApiError, bad_request, check_json_schema
+from .tools import history_message, parse_tools
+
+__all__ = ["ApiError", "bad_request", "check_json_schema", "GenerationRequest", "parse_chat", "parse_completion",
+           "parse_json_body"]
+
 MAX_JSON_DEPTH = 64  # far more than any OpenAI body (tool schemas included) needs
 MAX_INT = 2 ** 63 - 1  # every integer field fits a signed 64-bit int
-
-
-class ApiError(Exception):
-    """An error the client caused (or a busy server), answered as OpenAI does."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
 
 
 @dataclass
@@ -42,6 +35,12 @@ class GenerationRequest:
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    # response_format json_object / json_schema: the JSON schema the answer is constrained to
+    response_schema: dict | bool | None = None
+    tools: Any = None  # app.server.tools.ToolRequest: the functions offered and tool_choice
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -50,7 +49,8 @@ class GenerationRequest:
 
     def sampling_values(self) -> dict[str, Any]:
         """The sampling fields the client set (the model's defaults fill the rest)."""
-        names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "logit_bias")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
@@ -135,18 +135,62 @@ def _stop(body: dict) -> list[str]:
     return [s for s in value if s]
 
 
+# The fields each endpoint reads (OpenAI's, and the sampling extensions vLLM and llama-server
+# take: top_k, min_p, repetition_penalty).
+_SAMPLING_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "stream",
+                    "stream_options", "n", "logprobs", "response_format"}
+CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                                  "parallel_tool_calls"}
+COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "best_of", "suffix"}
+# Fields that describe the caller or ask for bookkeeping that changes no answer: accepted as
+# they are (`prediction` is a latency hint: the answer is the model's either way).
+CALLER_FIELDS = {"user", "metadata", "safety_identifier", "prompt_cache_key", "service_tier", "prediction"}
+# Features this server does not have: accepted only when they ask for the default, refused
+# with a 400 naming the field otherwise. Each value: (is the default?, what to tell the client).
+_UNSUPPORTED = {
+    "functions": (lambda v: v in ([],), "the deprecated 'functions' field is not supported; send 'tools'"),
+    "function_call": (lambda v: v == "none", "the deprecated 'function_call' field is not supported; "
+                      "send 'tool_choice'"),
+    "store": (lambda v: v is False, "this server stores no completions ('store' must be false)"),
+    "modalities": (lambda v: v == ["text"], "this server answers text only ('modalities' must be [\"text\"])"),
+    "audio": (lambda v: False, "this server has no audio output"),
+    "reasoning_effort": (lambda v: False, "the model has no reasoning effort to set"),
+    "verbosity": (lambda v: False, "the model has no verbosity to set"),
+    "web_search_options": (lambda v: False, "this server has no web search"),
+}
+
+
+def check_fields(body: dict, known: set[str]) -> None:
+    """Refuse (400, naming it) each field that this endpoint would otherwise ignore."""
+    for name, value in body.items():
+        if value is None or name in known or name in CALLER_FIELDS:
+            continue
+        if name in _UNSUPPORTED:
+            is_default, why = _UNSUPPORTED[name]
+            if not is_default(value):
+                raise bad_request(f"'{name}': {why}", name, "unsupported")
+            continue
+        raise bad_request(f"unknown field '{_shown(name)[1:-1]}': this server does not know what it asks for",
+                          name, "unknown_field")
+
+
 def _common(body: Any, kind: str) -> dict:
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object ({kind})")
+    check_fields(body, CHAT_FIELDS if kind == "chat completion" else COMPLETION_FIELDS)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model", "invalid_type")
     n = _number(body, "n", 1, integer=True)
     if n not in (None, 1):
         raise bad_request("this server returns one choice per request ('n' must be 1)", "n", "invalid_value")
-    for name in ("logprobs", "echo"):
-        if body.get(name) not in (None, False, 0):
+    for name in ("logprobs", "top_logprobs", "echo", "suffix"):
+        if body.get(name) not in (None, False, 0, ""):
             raise bad_request(f"'{name}' is not supported by this server", name, "unsupported")
+    if _number(body, "best_of", 1, integer=True) not in (None, 1):
+        raise bad_request("this server returns one choice per request ('best_of' must be 1)", "best_of",
+                          "invalid_value")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options", "invalid_type")
@@ -161,10 +205,66 @@ def _common(body: Any, kind: str) -> dict:
         include_usage=include_usage, temperature=_number(body, "temperature", 0, 2),
         top_p=_number(body, "top_p", 0, 1), top_k=_number(body, "top_k", 0, integer=True),
         min_p=_number(body, "min_p", 0, 1), repetition_penalty=_number(body, "repetition_penalty", 0.01, 10),
+        presence_penalty=_number(body, "presence_penalty", -2, 2),
+        frequency_penalty=_number(body, "frequency_penalty", -2, 2), logit_bias=_logit_bias(body),
+        response_schema=_response_format(body),
     )
 
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ANY_OBJECT = {"type": "object"}  # JSON mode: an object, as OpenAI's json_object promises
+
+
+def _response_format(body: dict) -> dict | bool | None:
+    """The schema response_format asks the answer to match (None: free text)."""
+    value = body.get("response_format")
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise bad_request("'response_format' must be an object with a 'type'", "response_format", "invalid_type")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ANY_OBJECT
+    if kind != "json_schema":
+        raise bad_request(f"'response_format.type' must be text, json_object or json_schema, not {_shown(kind)}",
+                          "response_format.type", "invalid_value")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request("'response_format.json_schema' must be an object with a 'schema'",
+                          "response_format.json_schema", "invalid_type")
+    for key in spec:
+        if key not in ("name", "schema", "strict", "description"):
+            raise bad_request(f"'response_format.json_schema.{_shown(key)[1:-1]}' is not a field of a JSON schema "
+                              "format", "response_format.json_schema", "unknown_field")
+    schema = spec.get("schema", ANY_OBJECT)
+    if not isinstance(schema, (dict, bool)):
+        raise bad_request("'response_format.json_schema.schema' must be a JSON schema (an object)",
+                          "response_format.json_schema.schema", "invalid_type")
+    check_json_schema(schema, "response_format.json_schema.schema")
+    return schema
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's map of token ids (JSON keys: strings of digits) to a bias in [-100, 100]."""
+    value = body.get("logit_bias")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request("'logit_bias' must map token ids to numbers", "logit_bias", "invalid_type")
+    if len(value) > 1024:
+        raise bad_request("'logit_bias' takes at most 1024 tokens", "logit_bias", "invalid_value")
+    bias = {}
+    for key, number in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 12):
+            raise bad_request(f"'logit_bias' keys must be token ids, not {_shown(key)}", "logit_bias", "invalid_value")
+        bias[int(key)] = _number({"logit_bias": number}, "logit_bias", -100, 100)
+    return bias
+
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+# What a message may carry; `refusal` is an assistant's earlier refusal text, shown as nothing.
+MESSAGE_FIELDS = {"role", "content", "name", "refusal", "tool_calls", "tool_call_id"}
 
 
 def _content_text(content: Any, i: int) -> str:
@@ -198,8 +298,18 @@ def parse_chat(body: Any) -> GenerationRequest:
         if role not in ROLES:
             raise bad_request(f"messages[{i}].role must be one of {', '.join(ROLES)}, not {_shown(role)}",
                               f"messages[{i}].role", "invalid_value")
-        plain.append({"role": ROLES[role], "content": _content_text(m.get("content"), i)})
-    return GenerationRequest(prompt=plain, **values)
+        for key, value in m.items():
+            if key not in MESSAGE_FIELDS and value is not None:
+                raise bad_request(f"messages[{i}].{_shown(key)[1:-1]}: this server does not take that field "
+                                  "in a message", f"messages[{i}].{key}", "unsupported")
+        message = history_message(m, i, ROLES[role], _content_text(m.get("content"), i))
+        name = m.get("name")
+        if name is not None:  # the template may show who spoke; most ignore it
+            if not isinstance(name, str):
+                raise bad_request(f"messages[{i}].name must be a string", f"messages[{i}].name", "invalid_type")
+            message["name"] = name
+        plain.append(message)
+    return GenerationRequest(prompt=plain, tools=parse_tools(body), **values)
 
 
 def parse_completion(body: Any) -> GenerationRequest:

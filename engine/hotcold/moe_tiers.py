@@ -41,11 +41,12 @@ import torch.nn.functional as F
 
 from engine.errors import UserError
 from engine.kernels import cpu as cpu_kernels
-from engine.kernels import cpu_q4
+from engine.kernels import cpu_q4, q4_format, q4_rows
 from engine.loading.loader import compute_dtype, load_transformer
-from engine.model.moe import DenseMoe, Routing, experts_by_token, reglu
+from engine.cpu_formats import predictor_cpu_format
+from engine.model.moe import DenseMoe, ExpertPredictors, Routing, experts_by_token, reglu
 from engine.hotcold.placement import COLD_INT4, COLD_INT8, INDEX_BYTES
-from engine.kernels.quantized import quantize_matrix
+from engine.kernels.quantized import QuantMatrix, matrix_nbytes, quantize_matrix
 from engine.hotcold.sparse import SparseParts, SparseRuntime
 from engine.hotcold.sparse_moves import cold_rows_from_dense
 from engine.hotcold.sparse_solve import default_budgets, pick_fast_device, problem_for_model
@@ -142,7 +143,7 @@ class ColdExperts(_ExpertTier):
 
     def __init__(self, quant: str):
         self.quant = quant
-        self.rows: dict[int, cpu_kernels.CpuFfnRows | cpu_q4.Q4FfnRows] = {}
+        self.rows: dict[int, cpu_kernels.CpuFfnRows | q4_rows.Q4FfnRows] = {}
         self.neuron_ids: dict[int, torch.Tensor] = {}
 
     def add(self, e: int, ids: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down_t: torch.Tensor) -> None:
@@ -247,27 +248,55 @@ def _row_bytes(rows) -> int:
     """Bytes of one neuron's row in one matrix (with its scale for int8; whole 18-byte
     blocks for 4-bit rows)."""
     if rows.quant == COLD_INT4:
-        return cpu_q4.row_bytes(rows.dim)
+        return q4_format.row_bytes(rows.dim)
     return rows.dim * rows.up.element_size() + (4 if rows.quant == COLD_INT8 else 0)
 
 
-def _sparse_ffn(x: torch.Tensor, rows, out_acts: torch.Tensor | None = None) -> torch.Tensor:
+def _sparse_ffn(x: torch.Tensor, rows, out_acts: torch.Tensor | None = None, activation: str = "relu",
+                pred_logits: torch.Tensor | None = None, row_ids: torch.Tensor | None = None) -> torch.Tensor:
     """One expert on one token with the CPU kernel of its row format (relu on the gate:
-    the up and down rows of a neuron whose gate is 0 are not read)."""
-    kernel = cpu_q4.sparse_ffn if rows.quant == COLD_INT4 else cpu_kernels.sparse_ffn
-    return kernel(x, rows, None, "relu", 0.0, out_acts=out_acts)
+    the up and down rows of a neuron whose gate is 0 are not read). With `pred_logits`
+    (the expert's predictor, fp32 [n]; `row_ids` the expert's neurons these rows hold, None
+    for all of them) only the predicted neurons' rows are read at all."""
+    q4 = rows.quant == COLD_INT4
+    if pred_logits is None:
+        kernel = cpu_q4.sparse_ffn if q4 else cpu_kernels.sparse_ffn
+        return kernel(x, rows, None, activation, 0.0, out_acts=out_acts)
+    kernel = cpu_q4.sparse_ffn_predicted if q4 else cpu_kernels.sparse_ffn_predicted
+    return kernel(x, rows, pred_logits, ExpertPredictors.THRESHOLD, activation, 0.0, out_acts=out_acts,
+                  row_ids=row_ids)
 
 
 class TieredMoe:
-    """One layer's experts split between the fast tier and the CPU tier."""
+    """One layer's experts split between the fast tier and the CPU tier; `activation` relu
+    (ReGLU) or drelu; `predictors` (ExpertPredictors, TurboSparse-Mixtral) in the layer's
+    tier, or None: then every neuron of a chosen expert is considered."""
 
-    def __init__(self, layer: int, num_experts: int, n_ff: int, hot: HotExperts, cold: ColdExperts, runtime):
+    def __init__(self, layer: int, num_experts: int, n_ff: int, hot: HotExperts, cold: ColdExperts, runtime,
+                 activation: str = "relu", predictors: ExpertPredictors | None = None):
         self.layer, self.num_experts, self.n_ff = layer, num_experts, n_ff
         self.hot, self.cold, self.runtime = hot, cold, runtime
+        self.activation, self.predictors = activation, predictors
 
     @property
     def nbytes(self) -> int:
         return self.hot.nbytes + self.cold.nbytes
+
+    @property
+    def predictor_nbytes(self) -> int:
+        """The experts' predictors: a dense part of the layer, in its tier."""
+        return self.predictors.nbytes if self.predictors is not None else 0
+
+    def _predicting(self) -> bool:
+        """Whether the predictors choose the neurons now (not in the oracle mode, which
+        computes the true active set)."""
+        runtime = self.runtime
+        return self.predictors is not None and (runtime.scoring_mode or runtime.mode) != "oracle"
+
+    def _row_ids(self, tier: _ExpertTier, e: int) -> torch.Tensor | None:
+        """Expert e's neuron ids the tier's rows hold, or None when it holds all of them."""
+        ids = tier.neuron_ids[e]
+        return None if len(ids) == self.n_ff else ids
 
     def before_attention(self, routing: Routing) -> None:
         """Called by the model as soon as the router has chosen, before attention runs.
@@ -294,12 +323,21 @@ class TieredMoe:
         y_gpu, gpu_fired = None, 0
         x_cpu = x[0].to("cpu", torch.float32)
         y_cpu = torch.zeros(x.shape[-1], dtype=torch.float32)
+        # the chosen experts' predictor logits, fp32 [n] each, on the layer's device
+        logits = {e: self.predictors.logits(e, x)[0] for e in experts} if self._predicting() else {}
+        if logits:
+            counters.expert_bytes += sum(matrix_nbytes(m[e]) for e in experts
+                                         for m in (self.predictors.fc1, self.predictors.fc2))
         # GPU parts first: their kernels are queued, then the CPU computes the rest.
         for e, w in zip(experts, weights):
             if e in hot and not hot.on_cpu:
                 gate, up, down_t = hot.rows[e]
                 xe = x[0].to(gate.dtype)
-                act = F.relu(gate @ xe) * (up @ xe)
+                up_x = up @ xe
+                act = F.relu(gate @ xe) * (F.relu(up_x) if self.activation == "drelu" else up_x)
+                if e in logits:
+                    chosen = logits[e].to(act.device)[hot.neuron_ids[e].to(act.device)] >= ExpertPredictors.THRESHOLD
+                    act = act * chosen.to(act.dtype)
                 y = (act @ down_t) * w
                 y_gpu = y if y_gpu is None else y_gpu + y
                 gpu_fired = gpu_fired + (act != 0).sum()  # no host sync
@@ -313,12 +351,16 @@ class TieredMoe:
                 parts.append((hot.cpu_rows[e], True))
             for rows, is_hot in parts:
                 acts = torch.empty(rows.n_neurons, dtype=torch.float32)
-                y_cpu += _sparse_ffn(x_cpu, rows, acts) * w
+                ids = self._row_ids(hot if is_hot else cold, e)
+                pred = logits[e].to("cpu") if e in logits else None
+                y_cpu += _sparse_ffn(x_cpu, rows, acts, self.activation, pred, ids) * w
                 fired = int(torch.count_nonzero(acts))
                 cpu_fired += fired
                 cpu_hot_fired += fired if is_hot else 0
-                # every gate row; up and down rows of the neurons that fired only
-                counters.expert_bytes += (rows.n_neurons + 2 * fired) * _row_bytes(rows)
+                # the gate rows of every (predicted) neuron; up and down rows of those that fired only
+                selected = rows.n_neurons if pred is None else int(
+                    torch.count_nonzero((pred if ids is None else pred[ids]) >= ExpertPredictors.THRESHOLD))
+                counters.expert_bytes += (selected + 2 * fired) * _row_bytes(rows)
         counters.considered += self.num_experts * self.n_ff
         counters.computed = counters.computed + gpu_fired + cpu_fired
         counters.computed_hot = counters.computed_hot + gpu_fired + cpu_hot_fired
@@ -329,31 +371,43 @@ class TieredMoe:
         return (y_gpu.float() + y_cpu.to(y_gpu.device)).to(x.dtype)[None]
 
     # ------------------------------------------------------------- many tokens
-    def _part(self, xs: torch.Tensor, e: int, on_hot: bool) -> torch.Tensor:
+    def _part(self, xs: torch.Tensor, e: int, on_hot: bool, logits: torch.Tensor | None = None) -> torch.Tensor:
         """Expert e's neurons in one tier on tokens xs [t, d] -> fp32 [t, d] on xs' device.
-        ReGLU sums over neurons, so the tiers' parts add up to the whole expert."""
+        The expert sums over neurons, so the tiers' parts add up to the whole expert.
+        `logits` fp32 [t, n]: the expert's predictor's, which choose the neurons."""
+        tier = self.hot if on_hot else self.cold
+        ids = self._row_ids(tier, e)
+        part_logits = None if logits is None else (logits if ids is None else logits[:, ids.to(logits.device)])
+        mask = None if part_logits is None else part_logits >= ExpertPredictors.THRESHOLD
         if on_hot and not self.hot.on_cpu:
             gate, up, down_t = self.hot.rows[e]
-            return reglu(xs.to(gate.device, gate.dtype), gate, up, down_t).float().to(xs.device)
+            return reglu(xs.to(gate.device, gate.dtype), gate, up, down_t, self.activation,
+                         None if mask is None else mask.to(gate.device)).float().to(xs.device)
         rows = self.hot.cpu_rows[e] if on_hot else self.cold.rows[e]
         xc = xs.to("cpu", torch.float32)
-        if len(xs) <= _KERNEL_TOKENS and rows.quant == COLD_INT4:  # no batched 4-bit kernel: token by token
-            y = torch.stack([_sparse_ffn(xc[t], rows) for t in range(xc.shape[0])])
+        if len(xs) <= _KERNEL_TOKENS and (rows.quant == COLD_INT4 or logits is not None):
+            # no batched 4-bit or predicted kernel: token by token
+            y = torch.stack([_sparse_ffn(xc[t], rows, None, self.activation,
+                                         None if logits is None else logits[t].to("cpu"), ids)
+                             for t in range(xc.shape[0])])
         elif len(xs) <= _KERNEL_TOKENS:
             # few tokens chose this expert: the CPU kernel reads each row once for all of
             # them (and skips quiet neurons' rows), no dequantized copy of the expert
-            y = cpu_kernels.sparse_ffn_batch(xc.contiguous(), rows, None, "relu")
+            y = cpu_kernels.sparse_ffn_batch(xc.contiguous(), rows, None, self.activation)
         else:
-            y = reglu(xc, *rows.dequantized())
+            y = reglu(xc, *rows.dequantized(), self.activation, None if mask is None else mask.to("cpu"))
         return y.to(xs.device)
 
     def _batched(self, x: torch.Tensor, routing: Routing, observer) -> torch.Tensor:
         if observer is not None:
             observer(self.layer, routing.inputs, routing.scattered(self.num_experts))
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        predicting = self._predicting()
         for e, tokens, weights in experts_by_token(routing):
             xs = x[tokens.to(x.device)]
-            y = sum(self._part(xs, e, on_hot) for on_hot, tier in ((True, self.hot), (False, self.cold)) if e in tier)
+            logits = self.predictors.logits(e, xs) if predicting else None
+            y = sum(self._part(xs, e, on_hot, logits) for on_hot, tier in ((True, self.hot), (False, self.cold))
+                    if e in tier)
             out.index_add_(0, tokens.to(x.device), y * weights.to(x.device)[:, None])
         return out.to(x.dtype)
 
@@ -414,7 +468,26 @@ class MoeRuntime(SparseRuntime):
         for e in range(dense.num_experts):
             ids = hot_units[(hot_units >= e * n) & (hot_units < (e + 1) * n)] - e * n
             split_expert(e, ids, *dense.expert(e), hot, cold)
-        return TieredMoe(layer, dense.num_experts, n, hot, cold, self)
+        predictors = None
+        if dense.predictors is not None:
+            predictors = self.place_expert_predictors(dense.predictors, self.plan.layer_on_fast[layer])
+        return TieredMoe(layer, dense.num_experts, n, hot, cold, self, dense.activation, predictors)
+
+    def place_expert_predictors(self, predictors: ExpertPredictors, on_fast: bool) -> ExpertPredictors:
+        """A layer's expert predictors in its tier's storage: the fast tier's dtype, or on
+        the CPU tier fp32, or int8 rows on an int8 or int4 tier (predictor_cpu_format)."""
+        if not on_fast and self.cpu_weights != "fp32":
+            fmt = predictor_cpu_format(self.cpu_weights)
+            return predictors.placed(lambda w: quantize_matrix(w, fmt))
+        device, dtype = self._where(on_fast)
+        return predictors.placed(lambda w: w.to_dense(device, dtype) if isinstance(w, QuantMatrix) else w.to(device, dtype))
+
+    def place_predictor(self, i: int, on_fast: bool) -> None:
+        """Layer i's predictors follow it between the tiers (the experts' own, if any)."""
+        super().place_predictor(i, on_fast)
+        ffn = self.model.layers[i].ffn if self.model is not None else None
+        if isinstance(ffn, TieredMoe) and ffn.predictors is not None:
+            ffn.predictors = self.place_expert_predictors(ffn.predictors, on_fast)
 
     def _head_weights(self, on_fast: bool):
         """A tied head on an int8 or 4-bit CPU tier is a copy of the embeddings in that format

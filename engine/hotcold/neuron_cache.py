@@ -1,13 +1,11 @@
-"""The disk tier (PowerInfer-2): cold FFN rows stay in the prepared file; a neuron cache in
-RAM holds those that fire often, and a token reads the ones it needs and misses.
+"""The disk tier (PowerInfer-2): cold FFN rows stay on disk; a neuron cache in RAM holds
+those that fire often, and a token reads the ones it needs and misses.
 
-- `RowReader` reads rows of the prepared file (`engine.loading.prepared`) with positional
-  reads that do not stay in the page cache: `os.pread` and `POSIX_FADV_DONTNEED` over the
-  ranges read (Linux, macOS' pread alone), or, where there is no `os.pread` (Windows), a
-  handle per thread with seek and readinto (the portable path; the standby list keeps the
-  pages, which Windows does not charge to the process). Wanted rows are sorted, runs of
-  neighbours (gaps of up to `GAP_ROWS` rows) coalesced into one read, and the reads spread
-  over `read_threads` threads (pread releases the GIL: the disk sees a queue of them).
+- The rows on disk are neuron bundles (engine.hotcold.neuron_bundles): each neuron's gate,
+  up and down rows (and an int8 tier's scales) together, written once from the prepared
+  file beside it, read by a `BundleReader` with direct (O_DIRECT) or uncached positional
+  reads, runs of neighbours (gaps of up to `GAP_ROWS` bundles) coalesced into one read, the
+  reads of a call on `read_threads` threads.
 - `NeuronCache` is one pool of slots for all layers (each slot holds one neuron's gate, up
   and down rows, and an int8 tier's three scales), counted in bytes against the RAM budget
   (`slot_bytes`, `map_bytes`) and never above it. It is seeded with the most frequent cold
@@ -16,6 +14,10 @@ RAM holds those that fire often, and a token reads the ones it needs and misses.
   `placement.WORKING_SHARE` of a layer that a token's misses are read into); the rest are kept by CLOCK with
   counts (recency by the sweeping hand, frequency by a count of up to 3 that each hit
   raises and each pass lowers). `resize` moves its capacity between tokens.
+- Overlap (`lookahead`): while layer L's kernel runs, layer L+1's predictor is run on
+  layer L's input and the bundles it selects that are missing are read on a thread into
+  slots layer L does not use; layer L+1 then reads only what that guess missed. The
+  guess moves rows into the cache and nothing else: what a layer computes is unchanged.
 - `DiskFfn` is a `HybridFfn` whose cold rows are the cache's: per token its predictor picks
   the neurons, the missing ones are read into free or evicted slots, and the same kernel as
   in RAM runs over the same positions with a slot index per position (`idx`), so each
@@ -27,24 +29,24 @@ RAM holds those that fire often, and a token reads the ones it needs and misses.
 from __future__ import annotations
 
 import os
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from engine.errors import UserError
 from engine.hotcold.hybrid_ffn import HybridFfn
+from engine.hotcold.neuron_bundles import BundleReader, open_or_build
 from engine.hotcold.placement import SLOT_META_BYTES, WORKING_SHARE
 from engine.kernels import cpu as cpu_kernels
-from engine.kernels import cpu_q4
+from engine.kernels import cpu_q4, q4_format, q4_rows
 
-GAP_ROWS = 2  # neighbours this close are read in one call (the rows between are dropped)
+GAP_ROWS = 4  # neighbours this close are read in one call (the bundles between are dropped)
 PIN_FREQUENCY = 0.5  # seeded neurons firing this often are never evicted
 MAX_COUNT = 3
 READ_THREADS_ENV = "THERMOCLINE_DISK_READ_THREADS"
+LOOKAHEAD_ENV = "THERMOCLINE_DISK_LOOKAHEAD"  # 0: no read ahead of the next layer
 
 
 def read_threads() -> int:
@@ -52,39 +54,14 @@ def read_threads() -> int:
     return max(1, int(value)) if value.isdigit() else 4
 
 
-@dataclass
-class Part:
-    """One stored matrix of a layer's rows in the file: where row 0 starts, bytes a row."""
-    offset: int
-    row_bytes: int
-    dtype: np.dtype
-    width: int  # elements a row
+def lookahead_enabled() -> bool:
+    return os.environ.get(LOOKAHEAD_ENV, "1").strip() not in ("0", "")
 
 
-def _parts_of(prepared, layer: int) -> list[Part]:
-    """gate, up, down_t (and their scales on an int8 tier), as in the file."""
-    out = []
-    names = ["gate", "up", "down_t"] if f"layers.{layer}.gate" in prepared.header else ["up", "down_t"]
-    if prepared.fmt == "int8":
-        names += [f"{n}_scale" for n in names]
-    for name in names:
-        entry = prepared.header[f"layers.{layer}.{name}"]
-        dtype = {"U8": np.uint8, "I8": np.int8, "F32": np.float32}[entry["dtype"]]
-        shape = entry["shape"]
-        width = shape[1] if len(shape) > 1 else 1
-        out.append(Part(prepared._base + entry["data_offsets"][0], width * np.dtype(dtype).itemsize,
-                        np.dtype(dtype), width))
-    return out
-
-
-def runs(ids: np.ndarray, gap: int = GAP_ROWS) -> list[tuple[int, int]]:
-    """Sorted ids as (first, count) runs, neighbours within `gap` rows joined."""
-    if not len(ids):
-        return []
-    breaks = np.flatnonzero(np.diff(ids) > gap + 1)
-    starts = np.concatenate([[0], breaks + 1])
-    ends = np.concatenate([breaks, [len(ids) - 1]])
-    return [(int(ids[s]), int(ids[e] - ids[s] + 1)) for s, e in zip(starts, ends)]
+def open_reader(prepared, layers: int, threads: int | None = None) -> BundleReader:
+    """The bundles beside a prepared file (written from it the first time), opened for reads."""
+    path, layout = open_or_build(prepared, layers)
+    return BundleReader(path, layout, threads or read_threads())
 
 
 def min_cache_neurons_of(cold_ids: list[np.ndarray]) -> int:
@@ -92,93 +69,32 @@ def min_cache_neurons_of(cold_ids: list[np.ndarray]) -> int:
     return int(np.ceil(WORKING_SHARE * max((len(ids) for ids in cold_ids), default=0)))
 
 
-class RowReader:
-    """Positional reads of a prepared file's rows that leave no pages in the page cache."""
-
-    def __init__(self, path, threads: int | None = None):
-        self.path = str(path)
-        self.threads = threads or read_threads()
-        self.portable = not hasattr(os, "pread")  # Windows
-        self._fd = None if self.portable else os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-        self._local = threading.local()
-        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="neuron-read") if self.threads > 1 else None
-        self.bytes_read = 0
-        self.calls = 0
-        self.seconds = 0.0
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def _pread(self, size: int, offset: int) -> bytes:
-        if not self.portable:
-            return os.pread(self._fd, size, offset)
-        f = getattr(self._local, "f", None)
-        if f is None:
-            f = self._local.f = open(self.path, "rb", buffering=0)
-        f.seek(offset)
-        return f.read(size)
-
-    def _drop(self, lo: int, hi: int) -> None:
-        if hasattr(os, "posix_fadvise") and self._fd is not None and hi > lo:
-            os.posix_fadvise(self._fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
-
-    def read(self, parts: list[Part], ids: np.ndarray, dest: list[np.ndarray], slots: np.ndarray) -> None:
-        """Rows `ids` (sorted) of each part into dest[p][slots] (slots aligned with ids)."""
-        start = time.perf_counter()
-        spans = runs(ids)
-        jobs = []
-        pos = np.searchsorted(ids, [a for a, _ in spans])
-        for p, part in enumerate(parts):
-            for (first, count), at in zip(spans, pos):
-                jobs.append((p, part, first, count, int(at)))
-
-        def one(job):
-            p, part, first, count, at = job
-            data = self._pread(count * part.row_bytes, part.offset + first * part.row_bytes)
-            if len(data) != count * part.row_bytes:
-                raise OSError(f"{self.path}: short read (the prepared file was cut)")
-            block = np.frombuffer(data, dtype=part.dtype).reshape(count, part.width)
-            end = int(np.searchsorted(ids, first + count))
-            want = ids[at:end] - first
-            target = dest[p]
-            target[slots[at:end]] = block[want].reshape(target[slots[at:end]].shape)
-            return len(data)
-
-        if self._pool is not None and len(jobs) > 1:
-            sizes = list(self._pool.map(one, jobs))
-        else:
-            sizes = [one(j) for j in jobs]
-        for part in parts:
-            if len(ids):
-                self._drop(part.offset + int(ids[0]) * part.row_bytes, part.offset + (int(ids[-1]) + 1) * part.row_bytes)
-        self.bytes_read += sum(sizes)
-        self.calls += len(jobs)
-        self.seconds += time.perf_counter() - start
-
-
 class NeuronCache:
     """One pool of neuron slots for every layer's cold rows (see the module's docstring)."""
 
-    def __init__(self, prepared, reader: RowReader, cold_ids: list[np.ndarray], capacity: int, d: int):
-        self.prepared, self.reader, self.d = prepared, reader, d
-        self.fmt = prepared.fmt
-        self.parts = [_parts_of(prepared, i) for i in range(len(cold_ids))]
+    def __init__(self, fmt: str, reader: BundleReader, cold_ids: list[np.ndarray], capacity: int, d: int):
+        self.fmt, self.reader, self.d = fmt, reader, d
         self.cold_ids = [np.asarray(ids, dtype=np.int64) for ids in cold_ids]
         self.slot_of = [np.full(len(ids), -1, dtype=np.int64) for ids in self.cold_ids]
         self.hits = self.misses = self.overflow_rounds = 0
+        # the read ahead (lookahead): its thread, the layer it reads for, and its counters
+        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="neuron-ahead")
+        self._pending: tuple[int, Future] | None = None
+        self.ahead_neurons = self.ahead_used = 0  # read ahead, and of those the ones their layer computed
+        self.stall_s = 0.0  # time a token waited for reads: its own misses and unfinished reads ahead
         self._allocate(max(int(capacity), 1))
+
+    def close(self) -> None:
+        self.wait()
+        self._ahead.shutdown(wait=True)
+        self.reader.close()
 
     # ------------------------------------------------------------------ storage
     def _allocate(self, capacity: int) -> None:
         self.capacity = capacity
-        parts = self.parts[0]
-        self.pool = [np.zeros((capacity, part.width), dtype=part.dtype) if part.width > 1
-                     else np.zeros(capacity, dtype=part.dtype) for part in parts]
+        dtypes = {"U8": np.uint8, "I8": np.int8, "F32": np.float32}
+        self.pool = [np.zeros((capacity, width) if width > 1 else capacity, dtype=dtypes[dtype])
+                     for _, _, dtype, width in self.reader.layout.parts]
         self.slot_layer = np.full(capacity, -1, dtype=np.int32)
         self.slot_pos = np.zeros(capacity, dtype=np.int32)
         self.count = np.zeros(capacity, dtype=np.uint8)
@@ -191,7 +107,7 @@ class NeuronCache:
         t = [torch.from_numpy(a) for a in self.pool]
         if self.fmt == "int4":
             gate, up, down = (t[0], t[1], t[2]) if len(t) == 3 else (None, t[0], t[1])
-            self.rows = cpu_q4.Q4FfnRows(gate, up, down, self.d)
+            self.rows = q4_rows.Q4FfnRows(gate, up, down, self.d)
         else:
             k = len(t) // 2
             q, s = t[:k], t[k:]
@@ -246,13 +162,58 @@ class NeuronCache:
             self.count[slots] = MAX_COUNT
             slot += len(pos)
 
-    def _fill(self, layer: int, positions: np.ndarray, slots: np.ndarray) -> None:
-        """Read cold positions (sorted) of a layer into slots, and map them."""
-        self.reader.read(self.parts[layer], self.cold_ids[layer][positions], self.pool, slots)
+    def _map(self, layer: int, positions: np.ndarray, slots: np.ndarray) -> None:
         self.slot_layer[slots] = layer
         self.slot_pos[slots] = positions
         self.count[slots] = 1
         self.slot_of[layer][positions] = slots
+
+    def _fill(self, layer: int, positions: np.ndarray, slots: np.ndarray) -> None:
+        """Read cold positions (sorted) of a layer into slots, and map them."""
+        start = time.perf_counter()
+        self.reader.read(layer, self.cold_ids[layer][positions], self.pool, slots, GAP_ROWS)
+        self.stall_s += time.perf_counter() - start
+        self._map(layer, positions, slots)
+
+    # ------------------------------------------------------------------ reading ahead
+    def read_ahead(self, layer: int, positions: np.ndarray, busy_layer: int, busy_positions: np.ndarray) -> None:
+        """Start reading the missing ones of a layer's guessed positions (sorted) on the
+        read-ahead thread, into slots neither the busy layer's positions (being computed)
+        nor the guess's own hits hold. They are mapped at once; `wait` (at the layer's
+        `ensure`) makes sure they are read before the kernel takes them."""
+        self.wait()
+        slots = self.slot_of[layer][positions]
+        missing = positions[slots < 0]
+        if not len(missing):
+            return
+        busy = np.zeros(self.capacity, dtype=bool)
+        busy[slots[slots >= 0]] = True
+        mine = self.slot_of[busy_layer][busy_positions]
+        busy[mine[mine >= 0]] = True
+        room = self.capacity - int(busy.sum()) - int(self.pinned.sum())
+        missing = missing[:max(0, min(len(missing), room))]
+        if not len(missing):
+            return
+        victims = self._victims(len(missing), busy)
+        missing = missing[:len(victims)]
+        if not len(missing):
+            return
+        ids = self.cold_ids[layer][missing]
+        self._map(layer, missing, victims)
+        self.count[victims] = 0  # a guess: the first to go unless its layer computes it
+        self.ahead_neurons += len(missing)
+        future = self._ahead.submit(self.reader.read, layer, ids, self.pool, victims, GAP_ROWS)
+        self._pending = (layer, future, missing)
+
+    def wait(self) -> None:
+        """The read ahead finished (its errors raised here, in the token's thread)."""
+        if self._pending is None:
+            return
+        _, future, _ = self._pending
+        self._pending = None
+        start = time.perf_counter()
+        future.result()
+        self.stall_s += time.perf_counter() - start
 
     def _evict(self, slots: np.ndarray) -> None:
         owners = self.slot_layer[slots]
@@ -295,10 +256,17 @@ class NeuronCache:
     def ensure(self, layer: int, positions: np.ndarray) -> list[np.ndarray]:
         """Make the cold positions (sorted) of a layer resident; the groups to compute them in
         (one group unless the layer wants more slots than may be evicted)."""
+        read_ahead = 0
+        if self._pending is not None:
+            ahead_layer, _, ahead = self._pending
+            self.wait()
+            if ahead_layer == layer:  # read for this token: misses the read ahead took off its path
+                read_ahead = int(np.isin(ahead, positions, assume_unique=True).sum())
+                self.ahead_used += read_ahead
         slots = self.slot_of[layer][positions]
         hit = slots >= 0
-        self.hits += int(hit.sum())
-        self.misses += int((~hit).sum())
+        self.hits += int(hit.sum()) - read_ahead
+        self.misses += int((~hit).sum()) + read_ahead
         hit_slots = slots[hit]
         self.count[hit_slots] = np.minimum(self.count[hit_slots] + 1, MAX_COUNT)
         missing = positions[~hit]
@@ -322,6 +290,7 @@ class NeuronCache:
 
     def fill_group(self, layer: int, group: np.ndarray) -> None:
         """Make a round's positions resident (ensure's rounds after the first)."""
+        self.wait()
         missing = group[self.slot_of[layer][group] < 0]
         if len(missing):
             busy = np.zeros(self.capacity, dtype=bool)
@@ -341,6 +310,7 @@ class NeuronCache:
         capacity = max(int(capacity), 1)
         if capacity == self.capacity:
             return
+        self.wait()
         occupied = np.flatnonzero(self.slot_layer >= 0)
         rank = np.lexsort((-self.count[occupied].astype(np.int16), ~self.pinned[occupied]))
         keep = occupied[rank[:capacity]]
@@ -395,6 +365,24 @@ class DiskFfn(HybridFfn):
         super().__init__(base.layer, base.gated, base.activation, base.threshold, base.n_ff, base.hot,
                          DiskColdRows(cache, base.layer), base.context)
         self.cache = cache
+        self.next: DiskFfn | None = None  # the next layer's, which `lookahead` reads ahead for
+        self.lookahead = lookahead_enabled()
+        self._guess_input: torch.Tensor | None = None  # this token's predictor input, for the next layer's guess
+
+    def __call__(self, x: torch.Tensor, pred_input: torch.Tensor, layer: int, observer=None) -> torch.Tensor:
+        self._guess_input = pred_input[0] if x.shape[0] == 1 else None
+        return super().__call__(x, pred_input, layer, observer)
+
+    def _read_ahead(self, positions: np.ndarray) -> None:
+        """The next layer's predictor on this layer's input: its guess's missing bundles are
+        read while this layer computes (the residual stream changes little in one layer)."""
+        nxt, guess_input = self.next, self._guess_input
+        if nxt is None or not self.lookahead or guess_input is None or self.context.mode == "oracle":
+            return
+        guess = nxt.context.logits(guess_input).to("cpu", torch.float32).numpy()
+        ids = self.cache.cold_ids[nxt.layer]
+        self.cache.read_ahead(nxt.layer, np.flatnonzero(guess[ids] >= nxt.context.threshold), self.layer,
+                              positions)
 
     def _cold_decode(self, x: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
         if not len(self.cold):
@@ -409,6 +397,8 @@ class DiskFfn(HybridFfn):
         pred = logits.numpy()
         positions = np.flatnonzero(pred[ids] >= thr)
         groups = cache.ensure(layer, positions)
+        if len(groups) == 1:
+            self._read_ahead(positions)  # overlaps with the kernel below
         y = None
         for k, group in enumerate(groups):
             if k:
@@ -428,7 +418,7 @@ class DiskFfn(HybridFfn):
         rows = cache.rows
         idx = cache.slot_index(layer)
         k = len(idx)
-        module = cpu_q4 if rows.quant == cpu_q4.QUANT else cpu_kernels
+        module = cpu_q4 if rows.quant == q4_format.QUANT else cpu_kernels
         kern = module._kernels()
         if kern is None:  # torch: the selected rows in position order, as the in-RAM torch path
             ids = cache.cold_ids[layer]
@@ -442,6 +432,7 @@ class DiskFfn(HybridFfn):
     def _predicted_tokens(self, x: torch.Tensor, pred_input: torch.Tensor) -> torch.Tensor:
         """A prompt as decoding each token alone would compute it, token by token."""
         logits = self.context.logits(pred_input).to("cpu", torch.float32)
+        self._guess_input = None  # a prompt runs layer by layer: the next layer's guess would come too early
         out = torch.stack([self._cold_decode(x[t].to("cpu", torch.float32), logits[t]) for t in range(x.shape[0])])
         if len(self.hot):
             saved, self.cold = self.cold, _NoRows()

@@ -154,9 +154,15 @@ def cpu_matrix_bytes(params: int, rows: int, cpu_weights: str) -> int:
 
 def predictor_cpu_bytes(model: "ModelBytes", params: int, cpu_weights: str) -> int:
     """Bytes of one layer's predictor (fc1 [rank, d], fc2 [n_ff, rank]: params elements) on
-    the CPU tier (a file's 4-bit predictors, kept as they are, take less)."""
-    rank = params // (model.d + model.n_ff)
-    return cpu_matrix_bytes(params, rank + model.n_ff if params else 0, predictor_cpu_format(cpu_weights))
+    the CPU tier (a file's 4-bit predictors, kept as they are, take less). A mixture's
+    experts each carry one (TurboSparse-Mixtral: fc1 [rank, d], fc2 [expert_size, rank])."""
+    if model.unit == "experts":
+        experts = model.n_ff // model.expert_size
+        rank = params // (experts * (model.d + model.expert_size))
+        rows = experts * (rank + model.expert_size)
+    else:
+        rows = params // (model.d + model.n_ff) + model.n_ff
+    return cpu_matrix_bytes(params, rows if params else 0, predictor_cpu_format(cpu_weights))
 
 
 def attention_cpu_bytes(model: "ModelBytes", params: int, cpu_weights: str) -> int:

@@ -84,7 +84,7 @@ class SparseRuntime(TokenHooks, Solving, TierMoves, MemoryAccounting):
         """Release what outlives a dropped engine (Engine.close): threads of subclasses, the
         disk tier's reader."""
         if self.neuron_cache is not None:
-            self.neuron_cache.reader.close()
+            self.neuron_cache.close()
 
     def reads_from_disk(self) -> bool:
         from engine.loading import prepared
@@ -134,16 +134,17 @@ def cache_capacity(plan: Placement) -> int:
 
 def _attach_disk_tier(runtime: "SparseRuntime", model: Transformer, prepared_rows, plan: Placement) -> None:
     """Cold rows from the prepared file through a neuron cache seeded by the frequencies."""
-    from engine.hotcold.neuron_cache import DiskFfn, NeuronCache, RowReader
+    from engine.hotcold.neuron_cache import DiskFfn, NeuronCache, open_reader
     from engine.hotcold.placement import cold_frequencies
 
     cold_ids = [layer.ffn.cold.ids.numpy() for layer in model.layers]
-    cache = NeuronCache(prepared_rows, RowReader(prepared_rows.path), cold_ids, cache_capacity(plan),
-                        runtime.config.hidden_size)
+    cache = NeuronCache(prepared_rows.fmt, open_reader(prepared_rows, len(model.layers)), cold_ids,
+                        cache_capacity(plan), runtime.config.hidden_size)
     runtime.neuron_cache = cache
     cache.seed(cold_frequencies(runtime.problem, plan.hot_ids))
-    for layer in model.layers:
-        layer.ffn = DiskFfn(layer.ffn, cache)
+    ffns = [DiskFfn(layer.ffn, cache) for layer in model.layers]
+    for layer, ffn, nxt in zip(model.layers, ffns, ffns[1:] + [None]):
+        layer.ffn, ffn.next = ffn, nxt
 
 
 

@@ -22,6 +22,7 @@ class MemoryAccounting:
         for i, layer in enumerate(model.layers):
             tier = "fast" if plan.layer_on_fast[i] else "cpu"
             predictor = self.predictors.nbytes(i) if self.predictors is not None else 0
+            predictor += getattr(layer.ffn, "predictor_nbytes", 0)  # a mixture's experts' own (TurboSparse-Mixtral)
             tiers[f"{tier}_dense"] += layer.dense_nbytes + predictor
             tiers[f"{tier}_kv"] += nb(self.cache.k[i], self.cache.v[i])
             tiers["fast_ffn"] += layer.ffn.hot.nbytes

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from engine.hotcold.activation_stats import ActivationStats
+from engine.arch import arch_module
 from engine.config import ModelConfig
 from engine.errors import BudgetError, UserError
 from engine.loading.loader import compute_dtype
@@ -60,11 +61,24 @@ class PlacementReport:
     device: str
     applied: bool  # False: queued for the next token boundary of a running generation
     allocated: dict[str, int] | None = None  # bytes really held after applying
+    # the disk tier (engine.hotcold.neuron_cache): the expected reads a token makes from disk,
+    # the share of the cold neurons it computes that the RAM cache serves, the speed those
+    # reads allow, and the least RAM budget that runs at this VRAM budget
+    disk_read_per_token: float = 0.0
+    expected_cache_hit: float = 1.0
+    disk_words_per_second: float | None = None
+    min_ram_bytes: int = 0
 
     @classmethod
-    def from_placement(cls, plan: Placement, applied: bool, allocated: dict | None) -> "PlacementReport":
+    def from_placement(cls, plan: Placement, applied: bool, allocated: dict | None,
+                       least_ram: int = 0) -> "PlacementReport":
+        from engine.hotcold.placement import words_per_second
+
+        on_disk = plan.verdict == "runs from disk"
         return cls(plan.hot_fraction_per_layer, dict(plan.tier_bytes), plan.vram_bytes, plan.ram_bytes,
-                   plan.hot_hit_fraction, plan.verdict, plan.solve_s, plan.device, applied, allocated)
+                   plan.hot_hit_fraction, plan.verdict, plan.solve_s, plan.device, applied, allocated,
+                   plan.disk_read_per_token, plan.expected_cache_hit,
+                   words_per_second(plan) if on_disk else None, least_ram)
 
 
 def placement_problem(config: ModelConfig, predictor_ranks: list[int], frequencies: list[np.ndarray],
@@ -75,7 +89,9 @@ def placement_problem(config: ModelConfig, predictor_ranks: list[int], frequenci
     fast_bytes = torch.finfo(fast_dtype).bits // 8
     fast_kv_bytes = torch.finfo(kv_storage_dtype(fast, fast_dtype)).bits // 8
     cpu_kv_bytes = torch.finfo(kv_storage_dtype(torch.device("cpu"), torch.float32)).bits // 8
-    params = [rank * (config.hidden_size + config.intermediate_size) for rank in predictor_ranks]
+    # a mixture's predictors are its experts' own: one of each rank per expert
+    params = [rank * (config.hidden_size + config.intermediate_size) * max(config.num_experts, 1)
+              for rank in predictor_ranks]
     hot = None if config.is_moe else hot_weights(fast, cpu_weights)  # 4-bit hot rows count their bytes
     return build_problem(ModelBytes.from_config(config), params, frequencies, ctx, fast_bytes, fast_kv_bytes,
                          cpu_weights, str(fast), hot_weights=hot, cpu_kv_bytes=cpu_kv_bytes)
@@ -102,6 +118,9 @@ def problem_for_model(model_dir: Path, config: ModelConfig, ctx: int, fast: torc
     else:  # no profile yet: every neuron alike, placement by neuron order
         frequencies = [np.ones(config.n_ff) for _ in range(config.num_layers)]
     ranks = predictors.ranks if predictors else [0] * config.num_layers
+    if config.is_moe:  # the experts' own predictors (TurboSparse-Mixtral), ranks from the checkpoint's shapes
+        expert_ranks = getattr(arch_module(config.arch), "predictor_ranks", None)
+        ranks = (expert_ranks and expert_ranks(WeightSource(model_dir), config)) or [0] * config.num_layers
     storage = storage or WeightSource(model_dir).dtype()
     return placement_problem(config, ranks, frequencies, ctx, fast, storage, cpu_weights)
 
@@ -142,15 +161,23 @@ class Solving:
         ram = self.budgets[1] if ram is None else int(ram)
         plan = self.solve(vram, ram)
         self.budgets = (vram, ram)
+        least = self.least_ram(vram)
         if self.lock.acquire(blocking=False):
             try:
                 self.apply(plan)
-                return PlacementReport.from_placement(plan, True, self.memory()["tiers"])
+                return PlacementReport.from_placement(plan, True, self.memory()["tiers"], least)
             finally:
                 self.lock.release()
         with self._pending_lock:  # a generation holds the engine: move at its next token
             self._pending = plan
-        return PlacementReport.from_placement(plan, False, None)
+        return PlacementReport.from_placement(plan, False, None, least)
+
+    def least_ram(self, vram: int) -> int:
+        """The least RAM budget that runs at this VRAM budget: the resident parts and the disk
+        tier's working set where this load can read rows from disk, else every CPU byte."""
+        problem = self.problem if self.reads_from_disk() else replace(self.problem, disk_tier=False)
+        return solve(problem, 0 if self.mode == "sparse" else vram, 0).min_ram_bytes
 
     def report(self) -> PlacementReport:
-        return PlacementReport.from_placement(self.plan, True, self.memory()["tiers"])
+        return PlacementReport.from_placement(self.plan, True, self.memory()["tiers"],
+                                              self.least_ram(self.budgets[0]))

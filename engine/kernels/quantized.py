@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu as cpu_kernels
-from engine.kernels import cpu_q4, cpu_q4x8, q4_tiles
+from engine.kernels import cpu_q4, cpu_q4_1, cpu_q4x8, q4_format, q4_quantize, q4_tiles
 from engine.kernels.cpu_quant import dequantize_rows_int8, quantize_rows_int8
 from engine.kernels import host_memory
 
@@ -101,14 +101,14 @@ class Q4Matrix(QuantMatrix):
     @classmethod
     def quantize(cls, w: torch.Tensor, packed: bool = False) -> "Q4Matrix":
         """From a float matrix on any device (the rows in host_memory: huge pages), packed on request."""
-        out = host_memory.empty((w.shape[0], cpu_q4.row_bytes(w.shape[1])), torch.uint8) if w.dim() == 2 else None
+        out = host_memory.empty((w.shape[0], q4_format.row_bytes(w.shape[1])), torch.uint8) if w.dim() == 2 else None
         if not packed or out is None:
-            m = cls(cpu_q4.quantize_rows_q4(w, out=out), w.shape[1])
+            m = cls(q4_quantize.quantize_rows_q4(w, out=out), w.shape[1])
             return m.pack() if packed else m
         # packed a block of rows at a time (whole groups): no second copy of the whole matrix
         for lo in range(0, w.shape[0], _PACK_ROWS):
             hi = min(lo + _PACK_ROWS, w.shape[0])
-            cpu_q4x8.pack_rows(cpu_q4.quantize_rows_q4(w[lo:hi]), out=out[lo:hi])
+            cpu_q4x8.pack_rows(q4_quantize.quantize_rows_q4(w[lo:hi]), out=out[lo:hi])
         return cls(out, w.shape[1], packed=True)
 
     def pack(self) -> "Q4Matrix":
@@ -134,8 +134,8 @@ class Q4Matrix(QuantMatrix):
         """Rows lo..hi as fp32."""
         if self.packed:
             lo, hi, _ = slice(lo, hi).indices(self.q.shape[0])
-            return cpu_q4.dequantize_rows_q4(cpu_q4x8.unpack_rows(self.q, lo, hi), self.cols)
-        return cpu_q4.dequantize_rows_q4(self.q[lo:hi], self.cols)
+            return q4_format.dequantize_rows_q4(cpu_q4x8.unpack_rows(self.q, lo, hi), self.cols)
+        return q4_format.dequantize_rows_q4(self.q[lo:hi], self.cols)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x fp32 [T, cols] (CPU) @ this^T -> fp32 [T, n]."""
@@ -162,18 +162,73 @@ class Q4Matrix(QuantMatrix):
         return out
 
 
+@dataclass(eq=False, frozen=True)
+class Q4MinMatrix(QuantMatrix):
+    """A weight matrix [n, cols] of ggml's Q4_1 blocks (a per-block minimum, weight = d * q + m),
+    held exactly as `rows`, the Q4_0 rows of the same scales and nibbles (a Q4Matrix, packed
+    or not), plus `offsets` fp32 [n, nb] = m + 8 d (`engine.kernels.cpu_q4_1`). Its product
+    is the 4-bit rows' product plus the activation's block sums times the offsets."""
+
+    rows: Q4Matrix
+    offsets: torch.Tensor
+
+    @classmethod
+    def exact(cls, w: torch.Tensor, packed: bool = False) -> "Q4MinMatrix | None":
+        """w as Q4_1 rows when its values are (a Q4_1 GGUF's, decoded), else None."""
+        split = cpu_q4_1.split_exact(w)
+        if split is None:
+            return None
+        q4, offsets = split
+        q = host_memory.empty(tuple(q4.shape), torch.uint8)
+        q.copy_(q4)
+        rows = Q4Matrix(q, w.shape[1])
+        return cls(rows.pack() if packed else rows, offsets)
+
+    @property
+    def q(self) -> torch.Tensor:
+        return self.rows.q
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.rows.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes + self.offsets.numel() * 4
+
+    def pack(self) -> "Q4MinMatrix":
+        return self if self.rows.packed else Q4MinMatrix(self.rows.pack(), self.offsets)
+
+    def dequantize(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Rows lo..hi as fp32."""
+        w = self.rows.dequantize(lo, hi)
+        return w + self.offsets[lo:hi].repeat_interleave(q4_format.QK, dim=1)[:, : self.rows.cols]
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x fp32 [T, cols] (CPU) @ this^T -> fp32 [T, n]."""
+        x = x.float()
+        out = self.rows.linear(x)
+        return out.addmm_(cpu_q4_1.block_sums(x, self.offsets.shape[1]), self.offsets.t())
+
+
 # The CPU tier's matrix formats by name (--cpu-weights); fp32 is a plain tensor.
 MATRIX_FORMATS = {"int8": Int8Matrix, "int4": Q4Matrix}
 
 
 def quantize_matrix(w: torch.Tensor | QuantMatrix, fmt: str) -> QuantMatrix:
     """w in the CPU tier's format `fmt` (int8 or int4) for products with the whole matrix: a
-    matrix already in it is kept, 4-bit ones packed (a GGUF's Q4_0 rows: one rearranging copy)."""
+    matrix already in it is kept, 4-bit ones packed (a GGUF's Q4_0 rows: one rearranging copy).
+    Values that are Q4_1 blocks (a Q4_1 GGUF's) stay those blocks in either format
+    (`Q4MinMatrix`, exact): int8 rows or Q4_0 rows would round them again."""
     cls = MATRIX_FORMATS[fmt]
-    if isinstance(w, Q4Matrix) and cls is Q4Matrix:
+    if isinstance(w, (Q4Matrix, Q4MinMatrix)) and cls is Q4Matrix:
         return w.pack()
-    if isinstance(w, cls):
+    if isinstance(w, (cls, Q4MinMatrix)):
         return w
+    if isinstance(w, torch.Tensor):
+        kept = Q4MinMatrix.exact(w, packed=True)
+        if kept is not None:
+            return kept
     if cls is Q4Matrix:
         return Q4Matrix.quantize(w.to_dense("cpu", torch.float32) if isinstance(w, QuantMatrix) else w, packed=True)
     return cls.quantize(w.to_dense("cpu", torch.float32) if isinstance(w, QuantMatrix) else w)

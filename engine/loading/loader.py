@@ -22,13 +22,13 @@ Progress = Callable[[float, str], None]
 
 def model_folder(model: str | Path) -> Path:
     """The folder `Engine.load` was given; names (`demo`, catalogue and repo ids) resolve in
-    the callers (`models_registry.resolve_model`, `app.open_model`)."""
+    the callers (`models_registry.resolve.resolve_model`, `app.open_model`)."""
     path = Path(model).expanduser()
     if path.is_file():
         raise UserError(f"{str(model)[:160]!r} is a file, not a folder: a model is a folder with a config.json")
     if not path.is_dir():
         raise UserError(f"model folder {str(model)[:160]!r} does not exist "
-                        "(names resolve with models_registry.resolve_model)")
+                        "(names resolve with models_registry.resolve.resolve_model)")
     return path
 
 

@@ -28,11 +28,11 @@ import numpy as np
 import torch
 
 from engine.kernels import cpu as cpu_kernels
-from engine.kernels import cpu_q4
+from engine.kernels import q4_format, q4_rows
 from engine.kernels import host_memory
 from engine.loading.sidecar import sidecar_dir
 from engine.loading.predictors import FILENAME
-from engine.kernels.quantized import Int8Matrix, Q4Matrix
+from engine.kernels.quantized import Int8Matrix, Q4Matrix, Q4MinMatrix
 from engine.model.layers import Norm
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ def _shapes(n: int, d: int, gated: bool, fmt: str, layers: int) -> list[tuple[st
             if name.endswith("_scale"):
                 entries.append((name, "F32", (n,)))
             elif fmt == "int4":
-                entries.append((name, "U8", (n, cpu_q4.row_bytes(d))))
+                entries.append((name, "U8", (n, q4_format.row_bytes(d))))
             else:
                 entries.append((name, "I8", (n, d)))
     return entries
@@ -244,7 +244,7 @@ class PreparedRows:
         gate = self.tensor(f"layers.{i}.gate") if f"layers.{i}.gate" in self.header else None
         up, down_t = self.tensor(f"layers.{i}.up"), self.tensor(f"layers.{i}.down_t")
         if self.fmt == "int4":
-            return cpu_q4.Q4FfnRows(gate, up, down_t, dim)
+            return q4_rows.Q4FfnRows(gate, up, down_t, dim)
         scale = {p: self.tensor(f"layers.{i}.{p}_scale") for p in ("up", "down_t")}
         gate_scale = self.tensor(f"layers.{i}.gate_scale") if gate is not None else None
         return cpu_kernels.CpuFfnRows(gate, up, down_t, gate_scale, scale["up"], scale["down_t"], quant="int8")
@@ -259,6 +259,7 @@ class PreparedRows:
 # layers are built over shape-only (meta) tensors and then given the mapped ones.
 DENSE_LAYOUT_VERSION = 3  # 2: 4-bit matrices packed in groups of 8 rows (`.q4x8`); 3: int8 predictors on int4
 Q4_PACKED = "q4x8"  # the name suffix of a packed 4-bit matrix (`.q4`: plain rows)
+Q4_OFFSETS = "q4min"  # beside `.q4`/`.q4x8`: a Q4_1 matrix's block offsets (engine.kernels.quantized.Q4MinMatrix)
 _MATRIX_SUFFIXES = ("", ".q", ".q4", "." + Q4_PACKED)
 
 
@@ -282,6 +283,8 @@ def _matrix_parts(name: str, w) -> dict[str, torch.Tensor]:
         return {f"{name}.q": w.q, f"{name}.scale": w.scale}
     if isinstance(w, Q4Matrix):  # rows, or packed in groups of 8 (engine.kernels.cpu_q4x8): by name
         return {f"{name}.{Q4_PACKED if w.packed else 'q4'}": w.q}
+    if isinstance(w, Q4MinMatrix):  # Q4_1 blocks: the 4-bit rows and their block offsets
+        return {**_matrix_parts(name, w.rows), f"{name}.{Q4_OFFSETS}": w.offsets}
     return {name: w}
 
 
@@ -393,8 +396,13 @@ class PreparedDense(PreparedRows):
             if q.dim() != 2:
                 raise ValueError(f"{name}: 4-bit rows of shape {tuple(q.shape)}")
             w = Q4Matrix(q, shape[1], packed=q4.endswith(Q4_PACKED))
-            if q.shape[1] != cpu_q4.row_bytes(shape[1]):
+            if q.shape[1] != q4_format.row_bytes(shape[1]):
                 raise ValueError(f"{name}: 4-bit rows of {q.shape[1]} bytes do not hold {shape[1]} columns")
+            if f"{name}.{Q4_OFFSETS}" in self.header:
+                offsets = self.tensor(f"{name}.{Q4_OFFSETS}", resident)
+                if tuple(offsets.shape) != (q.shape[0], q4_format.n_blocks(shape[1])) or offsets.dtype != torch.float32:
+                    raise ValueError(f"{name}: block offsets of shape {tuple(offsets.shape)} for {tuple(shape)}")
+                w = Q4MinMatrix(w, offsets)
         elif f"{name}.q" in self.header:
             w = Int8Matrix(self.tensor(f"{name}.q", resident), self.tensor(f"{name}.scale"))
         else:
@@ -457,7 +465,7 @@ class PreparedDense(PreparedRows):
 # from the sparse modes' dense part: that one holds only the placement's CPU layers and the
 # predictors (its key follows the predictors file), and on a GGUF's Q4_0 weights it keeps the
 # file's codes where the dense mode requantizes, so the two need not agree.
-DENSE_MODE_LAYOUT_VERSION = 2  # 2: 4-bit matrices packed in groups of 8 rows (`.q4x8`)
+DENSE_MODE_LAYOUT_VERSION = 3  # 2: 4-bit matrices packed in groups of 8 rows (`.q4x8`); 3: Q4_1 kept (`.q4min`)
 
 
 def dense_mode_path(model_dir: Path, fmt: str) -> Path:

@@ -1,10 +1,17 @@
-"""Mixture-of-experts FFN (SmallThinker): a router picks k experts per token, each expert a
-small ReGLU FFN `down(up(x) * relu(gate(x)))`.
+"""Mixture-of-experts FFN (SmallThinker, TurboSparse-Mixtral): a router picks k experts per
+token, each expert a small gated FFN: ReGLU `down(up(x) * relu(gate(x)))` (SmallThinker) or
+dReLU `down(relu(up(x)) * relu(gate(x)))` (TurboSparse-Mixtral; `activation`).
 
-The router reads the layer's input before its attention norm (SmallThinker routes before
-attention), so `route` runs before attention and the chosen experts are known while it
-runs. Scores: top-k of the router logits, then sigmoid of those k renormalised to sum 1,
-or a softmax over them when the config asks for it.
+SmallThinker's router reads the layer's input before its attention norm, so `route` runs
+before attention and the chosen experts are known while it runs; Mixtral's reads the FFN's
+normed input (ModelConfig.router_input). Scores: top-k of the router logits, then sigmoid
+of those k renormalised to sum 1, or a softmax over them (Mixtral's softmax over all
+experts, top-k, renormalised, is the same numbers).
+
+TurboSparse-Mixtral's experts each carry a neuron predictor (`ExpertPredictors`): its
+published forward multiplies a chosen expert's activations by round(sigmoid(fc2(relu(fc1(x))))),
+so only the predicted neurons count. The sparse and hybrid modes compute exactly those;
+the dense mode (`DenseMoe`, every neuron) is the same experts without the masks.
 
 Rows are neuron-major like the dense FFN (docs/ARCHITECTURE.md): per expert, gate and up
 [n, d] and the down projection transposed, down_t [n, d], so one expert is the same rows
@@ -55,9 +62,52 @@ def route(router: torch.Tensor | Int8Matrix, x: torch.Tensor, k: int, softmax: b
     return Routing(x, experts, weights)
 
 
-def reglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down_t: torch.Tensor) -> torch.Tensor:
-    """One expert on tokens x [T, d] with dense matmuls: down(up(x) * relu(gate(x)))."""
-    return (F.relu(F.linear(x, gate)) * F.linear(x, up)) @ down_t
+def expert_acts(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str = "relu") -> torch.Tensor:
+    """An expert's activations on tokens x [T, d]: relu(gate(x)) * up(x) (ReGLU, "relu")
+    or relu(gate(x)) * relu(up(x)) (dReLU, "drelu")."""
+    up_x = F.linear(x, up)
+    return F.relu(F.linear(x, gate)) * (F.relu(up_x) if activation == "drelu" else up_x)
+
+
+def reglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down_t: torch.Tensor,
+          activation: str = "relu", mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One expert on tokens x [T, d] with dense matmuls: down(act), act as `expert_acts`,
+    times `mask` [T, n] (a predictor's 0/1 choice) when given."""
+    act = expert_acts(x, gate, up, activation)
+    return (act if mask is None else act * mask.to(act.dtype)) @ down_t
+
+
+class ExpertPredictors:
+    """The neuron predictors one layer's experts carry (TurboSparse-Mixtral: one per expert,
+    `experts.{e}.predictor.fc1/fc2`): neuron j of expert e fires when
+    sigmoid(fc2[e] @ relu(fc1[e] @ x))_j > 0.5, i.e. its logit > 0 (the published forward
+    rounds the sigmoid; 0.5 rounds to 0). They read the expert's input. fc1 [rank, d] and
+    fc2 [n, rank] per expert: plain tensors, or int8 rows on an int8 or int4 CPU tier."""
+
+    THRESHOLD = 0.0  # logit > 0 (the kernels take >= : equality has measure zero)
+
+    def __init__(self, fc1: list, fc2: list):
+        self.fc1, self.fc2 = list(fc1), list(fc2)
+
+    @property
+    def rank(self) -> int:
+        return self.fc1[0].shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(matrix_nbytes(w) for w in (*self.fc1, *self.fc2))
+
+    def logits(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """fp32 [T, n]: expert e's predictor logits on its inputs x [T, d]."""
+        return linear(F.relu(linear(x, self.fc1[e])), self.fc2[e]).float()
+
+    def mask(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """bool [T, n]: the neurons expert e's predictor lets fire."""
+        return self.logits(e, x) > self.THRESHOLD
+
+    def placed(self, place) -> "ExpertPredictors":
+        """The same predictors with every matrix passed through `place` (a tier's storage)."""
+        return ExpertPredictors([place(w) for w in self.fc1], [place(w) for w in self.fc2])
 
 
 def experts_by_token(routing: Routing) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -76,9 +126,13 @@ class DenseMoe:
     gate, up, down_t: [E, n, d] (down_t is `down` transposed, neuron-major).
     """
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down_t: torch.Tensor):
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down_t: torch.Tensor, activation: str = "relu",
+                 predictors: ExpertPredictors | None = None):
         self.gate, self.up, self.down_t = gate, up, down_t
         self.num_experts, self.n_ff = gate.shape[0], gate.shape[1]
+        self.activation = activation
+        # carried for the tiered runtime (engine.hotcold.moe_tiers); the dense mode computes every neuron
+        self.predictors = predictors
 
     @property
     def nbytes(self) -> int:
@@ -98,7 +152,7 @@ class DenseMoe:
             tokens = tokens.to(x.device)
             gate, up, down_t = self.expert(e)
             xs = x[tokens]
-            act = F.relu(F.linear(xs, gate)) * F.linear(xs, up)
+            act = expert_acts(xs, gate, up, self.activation)
             if count_neurons is not None:
                 count_neurons(layer, e, (act != 0).sum(0))
             out.index_add_(0, tokens, (act @ down_t).float() * weights.to(x.device)[:, None])

@@ -86,8 +86,8 @@ class Transformer:
     def _layer(self, index: int, layer: Layer, x: torch.Tensor, start: int, cache: KVCache,
                mask: torch.Tensor | None) -> torch.Tensor:
         routing = None
-        if layer.router is not None:  # the experts are known before attention runs
-            cfg = self.config
+        cfg = self.config
+        if layer.router is not None and cfg.router_input == "layer":  # the experts are known before attention runs
             routing = route(layer.router, x, cfg.experts_per_token, cfg.router_softmax)
             before_attention = getattr(layer.ffn, "before_attention", None)
             if before_attention is not None:  # where cold experts beyond RAM would start loading
@@ -99,7 +99,10 @@ class Transformer:
             h_mlp = layer.mlp_norm(x) if layer.mlp_norm is not None else h_attn
             return x + attn + layer.ffn(h_mlp, x, index, self.ffn_observer)
         h = x + (attn if scale is None else attn * scale)
-        ffn = layer.ffn(layer.mlp_norm(h), h if routing is None else routing, index, self.ffn_observer)
+        h_mlp = layer.mlp_norm(h)
+        if layer.router is not None and routing is None:  # Mixtral: the router reads the FFN's input
+            routing = route(layer.router, h_mlp, cfg.experts_per_token, cfg.router_softmax)
+        ffn = layer.ffn(h_mlp, h if routing is None else routing, index, self.ffn_observer)
         return h + (ffn if scale is None else ffn * scale)
 
     def _attention(self, index: int, layer: Layer, x: torch.Tensor, start: int, cache: KVCache,

@@ -110,6 +110,7 @@ class Engine:
         self._lock = sparse.lock if sparse is not None else threading.RLock()
         self._cached_ids: list[int] = []
         self.warnings: list[str] = []
+        self._token_grammar = None  # built at the first constrained request (token_grammar)
         self._logits_checked = False  # NaN/Inf weights are caught on the first token after a load
         self.kernel_preparation = None  # the CPU kernels compiling in the background (a first start)
         # Rows of the head past the tokenizer's vocabulary (padding) are never sampled.
@@ -244,13 +245,15 @@ class Engine:
         return {k: data[k] for k in keys if k in data}
 
     # --------------------------------------------------------------- generation
-    def encode_prompt(self, prompt: str | list[dict] | list[int]) -> list[int]:
+    def encode_prompt(self, prompt: str | list[dict] | list[int], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a text, a conversation (rendered by the chat template, which receives
+        `tools`, OpenAI's function definitions, where given) or ids."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(check_text(prompt, "the prompt"))
         elif prompt and isinstance(prompt[0], dict):
             for m in prompt:
                 check_text(m.get("content") if isinstance(m, dict) else m, "a message")
-            ids = self.tokenizer.encode_chat(prompt)
+            ids = self.tokenizer.encode_chat(prompt, tools=tools)
         else:
             ids = [int(i) for i in prompt]
         if not ids:
@@ -258,6 +261,19 @@ class Engine:
         if any(i < 0 or i >= self.config.vocab_size for i in ids):
             raise UserError("the prompt has token ids outside the model's vocabulary")
         return ids
+
+    def token_grammar(self):
+        """The grammar library's view of this model's tokenizer (engine.runtime.constraints),
+        built at the first constrained request."""
+        if self._token_grammar is None:
+            from engine.runtime.constraints import TokenGrammar
+
+            self._token_grammar = TokenGrammar(self.tokenizer, self.eos_ids)
+        return self._token_grammar
+
+    def check_grammar(self, spec) -> None:
+        """GrammarError (a UserError) naming the problem when `spec` cannot constrain this model."""
+        self.token_grammar().check(spec)
 
     def swap_in_kernels(self) -> bool:
         """Between tokens: the background-compiled CPU kernels, once all are ready, replace the
@@ -292,10 +308,14 @@ class Engine:
             self.cache.reset(0)
 
     def stream(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None,
-               cancel: threading.Event | None = None) -> Iterator[TokenEvent]:
+               cancel: threading.Event | None = None, tools: list[dict] | None = None) -> Iterator[TokenEvent]:
         params = params or SamplingParams()
         params.validate()
-        ids = self.encode_prompt(prompt)
+        outside = [t for t in params.logit_bias if t >= self.config.vocab_size]
+        if outside:
+            raise UserError(f"logit bias names token {outside[0]}, outside the model's vocabulary "
+                            f"of {self.config.vocab_size}")
+        ids = self.encode_prompt(prompt, tools)
         if not self.cache.rolling and len(ids) >= self.ctx:
             raise ContextFullError(
                 f"the prompt has {len(ids)} tokens but the context holds {self.ctx}; "
@@ -307,7 +327,8 @@ class Engine:
     def _generate(self, ids: list[int], params: SamplingParams, cancel: threading.Event | None):
         stats = GenerationStats(prompt_tokens=len(ids), mode=self.mode)
         self.last_stats = stats
-        sampler = Sampler(params, self.sampled_vocab)
+        constraint = self.token_grammar().start(params.grammar) if params.grammar is not None else None
+        sampler = Sampler(params, self.sampled_vocab, constraint)
         decoder = StreamDecoder(self.tokenizer)
         if self.sparse is not None:
             self.sparse.begin_generation()
@@ -334,12 +355,16 @@ class Engine:
         stats.finish_reason = "length"
         try:
             while True:
+                if constraint is not None:  # the room left, so the grammar can close in time
+                    constraint.room = min(params.max_new_tokens - len(generated),
+                                          self.ctx - len(history) if not self.cache.rolling else 1 << 30)
                 token = sampler(logits[-1], history)
                 if token in self.eos_ids:
                     stats.finish_reason = "stop"
                     break
                 generated.append(token)
                 history.append(token)
+                sampler.accept(token)
                 pending += decoder.push(token)
                 full = emitted + pending
                 hit = min((i for i in (full.find(s, max(0, len(emitted) - len(s))) for s in params.stop if s)
@@ -416,8 +441,8 @@ class Engine:
         return logits
 
     def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None,
-                 cancel: threading.Event | None = None) -> GenerationResult:
-        text = "".join(event.text for event in self.stream(prompt, params, cancel))
+                 cancel: threading.Event | None = None, tools: list[dict] | None = None) -> GenerationResult:
+        text = "".join(event.text for event in self.stream(prompt, params, cancel, tools))
         return GenerationResult(text, list(self.last_token_ids), self.last_stats)
 
     # -------------------------------------------------------------- inspection

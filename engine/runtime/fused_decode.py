@@ -30,7 +30,7 @@ import torch
 
 from engine.errors import UserError
 from engine.hotcold import hot_q4
-from engine.kernels import cpu_q4, numba_pool
+from engine.kernels import cpu_q4, numba_pool, q4_format, q4_rows
 from engine.kernels import cpu as cpu_kernels
 from engine.kernels.quantized import Int8Matrix, Q4Matrix
 from engine.hotcold.hybrid_ffn import HybridFfn
@@ -102,7 +102,7 @@ def _matrix(dl, w) -> tuple | None:
         if w.packed:
             kind = dl.M_Q4X8  # cpu_q4x8.matmul_packed
         else:
-            kind = dl.M_Q4_TILES if cpu_q4.n_blocks(w.cols) % 8 == 0 else dl.M_Q4  # matmul_q4_tiles, else matmul_q4
+            kind = dl.M_Q4_TILES if q4_format.n_blocks(w.cols) % 8 == 0 else dl.M_Q4  # matmul_q4_tiles, else matmul_q4
         return (kind, q.numpy(), _EMPTY_F32) if _plain(q.numpy()) else None
     if isinstance(w, torch.Tensor):
         if w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous() or w.dim() != 2:
@@ -119,7 +119,7 @@ def _plain(*arrays: np.ndarray) -> bool:
 
 def _rows(dl, rows) -> tuple | None:
     """(kind, gate, gate_scale, up, up_scale, down, down_scale) of FFN rows in the CPU kernels' storage."""
-    if isinstance(rows, cpu_q4.Q4FfnRows):
+    if isinstance(rows, q4_rows.Q4FfnRows):
         gate, up, down = (t.numpy() if t is not None else None for t in (rows.gate, rows.up, rows.down_t))
         out = dl.R_Q4, gate if gate is not None else up, _EMPTY_F32, up, _EMPTY_F32, down, _EMPTY_F32
         return out if _plain(*out[1:]) else None

@@ -140,6 +140,17 @@ class RemoteEngine:
             body["seed"] = params.seed
         if params.stop:
             body["stop"] = list(params.stop)[:4]
+        if params.presence_penalty:  # OpenAI's own fields, with OpenAI's definitions
+            body["presence_penalty"] = params.presence_penalty
+        if params.frequency_penalty:
+            body["frequency_penalty"] = params.frequency_penalty
+        if params.logit_bias:
+            body["logit_bias"] = {str(t): b for t, b in params.logit_bias.items()}
+        if params.grammar is not None:  # the remote server constrains the answer itself
+            if params.grammar.kind != "json_schema":
+                raise UserError("a remote model takes a JSON schema as its answer's constraint, not a grammar")
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "answer", "schema": json.loads(params.grammar.source)}}
         # Extensions that vLLM, llama.cpp and Thermocline accept; sent only when they change anything,
         # and no more once a server has refused them (OpenAI's own API rejects unknown fields).
         if self._plain:

@@ -1,11 +1,23 @@
-"""Choosing the next token: greedy, temperature, top-k, top-p, min-p, repetition penalty."""
+"""Choosing the next token: greedy, temperature, top-k, top-p, min-p, and the logits' adjustments
+before them: a bias per token, the repetition penalty, and OpenAI's presence and frequency
+penalties.
+
+OpenAI's penalties (its "parameter details"): for each token j sampled so far in this answer
+(the prompt does not count), `logit[j] -= count[j] * frequency_penalty + (count[j] > 0) *
+presence_penalty`. The bias is added to the logits as they come from the model, so a bias of
+-100 bans a token and +100 forces it, greedy included.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from engine.validation import check_sampling
+
+if TYPE_CHECKING:
+    from engine.runtime.constraints import Constraint, GrammarSpec
 
 
 @dataclass
@@ -16,8 +28,13 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # -2..2, OpenAI's definition (module docstring)
+    frequency_penalty: float = 0.0  # -2..2
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> -100..100, added to its logit
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    # What the answer must match (engine.runtime.constraints): the sampler masks every other token.
+    grammar: "GrammarSpec | None" = None
 
     def validate(self) -> None:
         """Raise UserError for any value out of range (NaN, negative, a seed past 2**64...);
@@ -26,8 +43,10 @@ class SamplingParams:
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams, vocab_limit: int | None = None):
+    def __init__(self, params: SamplingParams, vocab_limit: int | None = None,
+                 constraint: "Constraint | None" = None):
         self.params = params
+        self.constraint = constraint  # the grammar's mask, applied in every mode (greedy too)
         # Ids at or past this are rows the tokenizer has no token for (a config vocabulary
         # padded beyond it, TurboSparse 32064 vs 32002): they are never sampled.
         self.vocab_limit = vocab_limit
@@ -36,16 +55,41 @@ class Sampler:
             self.generator.manual_seed(params.seed)
         else:
             self.generator.seed()
+        self.counts: dict[int, int] = {}  # how often each token was sampled in this answer
+        if params.logit_bias:
+            self._bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+            self._bias = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
 
-    def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
+    def accept(self, token: int) -> None:
+        """The token chosen (by this sampler or not) joins the answer: the penalties count it."""
+        self.counts[token] = self.counts.get(token, 0) + 1
+        if self.constraint is not None:
+            self.constraint.accept(token)
+
+    def adjust(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
+        """The logits after the bias, the penalties and the grammar's mask: a float32 copy of our own."""
         p = self.params
         if self.vocab_limit is not None:
             logits = logits[..., : self.vocab_limit]
         logits = logits.float().cpu().clone()  # our own copy: the model's is an inference tensor
+        if p.logit_bias:
+            keep = self._bias_ids < logits.shape[-1]
+            logits.index_add_(0, self._bias_ids[keep], self._bias[keep])
         if p.repetition_penalty != 1.0 and history:
             seen = torch.tensor(sorted(set(history)), dtype=torch.long)
             values = logits[seen]
             logits[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and self.counts:
+            ids = torch.tensor(list(self.counts), dtype=torch.long)
+            counts = torch.tensor(list(self.counts.values()), dtype=torch.float32)
+            logits[ids] -= counts * p.frequency_penalty + p.presence_penalty
+        if self.constraint is not None:
+            self.constraint.apply(logits)
+        return logits
+
+    def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
+        p = self.params
+        logits = self.adjust(logits, history)
         if p.temperature == 0:
             return int(torch.argmax(logits))
         logits = logits / p.temperature

@@ -1,0 +1,324 @@
+"""Neuron bundles on disk (PowerInfer-2's layout) and the reads that fetch them.
+
+The prepared file (engine.loading.prepared) stores a layer's gate, up and down rows as three
+matrices, which the in-RAM kernels map as they are; a neuron missing from the disk tier's
+cache would cost three reads there. Beside it, `prepared-<fmt>.bundles` holds every
+neuron's rows as one bundle: gate | up | down (| their int8 scales), padded to `ALIGN`
+bytes, layer after layer, so one miss is one read and a run of neighbours is one read.
+It is written once, from the prepared file, the first time a load reads rows from disk
+(in chunks, each synced and dropped from the page cache: a first load under a memory
+limit stays under it), keyed by the prepared file's key, size and time, under a temporary
+name renamed into place; a cut or stale file is rebuilt.
+
+`BundleReader` reads runs of bundles with the fastest uncached positional read the
+platform has, and says which it took (`path_kind`):
+- "o_direct" (Linux): the file opened with O_DIRECT, page-aligned buffers, reads aligned to
+  the device's block (512, then 4096 if the device refuses it): no page cache at all;
+- "pread+nocache" (macOS: F_NOCACHE; other POSIX: pread then POSIX_FADV_DONTNEED over the
+  range): where O_DIRECT is refused (tmpfs, some filesystems);
+- "portable" (Windows, no os.pread): a handle per thread, seek and readinto on an
+  unbuffered file object (the standby list keeps the pages, which Windows does not charge
+  to the process).
+Runs larger than `MAX_READ` are split; the reads of one call go to `threads` threads
+(the reads release the GIL, so the device sees a queue of them).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"TCBUNDL1"
+HEADER_BYTES = 4096  # the bundles start page-aligned
+ALIGN = 512  # a bundle's size is a multiple of this (O_DIRECT's unit on most devices)
+MAX_READ = 256 << 10  # bytes of one read call (a run longer than this is split): each thread's buffer
+READ_PATH_ENV = "THERMOCLINE_DISK_READ_PATH"  # o_direct, pread+nocache or portable: the fastest the platform has
+WRITE_CHUNK = 8 << 20  # bytes written between a sync and a drop from the page cache
+VERSION = 1
+
+
+def bundles_path(prepared_path: Path) -> Path:
+    return Path(prepared_path).with_suffix(".bundles")
+
+
+def _key(prepared) -> str:
+    st = os.stat(prepared.path)
+    return f"{prepared.metadata.get('key')}:{st.st_size}:{st.st_mtime_ns}:{VERSION}"
+
+
+class BundleLayout:
+    """Where each part of a neuron's bundle lies: parts as (name, bytes a row, dtype, width)."""
+
+    def __init__(self, parts: list[tuple[str, int, str, int]], layers: int, n: int):
+        self.parts = parts
+        self.layers, self.n = layers, n
+        self.offsets = np.cumsum([0] + [p[1] for p in parts])[:-1].tolist()
+        raw = sum(p[1] for p in parts)
+        self.bundle_bytes = -(-raw // ALIGN) * ALIGN
+
+    def file_bytes(self) -> int:
+        return HEADER_BYTES + self.layers * self.n * self.bundle_bytes
+
+    def offset(self, layer: int, neuron: int) -> int:
+        return HEADER_BYTES + (layer * self.n + neuron) * self.bundle_bytes
+
+    def to_json(self, key: str) -> dict:
+        return {"key": key, "layers": self.layers, "n": self.n, "parts": self.parts,
+                "bundle_bytes": self.bundle_bytes}
+
+
+def layout_of(prepared, layers: int) -> BundleLayout:
+    """The bundle layout of a prepared file's FFN rows: gate, up, down_t (and an int8 tier's
+    scales), in that order, as the file stores them per layer."""
+    names = ["gate", "up", "down_t"] if "layers.0.gate" in prepared.header else ["up", "down_t"]
+    if prepared.fmt == "int8":
+        names += [f"{n}_scale" for n in names]
+    parts, n = [], None
+    for name in names:
+        entry = prepared.header[f"layers.0.{name}"]
+        shape = entry["shape"]
+        width = shape[1] if len(shape) > 1 else 1
+        size = {"U8": 1, "I8": 1, "F32": 4}[entry["dtype"]]
+        parts.append((name, width * size, entry["dtype"], width))
+        n = shape[0]
+    return BundleLayout(parts, layers, n)
+
+
+def open_or_build(prepared, layers: int) -> tuple[Path, BundleLayout]:
+    """The bundles file of a prepared file: the current one, or a new one written from it."""
+    layout = layout_of(prepared, layers)
+    path = bundles_path(prepared.path)
+    key = _key(prepared)
+    if _is_current(path, layout, key):
+        return path, layout
+    _build(prepared, path, layout, key)
+    return path, layout
+
+
+def _is_current(path: Path, layout: BundleLayout, key: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEADER_BYTES)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return False
+    if len(head) < 16 or head[:8] != MAGIC or size != layout.file_bytes():
+        return False
+    (length,) = struct.unpack("<Q", head[8:16])
+    try:
+        meta = json.loads(head[16:16 + length])
+    except ValueError:
+        return False
+    return meta == json.loads(json.dumps(layout.to_json(key)))  # tuples as the file's lists
+
+
+def _drop_cache(fd: int, lo: int, hi: int) -> None:
+    if hasattr(os, "posix_fadvise") and hi > lo:
+        os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
+
+
+def _build(prepared, path: Path, layout: BundleLayout, key: str) -> None:
+    from engine.loading.prepared import _remove_abandoned_partials
+
+    _remove_abandoned_partials(path)
+    tmp = path.with_suffix(f".{os.getpid()}.partial")
+    meta = json.dumps(layout.to_json(key)).encode()
+    header = MAGIC + struct.pack("<Q", len(meta)) + meta
+    if len(header) > HEADER_BYTES:
+        raise ValueError("bundle header too long")
+    start = time.perf_counter()
+    src = os.open(prepared.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header.ljust(HEADER_BYTES, b"\0"))
+            per_chunk = max(1, WRITE_CHUNK // layout.bundle_bytes)
+            written = HEADER_BYTES
+            for layer in range(layout.layers):
+                for lo in range(0, layout.n, per_chunk):
+                    hi = min(layout.n, lo + per_chunk)
+                    block = np.zeros((hi - lo, layout.bundle_bytes), dtype=np.uint8)
+                    for (name, row_bytes, _, _), at in zip(layout.parts, layout.offsets):
+                        entry = prepared.header[f"layers.{layer}.{name}"]
+                        first = prepared._base + entry["data_offsets"][0]
+                        data = _pread_all(src, (hi - lo) * row_bytes, first + lo * row_bytes)
+                        _drop_cache(src, first + lo * row_bytes, first + hi * row_bytes)
+                        block[:, at:at + row_bytes] = np.frombuffer(data, dtype=np.uint8).reshape(hi - lo, row_bytes)
+                    f.write(block.tobytes())
+                    f.flush()
+                    os.fsync(f.fileno())  # clean pages can be dropped: the page cache stays small
+                    _drop_cache(f.fileno(), written, written + block.nbytes)
+                    written += block.nbytes
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(src)
+    log.info("wrote %s (%d bundles of %d bytes) in %.1f s", path.name, layout.layers * layout.n,
+             layout.bundle_bytes, time.perf_counter() - start)
+
+
+def _pread_all(fd: int, size: int, offset: int) -> bytes:
+    if hasattr(os, "pread"):
+        chunks, done = [], 0
+        while done < size:
+            data = os.pread(fd, size - done, offset + done)
+            if not data:
+                raise OSError(f"short read at {offset + done} (the prepared file was cut)")
+            chunks.append(data)
+            done += len(data)
+        return b"".join(chunks)
+    os.lseek(fd, offset, os.SEEK_SET)
+    data = os.read(fd, size)
+    if len(data) != size:
+        raise OSError("short read (the prepared file was cut)")
+    return data
+
+
+def runs(ids: np.ndarray, gap: int) -> list[tuple[int, int]]:
+    """Sorted ids as (first, count) runs, neighbours within `gap` ids joined."""
+    if not len(ids):
+        return []
+    breaks = np.flatnonzero(np.diff(ids) > gap + 1)
+    starts = np.concatenate([[0], breaks + 1])
+    ends = np.concatenate([breaks, [len(ids) - 1]])
+    return [(int(ids[s]), int(ids[e] - ids[s] + 1)) for s, e in zip(starts, ends)]
+
+
+class _Buffer(threading.local):
+    """One page-aligned read buffer per reading thread, grown as needed."""
+    buf: mmap.mmap | None = None
+
+    def get(self, size: int) -> mmap.mmap:
+        if self.buf is None or len(self.buf) < size:  # the old one goes with its last view
+            self.buf = mmap.mmap(-1, max(size, 1 << 16))
+        return self.buf
+
+
+class BundleReader:
+    """Reads runs of bundles (see the module's docstring for the path each platform takes)."""
+
+    def __init__(self, path: Path, layout: BundleLayout, threads: int):
+        self.path, self.layout, self.threads = str(path), layout, threads
+        self._local = threading.local()
+        self._buffers = _Buffer()
+        self._fd = self._direct = self._refused = None
+        self.align = ALIGN
+        wanted = os.environ.get(READ_PATH_ENV, "").strip()
+        if not hasattr(os, "pread") or wanted == "portable":
+            self.path_kind = "portable"
+        else:
+            self._fd = os.open(self.path, os.O_RDONLY)
+            self.path_kind = "pread+nocache"
+            if hasattr(os, "O_DIRECT") and wanted != "pread+nocache":
+                try:
+                    self._direct = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+                    self.path_kind = "o_direct"
+                except OSError:  # tmpfs and some filesystems refuse it
+                    self._direct = None
+            elif not hasattr(os, "O_DIRECT"):  # macOS: no O_DIRECT, but a descriptor can bypass the cache
+                import fcntl
+
+                if hasattr(fcntl, "F_NOCACHE"):
+                    fcntl.fcntl(self._fd, fcntl.F_NOCACHE, 1)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="neuron-read") if threads > 1 else None
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+        self.calls = 0
+        self.seconds = 0.0
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        for fd in (self._fd, self._direct, self._refused):
+            if fd is not None:
+                os.close(fd)
+        self._fd = self._direct = self._refused = None
+
+    # ------------------------------------------------------------------ one read
+    def _read_direct(self, fd: int, size: int, offset: int) -> memoryview:
+        align = self.align
+        lo = offset - offset % align
+        hi = -(-(offset + size) // align) * align
+        buf = self._buffers.get(hi - lo)
+        view = memoryview(buf)[: hi - lo]
+        try:
+            got = os.preadv(fd, [view], lo)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            if align < 4096:  # a 4K-sector device: align to its block
+                self.align = 4096
+                return self._read_direct(fd, size, offset)
+            with self._lock:  # the descriptor stays open until close(): another thread may be using it
+                self.path_kind, self._direct, self._refused = "pread+nocache", None, fd
+            return self._read_cached(size, offset)
+        if got < offset + size - lo:
+            raise OSError(f"{self.path}: short read (the bundles file was cut)")
+        return view[offset - lo: offset - lo + size]
+
+    def _read_cached(self, size: int, offset: int) -> memoryview:
+        if self._fd is not None:
+            data = os.pread(self._fd, size, offset)
+            _drop_cache(self._fd, offset, offset + size)
+        else:
+            f = getattr(self._local, "f", None)
+            if f is None:
+                f = self._local.f = open(self.path, "rb", buffering=0)
+            f.seek(offset)
+            data = f.read(size)
+        if len(data) != size:
+            raise OSError(f"{self.path}: short read (the bundles file was cut)")
+        return memoryview(data)
+
+    def _read(self, size: int, offset: int) -> memoryview:
+        fd = self._direct
+        if fd is not None:
+            return self._read_direct(fd, size, offset)
+        return self._read_cached(size, offset)
+
+    # ------------------------------------------------------------------ a call
+    def read(self, layer: int, ids: np.ndarray, dest: list[np.ndarray], slots: np.ndarray, gap: int) -> None:
+        """Bundles `ids` (sorted) of a layer into each part's dest[p][slots] (aligned with ids)."""
+        if not len(ids):
+            return
+        start = time.perf_counter()
+        B = self.layout.bundle_bytes
+        per_read = max(1, MAX_READ // B)
+        jobs = []
+        for first, count in runs(ids, gap):
+            for lo in range(first, first + count, per_read):
+                jobs.append((lo, min(per_read, first + count - lo)))
+
+        def one(job):
+            first, count = job
+            data = self._read(count * B, self.layout.offset(layer, first))
+            block = np.frombuffer(data, dtype=np.uint8).reshape(count, B)
+            a, b = np.searchsorted(ids, [first, first + count])
+            want, to = ids[a:b] - first, slots[a:b]
+            for target, (_, row_bytes, _, width), at in zip(dest, self.layout.parts, self.layout.offsets):
+                rows = block[want, at:at + row_bytes].view(target.dtype)
+                target[to] = rows.reshape((len(to),) + target.shape[1:])
+            return count * B
+
+        if self._pool is not None and len(jobs) > 1:
+            sizes = list(self._pool.map(one, jobs))
+        else:
+            sizes = [one(j) for j in jobs]
+        with self._lock:
+            self.bytes_read += sum(sizes)
+            self.calls += len(jobs)
+            self.seconds += time.perf_counter() - start

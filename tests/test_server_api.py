@@ -1,0 +1,188 @@
+"""The OpenAI fields past the basics, through the real uvicorn and the official `openai` client
+over the embedded demo model: every field a client sends is honoured or refused with a 400
+that names it."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from app.server.runner import ServerThread
+
+CHAT = [{"role": "user", "content": "Tell me a story about a cat."}]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from engine import Engine
+    from models_registry.resolve import resolve_model
+
+    return Engine.load(resolve_model("demo"), mode="dense")
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    srv = ServerThread(lambda: engine, lambda: "demo", port=0, max_waiting=16).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+
+
+def refused(call, **kw) -> dict:
+    """The error body of a request the server must refuse with a 400."""
+    with pytest.raises(openai.BadRequestError) as err:
+        call(**kw)
+    return err.value.body
+
+
+@pytest.mark.parametrize("field, value", [
+    ("store", True), ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
+    ("reasoning_effort", "high"), ("web_search_options", {}), ("logprobs", True), ("top_logprobs", 2),
+    ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"), ("verbosity", "low"),
+])
+def test_a_feature_the_server_lacks_is_refused_by_name(client, field, value):
+    body = refused(client.chat.completions.create, model="demo", messages=CHAT, max_tokens=2,
+                   extra_body={field: value})
+    assert body["param"] == field and field in body["message"]
+
+
+def test_an_unknown_field_is_refused_by_name(client):
+    body = refused(client.chat.completions.create, model="demo", messages=CHAT, max_tokens=2,
+                   extra_body={"temprature": 0})
+    assert body["param"] == "temprature" and body["code"] == "unknown_field"
+    body = refused(client.completions.create, model="demo", prompt="Once", max_tokens=2,
+                   extra_body={"messages": CHAT})  # a chat field sent to text completions
+    assert body["param"] == "messages"
+
+
+def test_completion_only_fields_are_refused_unless_default(client):
+    assert refused(client.completions.create, model="demo", prompt="Once", echo=True)["param"] == "echo"
+    assert refused(client.completions.create, model="demo", prompt="Once", suffix="end")["param"] == "suffix"
+    assert refused(client.completions.create, model="demo", prompt="Once", best_of=3)["param"] == "best_of"
+    assert client.completions.create(model="demo", prompt="Once", max_tokens=2, best_of=1, echo=False).choices
+
+
+def test_a_message_field_the_server_does_not_take_is_refused(client):
+    messages = [{"role": "user", "content": "hi", "audio": {"id": "a1"}}]
+    body = refused(client.chat.completions.create, model="demo", messages=messages, max_tokens=2)
+    assert body["param"] == "messages[0].audio"
+
+
+def test_defaults_and_caller_fields_are_accepted(client):
+    resp = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "hi", "name": "ann"}], max_tokens=2, user="u-1",
+        metadata={"k": "v"}, store=False, service_tier="auto", modalities=["text"], parallel_tool_calls=True,
+        response_format={"type": "text"}, tools=[], tool_choice="none", presence_penalty=0,
+        frequency_penalty=0.0, logit_bias={}, logprobs=False, extra_body={"safety_identifier": "s", "top_k": 1})
+    assert resp.choices[0].message.role == "assistant"
+
+
+def test_a_null_field_counts_as_absent(server):
+    body = {"model": "demo", "messages": CHAT, "max_tokens": 2, "tools": None, "response_format": None,
+            "audio": None, "temprature": None}
+    assert httpx.post(server.url + "/chat/completions", json=body, timeout=60).status_code == 200
+
+
+def test_penalties_and_logit_bias_are_honoured(client, engine):
+    from engine import SamplingParams
+
+    def ask(**kw):
+        return client.chat.completions.create(model="demo", messages=CHAT, max_tokens=24, temperature=0,
+                                              **kw).choices[0].message.content
+
+    plain = ask()
+    for kw in ({"presence_penalty": 2.0}, {"frequency_penalty": 2.0}, {"frequency_penalty": -1.5}):
+        expected = engine.generate(CHAT, SamplingParams(max_new_tokens=24, temperature=0, **kw)).text
+        assert ask(**kw) == expected
+    assert ask(presence_penalty=2.0) != plain  # the demo repeats itself: 2.0 changes its answer
+    first = engine.generate(CHAT, SamplingParams(max_new_tokens=24, temperature=0)).token_ids
+    banned = {str(t): -100 for t in first}
+    expected = engine.generate(CHAT, SamplingParams(max_new_tokens=24, temperature=0,
+                                                    logit_bias={t: -100 for t in first}))
+    assert not set(expected.token_ids) & set(first)
+    assert ask(logit_bias=banned) == expected.text
+
+
+@pytest.mark.parametrize("field, value", [("presence_penalty", 2.5), ("frequency_penalty", "high"),
+                                          ("logit_bias", {"x": 1}), ("logit_bias", {"5": 200}),
+                                          ("logit_bias", {"99999999": 1})])
+def test_bad_penalties_are_400s_naming_the_field(client, field, value):
+    body = refused(client.chat.completions.create, model="demo", messages=CHAT, max_tokens=2,
+                   extra_body={field: value})
+    assert field in body["message"] and body["param"] in (field, None)
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog", "owl"]}, "maxItems": 3},
+        "alive": {"type": "boolean"},
+    },
+    "required": ["name", "age", "pets", "alive"],
+    "additionalProperties": False,
+}
+ASK_PERSON = [{"role": "user", "content": "Describe the cat as JSON."}]
+
+
+def _schema_format(schema, name="person"):
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+@pytest.mark.parametrize("temperature, seed", [(0, None), (1.0, 1), (1.0, 2), (1.3, 3)])
+def test_json_schema_answers_parse_and_validate(client, temperature, seed):
+    import jsonschema
+
+    resp = client.chat.completions.create(model="demo", messages=ASK_PERSON, max_tokens=150, temperature=temperature,
+                                          seed=seed, response_format=_schema_format(PERSON))
+    value = json.loads(resp.choices[0].message.content)
+    jsonschema.validate(value, PERSON)
+    assert resp.choices[0].finish_reason == "stop"  # the answer ended where its JSON ended
+
+
+def test_json_schema_streamed_and_in_text_completions(client):
+    import jsonschema
+
+    stream = client.chat.completions.create(model="demo", messages=ASK_PERSON, max_tokens=150, temperature=0.9,
+                                            seed=5, stream=True, response_format=_schema_format(PERSON))
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), PERSON)
+    resp = client.completions.create(model="demo", prompt="The cat:", max_tokens=150, temperature=0,
+                                     extra_body={"response_format": _schema_format(PERSON)})
+    jsonschema.validate(json.loads(resp.choices[0].text), PERSON)
+
+
+def test_json_mode_answers_an_object(client):
+    for seed in (1, 2):
+        resp = client.chat.completions.create(model="demo", messages=ASK_PERSON, max_tokens=200, temperature=0.8,
+                                              seed=seed, response_format={"type": "json_object"})
+        assert isinstance(json.loads(resp.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("schema, param, words", [
+    ({"type": "strin"}, "response_format.json_schema.schema", "not valid JSON Schema"),
+    ({"type": "object", "properties": {"a": {"minLength": -1}}}, "response_format.json_schema.schema",
+     "not valid JSON Schema"),
+    ({"$ref": "#/definitions/nowhere"}, "response_format", "nowhere"),
+    ({"type": "string", "pattern": "(unclosed"}, "response_format.json_schema.schema", "regex"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "response_format", "uniqueItems"),
+])
+def test_a_schema_that_cannot_be_compiled_is_a_400_naming_the_problem(client, schema, param, words):
+    body = refused(client.chat.completions.create, model="demo", messages=ASK_PERSON, max_tokens=8,
+                   response_format=_schema_format(schema))
+    assert body["param"] == param and words in body["message"], body
+
+
+def test_a_bad_response_format_is_a_400(client):
+    for value, param in (({"type": "xml"}, "response_format.type"), ("json", "response_format"),
+                         ({"type": "json_schema"}, "response_format.json_schema")):
+        assert refused(client.chat.completions.create, model="demo", messages=CHAT, max_tokens=2,
+                       extra_body={"response_format": value})["param"] == param
