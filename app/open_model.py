@@ -20,6 +20,6 @@ def open_engine(spec: str, **options):
         remote = get_remote(str(spec))
         return RemoteEngine.connect(remote, api_key_for(remote), ctx=options.get("ctx"))
     from engine import Engine
-    from models_registry import resolve_model
+    from models_registry.resolve import resolve_model
 
     return Engine.load(resolve_model(str(spec)), **options)

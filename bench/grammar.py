@@ -167,7 +167,7 @@ LIBRARIES = {"llguidance": bench_llguidance, "outlines_core": bench_outlines_cor
 
 
 def run(tokens: int = 200) -> dict:
-    from models_registry import resolve_model
+    from models_registry.resolve import resolve_model
 
     folder = resolve_model("demo")
     tokenizer_json = (folder / "tokenizer.json").read_text(encoding="utf-8")

@@ -129,11 +129,11 @@ class Prepared:
 
 
 def _cpu(case: KernelCase, layer: Layer) -> Prepared:
-    from engine.kernels import cpu, cpu_q4
+    from engine.kernels import cpu, cpu_q4, q4_rows
 
     active = torch.nonzero(layer.selected).squeeze(1)
     if case.weights == "int4":
-        rows = cpu_q4.Q4FfnRows.from_dense(layer.gate, layer.up, layer.down_t)
+        rows = q4_rows.Q4FfnRows.from_dense(layer.gate, layer.up, layer.down_t)
         return Prepared(lambda: cpu_q4.sparse_ffn(layer.x, rows, active, case.activation, layer.act_threshold),
                         rows.dequantized())
     rows = cpu.CpuFfnRows.from_dense(layer.gate, layer.up, layer.down_t, quant=case.weights)
@@ -144,13 +144,13 @@ def _cpu(case: KernelCase, layer: Layer) -> Prepared:
 def _cpu_predicted(case: KernelCase, layer: Layer) -> Prepared:
     """The decode path: rows selected inside the kernel from the predictor's logits, the rows
     a subset of the layer (row_ids, here every other neuron's logit slot), as the cold tier calls it."""
-    from engine.kernels import cpu, cpu_q4
+    from engine.kernels import cpu, cpu_q4, q4_rows
 
     row_ids = torch.arange(case.n) * 2
     logits = torch.full((2 * case.n,), layer.threshold - 1.0)
     logits[row_ids] = layer.logits
     if case.weights == "int4":
-        rows, kernels = cpu_q4.Q4FfnRows.from_dense(layer.gate, layer.up, layer.down_t), cpu_q4
+        rows, kernels = q4_rows.Q4FfnRows.from_dense(layer.gate, layer.up, layer.down_t), cpu_q4
     else:
         rows, kernels = cpu.CpuFfnRows.from_dense(layer.gate, layer.up, layer.down_t, quant=case.weights), cpu
     return Prepared(lambda: kernels.sparse_ffn_predicted(layer.x, rows, logits, layer.threshold, case.activation,
@@ -167,11 +167,11 @@ def _triton(case: KernelCase, layer: Layer) -> Prepared:
     dev = _triton_device()
     x, logits = layer.x.to(dev), layer.logits.to(dev)
     if case.weights == "int4":
-        from engine.kernels import cpu_q4
+        from engine.kernels import q4_format, q4_quantize
         from engine.kernels.triton_q4 import sparse_ffn_q4_triton
 
-        q = [None if w is None else cpu_q4.quantize_rows_q4(w) for w in (layer.gate, layer.up, layer.down_t)]
-        rows = tuple(None if w is None else cpu_q4.dequantize_rows_q4(w, case.d) for w in q)
+        q = [None if w is None else q4_quantize.quantize_rows_q4(w) for w in (layer.gate, layer.up, layer.down_t)]
+        rows = tuple(None if w is None else q4_format.dequantize_rows_q4(w, case.d) for w in q)
         qd = [None if w is None else w.to(dev) for w in q]
         return Prepared(lambda: sparse_ffn_q4_triton(x, *qd, case.d, logits, layer.threshold, case.activation,
                                                      layer.act_threshold), rows)

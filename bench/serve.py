@@ -95,7 +95,7 @@ def main(argv=None) -> int:
 
     from app.server.runner import ServerThread
     from engine import Engine
-    from models_registry import resolve_model
+    from models_registry.resolve import resolve_model
 
     engine = Engine.load(resolve_model("demo"), mode=args.mode)
     if args.server == "thread":

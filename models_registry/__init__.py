@@ -1,11 +1,11 @@
 """Catalogue of supported sparse models, downloads, hardware probe and fit estimates.
 
 Imports neither torch nor Qt (DESIGN.md): the window and the CLI use it before any
-engine is loaded. The public API, by module (import from the module; only the light
-path helpers are re-exported here):
+engine is loaded. The public API, by module (import each name from its module; this package re-exports
+nothing):
 
-- `resolve_model(name_or_path) -> Path`, `models_dir()`, `set_models_dir(path|None)`,
-  `set_offline(bool)`                                     (paths, resolve)
+- `resolve.resolve_model(name_or_path) -> Path`, `paths.models_dir()`,
+  `paths.set_models_dir(path|None)`, `paths.set_offline(bool)`
 - `catalogue.load_catalogue()`, `find_entry(id_or_repo)`   (catalogue.json, data)
 - `download.download_model(name, progress=, control=, on_predictors_downloaded=, ...)`,
   `download.verify_model(dir)`; `progress.DownloadControl` (pause/resume/cancel),
@@ -16,9 +16,3 @@ path helpers are re-exported here):
 - `fit.estimate_fit(config_dict, ctx=, vram_budget=, ram_budget=, hardware=, model_dir=)`
 - `token.save_token / clear_token / get_token`
 """
-
-from .paths import models_dir, set_models_dir, set_offline
-from .resolve import demo_model_dir, downloaded_model_dir, resolve_model
-
-__all__ = ["demo_model_dir", "downloaded_model_dir", "models_dir", "resolve_model", "set_models_dir",
-           "set_offline"]

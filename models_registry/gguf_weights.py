@@ -40,11 +40,11 @@ NO_HEADER_IMPORT_FACTOR = 8
 def import_bytes(endpoint: str, plan: RepoPlan, *, headers: dict, timeout: float = 30.0) -> int:
     """Bytes the import of the plan's GGUF writes into the model folder (Q4_0/Q8_0/Q6_K matrices
     stay blocks, predictors keep their precision), from its header read with range
-    requests: gguf_import.import_output_bytes. The one figure the download's disk check and
+    requests: gguf_plan.import_output_bytes. The one figure the download's disk check and
     the Models page's plan use."""
     from huggingface_hub.utils import get_session
 
-    from engine.loading.gguf_import import import_output_bytes
+    from engine.loading.gguf_plan import import_output_bytes
 
     from .gguf_fetch import read_header
     from .progress import DownloadControl, ProgressMeter

@@ -157,7 +157,7 @@ def recommend(rows: list[dict]) -> str | None:
 
 def probe_for_model(model_spec: str, ctx: int) -> dict:
     """Hardware totals and the suggested budgets for a model (the budgets panel's probe)."""
-    from . import resolve_model
+    from models_registry.resolve import resolve_model
 
     hw = probe_hardware()
     out = {"ram_total": hw.ram_total, "ram_available": hw.ram_available,

@@ -29,7 +29,7 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def demo_path():
-    from models_registry import resolve_model
+    from models_registry.resolve import resolve_model
 
     return resolve_model("demo")
 

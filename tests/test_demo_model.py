@@ -13,7 +13,7 @@ from engine import Engine, SamplingParams
 from engine.hotcold.activation_stats import ActivationStats
 from engine.calibration.evaluation import EvalSettings, default_corpus, evaluate
 from engine.loading.predictors import PredictorSet
-from models_registry import resolve_model
+from models_registry.resolve import resolve_model
 from models_registry.resolve import demo_model_dir
 
 DEMO = demo_model_dir()

@@ -17,9 +17,9 @@ import gguf_factory as gf
 import model_factory as mf
 from app.cli import main
 from engine import Engine, SamplingParams
-from engine.loading.gguf_import import _reader_class
+from engine.loading.gguf_reader import reader_class
 from engine.kernels import cpu_q4
-from engine.kernels.cpu_q4 import row_bytes
+from engine.kernels.q4_format import row_bytes
 from engine.loading.prepared import prepared_path
 from engine.loading.predictors import PredictorSet
 from hub_server import registry_env  # noqa: F401
@@ -98,7 +98,7 @@ def test_q4_0_gguf_rows_are_the_engines_4bit_rows(registry_env, hf_model, tmp_pa
     assert torch.nn.functional.cosine_similarity(logits, f16_ref, dim=-1).min().item() > 0.95
     # with 4-bit CPU rows the engine holds the file's own Q4_0 bytes: no requantisation loss
     engine = Engine.load(model, mode="oracle", vram_budget=0, ram_budget=1 << 30, cpu_weights="int4")
-    m = _reader_class()(path, "r")
+    m = reader_class()(path, "r")
     raw = {t.name: np.asarray(t.data) for t in m.tensors}
     for i, layer in enumerate(engine.model.layers):
         rows = layer.ffn.cold.rows
@@ -136,7 +136,7 @@ def test_truncated_and_lying_files_are_refused(registry_env, hf_model, tmp_path,
     def variant(name, mutate):
         path = tmp_path / f"{name}.gguf"
         shutil.copy(good, path)
-        reader = _reader_class()(path, "r+")
+        reader = reader_class()(path, "r+")
         mutate(reader)
         reader.data.flush()
         del reader

@@ -14,8 +14,9 @@ import torch
 import gguf_factory as gf
 import model_factory as mf
 from engine import Engine, SamplingParams
-from engine.kernels import cpu_q4
-from engine.loading.gguf_import import _reader_class, _unpermute, import_gguf
+from engine.kernels import q4_format, q4_quantize
+from engine.loading.gguf_import import import_gguf
+from engine.loading.gguf_reader import reader_class, unpermute
 from engine.loading.prepared import PreparedRows, prepared_path
 from engine.kernels.quantized import Q4Matrix
 from test_sparse import vram_for
@@ -37,7 +38,7 @@ def plain(tmp_path_factory):
     assert len(notes) == 1 and "requantizes the down projection" in notes[0]
     import_gguf(f16, root / "f16", activation="relu")
     import_gguf(path, root / "q4-f32", activation="relu", quantized=False)  # the file's exact values
-    raw = {t.name: np.asarray(t.data).copy() for t in _reader_class()(path, "r").tensors}
+    raw = {t.name: np.asarray(t.data).copy() for t in reader_class()(path, "r").tensors}
     return root, raw
 
 
@@ -46,7 +47,7 @@ def _rows(raw: dict, name: str, rows: int) -> np.ndarray:
 
 
 def _deq(codes: np.ndarray, cols: int) -> torch.Tensor:
-    return cpu_q4.dequantize_rows_q4(torch.from_numpy(np.ascontiguousarray(codes)), cols)
+    return q4_format.dequantize_rows_q4(torch.from_numpy(np.ascontiguousarray(codes)), cols)
 
 
 def test_non_reference_blocks_are_not_a_round_trip(plain):
@@ -56,7 +57,7 @@ def test_non_reference_blocks_are_not_a_round_trip(plain):
     codes = _rows(raw, "blk.0.ffn_up.weight", FF)
     nib = codes.reshape(FF, -1, 18)[:, :, 2:]
     assert ((nib & 15) != 0).all() and ((nib >> 4) != 0).all()
-    assert not np.array_equal(cpu_q4.quantize_rows_q4(_deq(codes, D)).numpy(), codes)
+    assert not np.array_equal(q4_quantize.quantize_rows_q4(_deq(codes, D)).numpy(), codes)
 
 
 def test_plain_q4_0_gguf_keeps_its_rows_and_requantizes_only_down(plain):
@@ -74,13 +75,13 @@ def test_plain_q4_0_gguf_keeps_its_rows_and_requantizes_only_down(plain):
             assert np.array_equal(prepared.tensor(f"layers.{i}.{part}").numpy(), codes), (i, part)
         # down: blocks along the intermediate dimension; its neuron rows are ggml's rounding of its values
         down = _deq(_rows(raw, f"blk.{i}.ffn_down.weight", D), FF)
-        want = cpu_q4.quantize_rows_q4(down.t().contiguous()).numpy()
+        want = q4_quantize.quantize_rows_q4(down.t().contiguous()).numpy()
         assert np.array_equal(rows.down_t.numpy(), want)
         assert np.array_equal(prepared.tensor(f"layers.{i}.down_t").numpy(), want)
         # attention and head: the file's rows (q/k unpermuted as whole rows)
         hd = D // HEADS
-        q = _unpermute(_rows(raw, f"blk.{i}.attn_q.weight", HEADS * hd), HEADS)
-        k = _unpermute(_rows(raw, f"blk.{i}.attn_k.weight", KV * hd), KV)
+        q = unpermute(_rows(raw, f"blk.{i}.attn_q.weight", HEADS * hd), HEADS)
+        k = unpermute(_rows(raw, f"blk.{i}.attn_k.weight", KV * hd), KV)
         v = _rows(raw, f"blk.{i}.attn_v.weight", KV * hd)
         # (the CPU tier packs whole-read matrices: the same bytes, interleaved; rows() unpacks)
         assert isinstance(layer.qkv, Q4Matrix) and layer.qkv.packed and layer.out.packed
@@ -148,7 +149,7 @@ def test_predictors_keep_their_file_precision(tmp_path):
                              sparse_threshold=0.0, q4_scales="symmetric")
         model = tmp_path / qtype
         import_gguf(path, model)
-        raw = {t.name: np.asarray(t.data).copy() for t in _reader_class()(path, "r").tensors}
+        raw = {t.name: np.asarray(t.data).copy() for t in reader_class()(path, "r").tensors}
         stored = sidecar_dir(model) / "predictors.safetensors"
         with safe_open(str(stored), framework="pt") as f:
             dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
@@ -186,10 +187,10 @@ def test_stored_blocks_decode_stepwise_to_the_whole_decode(plain, tmp_path, monk
     quant, exact = WeightSource(root / "q4"), WeightSource(root / "q4-f32")
     for name in sorted(exact.names()):
         assert torch.equal(quant.get(name), exact.get(name)), name
-    q = cpu_q4.quantize_rows_q4(torch.randn(45, 96, generator=torch.Generator().manual_seed(1)))
+    q = q4_quantize.quantize_rows_q4(torch.randn(45, 96, generator=torch.Generator().manual_seed(1)))
     save_file({"w.t.q4_0": q, "v.q4_0": q.clone()}, str(tmp_path / "model.safetensors"))
     src = WeightSource(tmp_path)
-    full = cpu_q4.dequantize_rows_q4(q, 96)
+    full = q4_format.dequantize_rows_q4(q, 96)
     assert torch.equal(src.get("w"), full.t()) and torch.equal(src.get("v"), full)
     for lo, hi in ((0, 96), (5, 40), (32, 64), (90, 96)):
         assert torch.equal(src.transposed_rows("v", lo, hi), full[:, lo:hi].t())

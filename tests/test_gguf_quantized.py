@@ -18,9 +18,10 @@ import gguf_factory as gf
 import model_factory as mf
 from app.cli import main
 from engine import Engine, SamplingParams
-from engine.kernels import cpu_q4
+from engine.kernels import cpu_q4, q4_format, q4_quantize
 from engine.errors import ModelFormatError
-from engine.loading.gguf_import import _reader_class, _unpermute, import_gguf
+from engine.loading.gguf_import import import_gguf
+from engine.loading.gguf_reader import reader_class, unpermute
 from engine.loading.prepared import PreparedRows, prepared_path
 from engine.kernels.quantized import Q4Matrix
 from engine.loading.weights import WeightSource
@@ -35,7 +36,7 @@ D, FF, HEADS, KV = 64, 160, 4, 2
 def _shift_zero_nibbles(path: Path) -> None:
     """Make every Q4_0 block one ggml's quantizer would not write (no nibble 0, so its
     largest magnitude is not -8 d): requantizing its values changes the codes."""
-    reader = _reader_class()(path, "r+")
+    reader = reader_class()(path, "r+")
     for t in reader.tensors:
         if t.tensor_type == gguf.GGMLQuantizationType.Q4_0:
             blocks = t.data.reshape(-1, 18)
@@ -60,7 +61,7 @@ def imported(tmp_path_factory):
     quant, f32 = root / "quant", root / "f32"
     import_gguf(path, quant)
     import_gguf(path, f32, quantized=False)
-    raw = {t.name: np.asarray(t.data).copy() for t in _reader_class()(path, "r").tensors}
+    raw = {t.name: np.asarray(t.data).copy() for t in reader_class()(path, "r").tensors}
     return path, quant, f32, raw
 
 
@@ -118,12 +119,12 @@ def test_int4_cpu_tier_maps_the_files_codes_bit_exactly(imported, monkeypatch):
             assert np.array_equal(getattr(layer.ffn.cold.rows, part).numpy(), codes), (i, part)
             assert np.array_equal(prepared.tensor(f"layers.{i}.{part}").numpy(), codes), (i, part)
             # the F32 import requantized these values into other codes: this is what changed
-            deq = cpu_q4.dequantize_rows_q4(torch.from_numpy(codes), D)
-            requantized_differs |= not np.array_equal(cpu_q4.quantize_rows_q4(deq).numpy(), codes)
+            deq = q4_format.dequantize_rows_q4(torch.from_numpy(codes), D)
+            requantized_differs |= not np.array_equal(q4_quantize.quantize_rows_q4(deq).numpy(), codes)
         # attention: q/k rows unpermuted as whole rows, v and o as they are
         hd = D // HEADS
-        q = _unpermute(_q4(raw[f"blk.{i}.attn_q.weight"], HEADS * hd), HEADS)
-        k = _unpermute(_q4(raw[f"blk.{i}.attn_k.weight"], KV * hd), KV)
+        q = unpermute(_q4(raw[f"blk.{i}.attn_q.weight"], HEADS * hd), HEADS)
+        k = unpermute(_q4(raw[f"blk.{i}.attn_k.weight"], KV * hd), KV)
         v = _q4(raw[f"blk.{i}.attn_v.weight"], KV * hd)
         assert np.array_equal(_rows_of(layer.qkv), np.concatenate([q, k, v]))
         assert np.array_equal(_rows_of(layer.out), _q4(raw[f"blk.{i}.attn_output.weight"], D))
@@ -206,7 +207,7 @@ def test_q6_k_output_head_of_a_llama_quantize_q4_0_file_is_read_exactly(tmp_path
     hf = mf.llama_relu(tmp_path / "hf", hidden=256, ff=256, layers=1, dtype=torch.float16)
     path = gf.write_gguf(hf, tmp_path / "q4-q6k.gguf", qtype="Q4_0", q6_k=("output.weight",), sparse_threshold=0.0)
     import_gguf(path, tmp_path / "m")
-    raw = {t.name: t for t in _reader_class()(path, "r").tensors}
+    raw = {t.name: t for t in reader_class()(path, "r").tensors}
     assert raw["output.weight"].tensor_type == gguf.GGMLQuantizationType.Q6_K
     want = _q6_k_fp64(np.asarray(raw["output.weight"].data).reshape(-1))
     source = WeightSource(tmp_path / "m")
@@ -220,7 +221,7 @@ def test_q6_k_output_head_of_a_llama_quantize_q4_0_file_is_read_exactly(tmp_path
     assert torch.isfinite(logits).all()
     int4 = Engine.load(tmp_path / "m", mode="oracle", vram_budget=0, ram_budget=1 << 30, cpu_weights="int4")
     assert isinstance(int4.model.lm_head, Q4Matrix)
-    assert torch.equal(int4.model.lm_head.rows(), cpu_q4.quantize_rows_q4(head))
+    assert torch.equal(int4.model.lm_head.rows(), q4_quantize.quantize_rows_q4(head))
 
 
 def test_reference_q4_0_file_decodes_as_its_f32_import_on_the_int4_tier(tmp_path):
@@ -249,6 +250,6 @@ def test_q4_0_block_numbers_have_one_home_and_one_decode():
 
     home = (tensor_kinds.Q4_0_BLOCK, tensor_kinds.Q4_0_BLOCK_BYTES)
     assert home == (32, 18) == tensor_kinds.QUANT_KINDS["q4_0"][1:]
-    assert (cpu_q4.QK, cpu_q4.BLOCK_BYTES) == home == (placement.Q4_BLOCK, placement.Q4_BLOCK_BYTES)
-    q = cpu_q4.quantize_rows_q4(torch.randn(5, 96, generator=torch.Generator().manual_seed(0)))
-    assert torch.equal(dequantize_blocks(q, "q4_0"), cpu_q4.dequantize_rows_q4(q, 96))
+    assert (q4_format.QK, q4_format.BLOCK_BYTES) == home == (placement.Q4_BLOCK, placement.Q4_BLOCK_BYTES)
+    q = q4_quantize.quantize_rows_q4(torch.randn(5, 96, generator=torch.Generator().manual_seed(0)))
+    assert torch.equal(dequantize_blocks(q, "q4_0"), q4_format.dequantize_rows_q4(q, 96))

@@ -95,7 +95,7 @@ def test_non_loopback_without_a_key_is_refused_with_a_dialog(qtbot, tmp_path, mo
 def remote_server():
     """Another Thermocline serving the demo model: the 'remote machine'."""
     from engine import Engine
-    from models_registry import resolve_model
+    from models_registry.resolve import resolve_model
 
     from app.server.runner import ServerThread
 

@@ -28,7 +28,7 @@ READ_TIMEOUT_S = 60  # a hang guard only
 @pytest.fixture(scope="module")
 def engine():
     from engine import Engine
-    from models_registry import resolve_model
+    from models_registry.resolve import resolve_model
 
     return Engine.load(resolve_model("demo"), mode="dense")
 

@@ -22,8 +22,8 @@ from engine.arch import read_config
 from engine.hotcold import hot_q4  # noqa: E402
 from engine.hotcold.placement import INDEX_BYTES, ModelBytes, build_problem  # noqa: E402
 from engine.hotcold.sparse_solve import placement_problem  # noqa: E402
-from engine.kernels import cpu_q4  # noqa: E402
-from engine.kernels.cpu_q4 import row_bytes  # noqa: E402
+from engine.kernels import cpu_q4, q4_format, q4_quantize  # noqa: E402
+from engine.kernels.q4_format import row_bytes  # noqa: E402
 from engine.loading.weights import WeightSource  # noqa: E402
 
 from test_sparse import PROMPT, RAM, random_predictors, vram_for  # noqa: E402
@@ -97,8 +97,8 @@ def test_4bit_hot_rows_decode_against_fp64(q4_hot_engine, backend, monkeypatch):
         # the hot rows are Q4_0 rows of the checkpoint's weights (ggml's rounding), 4-bit bytes
         p = f"model.layers.{i}.mlp."
         ids = hot.ids.cpu()
-        assert torch.equal(hot.q_up, cpu_q4.quantize_rows_q4(source.get(p + "up_proj.weight")[ids]))
-        assert torch.equal(hot.q_down, cpu_q4.quantize_rows_q4(source.get(p + "down_proj.weight").t()[ids]))
+        assert torch.equal(hot.q_up, q4_quantize.quantize_rows_q4(source.get(p + "up_proj.weight")[ids]))
+        assert torch.equal(hot.q_down, q4_quantize.quantize_rows_q4(source.get(p + "down_proj.weight").t()[ids]))
         assert hot.nbytes == len(hot) * (3 * row_bytes(engine.config.hidden_size) + 8)
         gate, up, down_t = hot.fp32_rows()
         x = torch.randn(engine.config.hidden_size, generator=g)
@@ -195,14 +195,14 @@ def test_a_prefill_dequantizes_each_4bit_hot_matrix_once(q4_hot_engine, monkeypa
             if q is not None and len(layer.ffn.hot):
                 hot_codes[q.data_ptr()] = i
     calls = []
-    real = cpu_q4.dequantize_rows_q4
+    real = q4_format.dequantize_rows_q4
 
     def counting(q, dim, *args, **kwargs):
         if q.data_ptr() in hot_codes:
             calls.append(hot_codes[q.data_ptr()])
         return real(q, dim, *args, **kwargs)
 
-    monkeypatch.setattr(cpu_q4, "dequantize_rows_q4", counting)
+    monkeypatch.setattr(q4_format, "dequantize_rows_q4", counting)
     got = engine.score(PROMPT, "oracle")
     assert torch.equal(got, want)
     layers_with_hot = sorted(set(hot_codes.values()))

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import cpu, cpu_q4
+from engine.kernels import cpu, cpu_q4, q4_format, q4_quantize, q4_rows
 
 
 ACTS = ("relu", "fatrelu", "drelu", "relu2")
@@ -54,17 +54,17 @@ def test_rows_are_ggml_q4_0_blocks(cols):
     w = torch.randn(7, cols, generator=g) * 3
     w[0] = 0.0  # an all-zero row: scale 0
     w[1, :5] = torch.tensor([-9.0, 9.0, 1.0, 0.0, -1.0])  # ties of the largest magnitude: the first wins
-    q = cpu_q4.quantize_rows_q4(w)
-    assert q.dtype == torch.uint8 and q.shape == (7, cpu_q4.row_bytes(cols))
-    width = cpu_q4.n_blocks(cols) * 32
+    q = q4_quantize.quantize_rows_q4(w)
+    assert q.dtype == torch.uint8 and q.shape == (7, q4_format.row_bytes(cols))
+    width = q4_format.n_blocks(cols) * 32
     wp = np.zeros((7, width), dtype=np.float32)
     wp[:, :cols] = w.numpy()
     theirs = gguf.quants.quantize(wp, gguf.GGMLQuantizationType.Q4_0)
     assert np.array_equal(q.numpy(), theirs)
     deq = gguf.quants.dequantize(theirs, gguf.GGMLQuantizationType.Q4_0)[:, :cols]
-    assert np.array_equal(cpu_q4.dequantize_rows_q4(q, cols).numpy(), deq)
+    assert np.array_equal(q4_format.dequantize_rows_q4(q, cols).numpy(), deq)
     # at most half a step (|max| / 8 / 2) per block away, plus the top clamp (one step at +max)
-    err = (cpu_q4.dequantize_rows_q4(q, cols) - w).abs()
+    err = (q4_format.dequantize_rows_q4(q, cols) - w).abs()
     assert err.max() <= w.abs().max() / 8 + 1e-6
 
 
@@ -96,8 +96,8 @@ def _check_paths(monkeypatch, fn):
 @pytest.mark.parametrize("gated", [True, False])
 def test_sparse_ffn_q4_matches_float64(monkeypatch, n, d, gated):
     x, gate, up, down_t, g = _rows(n, d, gated, n * 7 + d)
-    rows = cpu_q4.Q4FfnRows.from_dense(gate, up, down_t)
-    assert rows.nbytes == (3 if gated else 2) * n * cpu_q4.row_bytes(d)
+    rows = q4_rows.Q4FfnRows.from_dense(gate, up, down_t)
+    assert rows.nbytes == (3 if gated else 2) * n * q4_format.row_bytes(d)
     dg, du, dd = rows.dequantized()
     perm = torch.randperm(n, generator=g)
     sets = {"all": None, "empty": torch.empty(0, dtype=torch.long), "one": torch.tensor([n - 1]),
@@ -125,7 +125,7 @@ def test_sparse_ffn_q4_matches_float64(monkeypatch, n, d, gated):
 def test_predicted_selection_matches_the_id_path(monkeypatch, n, d):
     """Selection by logits (of this subset, or of the layer through row_ids) == the same ids."""
     x, gate, up, down_t, g = _rows(n, d, True, 11 + n)
-    rows = cpu_q4.Q4FfnRows.from_dense(gate, up, down_t)
+    rows = q4_rows.Q4FfnRows.from_dense(gate, up, down_t)
     layer_logits = torch.randn(3 * n, generator=g)
     row_ids = torch.randperm(3 * n, generator=g)[:n]
 
@@ -148,8 +148,8 @@ def test_matvec_q4_matches_float64(monkeypatch, n, d):
     g = torch.Generator().manual_seed(n + d)
     w = torch.randn(n, d, generator=g)
     x = torch.randn(d, generator=g)
-    q = cpu_q4.quantize_rows_q4(w)
-    wd = cpu_q4.dequantize_rows_q4(q, d).double()
+    q = q4_quantize.quantize_rows_q4(w)
+    wd = q4_format.dequantize_rows_q4(q, d).double()
     exact = wd @ x.double()
 
     def run(seen):
@@ -167,23 +167,23 @@ def test_matvec_q4_matches_float64(monkeypatch, n, d):
 
 def test_select_and_concat_keep_rows_exactly():
     x, gate, up, down_t, _ = _rows(40, 64, True, 3)
-    rows = cpu_q4.Q4FfnRows.from_dense(gate, up, down_t)
+    rows = q4_rows.Q4FfnRows.from_dense(gate, up, down_t)
     ids = torch.tensor([5, 1, 39])
     sub = rows.select(ids)
     for a, b in zip(sub.dequantized(), rows.dequantized()):
         assert torch.equal(a, b[ids])
-    both = cpu_q4.Q4FfnRows.concat([rows.select(torch.tensor([0, 1])), rows.select(torch.tensor([2]))])
+    both = q4_rows.Q4FfnRows.concat([rows.select(torch.tensor([0, 1])), rows.select(torch.tensor([2]))])
     assert torch.equal(both.up, rows.up[:3])
     with pytest.raises(IndexError):
         rows.select(torch.tensor([40]))
     with pytest.raises(ValueError):
-        cpu_q4.Q4FfnRows(None, rows.up, rows.down_t[:, :-1], 64)
+        q4_rows.Q4FfnRows(None, rows.up, rows.down_t[:, :-1], 64)
 
 
 @needs_numba
 def test_out_of_range_ids_raise():
     x, gate, up, down_t, _ = _rows(8, 32, True, 5)
-    rows = cpu_q4.Q4FfnRows.from_dense(gate, up, down_t)
+    rows = q4_rows.Q4FfnRows.from_dense(gate, up, down_t)
     with pytest.raises(IndexError):
         cpu_q4.sparse_ffn(x, rows, torch.tensor([8]), "relu")
 
@@ -192,13 +192,13 @@ def test_out_of_range_ids_raise():
 def test_matmul_q4_many_tokens_matches_float64(n, d, tokens):
     """The many-token int8 x 4-bit product: each token as the one-token kernel computes it."""
     if not cpu_q4.int8_activations(cpu_q4._kernels()):
-        assert cpu_q4.matmul_q4(torch.zeros(1, d), torch.zeros(n, cpu_q4.row_bytes(d), dtype=torch.uint8), d) is None
+        assert cpu_q4.matmul_q4(torch.zeros(1, d), torch.zeros(n, q4_format.row_bytes(d), dtype=torch.uint8), d) is None
         pytest.skip("no AVX2 host or numba: the int8 x 4-bit kernel does not run")
     g = torch.Generator().manual_seed(n * 3 + tokens)
     w = torch.randn(n, d, generator=g)
     x = torch.randn(tokens, d, generator=g)
-    q = cpu_q4.quantize_rows_q4(w)
-    wd = cpu_q4.dequantize_rows_q4(q, d).double()
+    q = q4_quantize.quantize_rows_q4(w)
+    wd = q4_format.dequantize_rows_q4(q, d).double()
     y = cpu_q4.matmul_q4(x, q, d)
     assert y.shape == (tokens, n)
     for t in range(tokens):

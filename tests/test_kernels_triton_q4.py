@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from engine.kernels import cpu_q4  # noqa: E402
+from engine.kernels import q4_format, q4_quantize  # noqa: E402
 from engine.kernels.triton_ffn import available
 from engine.kernels.triton_q4 import matvec_q4_triton, q4_activations_triton, sparse_ffn_q4_triton
 
@@ -32,8 +32,8 @@ def _nonlinearity(v, activation):
 
 
 def _q4(t):
-    q = cpu_q4.quantize_rows_q4(t)
-    return q.to(DEVICE), cpu_q4.dequantize_rows_q4(q, t.shape[1]).double()
+    q = q4_quantize.quantize_rows_q4(t)
+    return q.to(DEVICE), q4_format.dequantize_rows_q4(q, t.shape[1]).double()
 
 
 @pytest.mark.parametrize("n,d", [(70, 96), (33, 100)])
@@ -83,6 +83,6 @@ def test_matvec_q4_matches_float64(n, d):
 
 
 def test_rows_of_the_wrong_layout_are_refused():
-    q = cpu_q4.quantize_rows_q4(torch.randn(4, 64)).to(DEVICE)
+    q = q4_quantize.quantize_rows_q4(torch.randn(4, 64)).to(DEVICE)
     with pytest.raises(ValueError):
         matvec_q4_triton(torch.randn(96, device=DEVICE), q, 96)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.kernels import cpu_q4, cpu_q4x8, numba_pool
+from engine.kernels import cpu_q4, cpu_q4x8, numba_pool, q4_format, q4_quantize
 from engine.kernels.quantized import Q4Matrix, quantize_matrix
 
 HAS_KERNELS = cpu_q4.int8_activations(cpu_q4._kernels())
@@ -40,7 +40,7 @@ def _weights(n, cols, seed, zero_blocks=True):
 
 @pytest.mark.parametrize("n, cols", [(1, 32), (7, 64), (8, 32), (13, 100), (24, 256), (37, 300), (64, 4096)])
 def test_pack_keeps_every_byte_and_unpacks_any_row_range(n, cols):
-    q = cpu_q4.quantize_rows_q4(_weights(n, cols, n + cols))
+    q = q4_quantize.quantize_rows_q4(_weights(n, cols, n + cols))
     p = cpu_q4x8.pack_rows(q)
     assert p.shape == q.shape and p.dtype == torch.uint8
     assert torch.equal(p.flatten().sort().values, q.flatten().sort().values)  # a rearrangement
@@ -71,13 +71,13 @@ def test_layout_interleaves_four_bytes_of_each_row():
 @pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 9])
 def test_product_matches_fp64_of_the_stored_rows(n, cols, tokens):
     w = _weights(n, cols, n * 31 + cols + tokens)
-    q = cpu_q4.quantize_rows_q4(w)
+    q = q4_quantize.quantize_rows_q4(w)
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, cols, generator=g) * torch.rand(tokens, 1, generator=g) * 3
     x[0, :min(cols, 32)] = 0  # a zero activation block (scale 0)
     y = cpu_q4x8.matmul_packed(x, cpu_q4x8.pack_rows(q), cols)
     assert y is not None and y.shape == (tokens, n) and y.dtype == torch.float32
-    wd = cpu_q4.dequantize_rows_q4(q, cols).double()
+    wd = q4_format.dequantize_rows_q4(q, cols).double()
     ref = _as_q8(x) @ wd.T
     # the same integer block products; fp32 rounding of the sums apart
     magnitude = _as_q8(x).abs() @ wd.abs().T
@@ -94,20 +94,20 @@ def test_extreme_blocks_do_not_saturate_16_bit_sums():
     # 7/8 of it, the opposite sign, to nibble 15: all nibbles 15 but one a block
     w = torch.full((n, cols), 0.875)
     w[:, ::32] = -1.0
-    q = cpu_q4.quantize_rows_q4(w)
+    q = q4_quantize.quantize_rows_q4(w)
     assert (q.reshape(n, -1, 18)[:, :, 3:] == 0xFF).all()
     x = torch.full((3, cols), 5.0)
     x[1, 1::2] = -5.0  # mixed signs
     x[2] = -x[2]  # every 16-bit lane at -(8 x 2 x 15 x 127)
     y = cpu_q4x8.matmul_packed(x, cpu_q4x8.pack_rows(q), cols)
-    ref = _as_q8(x) @ cpu_q4.dequantize_rows_q4(q, cols).double().T
+    ref = _as_q8(x) @ q4_format.dequantize_rows_q4(q, cols).double().T
     assert torch.allclose(y.double(), ref, rtol=1e-6, atol=1e-4)
 
 
 @needs_kernels
 def test_result_does_not_depend_on_the_thread_count():
     g = torch.Generator().manual_seed(3)
-    p = cpu_q4x8.pack_rows(cpu_q4.quantize_rows_q4(torch.randn(301, 512, generator=g)))
+    p = cpu_q4x8.pack_rows(q4_quantize.quantize_rows_q4(torch.randn(301, 512, generator=g)))
     x = torch.randn(7, 512, generator=g)
     before = numba_pool.num_threads()
     try:
@@ -122,7 +122,7 @@ def test_result_does_not_depend_on_the_thread_count():
 
 def test_kernels_turned_off_with_the_int8_activations(monkeypatch):
     monkeypatch.setattr(cpu_q4, "USE_INT8_ACTIVATIONS", False)
-    p = cpu_q4x8.pack_rows(cpu_q4.quantize_rows_q4(torch.randn(8, 256)))
+    p = cpu_q4x8.pack_rows(q4_quantize.quantize_rows_q4(torch.randn(8, 256)))
     assert cpu_q4x8.matmul_packed(torch.randn(5, 256), p, 256) is None
 
 

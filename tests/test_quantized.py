@@ -69,10 +69,10 @@ def test_q4_1_values_stay_q4_1_blocks_exactly_and_multiply_as_their_values(token
 
 
 def test_q4_1_blocks_split_into_q4_0_rows_and_offsets_decode_as_ggml_does():
-    from engine.kernels import cpu_q4, cpu_q4_1
+    from engine.kernels import cpu_q4_1, q4_format
 
     w = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
     raw = cpu_q4_1.quantize_blocks(w.numpy())
     q4, offsets = cpu_q4_1.split_blocks(raw)
-    ours = cpu_q4.dequantize_rows_q4(torch.from_numpy(q4), 64) + torch.from_numpy(offsets).repeat_interleave(32, 1)
+    ours = q4_format.dequantize_rows_q4(torch.from_numpy(q4), 64) + torch.from_numpy(offsets).repeat_interleave(32, 1)
     assert torch.allclose(ours, torch.from_numpy(cpu_q4_1.dequantize_blocks(raw)), rtol=0, atol=1e-6)

@@ -8,7 +8,7 @@ import pytest
 
 from app.cli import main
 from hub_server import HubRepo, local_hub, registry_env, tiny_llama_config, tiny_model_files  # noqa: F401
-from models_registry import resolve_model
+from models_registry.resolve import resolve_model
 from models_registry.state import read_state
 
 MODEL_REPO, PRED_REPO = "SparseLLM/ReluLLaMA-7B", "PowerInfer/ReluLLaMA-7B-Predictor"

@@ -10,7 +10,7 @@ import pytest
 
 from engine.errors import UserError
 from hub_server import HubRepo, local_hub, registry_env, tiny_model_files  # noqa: F401
-from models_registry import resolve_model
+from models_registry.resolve import resolve_model
 from models_registry.download import IntegrityError, download_model, verify_model
 from models_registry.progress import DownloadCancelled, DownloadControl
 from models_registry.state import read_state
@@ -343,7 +343,7 @@ def test_local_server_speaks_what_huggingface_hub_expects(hub, env):
 
 
 def test_offline_setting_is_remembered(hub, env):
-    from models_registry import set_offline
+    from models_registry.paths import set_offline
 
     set_offline(True)
     with pytest.raises(UserError, match="offline mode"):

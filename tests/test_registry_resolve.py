@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from engine.errors import UserError
-from models_registry import models_dir, resolve_model, set_models_dir
+from models_registry.paths import models_dir, set_models_dir
+from models_registry.resolve import resolve_model
 from models_registry.resolve import demo_model_dir
 from models_registry.state import write_state
 

@@ -29,7 +29,7 @@ def registry(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def engine():
     from engine import Engine
-    from models_registry import resolve_model
+    from models_registry.resolve import resolve_model
 
     return Engine.load(resolve_model("demo"), mode="dense")
 

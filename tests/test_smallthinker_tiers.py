@@ -357,7 +357,7 @@ def test_decode_bytes_are_the_chosen_experts_fired_rows_and_no_more(model, quant
     experts and the up and down rows of their neurons that fire (recomputed here from the
     layer's input), which is at most the k chosen experts whole; the dense parts read are
     attention, router and norms. Nothing else is read per layer."""
-    from engine.kernels import cpu_q4
+    from engine.kernels import cpu_q4, q4_format
     from engine.hotcold.moe_tiers import _row_bytes
 
     # fp32 activations, so the neurons recounted here from x fire exactly where the kernel's do
@@ -386,7 +386,7 @@ def test_decode_bytes_are_the_chosen_experts_fired_rows_and_no_more(model, quant
             g, u, _ = rows.dequantized()
             xe = x[0].float()
             if quant == "int4":  # the kernel reads x padded to whole blocks: same sums
-                xe = cpu_q4.padded(xe, rows.dim)[: rows.dim]
+                xe = q4_format.padded(xe, rows.dim)[: rows.dim]
             fired = int(((torch.relu(g @ xe) * (u @ xe)) != 0).sum())
             expected += (cfg.intermediate_size + 2 * fired) * _row_bytes(rows)
             whole += 3 * cfg.intermediate_size * _row_bytes(rows)

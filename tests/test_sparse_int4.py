@@ -10,7 +10,7 @@ import torch
 
 from engine import Engine, SamplingParams
 from engine.kernels import cpu_q4
-from engine.kernels.cpu_q4 import Q4FfnRows
+from engine.kernels.q4_rows import Q4FfnRows
 from engine.kernels.quantized import Int8Matrix, Q4Matrix
 
 from test_sparse import PROMPT, RAM, random_predictors, vram_for

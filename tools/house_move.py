@@ -69,6 +69,27 @@ NAMES = {
     **{("models_registry.fit", n): "engine.budget_policy" for n in (
         "RAM_RESERVE_FRACTION", "RAM_RESERVE_MIN", "VRAM_RESERVE", "usable_ram", "usable_vram")},
 }
+# round 2: rooms with one job (cpu_q4.py and gguf_import.py split along their jobs)
+_Q4_KERNELS = (
+    "pow2", "prefetch", "scale_of", "row_dot", "row_axpy", "nonlinearity", "next_live", "positions", "rows_pass",
+    "ffn_rows_q4", "matvec_rows_q4", "dot4_q4_avx2", "axpy_q4_avx2", "quantize_act_q4", "matvec_q4_avx2",
+    "quantize_act_q4_rows", "linear_q4", "matmul_q4_avx2", "row_at", "dots_pass", "ffn_rows_q4_act",
+    "ffn_rows_q4_avx2", "HAS_AVX2")
+NAMES.update({
+    **{("engine.kernels.cpu_q4", n): "engine.kernels.q4_format" for n in (
+        "QK", "BLOCK_BYTES", "QUANT", "n_blocks", "row_bytes", "dequantize_rows_q4", "padded")},
+    ("engine.kernels.cpu_q4", "quantize_rows_q4"): "engine.kernels.q4_quantize",
+    ("engine.kernels.cpu_q4", "Q4FfnRows"): "engine.kernels.q4_rows",
+    **{("engine.kernels.cpu_q4", n): "engine.kernels.cpu_q4_numba" for n in _Q4_KERNELS},
+    **{("engine.loading.gguf_import", n): "engine.loading.gguf_reader" for n in (
+        "POWERINFER_MAGIC", "GGUF_MAGIC", "ARCHITECTURES", "GgufTensor", "GgufModel", "read_gguf", "dequantize")},
+    **{("engine.loading.gguf_import", n): "engine.loading.gguf_plan" for n in (
+        "PREDICTOR_NAME", "import_output_bytes")},
+    # the registry package's re-exports: each name from the module that defines it
+    **{("models_registry", n): "models_registry.paths" for n in ("models_dir", "set_models_dir", "set_offline")},
+    **{("models_registry", n): "models_registry.resolve" for n in (
+        "demo_model_dir", "downloaded_model_dir", "resolve_model")},
+})
 NAMES = {k: v for k, v in NAMES.items() if k[0] != v}
 
 # new packages and what they hold
@@ -253,6 +274,97 @@ def rewrite_text(text: str, patterns) -> str:
 _ATTRIBUTE = re.compile(r"\b(\w+)\.(\w+)\b")
 
 
+def _alias_of(node: ast.stmt, modules: set[str]) -> dict[str, str]:
+    """name -> project module, for one import statement that binds modules."""
+    out = {}
+    if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        for a in node.names:
+            full = canonical(f"{node.module}.{a.name}")
+            if full in modules:
+                out[a.asname or a.name] = full
+    elif isinstance(node, ast.Import):
+        for a in node.names:
+            if a.asname and canonical(a.name) in modules:
+                out[a.asname] = canonical(a.name)
+    return out
+
+
+def _attribute_uses(tree: ast.AST, modules: set[str]):
+    """(attribute node, module its alias names, the import statement) for every read
+    `alias.name` of a module alias, the alias looked up in the scopes around the read
+    (a function's own imports first, then the enclosing ones, then the module's)."""
+    found = []
+
+    def visit(node, scopes):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            scopes = scopes + [{}]
+            body = node.body if isinstance(node.body, list) else [node.body]
+            for sub in ast.walk(ast.Module(body=body, type_ignores=[])):
+                if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                    for name, module in _alias_of(sub, modules).items():
+                        scopes[-1][name] = (module, sub)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            for scope in reversed(scopes):
+                if node.value.id in scope:
+                    module, imp = scope[node.value.id]
+                    found.append((node, module, imp, scope))
+                    break
+        for child in ast.iter_child_nodes(node):
+            visit(child, scopes)
+
+    top = {}
+    for sub in tree.body:
+        if isinstance(sub, (ast.Import, ast.ImportFrom, ast.If, ast.Try)):
+            for s in ast.walk(sub):
+                if isinstance(s, (ast.Import, ast.ImportFrom)):
+                    for name, module in _alias_of(s, modules).items():
+                        top[name] = (module, s)
+    visit(tree, [top])
+    return found
+
+
+def rewrite_attributes(text: str, modules: set[str]) -> str:
+    """Reads of a moved name through a module alias (`cpu_q4.row_bytes`, `cpu_q4.Q4FfnRows`)
+    become reads through the module that defines it (`q4_format.row_bytes`), imported next
+    to the alias's import (in the same scope); an alias left unused is then removed by
+    `ruff check --fix --select F401`."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return text
+    lines = text.splitlines(keepends=True)
+    offsets = [0]
+    for line in lines:
+        offsets.append(offsets[-1] + len(line))
+    edits, needed = [], {}
+    for node, module, imp, scope in _attribute_uses(tree, modules):
+        dest = NAMES.get((module, node.attr))
+        if dest is None:
+            continue
+        pkg, _, leaf = dest.rpartition(".")
+        v = node.value
+        start = offsets[v.lineno - 1] + _col(lines[v.lineno - 1], v.col_offset)
+        end = offsets[v.end_lineno - 1] + _col(lines[v.end_lineno - 1], v.end_col_offset)
+        edits.append((start, end, leaf))
+        if scope.get(leaf, (None,))[0] != dest:
+            needed.setdefault(id(imp), (imp, set()))[1].add((pkg, leaf))
+    for imp, wanted in needed.values():
+        indent = " " * imp.col_offset
+        if isinstance(imp, ast.ImportFrom) and {pkg for pkg, _ in wanted} == {imp.module}:
+            # `from engine.kernels import cpu_q4` -> `from engine.kernels import cpu_q4, q4_format`
+            names = sorted({(a.name, a.asname) for a in imp.names} | {(leaf, None) for _, leaf in wanted},
+                           key=lambda n: n[0].lower())
+            start = offsets[imp.lineno - 1] + _col(lines[imp.lineno - 1], imp.col_offset)
+            end = offsets[imp.end_lineno - 1] + _col(lines[imp.end_lineno - 1], imp.end_col_offset)
+            edits.append((start, end, _render(indent, imp.module, names)))
+            continue
+        at = offsets[imp.end_lineno]
+        edits.append((at, at, "".join(f"{indent}from {pkg} import {leaf}\n" for pkg, leaf in sorted(wanted))))
+    for start, end, new in sorted(edits, key=lambda e: (e[0], e[1]), reverse=True):
+        text = text[:start] + new + text[end:]
+    return text
+
+
 def _alias_warnings(path: Path, text: str) -> list[str]:
     """Reads of a moved name through a module alias (`from engine.hotcold import sparse` ...
     `sparse.default_budgets`), which only a person can rewrite."""
@@ -291,6 +403,8 @@ def rewrite_all() -> tuple[list[str], list[str]]:
             rel = path.relative_to(ROOT)
             name = _module_of(path) if rel.parts[0] != "tests" else ".".join(rel.with_suffix("").parts[1:])
             new = rewrite_imports(new, name, path.name == "__init__.py", modules)
+            if path.resolve() != Path(__file__).resolve():
+                new = rewrite_attributes(new, modules)
             warnings += _alias_warnings(path, new)
         if path.resolve() != Path(__file__).resolve():
             new = rewrite_text(new, patterns)

@@ -59,7 +59,7 @@ def download_shot(window, model: str, pump, shot) -> None:
     except ImportError:
         print("tests/hub_server.py not found: no download screenshot", file=sys.stderr)
         return
-    from models_registry import resolve_model
+    from models_registry.resolve import resolve_model
 
     folder = resolve_model(model)
     files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}

@@ -60,13 +60,15 @@ def _load(args, settings):
     falls back to dense, as in the window."""
     args.model = args.model or settings["model.active"]
     args.mode = args.mode or settings["engine.mode"]
+    from app.kernel_words import kernels_choice
+
     try:
-        return load_engine(args)
+        return load_engine(args, kernels_choice())
     except Exception:  # noqa: BLE001 - no predictors, no sparse runtime: dense still works
         if args.mode == "dense":
             raise
         requested, args.mode = args.mode, "dense"
-        engine = load_engine(args)
+        engine = load_engine(args, kernels_choice())
         print(f"(running dense: {requested} mode is not available for this model)", file=sys.stderr)
         return engine
 
@@ -120,6 +122,10 @@ def run(args) -> int:
         from engine.runtime.chat_formats import BASE_MODEL_NOTE
 
         print(f"note: {BASE_MODEL_NOTE}")
+    from app.kernel_words import TerminalNote
+
+    kernel_note = TerminalNote(engine, sys.stdout)
+    kernel_note.after_load()
     interrupted = False
     try:
         while True:
@@ -225,6 +231,7 @@ def run(args) -> int:
                 print("\n(the conversation filled what the model reads; /new starts a new one)")
             speed = f"{s.decode_tok_s:.1f} tokens/s, " if s.new_tokens > 1 else ""
             sys.stdout.write(f"\n  [{speed}first word after {s.ttft_s * 1000:.0f} ms]\n")
+            kernel_note.after_answer()
     finally:
         if saver is not None:
             saver.close()

@@ -284,25 +284,13 @@ def cmd_verify(args) -> int:
 
 
 # -- fit -------------------------------------------------------------------------------------
-def _fit_config(folder: Path) -> dict:
-    path = folder / "config.json"
-    if not path.is_file():
-        raise UserError(f"{str(folder)[:160]!r} has no config.json: it is not a model folder")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{str(path)[:160]!r} is not valid JSON ({str(exc)[:120]})") from None
-    if not isinstance(config, dict):
-        raise UserError(f"{str(path)[:160]!r} is not a JSON object")
-    return config
-
-
 def cmd_fit(args) -> int:
     from models_registry.catalogue import find_entry
     from models_registry.fit import BytesModel, estimate_fit
     from models_registry.hardware import probe_hardware
     from models_registry.resolve import resolve_model
 
+    from engine.arch import read_config_json
     from engine.validation import check_ctx
 
     check_ctx(args.ctx, "--ctx")
@@ -310,7 +298,7 @@ def cmd_fit(args) -> int:
     folder = None
     try:
         folder = resolve_model(args.model)
-        config = _fit_config(folder)
+        config = read_config_json(folder)
     except UserError:
         if entry is None or not entry.config:
             raise

@@ -26,7 +26,7 @@ def run(args) -> int:
     from engine.arch import read_config
     from engine.hotcold.placement import solve
     from engine.hotcold.sparse_solve import pick_fast_device, problem_for_model
-    from models_registry import resolve_model
+    from models_registry.resolve import resolve_model
 
     from engine.validation import check_ctx
 

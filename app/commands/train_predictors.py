@@ -38,7 +38,7 @@ def run(args) -> int:
 
     from engine.errors import UserError
     from engine.calibration.predictor_training import TrainSettings, train_predictors
-    from models_registry import resolve_model
+    from models_registry.resolve import resolve_model
 
     try:
         rank = _rank(args.rank)

@@ -18,7 +18,7 @@ from app.settings import DEFAULT_SYSTEM_PROMPT, Settings
 from app.storage import COMPLETE, FAILED, STREAMING, WRITE_ERRORS, Conversation, Storage
 
 from . import formatting as fmt
-from .chat_session import FLUSH_MS, SAVE_RETRY_MS, AnswerStats, ChatSession  # noqa: F401 (re-exported)
+from .chat_session import AnswerStats, ChatSession
 from .chat_view import ChatView
 from .context_policy import answer_room
 from .dialogs import ConversationSettingsDialog, show_error

@@ -116,6 +116,9 @@ class MainWindow(QMainWindow):
         from .server_panel import install_server_panel
 
         self.server_panel = install_server_panel(self)
+        from .kernel_status import install_kernel_status
+
+        self.kernel_status = install_kernel_status(self)
 
         # Wiring.
         self.chat_tab.clicked.connect(lambda: self.show_page("chat"))

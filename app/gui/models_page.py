@@ -409,7 +409,7 @@ class ModelsPage(QWidget):
         self._sync_card(spec)
 
         def work() -> dict:
-            from models_registry import models_dir
+            from models_registry.paths import models_dir
             from models_registry.download import planned_disk
             from models_registry.hardware import free_disk
 
@@ -613,7 +613,7 @@ class ModelsPage(QWidget):
         box.open()
 
     def _open_models_dir(self) -> None:
-        from models_registry import models_dir
+        from models_registry.paths import models_dir
 
         folder = models_dir()
         folder.mkdir(parents=True, exist_ok=True)

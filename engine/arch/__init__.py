@@ -106,9 +106,9 @@ def parse_config(raw, activation_hint: str | None = None) -> ModelConfig:
     return config
 
 
-def read_config(model_dir: Path, activation_hint: str | None = None) -> ModelConfig:
-    """A model folder's config.json -> ModelConfig (the activation the folder's download
-    record names, when config.json names none and no hint is given)."""
+def read_config_json(model_dir: Path) -> dict:
+    """A model folder's config.json as decoded JSON (the one reading of the file: `read_config`
+    and the fit estimate's command take it from here), or a ModelFormatError saying why not."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ModelFormatError(f"{model_dir} has no config.json: is it a Hugging Face model folder?")
@@ -116,4 +116,12 @@ def read_config(model_dir: Path, activation_hint: str | None = None) -> ModelCon
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ModelFormatError(f"cannot read {path}: {exc}") from None
-    return parse_config(raw, activation_hint or recorded_activation(Path(model_dir)))
+    if not isinstance(raw, dict):
+        raise ModelFormatError(f"{path} must hold a JSON object, not a {type(raw).__name__}")
+    return raw
+
+
+def read_config(model_dir: Path, activation_hint: str | None = None) -> ModelConfig:
+    """A model folder's config.json -> ModelConfig (the activation the folder's download
+    record names, when config.json names none and no hint is given)."""
+    return parse_config(read_config_json(model_dir), activation_hint or recorded_activation(Path(model_dir)))

@@ -12,7 +12,7 @@ from ..config import ModelConfig
 from engine.model.layers import DenseFfn, Layer, Norm
 from engine.errors import ModelFormatError
 from engine.kernels.quantized import Q4Matrix
-from engine.kernels.cpu_q4 import Q4FfnRows
+from engine.kernels.q4_rows import Q4FfnRows
 from engine.model.q4_ffn import Q4StagedFfn, q4_rows_of, transposed_q4_rows
 
 

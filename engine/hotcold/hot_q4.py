@@ -23,7 +23,7 @@ import torch
 
 from engine.hotcold.hybrid_ffn import ColdRows, HotRows, concat_rows
 from engine.hotcold.placement import hot_row_format
-from engine.kernels import cpu_q4
+from engine.kernels import cpu_q4, q4_format, q4_quantize, q4_rows
 
 HOT_INT4 = "int4"
 HOT_WEIGHTS_ENV = "THERMOCLINE_HOT_WEIGHTS"  # int4: 4-bit hot rows on any fast device
@@ -49,10 +49,10 @@ class Q4HotRows(HotRows):
         self.dim, self.dtype, self.device = dim, dtype, q_up.device
         self.cpu_rows = None  # not the fp32 CPU kernels' rows
         # on a CPU fast device, cpu_q4's kernels read the same bytes
-        self.q4_rows = cpu_q4.Q4FfnRows(q_gate, q_up, q_down, dim) if self.device.type == "cpu" else None
+        self.q4_rows = q4_rows.Q4FfnRows(q_gate, q_up, q_down, dim) if self.device.type == "cpu" else None
 
     @classmethod
-    def from_rows(cls, rows: cpu_q4.Q4FfnRows, ids: torch.Tensor, device: torch.device,
+    def from_rows(cls, rows: q4_rows.Q4FfnRows, ids: torch.Tensor, device: torch.device,
                   dtype: torch.dtype) -> "Q4HotRows":
         """4-bit CPU rows (cold rows, a checkpoint's Q4_0 rows) on the fast device, as they are."""
         def move(t):
@@ -66,19 +66,19 @@ class Q4HotRows(HotRows):
     def from_float(cls, gate: torch.Tensor | None, up: torch.Tensor, down_t: torch.Tensor, ids: torch.Tensor,
                    device: torch.device, dtype: torch.dtype) -> "Q4HotRows":
         """Float rows [n, d] quantized to Q4_0 (ggml's rounding) on the fast device."""
-        q = cpu_q4.Q4FfnRows(*(None if t is None else cpu_q4.quantize_rows_q4(t) for t in (gate, up, down_t)),
+        q = q4_rows.Q4FfnRows(*(None if t is None else q4_quantize.quantize_rows_q4(t) for t in (gate, up, down_t)),
                              up.shape[1])
         return cls.from_rows(q, ids, device, dtype)
 
     @classmethod
     def empty(cls, gated: bool, dim: int, device: torch.device, dtype: torch.dtype) -> "Q4HotRows":
-        z = torch.empty(0, cpu_q4.row_bytes(dim), dtype=torch.uint8, device=device)
+        z = torch.empty(0, q4_format.row_bytes(dim), dtype=torch.uint8, device=device)
         return cls(z if gated else None, z, z, torch.empty(0, dtype=torch.long, device=device), dim, dtype)
 
     # Dequantized matrices for the many-token paths: hybrid_ffn asks dense() once per call and
     # reads dtype/dim for metadata (no gate/up/down_t attributes: each would be a whole copy).
     def _dense(self, q: torch.Tensor | None) -> torch.Tensor | None:
-        return None if q is None else cpu_q4.dequantize_rows_q4(q, self.dim).to(self.dtype)
+        return None if q is None else q4_format.dequantize_rows_q4(q, self.dim).to(self.dtype)
 
     def dense(self, *parts: str) -> tuple[torch.Tensor | None, ...]:
         codes = {"gate": self.q_gate, "up": self.q_up, "down_t": self.q_down}
@@ -91,17 +91,17 @@ class Q4HotRows(HotRows):
 
     def fp32_rows(self):
         def cpu32(q):
-            return None if q is None else cpu_q4.dequantize_rows_q4(q.cpu(), self.dim)
+            return None if q is None else q4_format.dequantize_rows_q4(q.cpu(), self.dim)
         return cpu32(self.q_gate), cpu32(self.q_up), cpu32(self.q_down)
 
-    def cpu_q4_rows(self, positions: torch.Tensor | None = None) -> cpu_q4.Q4FfnRows:
+    def cpu_q4_rows(self, positions: torch.Tensor | None = None) -> q4_rows.Q4FfnRows:
         """These rows (or those at `positions`) as CPU 4-bit rows: the codes, copied."""
         def take(q):
             if q is None:
                 return None
             q = q if positions is None else q[positions.to(q.device)]
             return q.to("cpu").contiguous().clone()
-        return cpu_q4.Q4FfnRows(take(self.q_gate), take(self.q_up), take(self.q_down), self.dim)
+        return q4_rows.Q4FfnRows(take(self.q_gate), take(self.q_up), take(self.q_down), self.dim)
 
     def decode(self, x: torch.Tensor, logits: torch.Tensor | None, threshold: float, activation: str,
                act_threshold: float) -> torch.Tensor:
@@ -134,19 +134,19 @@ def move_neurons_q4(ffn, new_hot: np.ndarray, cold_format: str, to_cold) -> None
     keep_cold = ~np.isin(cold_ids, promote)
 
     promoted = ffn.cold.rows.select(torch.as_tensor(np.flatnonzero(~keep_cold)))
-    if promoted.quant != cpu_q4.QUANT:
-        promoted = cpu_q4.Q4FfnRows.from_dense(*promoted.dequantized())
+    if promoted.quant != q4_format.QUANT:
+        promoted = q4_rows.Q4FfnRows.from_dense(*promoted.dequantized())
     stay = hot.cpu_q4_rows(torch.as_tensor(np.flatnonzero(keep_hot)))
     ids = np.concatenate([old_hot_ids[keep_hot], cold_ids[~keep_cold]])
     order = torch.as_tensor(np.argsort(ids, kind="stable"))
-    merged = cpu_q4.Q4FfnRows.concat([stay, promoted]).select(order)
+    merged = q4_rows.Q4FfnRows.concat([stay, promoted]).select(order)
     new_hot_rows = Q4HotRows.from_rows(merged, torch.as_tensor(ids[order.numpy()]), hot.device, hot.dtype)
 
     demote_pos = torch.as_tensor(np.flatnonzero(~keep_hot))
     kept = ffn.cold.rows.select(torch.as_tensor(np.flatnonzero(keep_cold)))
     parts = [kept]
     if len(demote_pos):
-        if cold_format == cpu_q4.QUANT:
+        if cold_format == q4_format.QUANT:
             parts.append(hot.cpu_q4_rows(demote_pos))
         else:
             g, u, d = hot.fp32_rows()

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu as cpu_kernels
-from engine.kernels import cpu_q4
+from engine.kernels import cpu_q4, q4_format, q4_rows
 from engine.kernels.cpu_quant import dequantize_rows_int8
 from engine.kernels.reference import activations
 
@@ -78,8 +78,8 @@ class ColdRows:
 
 def concat_rows(parts: list):
     """Cold rows of one storage (fp32, int8 or 4-bit) stacked in order, as one set of rows."""
-    if parts[0].quant == cpu_q4.QUANT:
-        return cpu_q4.Q4FfnRows.concat(parts)
+    if parts[0].quant == q4_format.QUANT:
+        return q4_rows.Q4FfnRows.concat(parts)
     def cat(name):
         tensors = [getattr(p, name) for p in parts]
         return None if tensors[0] is None else torch.cat(tensors)
@@ -166,7 +166,7 @@ class HybridFfn:
     def _cpu_rows(self, x, rows, logits, threshold, ids) -> torch.Tensor:
         """The CPU kernel over a tier's rows: all of them (oracle) or those predicted active,
         selected inside the kernel from the layer's logits."""
-        kernels = cpu_q4 if rows.quant == cpu_q4.QUANT else cpu_kernels
+        kernels = cpu_q4 if rows.quant == q4_format.QUANT else cpu_kernels
         if logits is None:
             return kernels.sparse_ffn(x, rows, None, self.activation, self.threshold)
         return kernels.sparse_ffn_predicted(x, rows, logits, threshold, self.activation, self.threshold,
@@ -188,7 +188,7 @@ class HybridFfn:
         logits = self.context.logits(pred_input).to("cpu", torch.float32)
         xc = x.to("cpu", torch.float32)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
-        if len(self.cold) and self.cold.rows.quant == cpu_q4.QUANT:
+        if len(self.cold) and self.cold.rows.quant == q4_format.QUANT:
             # 4-bit rows: the decode kernel per token (the many-token kernel reads int8 and
             # fp32 rows), each token over the rows its predictor selects, as decoding it would
             for t in range(x.shape[0]):
@@ -220,7 +220,7 @@ class HybridFfn:
             hi = min(lo + _PREFILL_CHUNK, len(self.cold))
             if rows.quant == "fp32":
                 gate, up, down_t = rows.gate[lo:hi] if self.gated else None, rows.up[lo:hi], rows.down_t[lo:hi]
-            elif rows.quant == cpu_q4.QUANT:
+            elif rows.quant == q4_format.QUANT:
                 gate, up, down_t = rows.dequantized(lo, hi, parts)
             else:  # a slice of the rows is contiguous: dequantize it in place of a copy
                 def block(q, scale):
@@ -241,7 +241,7 @@ class HybridFfn:
             acts[:, self.hot.ids.cpu()] = hot_acts.to("cpu", torch.float32)
         xc = x.to("cpu", torch.float32)
         rows = self.cold.rows
-        if len(self.cold) and rows.quant == cpu_q4.QUANT:  # the int8 x 4-bit kernel, no fp32 copy
+        if len(self.cold) and rows.quant == q4_format.QUANT:  # the int8 x 4-bit kernel, no fp32 copy
             up = cpu_q4.matmul_q4(xc, rows.up, rows.dim)
             if up is not None:
                 gate = cpu_q4.matmul_q4(xc, rows.gate, rows.dim) if self.gated else None

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from engine.errors import UserError
 from engine.kernels import cpu as cpu_kernels
-from engine.kernels import cpu_q4
+from engine.kernels import cpu_q4, q4_format, q4_rows
 from engine.loading.loader import compute_dtype, load_transformer
 from engine.cpu_formats import predictor_cpu_format
 from engine.model.moe import DenseMoe, ExpertPredictors, Routing, experts_by_token, reglu
@@ -143,7 +143,7 @@ class ColdExperts(_ExpertTier):
 
     def __init__(self, quant: str):
         self.quant = quant
-        self.rows: dict[int, cpu_kernels.CpuFfnRows | cpu_q4.Q4FfnRows] = {}
+        self.rows: dict[int, cpu_kernels.CpuFfnRows | q4_rows.Q4FfnRows] = {}
         self.neuron_ids: dict[int, torch.Tensor] = {}
 
     def add(self, e: int, ids: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down_t: torch.Tensor) -> None:
@@ -248,7 +248,7 @@ def _row_bytes(rows) -> int:
     """Bytes of one neuron's row in one matrix (with its scale for int8; whole 18-byte
     blocks for 4-bit rows)."""
     if rows.quant == COLD_INT4:
-        return cpu_q4.row_bytes(rows.dim)
+        return q4_format.row_bytes(rows.dim)
     return rows.dim * rows.up.element_size() + (4 if rows.quant == COLD_INT8 else 0)
 
 

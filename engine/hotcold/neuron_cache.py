@@ -40,7 +40,7 @@ from engine.hotcold.hybrid_ffn import HybridFfn
 from engine.hotcold.neuron_bundles import BundleReader, open_or_build
 from engine.hotcold.placement import SLOT_META_BYTES, WORKING_SHARE
 from engine.kernels import cpu as cpu_kernels
-from engine.kernels import cpu_q4
+from engine.kernels import cpu_q4, q4_format, q4_rows
 
 GAP_ROWS = 4  # neighbours this close are read in one call (the bundles between are dropped)
 PIN_FREQUENCY = 0.5  # seeded neurons firing this often are never evicted
@@ -110,7 +110,7 @@ class NeuronCache:
         t = [torch.from_numpy(a) for a in self.pool]
         if self.fmt == "int4":
             gate, up, down = (t[0], t[1], t[2]) if len(t) == 3 else (None, t[0], t[1])
-            self.rows = cpu_q4.Q4FfnRows(gate, up, down, self.d)
+            self.rows = q4_rows.Q4FfnRows(gate, up, down, self.d)
         else:
             k = len(t) // 2
             q, s = t[:k], t[k:]
@@ -421,7 +421,7 @@ class DiskFfn(HybridFfn):
         rows = cache.rows
         idx = cache.slot_index(layer)
         k = len(idx)
-        module = cpu_q4 if rows.quant == cpu_q4.QUANT else cpu_kernels
+        module = cpu_q4 if rows.quant == q4_format.QUANT else cpu_kernels
         kern = module._kernels()
         if kern is None:  # torch: the selected rows in position order, as the in-RAM torch path
             ids = cache.cold_ids[layer]

@@ -14,7 +14,7 @@ from engine.kernels import host_memory
 from engine.hotcold.hybrid_ffn import ColdRows, HotRows, HybridFfn, concat_rows
 from engine.hotcold.hot_q4 import HOT_INT4, Q4HotRows, move_neurons_q4
 from engine.kernels import cpu as cpu_kernels
-from engine.kernels import cpu_q4
+from engine.kernels import q4_format, q4_rows
 from engine.loading.loader import compute_dtype
 from engine.model.q4_ffn import Q4StagedFfn
 from engine.model.layers import DenseFfn
@@ -48,7 +48,7 @@ class TierMoves:
             return (None if dense.gate is None else dense.gate[idx]), dense.up[idx], dense.down_t[idx]
 
         if getattr(self, "hot_weights", None) == HOT_INT4:  # 4-bit hot rows (hot_q4)
-            if all_rows is not None and all_rows.quant == cpu_q4.QUANT:  # the same codes as the CPU's
+            if all_rows is not None and all_rows.quant == q4_format.QUANT:  # the same codes as the CPU's
                 hot = Q4HotRows.from_rows(all_rows.select(hot_idx), hot_idx, device, dtype)
             else:
                 hot = Q4HotRows.from_float(*float_rows(hot_idx), hot_idx, device, dtype)
@@ -61,7 +61,7 @@ class TierMoves:
         else:
             rows = cold_rows_from_dense(*float_rows(cold_idx), self.cpu_weights)
         cold = ColdRows(rows, cold_idx)
-        return HybridFfn(layer, dense.gated, self.config.activation, self.config.activation_threshold,
+        return HybridFfn(layer, dense.gated, self.config.activation, self.config.ffn_threshold(layer),
                          dense.n_ff, hot, cold, self.ffn_context(layer))
 
     def cold_ffn(self, layer: int, rows) -> HybridFfn:
@@ -74,7 +74,7 @@ class TierMoves:
             hot = Q4HotRows.empty(rows.gated, d, device, dtype)
         else:
             hot = HotRows(empty if rows.gated else None, empty, empty, torch.empty(0, dtype=torch.long, device=device))
-        return HybridFfn(layer, rows.gated, self.config.activation, self.config.activation_threshold, n, hot,
+        return HybridFfn(layer, rows.gated, self.config.activation, self.config.ffn_threshold(layer), n, hot,
                          ColdRows(rows, torch.arange(n)), self.ffn_context(layer))
 
     def apply(self, plan: Placement) -> None:
@@ -207,6 +207,6 @@ def _hot_rows(rows: torch.Tensor, device: torch.device, dtype: torch.dtype) -> t
 
 def cold_rows_from_dense(gate, up, down_t, quant: str):
     """Float rows [n, d] in the CPU kernels' storage for `quant` (int4, int8 or fp32)."""
-    if quant == cpu_q4.QUANT:
-        return cpu_q4.Q4FfnRows.from_dense(gate, up, down_t)
+    if quant == q4_format.QUANT:
+        return q4_rows.Q4FfnRows.from_dense(gate, up, down_t)
     return cpu_kernels.CpuFfnRows.from_dense(gate, up, down_t, quant=quant)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.kernels.cpu_q4 import BLOCK_BYTES as Q4_0_BYTES, QK
+from engine.kernels.q4_format import BLOCK_BYTES as Q4_0_BYTES, QK
 
 BLOCK_BYTES = 20  # ggml's block_q4_1: fp16 d, fp16 m, 16 bytes of nibbles
 _PROBE_ROWS = 8  # rows tried before a whole matrix is: most matrices are not Q4_1 values

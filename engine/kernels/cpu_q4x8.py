@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.kernels import cpu_q4, numba_jit, numba_pool
+from engine.kernels import cpu_q4, numba_jit, numba_pool, q4_format, q4_quantize
 
 GROUP = 8  # rows per interleaved group
 K_TOKENS = 4  # tokens per pass over a group (fewer tokens: one at a time)
@@ -55,11 +55,11 @@ def packed_rows(n: int) -> int:
 def pack_rows(q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Plain 4-bit rows uint8 [n, RB] -> the packed layout (same shape; into `out` if given)."""
     n, rb = q.shape
-    nb = rb // cpu_q4.BLOCK_BYTES
+    nb = rb // q4_format.BLOCK_BYTES
     ng = n // GROUP
     out = torch.empty_like(q) if out is None else out
     if ng:
-        full = q[:ng * GROUP].reshape(ng, GROUP, nb, cpu_q4.BLOCK_BYTES)
+        full = q[:ng * GROUP].reshape(ng, GROUP, nb, q4_format.BLOCK_BYTES)
         dst = out[:ng * GROUP].reshape(ng, GROUP * rb)
         dst[:, :nb * 16].view(ng, nb, GROUP, 2).copy_(full[:, :, :, :2].permute(0, 2, 1, 3))
         dst[:, nb * 16:].view(ng, nb, 4, GROUP, 4).copy_(
@@ -73,13 +73,13 @@ def unpack_rows(q: torch.Tensor, lo: int = 0, hi: int | None = None) -> torch.Te
     n, rb = q.shape
     hi = n if hi is None else min(hi, n)
     lo = max(0, min(lo, hi))
-    nb = rb // cpu_q4.BLOCK_BYTES
+    nb = rb // q4_format.BLOCK_BYTES
     full = packed_rows(n)
     g0, g1 = lo // GROUP, (min(hi, full) + GROUP - 1) // GROUP
     parts = []
     if g1 > g0:
         src = q[g0 * GROUP:g1 * GROUP].reshape(g1 - g0, GROUP * rb)
-        rows = torch.empty((g1 - g0, GROUP, nb, cpu_q4.BLOCK_BYTES), dtype=torch.uint8)
+        rows = torch.empty((g1 - g0, GROUP, nb, q4_format.BLOCK_BYTES), dtype=torch.uint8)
         rows[:, :, :, :2] = src[:, :nb * 16].reshape(g1 - g0, nb, GROUP, 2).permute(0, 2, 1, 3)
         rows[:, :, :, 2:] = (src[:, nb * 16:].reshape(g1 - g0, nb, 4, GROUP, 4).permute(0, 3, 1, 2, 4)
                              .reshape(g1 - g0, GROUP, nb, 16))
@@ -144,7 +144,7 @@ if numba is not None:
                 tok0 = context.cast(builder, args[6], tty, types.int64)
                 nb = cgutils.unpack_tuple(builder, xda.shape)[1]
                 base = cgutils.get_item_pointer(context, builder, wty, wa, [zero, zero], wraparound=False)
-                gp = builder.gep(base, [builder.mul(grp, builder.mul(nb, i64(GROUP * cpu_q4.BLOCK_BYTES)))])
+                gp = builder.gep(base, [builder.mul(grp, builder.mul(nb, i64(GROUP * q4_format.BLOCK_BYTES)))])
                 nibs = builder.gep(gp, [builder.mul(nb, i64(16))])
                 toks = [builder.add(tok0, i64(k)) for k in range(tokens)]
                 xqp = [cgutils.get_item_pointer(context, builder, xqty, xqa, [t, zero], wraparound=False) for t in toks]
@@ -269,7 +269,7 @@ def matmul_packed(x: torch.Tensor, q: torch.Tensor, cols: int) -> torch.Tensor |
     if kerns is None or x.shape[0] == 0 or q.shape[0] == 0 or not q.is_contiguous():
         return None
     kern, mod = kerns
-    xp = cpu_q4.padded(x, cols).numpy()
+    xp = q4_format.padded(x, cols).numpy()
     with numba_pool.lock:
         chunks = _CHUNKS_PER_THREAD * numba_pool.use_threads(kern)
         xq, xd, xm = cpu_q4.quantized_act_rows(kern, xp)
@@ -280,6 +280,6 @@ def warmup() -> None:
     """Compile (or load from numba's disk cache) the kernels now, not in the first prompt."""
     if _kernels() is None:
         return
-    q = pack_rows(cpu_q4.quantize_rows_q4(torch.ones(9, cpu_q4.QK)))
+    q = pack_rows(q4_quantize.quantize_rows_q4(torch.ones(9, q4_format.QK)))
     for tokens in (1, K_TOKENS):
-        matmul_packed(torch.ones(tokens, cpu_q4.QK), q, cpu_q4.QK)
+        matmul_packed(torch.ones(tokens, q4_format.QK), q, q4_format.QK)

@@ -32,7 +32,7 @@ from numba.core import caching
 from numba.extending import intrinsic
 
 from engine.kernels import cpu_numba as K
-from engine.kernels import cpu_q4 as Q
+from engine.kernels import cpu_q4_numba as Q
 from engine.kernels import cpu_q4x8 as QX
 from engine.kernels import numba_jit
 from engine.kernels import q4_tiles as QT
@@ -83,7 +83,7 @@ M_FP32 = 0       # fp32 rows: cpu_numba.matvec_rows
 M_INT8_Q8 = 1    # int8 rows x int8 activations: cpu_numba.linear_q8 (AVX2, cols % 128 == 0, n >= 4)
 M_INT8 = 2       # int8 rows x fp32: cpu_numba.matvec_rows_int8
 M_Q4_TILES = 3   # 4-bit rows, blocks per row a multiple of 8: q4_tiles.tiles_kernel
-M_Q4 = 4         # 4-bit rows: cpu_q4.linear_q4
+M_Q4 = 4         # 4-bit rows: cpu_q4_numba.linear_q4
 M_Q4X8 = 5       # 4-bit rows packed in interleaved groups of 8: cpu_q4x8.matmul_q4x8
 
 # Kinds of FFN rows (CpuFfnRows fp32 / int8, Q4FfnRows) for the sparse FFN.

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.kernels import cpu_q4, numba_jit, numba_pool
+from engine.kernels import cpu_q4, numba_jit, numba_pool, q4_format, q4_quantize
 
 K_TOKENS = 4  # tokens per pass over a row (fewer tokens: one at a time)
 _CHUNKS_PER_THREAD = 8
@@ -158,14 +158,14 @@ def matmul_q4_tiles(x: torch.Tensor, q: torch.Tensor, cols: int) -> torch.Tensor
     AVX2, the int8 path turned off, no tokens or rows, blocks per row not a multiple of 8): the
     caller takes another path."""
     kern = cpu_q4._kernels()
-    nb = cpu_q4.n_blocks(cols)
+    nb = q4_format.n_blocks(cols)
     if (not cpu_q4.int8_activations(kern) or x.shape[0] == 0 or nb % 8 or q.shape[0] == 0
             or not q.is_contiguous()):
         return None
     impl = _kernel()
     if impl is None:
         return None
-    xp = cpu_q4.padded(x, cols).numpy()
+    xp = q4_format.padded(x, cols).numpy()
     with numba_pool.lock:
         chunks = _CHUNKS_PER_THREAD * numba_pool.use_threads(kern)
         xq, xd, xm = cpu_q4.quantized_act_rows(kern, xp)
@@ -175,6 +175,6 @@ def matmul_q4_tiles(x: torch.Tensor, q: torch.Tensor, cols: int) -> torch.Tensor
 
 def warmup() -> None:
     """Compile (or load from numba's disk cache) both kernels now, not in the first prompt."""
-    q = cpu_q4.quantize_rows_q4(torch.ones(2, 8 * cpu_q4.QK))
+    q = q4_quantize.quantize_rows_q4(torch.ones(2, 8 * q4_format.QK))
     for tokens in (1, K_TOKENS):
-        matmul_q4_tiles(torch.ones(tokens, 8 * cpu_q4.QK), q, 8 * cpu_q4.QK)
+        matmul_q4_tiles(torch.ones(tokens, 8 * q4_format.QK), q, 8 * q4_format.QK)

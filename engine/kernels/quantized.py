@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu as cpu_kernels
-from engine.kernels import cpu_q4, cpu_q4_1, cpu_q4x8, q4_tiles
+from engine.kernels import cpu_q4, cpu_q4_1, cpu_q4x8, q4_format, q4_quantize, q4_tiles
 from engine.kernels.cpu_quant import dequantize_rows_int8, quantize_rows_int8
 from engine.kernels import host_memory
 
@@ -101,14 +101,14 @@ class Q4Matrix(QuantMatrix):
     @classmethod
     def quantize(cls, w: torch.Tensor, packed: bool = False) -> "Q4Matrix":
         """From a float matrix on any device (the rows in host_memory: huge pages), packed on request."""
-        out = host_memory.empty((w.shape[0], cpu_q4.row_bytes(w.shape[1])), torch.uint8) if w.dim() == 2 else None
+        out = host_memory.empty((w.shape[0], q4_format.row_bytes(w.shape[1])), torch.uint8) if w.dim() == 2 else None
         if not packed or out is None:
-            m = cls(cpu_q4.quantize_rows_q4(w, out=out), w.shape[1])
+            m = cls(q4_quantize.quantize_rows_q4(w, out=out), w.shape[1])
             return m.pack() if packed else m
         # packed a block of rows at a time (whole groups): no second copy of the whole matrix
         for lo in range(0, w.shape[0], _PACK_ROWS):
             hi = min(lo + _PACK_ROWS, w.shape[0])
-            cpu_q4x8.pack_rows(cpu_q4.quantize_rows_q4(w[lo:hi]), out=out[lo:hi])
+            cpu_q4x8.pack_rows(q4_quantize.quantize_rows_q4(w[lo:hi]), out=out[lo:hi])
         return cls(out, w.shape[1], packed=True)
 
     def pack(self) -> "Q4Matrix":
@@ -134,8 +134,8 @@ class Q4Matrix(QuantMatrix):
         """Rows lo..hi as fp32."""
         if self.packed:
             lo, hi, _ = slice(lo, hi).indices(self.q.shape[0])
-            return cpu_q4.dequantize_rows_q4(cpu_q4x8.unpack_rows(self.q, lo, hi), self.cols)
-        return cpu_q4.dequantize_rows_q4(self.q[lo:hi], self.cols)
+            return q4_format.dequantize_rows_q4(cpu_q4x8.unpack_rows(self.q, lo, hi), self.cols)
+        return q4_format.dequantize_rows_q4(self.q[lo:hi], self.cols)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x fp32 [T, cols] (CPU) @ this^T -> fp32 [T, n]."""
@@ -202,7 +202,7 @@ class Q4MinMatrix(QuantMatrix):
     def dequantize(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
         """Rows lo..hi as fp32."""
         w = self.rows.dequantize(lo, hi)
-        return w + self.offsets[lo:hi].repeat_interleave(cpu_q4.QK, dim=1)[:, : self.rows.cols]
+        return w + self.offsets[lo:hi].repeat_interleave(q4_format.QK, dim=1)[:, : self.rows.cols]
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x fp32 [T, cols] (CPU) @ this^T -> fp32 [T, n]."""

@@ -22,7 +22,7 @@ import torch
 
 from engine.activations import CODES, IDENTITY_CODE
 
-from .cpu_q4 import BLOCK_BYTES, QK, n_blocks, row_bytes
+from engine.kernels.q4_format import BLOCK_BYTES, QK, n_blocks, row_bytes
 from .triton_ffn import ACTIVATIONS
 
 _CODES = {**CODES, "identity": IDENTITY_CODE}

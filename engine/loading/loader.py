@@ -22,13 +22,13 @@ Progress = Callable[[float, str], None]
 
 def model_folder(model: str | Path) -> Path:
     """The folder `Engine.load` was given; names (`demo`, catalogue and repo ids) resolve in
-    the callers (`models_registry.resolve_model`, `app.open_model`)."""
+    the callers (`models_registry.resolve.resolve_model`, `app.open_model`)."""
     path = Path(model).expanduser()
     if path.is_file():
         raise UserError(f"{str(model)[:160]!r} is a file, not a folder: a model is a folder with a config.json")
     if not path.is_dir():
         raise UserError(f"model folder {str(model)[:160]!r} does not exist "
-                        "(names resolve with models_registry.resolve_model)")
+                        "(names resolve with models_registry.resolve.resolve_model)")
     return path
 
 
@@ -127,5 +127,5 @@ def load_transformer(model_dir: Path, config: ModelConfig, layer_devices: list[t
     devices = set(layer_devices) | {head_device}
     rotary = {d: RotaryTable(config.rope, config.head_dim, ctx, compute_dtype(d, storage), d) for d in devices}
     if progress:
-        progress(1.0, "loaded")
+        progress(1.0, "layers read")  # not "loaded": what follows the layers still runs
     return Transformer(config, embed, layers, final_norm, lm_head, rotary)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from engine.kernels import cpu as cpu_kernels
-from engine.kernels import cpu_q4
+from engine.kernels import q4_format, q4_rows
 from engine.kernels import host_memory
 from engine.loading.sidecar import sidecar_dir
 from engine.loading.predictors import FILENAME
@@ -104,7 +104,7 @@ def _shapes(n: int, d: int, gated: bool, fmt: str, layers: int) -> list[tuple[st
             if name.endswith("_scale"):
                 entries.append((name, "F32", (n,)))
             elif fmt == "int4":
-                entries.append((name, "U8", (n, cpu_q4.row_bytes(d))))
+                entries.append((name, "U8", (n, q4_format.row_bytes(d))))
             else:
                 entries.append((name, "I8", (n, d)))
     return entries
@@ -244,7 +244,7 @@ class PreparedRows:
         gate = self.tensor(f"layers.{i}.gate") if f"layers.{i}.gate" in self.header else None
         up, down_t = self.tensor(f"layers.{i}.up"), self.tensor(f"layers.{i}.down_t")
         if self.fmt == "int4":
-            return cpu_q4.Q4FfnRows(gate, up, down_t, dim)
+            return q4_rows.Q4FfnRows(gate, up, down_t, dim)
         scale = {p: self.tensor(f"layers.{i}.{p}_scale") for p in ("up", "down_t")}
         gate_scale = self.tensor(f"layers.{i}.gate_scale") if gate is not None else None
         return cpu_kernels.CpuFfnRows(gate, up, down_t, gate_scale, scale["up"], scale["down_t"], quant="int8")
@@ -396,11 +396,11 @@ class PreparedDense(PreparedRows):
             if q.dim() != 2:
                 raise ValueError(f"{name}: 4-bit rows of shape {tuple(q.shape)}")
             w = Q4Matrix(q, shape[1], packed=q4.endswith(Q4_PACKED))
-            if q.shape[1] != cpu_q4.row_bytes(shape[1]):
+            if q.shape[1] != q4_format.row_bytes(shape[1]):
                 raise ValueError(f"{name}: 4-bit rows of {q.shape[1]} bytes do not hold {shape[1]} columns")
             if f"{name}.{Q4_OFFSETS}" in self.header:
                 offsets = self.tensor(f"{name}.{Q4_OFFSETS}", resident)
-                if tuple(offsets.shape) != (q.shape[0], cpu_q4.n_blocks(shape[1])) or offsets.dtype != torch.float32:
+                if tuple(offsets.shape) != (q.shape[0], q4_format.n_blocks(shape[1])) or offsets.dtype != torch.float32:
                     raise ValueError(f"{name}: block offsets of shape {tuple(offsets.shape)} for {tuple(shape)}")
                 w = Q4MinMatrix(w, offsets)
         elif f"{name}.q" in self.header:

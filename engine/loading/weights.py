@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from engine.loading.confine import check_relative_name
 from engine.errors import ModelFormatError
-from engine.kernels.cpu_q4 import dequantize_rows_q4
+from engine.kernels.q4_format import dequantize_rows_q4
 from engine.kernels.tensor_kinds import QUANT_KINDS, parse_quant_name as _parse_quant_name
 from engine.kernels.ggml_quants import REFERENCE_KINDS, dequantize_rows
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.kernels import cpu_q4
+from engine.kernels import q4_format, q4_quantize, q4_rows
 from engine.kernels import host_memory
 
 _COLS_PER_STEP = 512  # columns of the down projection per step: [d, 512] fp32 is 8 MB at d = 4096
@@ -26,10 +26,10 @@ def transposed_q4_rows(source, name: str, shape: tuple[int, int]) -> torch.Tenso
     """The 4-bit rows of the transpose of `name` ([rows, cols]): uint8 [cols, row_bytes(rows)],
     quantized a column range at a time from the checkpoint's values."""
     rows, cols = shape
-    out = host_memory.empty((cols, cpu_q4.row_bytes(rows)), torch.uint8)
+    out = host_memory.empty((cols, q4_format.row_bytes(rows)), torch.uint8)
     for lo in range(0, cols, _COLS_PER_STEP):
         hi = min(cols, lo + _COLS_PER_STEP)
-        cpu_q4.quantize_rows_q4(source.transposed_rows(name, lo, hi), out=out[lo:hi])
+        q4_quantize.quantize_rows_q4(source.transposed_rows(name, lo, hi), out=out[lo:hi])
     return out
 
 
@@ -38,10 +38,10 @@ def q4_rows_of(source, name: str, shape: tuple[int, int]) -> torch.Tensor:
     at a time from its exact values, the same bytes as quantizing the whole fp32 matrix
     (rows are quantized one by one) without that 500 MB copy of a 32000 x 4096 head."""
     rows, cols = shape
-    out = host_memory.empty((rows, cpu_q4.row_bytes(cols)), torch.uint8)
+    out = host_memory.empty((rows, q4_format.row_bytes(cols)), torch.uint8)
     for lo in range(0, rows, _COLS_PER_STEP * 2):
         hi = min(rows, lo + _COLS_PER_STEP * 2)
-        cpu_q4.quantize_rows_q4(source.rows(name, lo, hi), out=out[lo:hi])
+        q4_quantize.quantize_rows_q4(source.rows(name, lo, hi), out=out[lo:hi])
     return out
 
 
@@ -63,9 +63,9 @@ def exact_transposed_rows(source, name: str, rows: int, ids: torch.Tensor) -> to
 
 class Q4StagedFfn:
     """What `Converter.ffn` hands the sparse split for a layer stored as Q4_0: its 4-bit
-    rows (`q4_rows`, engine.kernels.cpu_q4.Q4FfnRows) in place of DenseFfn's fp32 matrices."""
+    rows (`q4_rows`, engine.kernels.q4_rows.Q4FfnRows) in place of DenseFfn's fp32 matrices."""
 
-    def __init__(self, rows: cpu_q4.Q4FfnRows, source, down_name: str | None):
+    def __init__(self, rows: q4_rows.Q4FfnRows, source, down_name: str | None):
         self.q4_rows = rows
         self.n_ff = rows.up.shape[0]
         self.gated = rows.gate is not None
