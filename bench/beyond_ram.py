@@ -310,12 +310,16 @@ def spawn(args: list[str], limit: int | None, name: str, drop: bool, env: dict |
     died (a worker killed at its limit is a result, not an error)."""
     dropped = drop_caches() if drop else False
     group = MemoryCgroup.create(name, limit) if limit else None
-    out = subprocess.run([sys.executable, "-m", "bench.beyond_ram", *args], capture_output=True, text=True,
-                         cwd=ROOT, env={**worker_env(), **(env or {})}, preexec_fn=group.enter if group else None)
     info = {"limit": limit, "cgroup": str(group.path) if group else None, "caches_dropped": dropped}
-    if group is not None:
-        info.update({"cgroup_peak": group.peak(), "oom_kills": group.oom_kills()})
-        group.remove()
+    try:
+        out = subprocess.run([sys.executable, "-m", "bench.beyond_ram", *args], capture_output=True, text=True,
+                             cwd=ROOT, env={**worker_env(), **(env or {})},
+                             preexec_fn=group.enter if group else None)
+        if group is not None:
+            info.update({"cgroup_peak": group.peak(), "oom_kills": group.oom_kills()})
+    finally:
+        if group is not None:
+            group.remove()
     if out.returncode != 0:
         killed = out.returncode in (-9, 137)
         if not killed:
