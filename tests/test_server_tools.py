@@ -49,7 +49,7 @@ def _serve(engine):
 @pytest.fixture(scope="module")
 def engine():
     from engine import Engine
-    from models_registry import resolve_model
+    from models_registry.resolve import resolve_model
 
     return Engine.load(resolve_model("demo"), mode="dense")
 
