@@ -63,6 +63,15 @@ def test_vs_llamacpp(tmp_path):
         assert report["ratios_vs_Q4_0"]["sparse:int4"]["decode"] > 0
 
 
+def test_smollm2_vs_llamacpp(tmp_path):
+    """The real SmolLM2 GGUF (bench.real_models) against llama.cpp on the same file."""
+    report = run_bench("smollm2_vs_llamacpp", "--smoke", "--json", "--workdir", str(tmp_path))
+    assert report["ours"]["dense:int4"]["decode_tok_s"] > 0
+    assert report["llama_cpp_skipped"] == LLAMA_MISSING
+    if LLAMA_MISSING is None:
+        assert report["llama_cpp_q4_1"]["decode_tok_s"] > 0 and report["ratios_vs_llama_cpp"]["dense:int4"]["decode"] > 0
+
+
 def test_moe_vs_llamacpp(tmp_path):
     report = run_bench("moe_vs_llamacpp", "--smoke", "--json", "--pairs", "int4:Q4_0", "--workdir", str(tmp_path))
     assert report["llama_cpp_skipped"] == LLAMA_MISSING
