@@ -142,9 +142,9 @@ class HubSearch(QFrame):
     def show_results(self, query: str, rows: list[dict]) -> None:
         self.clear_results()
         if not rows:
-            self._say(f"No model Thermocline runs matches “{query}” on the Hub. It runs ReLU-family models "
-                      "(ReLU Llama, ProSparse, Bamboo, TurboSparse, MiniCPM-S, SmallThinker); SwiGLU "
-                      "models such as plain Llama or Mistral are left out.")
+            from models_registry.arch import SUPPORTED_TEXT
+
+            self._say(f"No model Thermocline runs matches “{query}” on the Hub. It runs: {SUPPORTED_TEXT}.")
             return
         self._say(f"{fmt.count(len(rows), 'model')} on the Hub that Thermocline runs, for “{query}”:")
         for row in rows:
