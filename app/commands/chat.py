@@ -74,7 +74,7 @@ def _load(args, settings):
 
 
 def run(args) -> int:
-    from app.gui.context_policy import Fitted, fit_messages
+    from app.gui.context_policy import Fitted, answer_room, fit_messages
     from app.settings import DEFAULT_SYSTEM_PROMPT, Settings, config_dir
     from app.single_instance import window_pid
 
@@ -176,9 +176,18 @@ def run(args) -> int:
                 messages.pop()
                 print(f"\n(error: {exc})")
                 continue
+            if tokenizer is not None and not fitted.fits:
+                alone = count(head + [messages[-1]])
+                if alone > engine.ctx - answer_room(engine.ctx, params.max_new_tokens):
+                    # No policy helps a message that is itself too long: refuse it before it is sent.
+                    messages.pop()
+                    print(f"(not sent: this message is {alone:,} tokens long, but the model reads at most "
+                          f"{engine.ctx:,} tokens at once, its answer included. Shorten it, or send it in parts)")
+                    continue
             if fitted.dropped > dropped:
-                print(f"(the conversation is longer than the model reads: it now forgets the oldest "
-                      f"{fitted.dropped} messages; /new starts afresh)")
+                oldest = "message" if fitted.dropped == 1 else f"{fitted.dropped} messages"
+                print(f"(the conversation is longer than the model reads: it now forgets the oldest {oldest}; "
+                      "/new starts afresh)")
             dropped = fitted.dropped
             if saver is not None and not started:
                 saver.new_conversation(
@@ -204,8 +213,10 @@ def run(args) -> int:
                 sys.stdout.write(" [stopped]")
             except ContextFullError:
                 messages.pop()
-                print("\n(the conversation is full: the model cannot read any more of it. /new starts a "
-                      "new one; or set Preferences → Chat to forget the oldest messages)")
+                forget = ("" if policy == "truncate" else
+                          "; or set Preferences → Chat to forget the oldest messages")
+                print(f"\n(the conversation is full: the model cannot read any more of it. /new starts a "
+                      f"new one{forget})")
                 continue
             except RemoteError as exc:  # a remote model's server failed: say why, keep what arrived
                 if not answer:

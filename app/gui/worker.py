@@ -207,6 +207,7 @@ class EngineWorker(QObject):
         # A base model (the demo, or one without a chat template) continues text: an assistant
         # system prompt would only take room from its context.
         info["base_model"] = spec == "demo" or not getattr(tok, "has_chat_template", True)
+        info["remote"] = bool(getattr(eng, "remote", False))
         from engine.runtime.runtime_info import torch_build
 
         info["build"] = torch_build()  # CPU or CUDA build of torch, and whether a GPU is usable
@@ -324,12 +325,18 @@ class EngineWorker(QObject):
         params = dict(params)
         policy = params.pop("context_policy", "truncate")
         conversation = params.pop("conversation_id", None)
+        prefix = params.pop("continue_text", None)  # Continue: the answer so far, which the prompt ends with
         try:
             from engine import SamplingParams
 
+            if prefix:
+                messages = [*messages, {"role": "assistant", "content": prefix}]
             fitted = self._fit(conversation, messages,
                                {"context_policy": policy, "max_new_tokens": params.get("max_new_tokens")})
             messages = fitted.messages
+            if prefix:  # the answer's turn is left open, so the model writes on inside it
+                tok = eng.tokenizer
+                messages = tok.encode(tok.render_chat(messages[:-1]) + prefix, add_special_tokens=False)
             stats["dropped_messages"] = fitted.dropped
             sampling = SamplingParams(**{k: v for k, v in params.items() if v is not None})
             last_emit = 0.0
