@@ -57,8 +57,9 @@ def _bundle(at: Path) -> Path:
 
 
 def _run(internal: Path, env: dict) -> dict:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU_")}  # only `env`'s target
     out = subprocess.run([sys.executable, "-c", RUN_KERNELS], cwd=internal, capture_output=True, text=True,
-                         timeout=1200, env={**os.environ, "PYTHONPATH": str(internal), **env})
+                         timeout=1200, env={**base, "PYTHONPATH": str(internal), **env})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
