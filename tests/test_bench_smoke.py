@@ -18,10 +18,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench import llama_cpp_missing
 
-from bench import llama_cpp_missing  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 LLAMA_MISSING = llama_cpp_missing()
 
@@ -61,6 +60,15 @@ def test_vs_llamacpp(tmp_path):
     assert report["llama_cpp_skipped"] == LLAMA_MISSING
     if LLAMA_MISSING is None:
         assert report["ratios_vs_Q4_0"]["sparse:int4"]["decode"] > 0
+
+
+def test_smollm2_vs_llamacpp(tmp_path):
+    """The real SmolLM2 GGUF (bench.real_models) against llama.cpp on the same file."""
+    report = run_bench("smollm2_vs_llamacpp", "--smoke", "--json", "--workdir", str(tmp_path))
+    assert report["ours"]["dense:int4"]["decode_tok_s"] > 0
+    assert report["llama_cpp_skipped"] == LLAMA_MISSING
+    if LLAMA_MISSING is None:
+        assert report["llama_cpp_q4_1"]["decode_tok_s"] > 0 and report["ratios_vs_llama_cpp"]["dense:int4"]["decode"] > 0
 
 
 def test_moe_vs_llamacpp(tmp_path):
@@ -129,7 +137,6 @@ def test_triton_tune():
     pytest.importorskip("triton")
     report = run_bench("triton_tune", "--smoke", "--json", env={"TRITON_INTERPRET": "1"})
     assert report["layers"] and report["layers"][0]["best"]
-
 
 
 def test_hybrid():
