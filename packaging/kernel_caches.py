@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import kernel_tiers  # noqa: E402
+import kernel_tiers
 
 
 def build_tier(bundle: Path, exe: str, tier: str, seed: Path) -> dict:
