@@ -93,7 +93,7 @@ class GenerationGate:
                 busy = self._batch is not None and self._batch.active
             try:
                 self._batch.step()
-            except Exception as exc:  # noqa: BLE001 - a bug ends this batch's answers, not the server
+            except Exception as exc:  # a bug ends this batch's answers, not the server
                 log.exception("a batched decode step failed")
                 for seq in self._batch.active:
                     seq.done_error(exc)
@@ -136,7 +136,7 @@ class GenerationGate:
             seq = Sequence(ids, job.params, emit, done, job.cancel)
             seq.done_error = failed
             self._batch.start(seq)
-        except Exception as exc:  # noqa: BLE001 - every failure goes back to its request
+        except Exception as exc:  # every failure goes back to its request
             if not isinstance(exc, _user_error_types()):
                 log.exception("generation failed")
             failed(exc)
