@@ -128,6 +128,11 @@ SCHEMA: tuple[Option, ...] = (
     Option("chat.top_k", int, 40, "Keep only the k most likely tokens; 0 keeps all.", minimum=0, maximum=100000),
     Option("chat.repetition_penalty", float, 1.0, "Penalty for repeating tokens; 1 is none.",
            minimum=0.5, maximum=3.0),
+    Option("chat.min_p", float, 0.0, "Drop tokens less likely than this share of the likeliest one; 0 keeps all.",
+           minimum=0.0, maximum=0.99),
+    Option("chat.seed", int, None, "Seed of the random choices: the same seed and settings give the same "
+           "answer; empty picks a new one each time.", minimum=0, maximum=2**63 - 1, nullable=True),
+    Option("chat.stop", list, [], "Strings that end the answer where they appear (at most 4; not shown)."),
     Option("chat.max_new_tokens", int, 512, "Longest answer in tokens.", minimum=1, maximum=32768),
     Option("chat.context_policy", str, "truncate",
            "What happens when a conversation no longer fits the model's context window.",
@@ -154,7 +159,8 @@ SCHEMA: tuple[Option, ...] = (
     Option("ui.last_conversation", int, None, "Conversation open when the app was closed.", nullable=True),
 )
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens", "seed",
+                 "stop")
 
 
 def config_dir() -> Path:

@@ -15,7 +15,8 @@ Runs, each in its own process, the page cache dropped before each (as root) so t
 reads are real:
 - `in_ram`: ours, sparse int4, every row in RAM (no limit);
 - `disk_50`, `disk_90`: ours with the RAM budget at the resident parts (attention,
-  predictors, norms, head, embeddings, KV cache) plus 50% and 10% of the FFN rows' bytes;
+  predictors, norms, head, KV cache; the embeddings, a row a token, stay on disk) plus 50%
+  and 10% of the FFN rows' bytes; `_lookahead`: the same with the next layer read ahead;
 - `disk_min`: ours at the least budget that runs (the resident parts and the cache's
   working set of slots), shorter;
 - `llama_in_ram`, and llama.cpp under the `disk_50` and `disk_90` limits: with its defaults
@@ -112,6 +113,14 @@ def read_bytes() -> int:
 
 
 def peak_rss() -> int:
+    """This process's peak resident set: VmHWM (its own memory map's high-water mark;
+    getrusage's ru_maxrss would carry the parent's from before the exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -301,12 +310,16 @@ def spawn(args: list[str], limit: int | None, name: str, drop: bool, env: dict |
     died (a worker killed at its limit is a result, not an error)."""
     dropped = drop_caches() if drop else False
     group = MemoryCgroup.create(name, limit) if limit else None
-    out = subprocess.run([sys.executable, "-m", "bench.beyond_ram", *args], capture_output=True, text=True,
-                         cwd=ROOT, env={**worker_env(), **(env or {})}, preexec_fn=group.enter if group else None)
     info = {"limit": limit, "cgroup": str(group.path) if group else None, "caches_dropped": dropped}
-    if group is not None:
-        info.update({"cgroup_peak": group.peak(), "oom_kills": group.oom_kills()})
-        group.remove()
+    try:
+        out = subprocess.run([sys.executable, "-m", "bench.beyond_ram", *args], capture_output=True, text=True,
+                             cwd=ROOT, env={**worker_env(), **(env or {})},
+                             preexec_fn=group.enter if group else None)
+        if group is not None:
+            info.update({"cgroup_peak": group.peak(), "oom_kills": group.oom_kills()})
+    finally:
+        if group is not None:
+            group.remove()
     if out.returncode != 0:
         killed = out.returncode in (-9, 137)
         if not killed:
@@ -391,9 +404,9 @@ def main(argv=None) -> int:
         budgets = {"disk_50": max(sizes["least"], sizes["resident"] + int(0.5 * sizes["ffn"])),
                    "disk_90": max(sizes["least"], sizes["resident"] + int(0.1 * sizes["ffn"]))}
         for name, budget in budgets.items():
-            runs[name] = ours(name, budget)
-            # the overlap measured: the same run reading only what each layer misses, when it misses it
-            runs[f"{name}_no_lookahead"] = ours(name, budget, env={"THERMOCLINE_DISK_LOOKAHEAD": "0"})
+            runs[name] = ours(name, budget, env={"THERMOCLINE_DISK_LOOKAHEAD": "0"})  # the default
+            # the overlap measured: the next layer's guess read ahead while this layer computes
+            runs[f"{name}_lookahead"] = ours(name, budget, env={"THERMOCLINE_DISK_LOOKAHEAD": "1"})
         runs["disk_min"] = ours("disk_min", sizes["least"], tokens=max(2, args.tokens // 4))
         if llama_skipped is None:
             runs["llama_in_ram"] = spawn(["--worker", "llama", "--path", str(files["Q4_0"]), *common], None,
@@ -408,10 +421,10 @@ def main(argv=None) -> int:
 
     in_ram = runs["in_ram"]
     ratios = {}
-    for name in ("disk_50", "disk_90", "disk_min", "disk_50_no_lookahead", "disk_90_no_lookahead"):
+    for name in ("disk_50", "disk_90", "disk_min", "disk_50_lookahead", "disk_90_lookahead"):
         ratios[f"{name}_vs_in_ram"] = ratio(runs[name], in_ram)
     for name in ("disk_50", "disk_90"):
-        ratios[f"{name}_lookahead_vs_none"] = ratio(runs[name], runs[f"{name}_no_lookahead"])
+        ratios[f"{name}_lookahead_vs_none"] = ratio(runs[f"{name}_lookahead"], runs[name])
     for share in ("50", "90"):
         ours_run = runs[f"disk_{share}"]
         ratios[f"disk_{share}_rss_within_limit"] = (not ours_run.get("killed")) and (
@@ -452,9 +465,9 @@ def _sizes(model: Path) -> dict:
     plan = engine.sparse.plan
     rows = engine.sparse.prepared_rows or PreparedRows(engine.sparse.prepared_path)
     bundles, _ = open_or_build(rows, engine.config.num_layers)  # as the first disk load would
-    least = solve(engine.sparse.problem, 0, 0).min_ram_bytes
-    out = {"resident": plan.resident_ram_bytes, "ffn": plan.tier_bytes["cpu_ffn"], "placed": plan.ram_bytes,
-           "least": least, "prepared_file": engine.sparse.prepared_path.stat().st_size,
+    floor = solve(engine.sparse.problem, 0, 0)  # below the placed size: the embeddings go to disk first
+    out = {"resident": floor.resident_ram_bytes, "ffn": plan.tier_bytes["cpu_ffn"], "placed": plan.ram_bytes,
+           "embeddings": engine.sparse.problem.embed_cpu, "least": floor.min_ram_bytes, "prepared_file": engine.sparse.prepared_path.stat().st_size,
            "bundles_file": bundles.stat().st_size}
     engine.close()
     return out

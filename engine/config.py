@@ -95,6 +95,14 @@ class ModelConfig:
     rope_layers: tuple[bool, ...] = ()
     window_layers: tuple[bool, ...] = ()
     layer_window: int | None = None
+    # CATS (a SiLU model's opt-in sparse mode): per layer, |SiLU(gate)| below the threshold
+    # becomes 0, as calibrated by `thermocline profile --target-sparsity` (`read_cats`);
+    # () = none. Only the sparse modes load it: dense mode stays the model.
+    cats_thresholds: tuple[float, ...] = ()
+
+    def ffn_threshold(self, layer: int) -> float:
+        """Layer `layer`'s activation threshold: its CATS threshold, else the model's own (FATReLU)."""
+        return self.cats_thresholds[layer] if self.cats_thresholds else self.activation_threshold
 
     @property
     def n_ff(self) -> int:
@@ -141,6 +149,26 @@ def recorded_activation(model_dir: Path) -> str | None:
 
 
 DOWNLOAD_RECORD = Path("thermocline") / "download.json"  # written by models_registry (state.py)
+CATS_RECORD = Path("thermocline") / "cats.json"  # written by engine.calibration.profiling
+
+
+def read_cats(model_dir: Path, layers: int) -> dict | None:
+    """The CATS calibration of a SiLU model's folder (`thermocline/cats.json`: `thresholds`,
+    one per layer, and the `target_sparsity` they were calibrated to), None when there is none;
+    a damaged record is a ModelFormatError naming the file."""
+    path = Path(model_dir) / CATS_RECORD
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        thresholds = [float(t) for t in record["thresholds"]]
+        target = float(record["target_sparsity"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelFormatError(f"{path} is damaged ({exc}): run `thermocline profile --target-sparsity` again") from None
+    if len(thresholds) != layers or not all(math.isfinite(t) and t >= 0 for t in thresholds):
+        raise ModelFormatError(f"{path} holds {len(thresholds)} thresholds for {layers} layers (or a negative or "
+                               "non-finite one): run `thermocline profile --target-sparsity` again")
+    return {"thresholds": tuple(thresholds), "target_sparsity": target}
 
 
 # --------------------------------------------------------------------------- reading

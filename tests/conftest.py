@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# The terminal chat, `generate` and the window answer on slower paths while a first start
+# compiles the CPU kernels (app.kernel_words); the suite's comparisons run on one set of kernels,
+# so its loads wait for them. The first-start tests ask for the background explicitly.
+os.environ.setdefault("THERMOCLINE_KERNELS", "wait")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import model_factory  # noqa: E402

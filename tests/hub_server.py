@@ -1,6 +1,9 @@
 """A local stand-in for the Hugging Face Hub's file API, for download tests without internet.
 
-Speaks what huggingface_hub uses: `GET /api/models/{repo}[/revision/{rev}]` (model_info;
+Speaks what huggingface_hub uses: `GET /api/models?search=…&limit=…&expand=…` (list_models:
+ids containing the search, most downloaded first, with the `config` subset the Hub lists
+(architectures, model_type), `safetensors` parameter counts read from the weights' headers,
+`siblings` and `downloads`); `GET /api/models/{repo}[/revision/{rev}]` (model_info;
 `?blobs=true` adds size, blobId and lfs {size, sha256, pointerSize}), `HEAD`/`GET
 /{repo}/resolve/{rev}/{file}` with X-Repo-Commit, ETag, X-Linked-Etag, X-Linked-Size, and
 for LFS files a 302 to a content URL that honours `Range` (206). Gated repos answer 401
@@ -46,6 +49,7 @@ class HubRepo:
     token: str | None = None  # the token that may read a gated repo
     claimed_sizes: dict[str, int] = field(default_factory=dict)  # LFS sizes announced, never served
     commit: str = ""
+    downloads: int = 0  # the search's order: most downloaded first
 
     def __post_init__(self):
         if not self.commit:
@@ -63,6 +67,25 @@ class HubRepo:
     def sha256(self, name: str) -> str:
         return hashlib.sha256(self.files.get(name, b"")).hexdigest()
 
+    def listed(self, expand: list[str]) -> dict:
+        """The repo as the Hub's model list shows it, with the `expand`ed properties."""
+        out = {"_id": self.commit[:24], "id": self.repo_id, "modelId": self.repo_id}
+        if "config" in expand:
+            try:
+                config = json.loads(self.files.get("config.json", b"{}"))
+            except ValueError:
+                config = {}
+            out["config"] = {k: config[k] for k in ("architectures", "model_type") if k in config}
+        if "safetensors" in expand:
+            params = safetensors_parameters(self.files)
+            if params:
+                out["safetensors"] = {"parameters": params, "total": sum(params.values())}
+        if "siblings" in expand:
+            out["siblings"] = [{"rfilename": n} for n in sorted(self.files)]
+        if "downloads" in expand:
+            out["downloads"] = self.downloads
+        return out
+
     def sibling(self, name: str, blobs: bool) -> dict:
         out = {"rfilename": name}
         if blobs:
@@ -72,6 +95,29 @@ class HubRepo:
             if self.is_lfs(name):
                 out["lfs"] = {"size": self.size(name), "sha256": self.sha256(name), "pointerSize": 134}
         return out
+
+
+def safetensors_parameters(files: dict[str, bytes]) -> dict[str, int]:
+    """Parameters per dtype in the repo's .safetensors files (their JSON headers), as the Hub
+    counts them; files that are not safetensors (random test blobs) count nothing."""
+    import struct
+
+    counts: dict[str, int] = {}
+    for name, data in files.items():
+        if not name.endswith(".safetensors") or len(data) < 8:
+            continue
+        (n,) = struct.unpack("<Q", data[:8])
+        try:
+            header = json.loads(data[8:8 + n]) if n <= len(data) - 8 else {}
+        except ValueError:
+            continue
+        for key, t in header.items():
+            if key != "__metadata__" and isinstance(t, dict):
+                size = 1
+                for dim in t.get("shape", []):
+                    size *= dim
+                counts[t.get("dtype", "F32")] = counts.get(t.get("dtype", "F32"), 0) + size
+    return counts
 
 
 class HubServer:
@@ -172,7 +218,9 @@ def _make_handler(server: HubServer):
                           "auth": self.headers.get("Authorization"), "status": 0, "sent": 0}
             server.record(self.entry)
             try:
-                if path.startswith("/api/models/"):
+                if path.rstrip("/") == "/api/models":
+                    self._list_models(parse_qs(parts.query))
+                elif path.startswith("/api/models/"):
                     self._model_info(path[len("/api/models/"):], parse_qs(parts.query))
                 elif path.startswith("/cdn/"):
                     self._cdn(path[len("/cdn/"):], head)
@@ -218,6 +266,17 @@ def _make_handler(server: HubServer):
             return True
 
         # -- endpoints -------------------------------------------------------------
+        def _list_models(self, query: dict):
+            search = (query.get("search") or [""])[0].lower()
+            limit = int((query.get("limit") or ["1000"])[0])
+            expand = query.get("expand") or query.get("expand[]") or []
+            found = sorted((r for r in server.repos.values() if search in r.repo_id.lower()),
+                           key=lambda r: (-r.downloads, r.repo_id))
+            body = json.dumps([r.listed(expand) for r in found[:limit]]).encode()
+            self._send_head(200, {"Content-Type": "application/json", "Content-Length": len(body)})
+            self.entry["sent"] = len(body)
+            self.wfile.write(body)
+
         def _model_info(self, rest: str, query: dict):
             repo, repo_id, tail = self._repo_and_rest(rest)
             if repo is None:

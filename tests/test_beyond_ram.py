@@ -38,11 +38,11 @@ def _model(tmp_path, llama_dir):
 
 
 def _budget(engine, share: float) -> int:
-    """The RAM budget of the resident parts plus `share` of the cold rows (at least the least
-    that runs from disk: the resident parts and the working set of slots)."""
+    """The RAM budget of the resident parts (the embeddings on disk) plus `share` of the cold
+    rows (at least the least that runs from disk: the resident parts and the working set)."""
     plan = engine.sparse.plan
-    least = solve(engine.sparse.problem, 0, 0).min_ram_bytes
-    return max(least, int(plan.resident_ram_bytes + share * plan.tier_bytes["cpu_ffn"]))
+    floor = solve(engine.sparse.problem, 0, 0)  # its resident parts leave the embeddings on disk
+    return max(floor.min_ram_bytes, int(floor.resident_ram_bytes + share * plan.tier_bytes["cpu_ffn"]))
 
 
 def _step_logits(engine, ids: list[int]) -> list[torch.Tensor]:
@@ -76,6 +76,10 @@ def test_disk_decodes_the_same_bits_as_ram(tmp_path, llama_dir, fmt, monkeypatch
         assert all(torch.equal(a, b) for a, b in zip(reference, got))
         assert cache.reader.bytes_read > 0 and cache.misses > 0 and cache.overflow_rounds == 0
         assert (cache.ahead_neurons > 0) == (ahead == "1")
+        # the embeddings stay in the prepared file too (a token reads one row): mapped, not in RAM
+        plan = disk.sparse.plan
+        assert plan.embed_on_disk and disk.sparse.embed_mapped and disk.sparse.prepared_dense.holds(disk.model.embed)
+        assert disk.memory()["tiers"]["cpu_dense"] == plan.tier_bytes["cpu_dense"]
         result = disk.generate(PROMPT, GREEDY)
         assert result.token_ids == ids[len(PROMPT):]
         hit, read = result.stats.cache_hit_fraction, result.stats.disk_read_bytes_per_token
@@ -110,7 +114,7 @@ def test_cache_never_exceeds_its_budget_and_resizes_between_tokens(tmp_path, lla
 def test_a_budget_below_the_resident_parts_is_one_error_line(tmp_path, llama_dir):
     model = _model(tmp_path, llama_dir)
     probe = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights="int4")
-    least = probe.sparse.solve(0, 1 << 40).resident_ram_bytes  # below the working set of slots
+    least = solve(probe.sparse.problem, 0, 0).min_ram_bytes - 1  # the resident parts and the working set, less 1
     with pytest.raises(BudgetError, match="resident parts"):
         Engine.load(model, mode="sparse", ram_budget=least, cpu_weights="int4")
     run = subprocess.run([sys.executable, "-m", "app.cli", "generate", "--model", str(model), "--mode", "sparse",
@@ -184,8 +188,8 @@ def test_three_tiers_hot_on_the_fast_device_cold_in_the_cache_and_on_disk(tmp_pa
     ids = PROMPT + in_ram.generate(PROMPT, GREEDY).token_ids
     reference = _step_logits(in_ram, ids)
     plan = in_ram.sparse.plan
-    budget = max(solve(in_ram.sparse.problem, vram, 0).min_ram_bytes,
-                 int(plan.resident_ram_bytes + 0.3 * plan.tier_bytes["cpu_ffn"]))
+    floor = solve(in_ram.sparse.problem, vram, 0)
+    budget = max(floor.min_ram_bytes, int(floor.resident_ram_bytes + 0.3 * plan.tier_bytes["cpu_ffn"]))
     disk = Engine.load(model, mode="hybrid", vram_budget=vram, ram_budget=budget, cpu_weights="int4")
     disk.eos_ids = set()
     assert disk.sparse.plan.verdict == "runs from disk" and disk.sparse.neuron_cache is not None

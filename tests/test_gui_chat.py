@@ -62,9 +62,9 @@ def test_prompt_streams_tokens_into_the_view(qtbot, window):
     assert window.conversations.list.count() == 1
     assert window.chat.input.button.text() == "Send"
     # The context indicator counts the conversation against the context length.
-    qtbot.waitUntil(lambda: (window.chat._ctx_used or 0) > 0, timeout=10_000)
+    qtbot.waitUntil(lambda: (window.chat.context.used or 0) > 0, timeout=10_000)
     used, total = window.chat.context_label.text().split(" tokens")[0].split(" / ")  # may say " · oldest not read"
-    assert int(used.replace(",", "")) == window.chat._ctx_used
+    assert int(used.replace(",", "")) == window.chat.context.used
     assert total == "512"  # 2,048 chosen, capped at the tiny model's max_position_embeddings
     assert window.chat.context_bar.value() > 0
 

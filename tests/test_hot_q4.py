@@ -202,7 +202,7 @@ def test_a_prefill_dequantizes_each_4bit_hot_matrix_once(q4_hot_engine, monkeypa
             calls.append(hot_codes[q.data_ptr()])
         return real(q, dim, *args, **kwargs)
 
-    monkeypatch.setattr(cpu_q4, "dequantize_rows_q4", counting)
+    monkeypatch.setattr(q4_format, "dequantize_rows_q4", counting)
     got = engine.score(PROMPT, "oracle")
     assert torch.equal(got, want)
     layers_with_hot = sorted(set(hot_codes.values()))

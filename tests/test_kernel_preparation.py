@@ -1,72 +1,114 @@
 """A first start (`Engine.load(..., kernels="background")` with no completed preparation in
 numba's cache): the load returns before the CPU kernels are ready, answers on the torch paths
-the same tokens as the compiled engine, and takes the kernels (the fused decode included) only
-between tokens once they are all ready."""
+the same tokens as the compiled engine, and takes each kernel in between two tokens once it is
+compiled, never within a token; other engines in the process are not held back."""
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 
 from engine import Engine, SamplingParams
 from models_registry.resolve import demo_model_dir
 from engine.kernels import cpu_numba, numba_pool
-from engine.runtime import engine as engine_module
 from engine.runtime import kernel_preparation as kp
+from kernel_steps import HeldSteps, forget_preparation
 
 pytestmark = pytest.mark.skipif(not cpu_numba.HAS_AVX2, reason="the fused decode runs on AVX2 hosts")
 
 DEMO = demo_model_dir()
 PARAMS = SamplingParams(max_new_tokens=8, temperature=0)
+KIND = kp.kind_of("sparse", "int8")
 
 
 def fused_calls(engine) -> int:
     return sum(getattr(getattr(layer, "fused", None), "calls", 0) for layer in engine.model.layers)
 
 
-def test_first_answer_comes_on_the_torch_paths_and_the_kernels_swap_in_between_tokens(monkeypatch):
-    compiled = Engine.load(DEMO, mode="sparse")  # the reference: the kernels in use
+@pytest.fixture
+def reference():
+    compiled = Engine.load(DEMO, mode="sparse")  # the reference: every kernel in use
     expected = compiled.generate("It is a truth", PARAMS).token_ids
     assert fused_calls(compiled) > 0
+    return compiled, expected
 
-    stamp, _content = kp._stamp(kp.kind_of("sparse", "int8"))
-    stamp.unlink(missing_ok=True)  # as on a machine where no preparation completed
-    gate = threading.Event()  # the compile thread waits here: the first answer certainly comes first
-    run_prompt = engine_module._KernelWarmup.run_prompt
 
-    def held(mode, cpu_weights):
-        gate.wait()
-        run_prompt(mode, cpu_weights)
-
-    monkeypatch.setattr(engine_module._KernelWarmup, "run_prompt", staticmethod(held))
-    engine = Engine.load(DEMO, mode="sparse", kernels="background")
+def test_first_answer_comes_on_the_torch_paths_and_each_kernel_comes_in_between_tokens(reference, monkeypatch):
+    compiled, expected = reference
+    forget_preparation(KIND)
+    steps = HeldSteps(monkeypatch)
+    progress = []
+    engine = Engine.load(DEMO, mode="sparse", kernels="background",
+                         kernel_progress=lambda *report: progress.append(report))
     try:
         prep = engine.kernel_preparation
-        assert prep is not None and not prep.ready()
-        assert numba_pool.kernels() is None  # this thread computes on the torch paths
+        assert prep is not None and not prep.ready() and prep.total >= 3
+        compiles_before = numba_pool.compiles_under_gate
         first = engine.generate("It is a truth", PARAMS)
         assert first.token_ids == expected
-        assert fused_calls(engine) == 0 and engine.kernel_preparation is prep  # no kernel mid-answer
-        gate.set()
+        assert fused_calls(engine) == 0 and prep.taken_in() == 0  # nothing compiled yet: the torch paths
+        assert numba_pool.kernels() is not None  # this thread, outside the engine, is not held back
+        assert compiled.generate("It is a truth", PARAMS).token_ids == expected and fused_calls(compiled) > 0
+
+        # The prompt's kernels and the fused decode compile while an answer runs: they come in
+        # at the next token boundary, not within the token that is computing.
+        seen = []
+        layer_of = engine.model._layer
+
+        def one_layer(index, layer, *args):
+            if index == 0 and not steps.prompt_go.is_set():
+                steps.prompt_go.set()  # compiled in the middle of this token
+                assert steps.all_entered.wait(600) and prep.compiled() > prep.taken_in()
+            seen.append((index, numba_pool.kernels("ffn_rows") is not None))
+            return layer_of(index, layer, *args)
+
+        engine.model._layer = one_layer
+        second = engine.generate("It is a truth universally", PARAMS)
+        del engine.model._layer
+        assert prep.compiled() > 0 and not prep.ready()  # run_all is still held
+        assert seen[0] == (0, False) and all(not used for _i, used in seen[:len(engine.model.layers)])
+        assert prep.taken_in() > 0 and fused_calls(engine) > 0  # in from the next token on
+        assert engine.kernel_preparation is prep
+        assert numba_pool.compiles_under_gate == compiles_before  # nothing compiled within the engine's tokens
+
+        steps.release()
         assert prep.wait(600) and prep.error is None
-        assert prep.compiled() > 0
-        assert kp.is_cached(kp.kind_of("sparse", "int8"))  # the next start loads them with the weights
-        second = engine.generate("It is a truth", PARAMS)  # swapped in before its prompt
-        assert engine.kernel_preparation is None and numba_pool.kernels() is not None
-        assert second.token_ids == expected and fused_calls(engine) > 0
+        assert kp.is_cached(KIND)  # the next start loads them with the weights
+        third = engine.generate("It is a truth", PARAMS)  # the last come in before its prompt
+        assert engine.kernel_preparation is None and engine._kernel_gate is None
+        assert third.token_ids == expected
+        assert second.token_ids == compiled.generate("It is a truth universally", PARAMS).token_ids
+        assert progress[-1] == (prep.compiled(), prep.total, True) and not any(f for *_n, f in progress[:-1])
+        assert [d for d, _t, _f in progress] == sorted(d for d, _t, _f in progress)
     finally:
-        gate.set()
+        steps.release()
         if engine.kernel_preparation is not None:
             engine.kernel_preparation.wait(600)
             engine.swap_in_kernels()
 
 
+def test_an_engine_left_preparing_holds_back_no_other_engine(reference, monkeypatch):
+    compiled, expected = reference
+    forget_preparation(KIND)
+    steps = HeldSteps(monkeypatch)
+    try:
+        preparing = Engine.load(DEMO, mode="sparse", kernels="background")
+        assert preparing.kernel_preparation is not None
+        steps.unpatch()
+        # Another engine of the process (as the next in-process CLI test) computes with every kernel.
+        other = Engine.load(DEMO, mode="sparse")
+        calls = fused_calls(other)
+        assert other.generate("It is a truth", PARAMS).token_ids == expected
+        assert fused_calls(other) > calls and other.kernel_preparation is None
+    finally:
+        steps.release()
+        preparing.kernel_preparation.wait(600)
+
+
 def test_a_completed_preparation_loads_the_kernels_with_the_weights():
     Engine.load(DEMO, mode="sparse")  # writes nothing; make sure a stamp exists
-    kind = kp.kind_of("sparse", "int8")
-    kp.mark_cached(kind)
+    kp.mark_cached(KIND)
     engine = Engine.load(DEMO, mode="sparse", kernels="background")
-    assert engine.kernel_preparation is None and numba_pool.kernels() is not None
+    assert engine.kernel_preparation is None and engine._kernel_gate is None
     engine.generate("It is a truth", PARAMS)
     assert fused_calls(engine) > 0

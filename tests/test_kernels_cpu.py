@@ -436,7 +436,7 @@ def test_bench_ffn_smoke():
 
 _FIRST_ANSWER_PROBE = textwrap.dedent("""
     from engine import Engine
-    from models_registry import resolve_model
+    from models_registry.resolve import resolve_model
     from engine.kernels import cpu
     from engine.runtime.sampling import SamplingParams
 

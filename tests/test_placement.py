@@ -88,8 +88,9 @@ def test_disk_tier_below_the_cpu_part():
     p = problem()
     assert p.disk_tier  # int8 rows of a dense FFN
     full = solve(p, 0, 1 << 40)
-    resident = full.resident_ram_bytes
-    assert resident == full.ram_bytes - full.tier_bytes["cpu_ffn"]
+    assert full.resident_ram_bytes == full.ram_bytes - full.tier_bytes["cpu_ffn"] and not full.embed_on_disk
+    assert p.embed_disk  # an untied head: below the placed size the embeddings go to disk first (a row a token)
+    resident = full.resident_ram_bytes - p.embed_cpu
     slot = p.neuron_cpu - INDEX_BYTES + SLOT_META_BYTES
     maps = 6 * 688 * INDEX_BYTES
     least = resident + maps + min_cache_neurons(p) * slot
@@ -101,7 +102,8 @@ def test_disk_tier_below_the_cpu_part():
         plan = solve(p, 0, resident + int(share * full.tier_bytes["cpu_ffn"]))
         assert plan.fits and plan.ram_bytes <= resident + share * full.tier_bytes["cpu_ffn"]
         assert plan.cache_neurons + plan.disk_neurons == 6 * 688
-        assert plan.ram_bytes == resident + maps + plan.cache_neurons * slot
+        assert plan.ram_bytes == resident + maps + plan.cache_neurons * slot and plan.embed_on_disk
+        assert plan.resident_ram_bytes == resident and plan.disk_bytes >= p.embed_cpu
         reads.append(plan.disk_read_per_token)
         # the cache holds the most frequent cold neurons: its expected hit share beats its size share
         assert plan.expected_cache_hit >= plan.cache_neurons / (6 * 688)

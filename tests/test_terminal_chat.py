@@ -43,3 +43,23 @@ def test_a_long_chat_forgets_the_oldest_messages(tmp_path, llama_dir):
     assert out.returncode == 0, out.stderr
     assert "forgets the oldest" in out.stdout
     assert out.stdout.count("bot>") == 8 and "conversation is full" not in out.stdout
+
+
+def test_one_message_longer_than_the_model_reads_is_refused_before_sending(tmp_path, llama_dir):
+    """A brand-new chat whose first message alone cannot fit: no /new, no Preferences, not sent."""
+    long_line = " ".join(f"word{i} and the sea" for i in range(200))
+    out = chat(tmp_path, [long_line, "a short one", "/quit"], "--model", str(llama_dir), "--mode", "dense",
+               "--ctx", "128", "--max-new-tokens", "16", "--temperature", "0")
+    assert out.returncode == 0, out.stderr
+    assert "not sent: this message is" in out.stdout and "reads at most 128 tokens" in out.stdout
+    refusal = out.stdout.split("not sent:")[1].split(")")[0]
+    assert "/new" not in refusal and "Preferences" not in refusal
+    assert out.stdout.count("bot>") == 1  # only the short message reached the model
+    from app.storage import Storage
+
+    store = Storage(tmp_path / "data" / "conversations.db")
+    try:
+        [conv] = store.conversations()
+        assert [m.content for m in store.messages(conv.id) if m.role == "user"] == ["a short one"]
+    finally:
+        store.close()

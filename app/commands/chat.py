@@ -60,19 +60,21 @@ def _load(args, settings):
     falls back to dense, as in the window."""
     args.model = args.model or settings["model.active"]
     args.mode = args.mode or settings["engine.mode"]
+    from app.kernel_words import kernels_choice
+
     try:
-        return load_engine(args)
+        return load_engine(args, kernels_choice())
     except Exception:  # noqa: BLE001 - no predictors, no sparse runtime: dense still works
         if args.mode == "dense":
             raise
         requested, args.mode = args.mode, "dense"
-        engine = load_engine(args)
+        engine = load_engine(args, kernels_choice())
         print(f"(running dense: {requested} mode is not available for this model)", file=sys.stderr)
         return engine
 
 
 def run(args) -> int:
-    from app.gui.context_policy import Fitted, fit_messages
+    from app.gui.context_policy import Fitted, answer_room, fit_messages
     from app.settings import DEFAULT_SYSTEM_PROMPT, Settings, config_dir
     from app.single_instance import window_pid
 
@@ -120,6 +122,10 @@ def run(args) -> int:
         from engine.runtime.chat_formats import BASE_MODEL_NOTE
 
         print(f"note: {BASE_MODEL_NOTE}")
+    from app.kernel_words import TerminalNote
+
+    kernel_note = TerminalNote(engine, sys.stdout)
+    kernel_note.after_load()
     interrupted = False
     try:
         while True:
@@ -170,9 +176,18 @@ def run(args) -> int:
                 messages.pop()
                 print(f"\n(error: {exc})")
                 continue
+            if tokenizer is not None and not fitted.fits:
+                alone = count(head + [messages[-1]])
+                if alone > engine.ctx - answer_room(engine.ctx, params.max_new_tokens):
+                    # No policy helps a message that is itself too long: refuse it before it is sent.
+                    messages.pop()
+                    print(f"(not sent: this message is {alone:,} tokens long, but the model reads at most "
+                          f"{engine.ctx:,} tokens at once, its answer included. Shorten it, or send it in parts)")
+                    continue
             if fitted.dropped > dropped:
-                print(f"(the conversation is longer than the model reads: it now forgets the oldest "
-                      f"{fitted.dropped} messages; /new starts afresh)")
+                oldest = "message" if fitted.dropped == 1 else f"{fitted.dropped} messages"
+                print(f"(the conversation is longer than the model reads: it now forgets the oldest {oldest}; "
+                      "/new starts afresh)")
             dropped = fitted.dropped
             if saver is not None and not started:
                 saver.new_conversation(
@@ -198,8 +213,10 @@ def run(args) -> int:
                 sys.stdout.write(" [stopped]")
             except ContextFullError:
                 messages.pop()
-                print("\n(the conversation is full: the model cannot read any more of it. /new starts a "
-                      "new one; or set Preferences → Chat to forget the oldest messages)")
+                forget = ("" if policy == "truncate" else
+                          "; or set Preferences → Chat to forget the oldest messages")
+                print(f"\n(the conversation is full: the model cannot read any more of it. /new starts a "
+                      f"new one{forget})")
                 continue
             except RemoteError as exc:  # a remote model's server failed: say why, keep what arrived
                 if not answer:
@@ -225,6 +242,7 @@ def run(args) -> int:
                 print("\n(the conversation filled what the model reads; /new starts a new one)")
             speed = f"{s.decode_tok_s:.1f} tokens/s, " if s.new_tokens > 1 else ""
             sys.stdout.write(f"\n  [{speed}first word after {s.ttft_s * 1000:.0f} ms]\n")
+            kernel_note.after_answer()
     finally:
         if saver is not None:
             saver.close()

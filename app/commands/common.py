@@ -80,15 +80,20 @@ def check_options(args: argparse.Namespace) -> None:
         check_sampling(SimpleNamespace(**_sampling_fields(args, defaults)))  # no torch import yet
 
 
-def load_engine(args: argparse.Namespace):
+def load_engine(args: argparse.Namespace, kernels: str = "wait"):
+    """The engine for the command's options. `kernels` "background" (the terminal chat,
+    `generate`): on a first start the answer comes on slower paths while the fast CPU kernels
+    compile (app.kernel_words)."""
     import sys
 
     check_options(args)  # before importing the engine (torch): a bad option fails in a blink
     from app.open_model import open_engine
 
-    engine = open_engine(args.model, mode=args.mode, ctx=args.ctx, vram_budget=args.vram_budget,
-                         ram_budget=args.ram_budget, device=args.device, threads=args.threads,
-                         cpu_weights=args.cpu_weights)
+    options = dict(mode=args.mode, ctx=args.ctx, vram_budget=args.vram_budget, ram_budget=args.ram_budget,
+                   device=args.device, threads=args.threads, cpu_weights=args.cpu_weights)
+    if kernels != "wait":
+        options["kernels"] = kernels
+    engine = open_engine(args.model, **options)
     for note in getattr(engine, "warnings", ()):
         sys.stderr.write(f"warning: {note}\n")
     return engine

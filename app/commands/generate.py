@@ -18,7 +18,11 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    engine = load_engine(args)
+    from app.kernel_words import TerminalNote, kernels_choice
+
+    engine = load_engine(args, kernels_choice())
+    note = TerminalNote(engine, sys.stderr)
+    note.after_load()
     params = sampling_params(args, engine)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     if args.json:
@@ -31,6 +35,7 @@ def run(args) -> int:
             raise
         report = {"text": result.text, "token_ids": result.token_ids, **result.stats.to_dict()}
         print(json.dumps(report))
+        note.after_answer()
         return 0
     for event in engine.stream(prompt, params):
         sys.stdout.write(event.text)
@@ -41,4 +46,5 @@ def run(args) -> int:
         f"[{s.new_tokens} tokens, ttft {s.ttft_s * 1000:.0f} ms, prefill {s.prefill_tok_s:.1f} tok/s, "
         f"decode {s.decode_tok_s:.1f} tok/s, mode {s.mode}, {s.finish_reason}]\n"
     )
+    note.after_answer()
     return 0

@@ -31,6 +31,9 @@ def register(subparsers) -> None:
     parser.add_argument("--window", type=int, default=512, help="tokens per forward pass")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cpu)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads")
+    parser.add_argument("--target-sparsity", type=float, default=None, metavar="FRACTION",
+                        help="a SiLU (SwiGLU) model's opt-in sparse mode (CATS): calibrate per-layer thresholds on "
+                             "|SiLU(gate)| so that this share of its FFN neurons is skipped (e.g. 0.5)")
     parser.add_argument("--restart", action="store_true", help="ignore a saved partial profile")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.set_defaults(handler=run)
@@ -48,7 +51,7 @@ def run(args) -> int:
                          threads=args.threads)
     bar = ProgressBar("profile", quiet=False)
     settings = ProfileSettings(max_tokens=args.max_tokens, max_pairs_bytes=args.max_pairs_bytes,
-                               window=args.window)
+                               window=args.window, target_sparsity=args.target_sparsity)
     result = profile(engine, args.corpus, settings, progress=bar, restart=args.restart)
     bar.done()
     summary = result.to_dict()

@@ -54,8 +54,10 @@ class BudgetSlider(QWidget):
         grid.setVerticalSpacing(2)
         self.title = QLabel(title, self)
         self.title.setObjectName("sliderTitle")
+        self.title.setWordWrap(True)  # a narrow panel or a large text size wraps it, never clips it
         self.value_label = QLabel(self)
         self.value_label.setObjectName("sliderValue")
+        self.value_label.setWordWrap(True)
         self.value_label.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
         self.slider = QSlider(Qt.Orientation.Horizontal, self)
         self.slider.setToolTip(tip)
@@ -128,7 +130,9 @@ class BudgetPanel(QScrollArea):
         self.setObjectName("budgetPanel")
         self.setWidgetResizable(True)
         self.setFrameShape(QFrame.Shape.NoFrame)
-        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        # As needed: the window gives the panel the width its contents need (panel_width_needed);
+        # where even that is too narrow (a very large text size at 800 px) it scrolls, never clips.
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
         self.settings, self.client = settings, client
         self.machine: dict | None = None
         self.placement: dict | None = None
@@ -166,12 +170,12 @@ class BudgetPanel(QScrollArea):
         self.ctx.setObjectName("ctxCombo")
         for combo in (self.ctx, self.mode):  # let a narrow panel shrink them rather than clip
             combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
-            combo.setMinimumContentsLength(11)
+            combo.setMinimumContentsLength(6)
         self.ctx.setToolTip("Tokens the model can read at once (prompt plus answer). Changing it reloads "
                             "the model; conversations are kept.")
         for n in CONTEXT_CHOICES:
             self.ctx.addItem(f"{n:,} tokens", n)
-        self.ctx_apply = QPushButton("Apply (reloads the model)", budgets)
+        self.ctx_apply = QPushButton("Apply (reloads)", budgets)
         self.ctx_apply.setProperty("kind", "primary")
         self.ctx_apply.setToolTip("Reload the model with this context length and mode; the conversation stays")
         self.ctx_apply.hide()

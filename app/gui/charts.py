@@ -135,7 +135,7 @@ class TierBar(QWidget):
         return QSize(260, 22 + 18 * max(1, self._legend_rows()))
 
     def minimumSizeHint(self) -> QSize:  # noqa: N802 - Qt API
-        return self.sizeHint()
+        return QSize(120, self.sizeHint().height())  # the bar stretches; a narrow panel elides the legend
 
     def paintEvent(self, _event) -> None:  # noqa: N802 - Qt API
         p = QPainter(self)

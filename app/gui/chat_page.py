@@ -11,8 +11,7 @@ import logging
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QKeySequence, QShortcut
-from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QMenu, QProgressBar, QPushButton, QSizePolicy,
-                               QToolButton, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import QFrame, QHBoxLayout, QMenu, QMessageBox, QPushButton, QToolButton, QVBoxLayout, QWidget
 
 from app.settings import DEFAULT_SYSTEM_PROMPT, Settings
 from app.storage import COMPLETE, FAILED, STREAMING, WRITE_ERRORS, Conversation, Storage
@@ -20,32 +19,25 @@ from app.storage import COMPLETE, FAILED, STREAMING, WRITE_ERRORS, Conversation,
 from . import formatting as fmt
 from .chat_session import AnswerStats, ChatSession
 from .chat_view import ChatView
+from .chat_widgets import Banner, ElidedLabel
 from .context_policy import answer_room
+from .context_readout import ContextReadout
 from .dialogs import ConversationSettingsDialog, show_error
+from .drafts import DRAFT_TAG, Drafts
 from .input_box import InputBar
+from .live_readout import LiveReadout, live_text
 from .worker import EngineClient
 
 log = logging.getLogger(__name__)
 
 SHOWN_MESSAGES = 60  # a long conversation opens with its latest messages; older ones on request
 TITLE_CHARS = 48
-CONTEXT_WARN = 0.85
-LONG_DRAFT_CHARS = 600  # a message this long is counted in tokens before it is sent
-DRAFT_TAG = -2          # token-count tag of a draft (conversation ids are positive)
 
 EMPTY_CHAT = "Ask anything.\nAnswers stream in here, with their speed underneath."
 EMPTY_DEMO = ("This is the demo model: a 5-million-parameter network trained only on Jane Austen's "
               "novels, so it answers in Austen-flavoured pastiche, not facts. It is here to show how "
               "sparse inference works with no download.\n\nFor a real assistant, get a chat model "
               "on the Models page.")
-READOUT_TIP = ("<b>speed</b>: tokens (word pieces) written per second<br>"
-               "<b>reading</b>: how fast the prompt was read<br>"
-               "<b>first word after</b>: the wait before the answer began<br>"
-               "<b>neurons used</b>: share of the model's feed-forward neurons that fired; the rest were "
-               "skipped, which is where the speed comes from<br>"
-               "<b>GPU served</b>: share of the fired neurons that were already in GPU memory<br>"
-               "<b>RAM / VRAM</b>: memory the model uses now, of its budget")
-
 def title_from(text: str) -> str:
     line = " ".join(text.split())
     return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"
@@ -60,66 +52,6 @@ def versions_of(msg) -> list[dict]:
     index = max(0, min(len(earlier), index if isinstance(index, int) else len(earlier)))
     current = {"content": msg.content, "status": msg.status, "stats": stats}
     return earlier[:index] + [current] + earlier[index:]
-
-
-class ElidedLabel(QLabel):
-    """A one-line label that shortens its text with … instead of widening the window."""
-
-    def __init__(self, text: str = "", parent: QWidget | None = None):
-        super().__init__(parent)
-        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        self._full = ""
-        self.setText(text)
-
-    def setText(self, text: str) -> None:  # noqa: N802 - Qt API
-        self._full = text
-        self.setToolTip(text)
-        self._elide()
-
-    def text(self) -> str:
-        return self._full
-
-    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt API
-        super().resizeEvent(event)
-        self._elide()
-
-    def _elide(self) -> None:
-        width = max(10, self.width())
-        super().setText(self.fontMetrics().elidedText(self._full, Qt.TextElideMode.ElideRight, width))
-
-
-class Banner(QFrame):
-    """A one-line notice above the prompt, with an optional action."""
-
-    def __init__(self, parent: QWidget | None = None):
-        super().__init__(parent)
-        self.setObjectName("banner")
-        layout = QHBoxLayout(self)
-        layout.setContentsMargins(12, 6, 6, 6)
-        self.label = QLabel(self)
-        self.label.setWordWrap(True)
-        self.label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        layout.addWidget(self.label, 1)
-        self.action = QPushButton(self)
-        self.action.setObjectName("bannerAction")
-        layout.addWidget(self.action)
-        self._slot = None
-        self.action.clicked.connect(self._clicked)
-        self.hide()
-
-    def show_message(self, text: str, kind: str = "info", action: str = "", slot=None) -> None:
-        self.label.setText(text)
-        self.setProperty("kind", kind)
-        self.style().unpolish(self)
-        self.style().polish(self)
-        self.action.setText(action)
-        self.action.setVisible(bool(action))
-        self._slot = slot
-        self.show()
-
-    def _clicked(self) -> None:
-        if self._slot:
-            self._slot()
 
 
 class ChatPage(QWidget):
@@ -137,29 +69,23 @@ class ChatPage(QWidget):
         self.conversation: Conversation | None = None
         self.session = ChatSession(storage, client, self)
         self._editing_id: int | None = None
-        self._ctx_used: int | None = None
-        self._ctx_total: int | None = None
-        self._dropped = 0             # oldest messages the model no longer reads
-        self._draft: str | None = None  # a long message waiting for its token count
 
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(0)
+        self.banner = Banner(self)
         layout.addWidget(self._build_header())
         self.view = ChatView(self)
         self.view.set_empty_text(EMPTY_CHAT)
         self.view.regenerate_requested.connect(self.regenerate)
         self.view.version_requested.connect(self.show_version)
         self.view.edit_requested.connect(self.begin_edit)
+        self.view.delete_requested.connect(self.ask_delete)
+        self.view.continue_requested.connect(self.continue_answer)
         self.view.show_earlier_requested.connect(self._show_all)
         layout.addWidget(self.view, 1)
-        self.banner = Banner(self)
         layout.addWidget(self.banner)
-        self.readout = QLabel(self)
-        self.readout.setObjectName("liveReadout")
-        self.readout.setWordWrap(True)
-        self.readout.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.readout.setToolTip(READOUT_TIP)
+        self.readout = LiveReadout(self)
         layout.addWidget(self.readout)
         self.input = InputBar(self)
         self.input.edit.setAccessibleName("Message")
@@ -167,7 +93,9 @@ class ChatPage(QWidget):
         self.input.send_requested.connect(self.send)
         self.input.stop_requested.connect(self.stop)
         layout.addWidget(self.input)
-        QShortcut(QKeySequence(Qt.Key.Key_Escape), self, activated=self.stop)
+        self.drafts = Drafts(self.input.edit)
+        stop = QShortcut(QKeySequence(Qt.Key.Key_Escape), self, activated=self.stop)
+        stop.setWhatsThis("Stop the answer being written")
 
         s = self.session
         s.answer_started.connect(self._on_answer_started)
@@ -201,15 +129,9 @@ class ChatPage(QWidget):
         self.title_label = ElidedLabel("New chat", header)
         self.title_label.setObjectName("chatTitle")
         row.addWidget(self.title_label, 1)
-        self.context_label = QLabel(header)
-        self.context_label.setObjectName("contextLabel")
-        self.context_label.setToolTip("Tokens this conversation uses of the model's context window")
+        self.context = ContextReadout(header, self, self.settings, self.client, self.banner, self.new_conversation)
+        self.context_label, self.context_bar = self.context.label, self.context.bar
         row.addWidget(self.context_label)
-        self.context_bar = QProgressBar(header)
-        self.context_bar.setObjectName("contextBar")
-        self.context_bar.setTextVisible(False)
-        self.context_bar.setFixedWidth(110)
-        self.context_bar.setRange(0, 1000)
         row.addWidget(self.context_bar)
         self.settings_button = QPushButton("Chat settings", header)
         self.settings_button.setObjectName("chatSettingsButton")
@@ -231,8 +153,7 @@ class ChatPage(QWidget):
 
     def resizeEvent(self, event) -> None:  # noqa: N802 - Qt API
         super().resizeEvent(event)
-        # A narrow chat keeps the title readable: the bar goes, the count stays.
-        self.context_bar.setVisible(self.width() >= 520 and bool(self._ctx_total))
+        self.context.fit_width()
 
     def _export(self, kind: str) -> None:
         if self.conversation is not None:
@@ -258,20 +179,20 @@ class ChatPage(QWidget):
         if self.conversation is not None and conversation_id == self.conversation.id:
             return
         self.stop()
-        self._finish_edit()
+        editing = self._finish_edit()
         self.banner.hide()
         self.conversation = self.storage.conversation(conversation_id) if conversation_id else None
-        self._dropped = 0
+        self.drafts.switch(self.conversation.id if self.conversation else None, keep=not editing)
         self._set_readout_idle()  # the figures of the previous chat do not belong to this one
         self._reload_view()
         self.settings["ui.last_conversation"] = self.conversation.id if self.conversation else None
 
     def new_conversation(self) -> None:
         self.stop()
-        self._finish_edit()
+        editing = self._finish_edit()
         self.banner.hide()
         self.conversation = None
-        self._dropped = 0
+        self.drafts.switch(None, keep=not editing)
         self._set_readout_idle()
         self._reload_view()
         self.input.edit.setFocus()
@@ -282,7 +203,11 @@ class ChatPage(QWidget):
             self.stop()
             self.session.abandon()
             self.conversation = None
+            self.drafts.forget(conversation_id)
+            self.drafts.switch(None)
             self._reload_view()
+        else:
+            self.drafts.forget(conversation_id)
 
     def refresh_title(self) -> None:
         if self.conversation:
@@ -307,8 +232,7 @@ class ChatPage(QWidget):
         self.refresh_title()
         self.view.update_actions(self.client.busy)
         self.view.scroll_to_bottom()
-        self._ctx_used = 0 if self.conversation is None else None
-        self._update_context()
+        self.context.opened(empty=self.conversation is None)
         self._recount()
 
     def _show_all(self) -> None:
@@ -322,6 +246,7 @@ class ChatPage(QWidget):
                 title_from(first_text), system_prompt=self.settings["chat.system_prompt"],
                 sampling=self.settings.sampling_defaults(), model=self.settings["model.active"])
             self.settings["ui.last_conversation"] = self.conversation.id
+            self.drafts.adopt(self.conversation.id)
             self.refresh_title()
         return self.conversation
 
@@ -329,20 +254,19 @@ class ChatPage(QWidget):
     def send(self, text: str) -> None:
         if self.client.busy:
             return
-        if len(text) >= LONG_DRAFT_CHARS and self.client.model_info and self._draft != text:
+        if self.client.model_info and self.drafts.needs_counting(text):
             # A long message (a paste): count its tokens first; _on_context_report sends it,
             # or says it cannot fit and gives it back to the prompt box.
-            self._draft = text
+            self.drafts.hold(text)
             self.readout.setText("Measuring the message…")
             self.client.count_tokens(DRAFT_TAG, self._draft_messages(text), self._context_options())
             return
-        self._draft = None
+        self.drafts.pending = None
         try:
             self._send(text)
         except WRITE_ERRORS as exc:  # nothing was sent: the text goes back to the box
             log.warning("could not save the message: %s", exc)
-            if not self.input.edit.toPlainText():
-                self.input.edit.setPlainText(text)
+            self.drafts.give_back(text)
             self.session.save_failed(exc, "Nothing was sent; your message is back in the box. Free some disk "
                                           "space, then send it again.")
 
@@ -401,7 +325,68 @@ class ChatPage(QWidget):
             w.set_text(chosen["content"])
             w.set_status(chosen.get("status", COMPLETE))
             w.set_stats(stats)
+        self.readout.answered(chosen.get("stats"), self.client.model_info)  # the figures of the version shown
         self._recount()
+
+    def ask_delete(self, message_id: int) -> QMessageBox | None:
+        """Delete a message and every one after it (as sending an edit does), once confirmed."""
+        if self.client.busy or self.conversation is None:
+            return None
+        ids = [m.id for m in self.storage.messages(self.conversation.id) if m.role != "system"]
+        if message_id not in ids:
+            return None
+        after = len(ids) - ids.index(message_id) - 1
+        what = "this message" if not after else f"this message and the {fmt.count(after, 'message')} after it"
+        box = QMessageBox(QMessageBox.Icon.Question, "Delete messages", f"Delete {what}?",
+                          QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.Cancel, self.window())
+        box.setObjectName("deleteMessagesDialog")
+        box.setInformativeText("The conversation goes on from the message before it. This cannot be undone.")
+        box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose, True)
+        box.button(QMessageBox.StandardButton.Yes).setText("Delete")
+        box.accepted.connect(lambda: self.delete_from(message_id))
+        box.open()
+        self.delete_dialog = box
+        return box
+
+    def delete_from(self, message_id: int) -> None:
+        if self.client.busy or self.conversation is None:
+            return
+        try:
+            self.storage.delete_messages_from(self.conversation.id, message_id)
+        except WRITE_ERRORS as exc:
+            self.session.save_failed(exc, "Nothing was deleted. Free some disk space, then try again.")
+            return
+        if self._editing_id is not None and self.storage.message(self._editing_id) is None:
+            self._cancel_edit()  # the message being edited went with them
+        self.banner.hide()
+        self._reload_view()
+        self._set_readout_idle()  # the figures shown were of an answer now gone, or of an earlier one
+        self.conversations_changed.emit(self.conversation.id)
+
+    def continue_answer(self, message_id: int) -> None:
+        """Write on where the last answer stopped (stopped by the user, or at the longest answer)."""
+        if self.client.busy or self.conversation is None or not self.client.model_info:
+            return
+        last = self.view.last()
+        msg = self.storage.message(message_id)
+        if last is None or last.message_id != message_id or msg is None or msg.role != "assistant":
+            return
+        if (self.client.model_info or {}).get("remote"):
+            show_error(self.window(), "Cannot continue", "A remote model is given whole messages, so it cannot "
+                       "write on inside an answer.", "Regenerate the answer, or ask it to go on.")
+            return
+        conv = self.conversation
+        before = self._chat_messages()[:-1]  # the answer itself becomes the prompt's end
+        params = {**self._sampling(), "context_policy": self.settings["chat.context_policy"],
+                  "conversation_id": conv.id}
+        self.banner.hide()
+        try:
+            self.session.resume(conv.id, msg, before, params,
+                                model=(self.client.model_info or {}).get("model") or self.settings["model.active"])
+        except WRITE_ERRORS as exc:
+            self.session.save_failed(exc, "Nothing was changed. Free some disk space, then try again.")
+            return
+        self.readout.setText("● Reading the prompt…  (Esc stops)")
 
     def begin_edit(self, message_id: int) -> None:
         if self.client.busy or self.conversation is None:
@@ -420,10 +405,15 @@ class ChatPage(QWidget):
         self.input.edit.clear()
         self.banner.hide()
 
-    def _finish_edit(self) -> None:
-        self._editing_id = None
+    def _finish_edit(self) -> bool:
+        """Leave edit mode; whether an edit was under way."""
+        editing, self._editing_id = self._editing_id is not None, None
+        return editing
 
     def stop(self) -> None:
+        if self.input.cancel_waiting():
+            self.readout.setText("Not sent: the message stays in the box.")
+            return
         if self.session.stop():
             self.input.set_stopping()
             self.readout.setText("● Stopping…")
@@ -476,6 +466,10 @@ class ChatPage(QWidget):
 
     # -- session signals -------------------------------------------------------------------
     def _on_answer_started(self, answer) -> None:
+        last = self.view.last()
+        if last is not None and last.message_id == answer.id:  # continued: it streams in place
+            last.set_status(STREAMING)
+            return
         self.view.add_message(answer.id, "assistant", "", STREAMING, None, answer.created_at, self._model_name())
 
     def _on_answer_text(self, answer_id: int, text: str) -> None:
@@ -489,11 +483,9 @@ class ChatPage(QWidget):
 
     def _on_live_stats(self, stats: AnswerStats) -> None:
         if not self.session.stopping:
-            self.readout.setText("● " + self.live_text(stats))
+            self.readout.streaming(stats)
         if stats.prompt_tokens:  # the context fills as the answer grows
-            self._ctx_used = int(stats.prompt_tokens) + stats.new_tokens
-            self._dropped = stats.dropped_messages
-            self._update_context()
+            self.context.live(int(stats.prompt_tokens) + stats.new_tokens, stats.dropped_messages)
 
     def _on_answer_ended(self, answer_id: int, status: str, stats: AnswerStats) -> None:
         w = self.view.last()
@@ -506,13 +498,13 @@ class ChatPage(QWidget):
         self._recount()
         if status == FAILED:
             return  # _on_failed says why
-        self._dropped = stats.dropped_messages or self._dropped
+        self.context.dropped = stats.dropped_messages or self.context.dropped
         self.readout.setText(self.live_text(stats, final=True))
         if stats.finish_reason == "interrupted":  # a remote stream broke off: the partial answer stays
             show_error(self.window(), "The answer was interrupted", stats.error,
                        "The partial answer is kept. Check the remote server, then regenerate.")
         if stats.finish_reason == "context_full":
-            self._show_context_full()
+            self.context.show_full()
 
     def _on_answer_dropped(self, conversation_id: int, stats: AnswerStats | None) -> None:
         if self.conversation is not None and self.conversation.id == conversation_id:
@@ -520,7 +512,7 @@ class ChatPage(QWidget):
         if stats is None:
             return  # it failed: _on_failed says why
         if stats.finish_reason == "context_full":
-            self._show_context_full()
+            self.context.show_full()
         else:
             self.readout.setText("Stopped before the answer began.")
 
@@ -535,56 +527,10 @@ class ChatPage(QWidget):
         self.busy_changed.emit(busy)
 
     # -- readouts ------------------------------------------------------------------------
-    @staticmethod
-    def live_text(stats: AnswerStats | dict, final: bool = False) -> str:
-        """The readout under the chat, in words: speed, wait, neurons used, memory, device."""
-        s = stats if isinstance(stats, AnswerStats) else AnswerStats.from_dict(stats)
-        parts = []
-        new = s.new_tokens
-        if new:
-            parts.append(fmt.count(new, "token"))
-        if s.decode_tok_s and new > 1:
-            parts.append(f"{fmt.rate(s.decode_tok_s)}")
-        if s.prefill_tok_s:
-            parts.append(f"read the prompt at {fmt.rate(s.prefill_tok_s)}")
-        if s.ttft_s is not None and new:
-            parts.append(f"first word after {fmt.seconds(s.ttft_s)}")
-        dense = s.mode == "dense"
-        on_gpu = s.on_gpu  # with no GPU there is no GPU share to show
-        hit = None if dense or not on_gpu else s.hot_hit_fraction
-        if dense:
-            parts.append("all neurons computed")
-        elif s.ffn_active_fraction:
-            parts.append(f"{fmt.percent(s.ffn_active_fraction)} of neurons used")
-        if hit is not None:
-            parts.append(f"GPU served {fmt.percent(hit)}")
-        elif on_gpu and s.expected_hot_hit_fraction is not None:
-            parts.append(f"GPU share ≈{fmt.percent(s.expected_hot_hit_fraction)} (expected)")
-        disk_read, cache_hit = s.disk_read_bytes_per_token, s.cache_hit_fraction
-        if disk_read is not None and cache_hit is not None and not dense and (disk_read > 0 or cache_hit < 1):
-            parts.append(f"cache served {fmt.percent(cache_hit)} · {fmt.size(disk_read)} a token from disk")
-        for name, used, budget in (("VRAM", s.vram_bytes, s.vram_budget), ("RAM", s.ram_bytes, s.ram_budget)):
-            if used is None or (name == "VRAM" and not used and not on_gpu):
-                continue
-            # "of" a budget only where the budget is a real limit, not the amount in use.
-            of = f" of {fmt.gib(budget)}" if budget and fmt.gib(budget) != fmt.gib(used) else ""
-            parts.append(f"{name} {fmt.gib(used)}{of}")
-        if s.device:
-            parts.append(fmt.device_name(s.device))
-        if s.dropped_messages:
-            parts.append(fmt.oldest_forgotten(s.dropped_messages, "not read", "not read"))
-        if final and s.finish_reason == "cancelled":
-            parts.insert(0, "stopped")
-        return " · ".join(parts) if parts else "…"
+    live_text = staticmethod(live_text)  # the readout's words (live_readout.py), kept here for callers
 
     def _set_readout_idle(self) -> None:
-        info = self.client.model_info
-        if info:
-            mode = info.get("mode")
-            self.readout.setText(f"Ready · {fmt.model_label(info.get('model'))} · {fmt.mode_words(mode)} · "
-                                 f"{fmt.device_name((info.get('memory') or {}).get('device'))}")
-        else:
-            self.readout.setText("")
+        self.readout.idle(self.client.model_info)
 
     def _is_demo(self) -> bool:
         info = self.client.model_info
@@ -613,99 +559,30 @@ class ChatPage(QWidget):
         if tag == DRAFT_TAG:
             self._on_draft_counted(report)
         elif self.conversation is not None and tag == self.conversation.id and not self.busy:
-            self._ctx_used, self._ctx_total = report["tokens"], report["ctx"]
-            self._dropped = int(report.get("dropped") or 0)
-            self._update_context()
+            self.context.counted(report)
 
     def _on_draft_counted(self, report: dict) -> None:
-        text, self._draft = self._draft, None
+        text = self.drafts.take()
         if text is None:
             return
         ctx = report["ctx"]
         room = ctx - answer_room(ctx, self._context_options()["max_new_tokens"])
+        self._set_readout_idle()
         if report["tokens"] > room:
             # It cannot fit whatever is dropped: keep it in the box, and say why.
-            if not self.input.edit.toPlainText().strip():
-                self.input.edit.setPlainText(text)
-            self._set_readout_idle()
-            self.banner.show_message(
-                f"This message is {report['tokens']:,} tokens long, but the model reads at most "
-                f"{ctx:,} tokens at once, its answer included. Shorten it (or send it in parts), or "
-                "choose a model with a longer context on the Models page.", "error", "Models",
-                self.models_page_requested.emit)
+            self.drafts.give_back(text)
+            self.context.too_long(report["tokens"], ctx, self.models_page_requested.emit)
             return
-        self._set_readout_idle()
-        self._draft = text
+        self.drafts.hold(text)  # counted: send() sends it now
         self.send(text)
 
-    def _update_context(self) -> None:
-        total = self._ctx_total or (self.client.model_info or {}).get("ctx")
-        if not total:
-            self.context_label.setText("")
-            self.context_bar.hide()
-            return
-        self._ctx_total = total
-        used = self._ctx_used
-        self.context_bar.setVisible(self.width() >= 520)  # see resizeEvent
-        if used is None:
-            self.context_label.setText(f"… / {total:,} tokens")
-            self.context_bar.setValue(0)
-            return
-        shown = min(used, total)  # the model never reads more than its window
-        frac = shown / total
-        self.context_label.setText(f"{shown:,} / {total:,} tokens" + (" · oldest not read" if self._dropped else ""))
-        tip = "Tokens (word pieces) the model reads of this conversation, of the most it can read at once."
-        if self._dropped:
-            words = fmt.oldest_forgotten(self._dropped, "no longer fits and is left out",
-                                         "no longer fit and are left out")
-            tip += f" {words[0].upper()}{words[1:]} (Preferences → Chat)."
-        if self.context_label.toolTip() != tip:
-            self.context_label.setToolTip(tip)
-        self.context_bar.setValue(int(frac * 1000))
-        truncating = self.settings["chat.context_policy"] == "truncate"
-        level = "full" if frac >= 0.98 and not truncating else ("warn" if frac >= CONTEXT_WARN else "")
-        if self.context_bar.property("level") != level:  # a re-polish costs a style pass: only on change
-            self.context_bar.setProperty("level", level)
-            self.context_bar.style().unpolish(self.context_bar)
-            self.context_bar.style().polish(self.context_bar)
-        if self._dropped and truncating:
-            if not self.banner.isVisible() or self.banner.property("kind") == "error":
-                self.banner.show_message(
-                    f"This conversation is longer than the model can read ({total:,} tokens), so it now "
-                    f"reads only the latest messages: {fmt.oldest_forgotten(self._dropped)}. "
-                    "Start a new chat for a new topic.", "info", "New chat", self.new_conversation)
-        elif level == "full":
-            self._show_context_full()
-        elif level == "warn" and not self.banner.isVisible():
-            what = ("the oldest messages will be forgotten soon" if truncating
-                    else "answers will be cut short soon")
-            self.banner.show_message(
-                f"This conversation uses {frac:.0%} of what the model can read; {what}. "
-                "Start a new chat for a new topic.", "warn", "New chat", self.new_conversation)
-
-    def _show_context_full(self, stats: dict | None = None) -> None:
-        info = self.client.model_info or {}
-        total = self._ctx_total or info.get("ctx") or 0
-        trained = info.get("max_positions")
-        can_raise = not trained or total < trained
-        more = (" or raise the context length in the panel (this reloads the model; the conversation "
-                "is kept)" if can_raise else ", or choose a model that reads more on the Models page")
-        policy = (" Or let the model forget the oldest messages: Preferences → Chat."
-                  if self.settings["chat.context_policy"] == "stop" else "")
-        self.banner.show_message(
-            f"The conversation has filled what the model can read ({total:,} tokens), so it cannot go "
-            f"on. Start a new chat{more}.{policy}", "error", "New chat", self.new_conversation)
-
     def _on_model_loaded(self, info: dict) -> None:
-        self._ctx_total = info.get("ctx")
-        if self.banner.isVisible() and self.banner.property("kind") in ("error", "warn"):
-            self.banner.hide()  # said of the previous model; counted again below
-        self._update_context()
-        self._sync_ready()
+        self.context.model_loaded(info)
         self._set_readout_idle()
         if not self.busy:
             self._reload_view()  # the empty-chat text and model names follow the model
         self._recount()
+        self._sync_ready()  # last: a message typed during the load is sent here
 
     def _on_model_event(self, *_args) -> None:
         self._sync_ready()
@@ -715,7 +592,7 @@ class ChatPage(QWidget):
             self.input.set_ready(True)
         elif self.client.loading_model:
             self.input.set_ready(False, f"Loading {fmt.model_label(self.client.loading_model)}… "
-                                        "you can type meanwhile")
+                                        "you can type meanwhile", can_wait=True)
         else:
             self.input.set_ready(False, "No model loaded: choose one on the Models page")
 

@@ -125,6 +125,20 @@ class ChatSession(QObject):
         self.request = self.client.generate(messages, params)
         self.busy_changed.emit(True)
 
+    def resume(self, conversation_id: int, message, messages: list[dict], params: dict, model: str = "") -> None:
+        """Continue `message` (a stopped or cut-off answer, the last of its chat) where it ended:
+        the new text is appended to it; `messages` are the ones before it."""
+        old = dict(message.stats or {})
+        self.earlier = [v for v in old.get("versions") or [] if isinstance(v, dict)]
+        self.model = old.get("model") or model
+        self.answer_id, self.answer_text, self._dirty = message.id, message.content, False
+        self.conversation_id = conversation_id
+        self.storage.update_message(message.id, status=STREAMING)
+        self.stopping = self.stopped_before_text = False
+        self.answer_started.emit(message)
+        self.request = self.client.generate(messages, {**params, "continue_text": message.content})
+        self.busy_changed.emit(True)
+
     def stop(self) -> bool:
         """Ask the worker to stop; True when this began stopping the answer (not a second press)."""
         if self.client.busy and self.request is not None and not self.stopping:

@@ -10,7 +10,7 @@ import time
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication
-from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QPushButton, QScrollArea, QSizePolicy,
+from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QMenu, QPushButton, QScrollArea, QSizePolicy,
                                QVBoxLayout, QWidget)
 
 from app.storage import COMPLETE, FAILED, INTERRUPTED, STOPPED, STREAMING
@@ -34,6 +34,8 @@ class MessageWidget(QFrame):
     edit_requested = Signal(int)
     regenerate_requested = Signal(int)
     version_requested = Signal(int, int)  # message id, version index
+    delete_requested = Signal(int)        # this message and every one after it
+    continue_requested = Signal(int)      # write on where this answer stopped
 
     def __init__(self, message_id: int, role: str, text: str, status: str = COMPLETE,
                  stats: dict | None = None, created_at: float | None = None, model: str = "",
@@ -82,12 +84,19 @@ class MessageWidget(QFrame):
                                         lambda: self.edit_requested.emit(self.message_id))
         self.regen_button = self._action("Regenerate", "Answer this again",
                                          lambda: self.regenerate_requested.emit(self.message_id))
+        # Continue: on the last answer, when it was stopped or cut off by its length limit.
+        self.continue_button = self._action("Continue", "Write on from where this answer stopped",
+                                            lambda: self.continue_requested.emit(self.message_id))
         footer.addWidget(self.edit_button)
+        footer.addWidget(self.continue_button)
         footer.addWidget(self.regen_button)
         layout.addLayout(footer)
+        self._can_edit = True
+        self._is_last = False
 
         self.edit_button.setVisible(role == "user")
         self.regen_button.setVisible(False)
+        self.continue_button.setVisible(False)
         self.set_text(text)
         self.set_status(status)
         self.set_stats(stats)
@@ -116,7 +125,13 @@ class MessageWidget(QFrame):
         self.status_label.setVisible(bool(label))
         self.copy_button.setEnabled(status != STREAMING)
 
+    def can_continue(self) -> bool:
+        """An answer that did not end by itself: stopped, or cut off at the longest answer."""
+        return self.role == "assistant" and bool(self.text()) and (
+            self.status == STOPPED or (self.status == COMPLETE and self._finish == "length"))
+
     def set_stats(self, stats: dict | None) -> None:
+        self._finish = (stats or {}).get("finish_reason", "")
         self.stats_label.setText(fmt.message_stats(stats) if self.role == "assistant" else "")
         versions = (stats or {}).get("versions") or []
         count = len(versions) + 1
@@ -152,10 +167,33 @@ class MessageWidget(QFrame):
                                      else "Ask the model to answer this message")
         self.edit_button.setVisible(self.role == "user")
         self.edit_button.setEnabled(can_edit)
+        self._can_edit, self._is_last = can_edit, can_regenerate
+        self.continue_button.setVisible(can_regenerate and self.can_continue())
         index, count = self._version
         if self.prev_version is not None:  # no paging while an answer streams
             self.prev_version.setEnabled(can_edit and index > 0)
             self.next_version.setEnabled(can_edit and index < count - 1)
+
+    def contextMenuEvent(self, event) -> None:  # noqa: N802 - Qt API
+        self.context_menu().popup(event.globalPos())
+
+    def context_menu(self) -> QMenu:
+        """Copy, and what the footer offers, plus Delete (this message and those after it)."""
+        menu = QMenu(self)
+        menu.setObjectName("messageMenu")
+        menu.addAction("Copy", self._copy).setEnabled(self.copy_button.isEnabled())
+        if self.role == "user":
+            menu.addAction("Edit…", lambda: self.edit_requested.emit(self.message_id)).setEnabled(self._can_edit)
+        if self.continue_button.isVisible():
+            menu.addAction("Continue", lambda: self.continue_requested.emit(self.message_id))
+        if self.regen_button.isVisible():
+            menu.addAction(self.regen_button.text(), lambda: self.regenerate_requested.emit(self.message_id))
+        menu.addSeparator()
+        delete = menu.addAction("Delete" if self._is_last else "Delete, with the messages after it",
+                                lambda: self.delete_requested.emit(self.message_id))
+        delete.setEnabled(self._can_edit)  # not while an answer streams
+        self.menu = menu
+        return menu
 
     def _copy(self) -> None:
         QGuiApplication.clipboard().setText(self.text())
@@ -169,6 +207,8 @@ class ChatView(QScrollArea):
     edit_requested = Signal(int)
     regenerate_requested = Signal(int)
     version_requested = Signal(int, int)
+    delete_requested = Signal(int)
+    continue_requested = Signal(int)
     show_earlier_requested = Signal()
 
     def __init__(self, parent: QWidget | None = None):
@@ -234,6 +274,8 @@ class ChatView(QScrollArea):
         w.edit_requested.connect(self.edit_requested)
         w.regenerate_requested.connect(self.regenerate_requested)
         w.version_requested.connect(self.version_requested)
+        w.delete_requested.connect(self.delete_requested)
+        w.continue_requested.connect(self.continue_requested)
         self._layout.insertWidget(self._layout.count() - 1, w)
         self._messages.append(w)
         self.empty_label.hide()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (QCheckBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFormLayout, QLabel,
                                QMessageBox, QPlainTextEdit, QSpinBox, QVBoxLayout, QWidget)
 
@@ -18,6 +18,54 @@ def show_error(parent: QWidget | None, title: str, what: str, todo: str) -> QMes
     box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose, True)
     box.open()
     return box
+
+
+SAMPLING_LABELS = {"top_p": "Top-p", "top_k": "Top-k", "min_p": "Min-p", "max_new_tokens": "Longest answer",
+                   "seed": "Seed", "stop": "Stop strings"}
+RANDOM_SEED = -1  # the seed box's "Random" (a new seed each answer)
+MAX_STOPS = 4     # the OpenAI API's limit, which the server and remote models follow
+
+
+def sampling_field(key: str, opt, parent: QWidget) -> QWidget:
+    """The widget for one sampling option: a number box, the seed (or Random), or the stop strings."""
+    if key == "stop":
+        box = QPlainTextEdit(parent)
+        box.setPlaceholderText("one per line, at most 4 (\\n for a line break)")
+        box.setTabChangesFocus(True)
+        box.setFixedHeight(box.fontMetrics().lineSpacing() * 3 + 12)
+    elif key == "seed":
+        box = QSpinBox(parent)
+        box.setRange(RANDOM_SEED, 2**31 - 1)
+        box.setSpecialValueText("Random")  # shown at RANDOM_SEED
+    elif opt.type is int:
+        box = QSpinBox(parent)
+        box.setRange(int(opt.minimum or 0), int(min(opt.maximum or 10**6, 2**31 - 1)))
+    else:
+        box = QDoubleSpinBox(parent)
+        box.setDecimals(2)
+        box.setSingleStep(0.01 if key == "min_p" else 0.05)
+        box.setRange(float(opt.minimum or 0), float(opt.maximum or 100))
+    box.setToolTip(opt.help)
+    box.setObjectName(f"sampling_{key}")
+    return box
+
+
+def set_sampling_value(box: QWidget, key: str, value) -> None:
+    if key == "stop":
+        box.setPlainText("\n".join(s.replace("\n", "\\n") for s in value or []))
+    elif key == "seed":
+        box.setValue(RANDOM_SEED if value is None else min(int(value), box.maximum()))
+    else:
+        box.setValue(value)
+
+
+def sampling_value(box: QWidget, key: str):
+    if key == "stop":
+        lines = [line.replace("\\n", "\n") for line in box.toPlainText().split("\n")]
+        return [line for line in lines if line][:MAX_STOPS]
+    if key == "seed":
+        return None if box.value() == RANDOM_SEED else box.value()
+    return box.value()
 
 
 class ConversationSettingsDialog(QDialog):
@@ -39,21 +87,13 @@ class ConversationSettingsDialog(QDialog):
         self.system_prompt.setPlaceholderText("How the assistant should behave (optional)")
         self.system_prompt.setMinimumHeight(90)
         form.addRow("System prompt", self.system_prompt)
-        self.fields: dict[str, QSpinBox | QDoubleSpinBox] = {}
+        self.fields: dict[str, QWidget] = {}
         for key in SAMPLING_KEYS:
             opt = settings.option(f"chat.{key}")
-            if opt.type is int:
-                box = QSpinBox(self)
-                box.setRange(int(opt.minimum or 0), int(min(opt.maximum or 10**6, 2**31 - 1)))
-            else:
-                box = QDoubleSpinBox(self)
-                box.setDecimals(2)
-                box.setSingleStep(0.05)
-                box.setRange(float(opt.minimum or 0), float(opt.maximum or 100))
-            box.setValue(sampling.get(key, settings[f"chat.{key}"]))
-            box.setToolTip(opt.help)
+            box = sampling_field(key, opt, self)
+            set_sampling_value(box, key, sampling.get(key, settings[f"chat.{key}"]))
             self.fields[key] = box
-            form.addRow(key.replace("_", " ").capitalize(), box)
+            form.addRow(SAMPLING_LABELS.get(key, key.replace("_", " ").capitalize()), box)
         layout.addLayout(form)
         self.save_defaults = QCheckBox("Also use these for new conversations", self)
         layout.addWidget(self.save_defaults)
@@ -63,15 +103,15 @@ class ConversationSettingsDialog(QDialog):
         buttons.rejected.connect(self.reject)
         buttons.button(QDialogButtonBox.StandardButton.RestoreDefaults).clicked.connect(self._restore)
         layout.addWidget(buttons)
-        self.resize(460, 420)
+        self.resize(460, 520)
 
     def _restore(self) -> None:
         self.system_prompt.setPlainText(self.settings["chat.system_prompt"])
         for key, box in self.fields.items():
-            box.setValue(self.settings[f"chat.{key}"])
+            set_sampling_value(box, key, self.settings[f"chat.{key}"])
 
     def values(self) -> tuple[str, dict]:
-        sampling = {key: box.value() for key, box in self.fields.items()}
+        sampling = {key: sampling_value(box, key) for key, box in self.fields.items()}
         return self.system_prompt.toPlainText().strip(), sampling
 
     def accept(self) -> None:
@@ -145,6 +185,7 @@ class WelcomeDialog(QDialog):
     """First start: what the app does, what the demo model is, and one click to a real one."""
 
     get_model = 2  # done() code: download the recommended chat model
+    typed = Signal(object)  # a key of typing (a QKeyEvent) pressed on the welcome: it is meant for the chat
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -170,6 +211,14 @@ class WelcomeDialog(QDialog):
         layout.addWidget(buttons)
         self.setMinimumWidth(520)
         self.resize(560, self.sizeHint().height())
+
+    def keyPressEvent(self, event) -> None:  # noqa: N802 - Qt API
+        text = event.text()
+        if text and text.isprintable() and not text.isspace() and \
+                not event.modifiers() & ~Qt.KeyboardModifier.ShiftModifier:
+            self.typed.emit(event)  # the window closes the welcome and types it into the prompt box
+            return
+        super().keyPressEvent(event)
 
     def set_recommended(self, spec: str, row: dict) -> None:
         """Name the model the button downloads: the Models page's choice for this machine."""

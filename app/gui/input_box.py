@@ -8,6 +8,8 @@ from PySide6.QtWidgets import QFrame, QHBoxLayout, QPlainTextEdit, QPushButton, 
 
 MAX_LINES = 8
 PLACEHOLDER = "Message the model  (Enter sends)"
+# The keys the prompt box handles itself (keyPressEvent below); Help → Keyboard shortcuts lists them.
+KEYS = (("Enter", "Send the message"), ("Shift+Enter", "Start a new line in the message"))
 
 
 class PromptEdit(QPlainTextEdit):
@@ -65,6 +67,8 @@ class InputBar(QFrame):
         outer.addLayout(row)
         self._busy = False
         self._ready = True
+        self._can_wait = False  # a model is loading: Enter keeps the message and sends it once loaded
+        self.waiting = False    # a message waits for the model
         self._sync()
 
     def set_busy(self, busy: bool) -> None:
@@ -78,30 +82,54 @@ class InputBar(QFrame):
             self.button.setEnabled(False)
             self.button.setToolTip("Stopping: the model finishes the piece it is reading")
 
-    def set_ready(self, ready: bool, why: str = "") -> None:
-        """Whether a model is loaded; `why` replaces the placeholder when it is not."""
-        self._ready = ready
+    def set_ready(self, ready: bool, why: str = "", can_wait: bool = False) -> None:
+        """Whether a model is loaded; `why` replaces the placeholder when it is not. `can_wait`:
+        one is loading, so Enter keeps the message and sends it when the model is ready."""
+        self._ready, self._can_wait = ready, can_wait and not ready
+        if not ready and not can_wait:
+            self.waiting = False  # nothing will load: the message stays in the box, unsent
         self.edit.setPlaceholderText(
             PLACEHOLDER if ready else why)
         self.edit.viewport().update()
         self._sync()
+        if ready and self.waiting:
+            self.waiting = False
+            self._submit()
+
+    def cancel_waiting(self) -> bool:
+        """Esc before the model was ready: the message stays in the box, not sent."""
+        if not self.waiting:
+            return False
+        self.waiting = False
+        self._sync()
+        return True
 
     def _sync(self) -> None:
-        self.button.setText("Stop" if self._busy else "Send")
+        waiting = self.waiting and not self._busy
+        self.button.setText("Stop" if self._busy else "Sends when loaded" if waiting else "Send")
         self.button.setProperty("stop", self._busy)
         self.button.style().unpolish(self.button)
         self.button.style().polish(self.button)
-        self.button.setToolTip("Stop the answer (Esc)" if self._busy else "Send (Enter)")
-        self.button.setEnabled(self._busy or self._ready)
+        self.button.setToolTip("Stop the answer (Esc)" if self._busy else
+                               "The message is sent as soon as the model has loaded; Esc keeps it unsent"
+                               if waiting else "Send (Enter)")
+        self.button.setEnabled(self._busy or self._ready or self._can_wait)
 
     def _clicked(self) -> None:
         if self._busy:
             self.stop_requested.emit()
+        elif self.waiting:
+            self.cancel_waiting()
         else:
             self._submit()
 
     def _submit(self) -> None:
-        if self._busy or not self._ready:
+        if self._busy:
+            return
+        if not self._ready:
+            if self._can_wait and self.edit.toPlainText().strip():
+                self.waiting = True  # sent by set_ready(True)
+                self._sync()
             return
         text = self.edit.toPlainText().strip()
         if text:

@@ -70,7 +70,7 @@ def _splash():
     font.setBold(False)
     p.setFont(font)
     p.setPen(QColor("#5c6676"))
-    p.drawText(104, 90, "Loading the inference engine…")
+    p.drawText(104, 90, "Starting…")
     p.end()
     splash = QSplashScreen(pix, Qt.WindowType.WindowStaysOnTopHint)
     splash.show()
@@ -83,12 +83,21 @@ def preload_engine() -> None:
     Importing torch and numba runs for a second or two and loads large native libraries while
     holding the GIL; done later in the worker thread, it would freeze the visible window for
     100-700 ms at a time. Before the window exists, nobody is waiting on the event loop.
+
+    On a first start (no CPU kernels compiled for this machine yet) the kernels are left to
+    the model's load, which compiles them in the background while the model already answers
+    (app.kernel_words): compiling them here took minutes behind the splash.
     """
     try:
         import engine  # noqa: F401
+        from app.kernel_words import kernels_choice
         from engine.kernels import cpu
+        from engine.runtime import kernel_preparation
 
-        info = cpu.warmup()  # imports numba and loads (or compiles) the CPU kernels once, here
+        if kernels_choice() == "background" and not kernel_preparation.any_cached():
+            log.info("CPU kernels not compiled for this machine yet: they compile while the model answers")
+            return
+        info = cpu.warmup()  # imports numba and loads the CPU kernels from numba's cache once, here
         log.info("CPU kernels ready in %.2f s (%s)", info["seconds"], info)
     except Exception:  # noqa: BLE001 - the worker reports a broken engine as a dialog later
         log.exception("could not import the engine")

@@ -116,6 +116,9 @@ class MainWindow(QMainWindow):
         from .server_panel import install_server_panel
 
         self.server_panel = install_server_panel(self)
+        from .kernel_status import install_kernel_status
+
+        self.kernel_status = install_kernel_status(self)
 
         # Wiring.
         self.chat_tab.clicked.connect(lambda: self.show_page("chat"))
@@ -181,10 +184,12 @@ class MainWindow(QMainWindow):
 
     def _actions(self) -> None:
         """The menu bar: the usual desktop places for every command, with their shortcuts."""
-        def add(menu, text, shortcut, slot, tip=""):
+        def add(menu, text, shortcut, slot, tip="", everywhere=False):
             act = QAction(text, self)
             if shortcut:
                 act.setShortcut(QKeySequence(shortcut))
+            if everywhere:  # also from the app's other windows (the welcome, a dialog left open)
+                act.setShortcutContext(Qt.ShortcutContext.ApplicationShortcut)
             if tip:
                 act.setStatusTip(tip)
             act.triggered.connect(slot)
@@ -195,14 +200,14 @@ class MainWindow(QMainWindow):
 
         bar = self.menuBar()
         file = bar.addMenu("&File")
-        add(file, "&New chat", "Ctrl+N", self.new_chat)
+        add(file, "&New chat", "Ctrl+N", self.new_chat, everywhere=True)
         export = file.addMenu("&Export conversation")
         self.export_md_action = add(export, "As &Markdown…", "Ctrl+Shift+E", lambda: self._export_open("md"))
         self.export_json_action = add(export, "As &JSON…", "", lambda: self._export_open("json"))
         file.addSeparator()
         add(file, "&Preferences…", "Ctrl+,", self.show_preferences)
         file.addSeparator()
-        add(file, "&Quit", "Ctrl+Q", self.close)
+        add(file, "&Quit", "Ctrl+Q", self.close, everywhere=True)
         view = bar.addMenu("&View")
         add(view, "&Chat", "Ctrl+1", lambda: self.show_page("chat"))
         add(view, "&Models", "Ctrl+2", lambda: self.show_page("models"))
@@ -220,6 +225,7 @@ class MainWindow(QMainWindow):
         add(view, "&Normal text size", "Ctrl+0", lambda: self.settings.set("ui.font_size", 0) and None)
         helpm = bar.addMenu("&Help")
         add(helpm, "&Welcome and the sliders", "F1", self.show_welcome)
+        add(helpm, "&Keyboard shortcuts", "Ctrl+/", self.show_shortcuts)
         add(helpm, "&About Thermocline", "", self.show_about)
         self._unsubscribe = self.settings.on_change(self._setting_changed)
 
@@ -232,6 +238,9 @@ class MainWindow(QMainWindow):
         if app is not None:
             theme.apply(app, self.settings["ui.theme"], self.settings["ui.font_size"])
         self.chat.set_dark(self.dark())
+        # Sizes follow the text: once the new fonts have laid out, give the panel the width
+        # its contents now need (they were cut off until a restart).
+        QTimer.singleShot(0, self, lambda: self._fit_side_parts(refit=True))
 
     def _set_theme(self, name: str) -> None:
         self.settings["ui.theme"] = name
@@ -255,6 +264,15 @@ class MainWindow(QMainWindow):
 
         self.preferences = open_preferences(self.settings, self, applied)
         return self.preferences
+
+    def show_shortcuts(self):
+        from .shortcuts import ShortcutsDialog
+
+        dlg = ShortcutsDialog(self)
+        dlg.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose, True)
+        dlg.open()
+        self.shortcuts_dialog = dlg
+        return dlg
 
     def show_about(self) -> AboutDialog:
         dlg = AboutDialog(self.client.model_info, self)
@@ -327,9 +345,14 @@ class MainWindow(QMainWindow):
             self.settings.set("ui.welcome_shown", True)
             if result == WelcomeDialog.get_model:
                 self.get_recommended_model()
+            else:
+                self.focus_prompt()  # what the user types next goes to the chat
 
         dlg.finished.connect(finished)
-        dlg.open()
+        dlg.typed.connect(self._typed_on_welcome)
+        # Not modal: the window's keys (Ctrl+N, Ctrl+Q) and the prompt box work while it is open.
+        dlg.setModal(False)
+        dlg.show()
         self.welcome = dlg
 
         def recommended() -> None:  # the Models page's choice for this machine, once it has looked
@@ -337,6 +360,13 @@ class MainWindow(QMainWindow):
                 dlg.set_recommended(self.models.recommended, self.models.rows.get(self.models.recommended, {}))
 
         self.models.when_scanned(recommended)
+
+    def _typed_on_welcome(self, event) -> None:
+        """Typing on the welcome: the user wants to chat. It closes; the keys go to the prompt box."""
+        welcome = getattr(self, "welcome", None)
+        if welcome is not None and isValid(welcome) and welcome.isVisible():
+            welcome.accept()
+        self.forward_typing(event)
 
     def get_recommended_model(self) -> None:
         """Start downloading the chat model recommended for this machine (the Models page's
@@ -352,6 +382,11 @@ class MainWindow(QMainWindow):
     # -- pages ---------------------------------------------------------------------------
     def show_page(self, name: str) -> None:
         page = self.chat if name == "chat" else self.models
+        for other in (self.chat, self.models):
+            # A hidden page's minimum width must not hold the shown one (the Models page's header
+            # kept the chat from giving the panel room at 800 px).
+            ignored = QSizePolicy.Policy.Ignored
+            other.setSizePolicy(*(QSizePolicy.Policy.Preferred,) * 2 if other is page else (ignored, ignored))
         self.pages.setCurrentWidget(page)
         self.chat_tab.setChecked(name == "chat")
         self.models_tab.setChecked(name != "chat")
@@ -373,7 +408,12 @@ class MainWindow(QMainWindow):
         self._narrow_choice = "sidebar" if visible else "panel"
         self._fit_side_parts()
 
-    def _fit_side_parts(self) -> None:
+    def panel_width_needed(self) -> int:
+        """The panel's width at which nothing in it is cut off (grows with the text size)."""
+        inner = self.panel.widget()
+        return inner.minimumSizeHint().width() + self.panel.verticalScrollBar().sizeHint().width() + 2
+
+    def _fit_side_parts(self, refit: bool = False) -> None:
         """Show what the user asked for; when the chat would get too narrow for both the sidebar
         and the panel, keep the one asked for last (the other folds away, its toggle says why)."""
         want_panel, want_side = self.settings["ui.show_panel"], self.settings["ui.show_sidebar"]
@@ -390,9 +430,10 @@ class MainWindow(QMainWindow):
         was = (not self.panel.isHidden(), not self.sidebar.isHidden())
         self.panel.setVisible(show_panel)
         self.sidebar.setVisible(show_side)
-        if was != (show_panel, show_side):
+        need = self.panel_width_needed() if show_panel else 0
+        if was != (show_panel, show_side) or (refit and show_panel) or (show_panel and self.panel.width() < need):
             side = min(SIDEBAR_WIDTH, max(180, width // 5)) if show_side else 0
-            panel = min(PANEL_WIDTH, max(240, room)) if show_panel else 0
+            panel = min(max(PANEL_WIDTH, need), max(240, room - side)) if show_panel else 0
             self.splitter.setSizes([side, max(100, width - side - panel), panel])
         # The button shows what is on screen, so a click always changes something visible.
         self.panel_button.blockSignals(True)
@@ -410,11 +451,43 @@ class MainWindow(QMainWindow):
         super().resizeEvent(event)
         self._fit_side_parts()
 
+    def keyPressEvent(self, event) -> None:  # noqa: N802 - Qt API
+        """Typing that reaches the window itself (no widget had the focus yet: the keys came
+        while it was being brought forward) goes to the prompt box, not nowhere."""
+        if self.forward_typing(event):
+            return
+        super().keyPressEvent(event)
+
+    def forward_typing(self, event) -> bool:
+        from PySide6.QtGui import QKeyEvent
+
+        text = event.text()
+        typing = (text and text.isprintable()) or event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter,
+                                                                  Qt.Key.Key_Backspace)
+        plain = not event.modifiers() & ~(Qt.KeyboardModifier.ShiftModifier | Qt.KeyboardModifier.KeypadModifier)
+        if not typing or not plain or self.pages.currentWidget() is not self.chat:
+            return False
+        edit = self.chat.input.edit
+        edit.setFocus()
+        QApplication.sendEvent(edit, QKeyEvent(event.type(), event.key(), event.modifiers(), text))
+        return True
+
+    def focus_prompt(self) -> None:
+        """The window in front, the typing cursor in the prompt box (also where no window
+        manager hands the focus back after a dialog, as under a bare Xvfb)."""
+        self.raise_()
+        self.activateWindow()
+        self.chat.input.edit.setFocus()
+
     def new_chat(self) -> None:
+        welcome = getattr(self, "welcome", None)
+        if welcome is not None and isValid(welcome) and welcome.isVisible():
+            welcome.accept()  # Ctrl+N on the welcome: the user has chosen to chat
         self.show_page("chat")
         self.conversations.list.clearSelection()
         self.conversations.list.setCurrentItem(None)
         self.chat.new_conversation()
+        self.focus_prompt()
 
     def _open_conversation(self, conversation_id: int) -> None:
         self.show_page("chat")
@@ -461,6 +534,7 @@ class MainWindow(QMainWindow):
 
     @Slot(dict)
     def _on_loaded(self, info: dict) -> None:
+        log.info("model ready: %s, %s mode, context %s tokens", info.get("model"), info.get("mode"), info.get("ctx"))
         self.load_bar.hide()
         mem = info.get("memory") or {}
         from . import formatting as fmt

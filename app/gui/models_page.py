@@ -319,7 +319,7 @@ class ModelsPage(QWidget):
         self.machine_label.setWordWrap(True)
         hl.addWidget(self.machine_label)
         outer.addWidget(header)
-        scroll = QScrollArea(self)
+        self.scroll = scroll = QScrollArea(self)
         scroll.setObjectName("modelsScroll")
         scroll.setWidgetResizable(True)
         scroll.setFrameShape(QFrame.Shape.NoFrame)
@@ -329,6 +329,15 @@ class ModelsPage(QWidget):
         self.list_layout = QVBoxLayout(self.list_widget)
         self.list_layout.setContentsMargins(16, 12, 16, 16)
         self.list_layout.setSpacing(10)
+        from .hub_search_panel import HubSearch
+
+        # The search and its matches scroll with the cards: at 800x600 a header that grew
+        # with the results would leave no room for the list.
+        self.hub_search = HubSearch(self)
+        self.hub_search.setParent(self.list_widget)
+        self.hub_search.download_requested.connect(self.get_from_hub)
+        self.hub_search.catalogue_requested.connect(self.get_from_hub)
+        self.list_layout.addWidget(self.hub_search)
         self.list_layout.addStretch(1)
         scroll.setWidget(self.list_widget)
         outer.addWidget(scroll, 1)
@@ -391,7 +400,7 @@ class ModelsPage(QWidget):
             self.cards[info["spec"]] = card
         else:
             card.update_info(info)
-        self.list_layout.insertWidget(i, card)
+        self.list_layout.insertWidget(i + 1, card)  # below the Hub search
         self._build_timer.start()
 
     def _on_model_event(self, *_args) -> None:
@@ -501,6 +510,22 @@ class ModelsPage(QWidget):
         dlg.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose, True)
         dlg.textValueSelected.connect(self._add_repo_id)
         dlg.open()
+
+    def get_from_hub(self, spec: str) -> None:
+        """A Hub search match (a repo id, or the catalogue id of one it lists): listed, its download
+        size asked of the Hub on its card, as a catalogue entry's Download does."""
+        if spec not in self.rows:
+            self._add_custom(spec)
+        self.plan_download(spec)
+        self.when_scanned(lambda: self.reveal(spec))
+
+    def reveal(self, spec: str) -> None:
+        card = self.cards.get(spec)
+        if card is None:  # built one per event-loop turn: look again once it is
+            if spec in self.rows:
+                QTimer.singleShot(50, self, lambda: self.reveal(spec))
+            return
+        self.scroll.ensureWidgetVisible(card)
 
     def _add_repo_id(self, text: str) -> None:
         from models_registry.resolve import is_repo_id

@@ -20,11 +20,16 @@ class AddRemoteDialog(QDialog):
         self.setObjectName("addRemoteDialog")
         self.setWindowTitle("Add a remote model")
         layout = QVBoxLayout(self)
+        layout.setSpacing(12)
+        layout.setContentsMargins(18, 16, 18, 14)
         intro = QLabel("A model that runs on another server with an OpenAI-compatible API: vLLM, llama.cpp's "
                        "llama-server, Ollama or another Thermocline. It is used as remote/NAME.", self)
         intro.setWordWrap(True)
         layout.addWidget(intro)
         form = QFormLayout()
+        form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)  # fields take the width
+        form.setVerticalSpacing(8)
+        form.setHorizontalSpacing(12)
         self.name = QLineEdit(self, placeholderText="bigbox")
         self.url = QLineEdit(self, placeholderText="http://gpu-box:8000/v1")
         self.model = QLineEdit(self, placeholderText="optional: the model id on that server")
@@ -39,6 +44,12 @@ class AddRemoteDialog(QDialog):
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)
         layout.addWidget(buttons)
+        # Wide enough that every placeholder reads whole (it was cut at the default width).
+        longest = max(f.fontMetrics().horizontalAdvance(f.placeholderText()) for f in self.fields())
+        self.setMinimumWidth(min(720, longest + 160))
+
+    def fields(self) -> list[QLineEdit]:
+        return [self.name, self.url, self.model, self.key_env, self.key]
 
     def accept(self) -> None:
         from engine.errors import UserError

@@ -125,9 +125,13 @@ def apply(app, theme: str = "light", font_size: float = 0) -> None:
     pal.setColor(QPalette.ColorGroup.Disabled, QPalette.ColorRole.Text, QColor(colours["text_disabled"]))
     pal.setColor(QPalette.ColorGroup.Disabled, QPalette.ColorRole.ButtonText, QColor(colours["text_disabled"]))
     app.setPalette(pal)
+    system = app.property("thermoclineSystemFont")
+    if system is None:  # the desktop's font, before any size of ours: what "System size" goes back to
+        system = QFont(app.font())
+        app.setProperty("thermoclineSystemFont", system)
+    font = QFont(system)
     if font_size:
-        font = QFont(app.font())
         font.setPointSizeF(font_size)
-        app.setFont(font)
+    app.setFont(font)  # also at 0: back to the system size, not the last size chosen
     app.setProperty("thermoclineTheme", resolve(theme))
     app.setStyleSheet(stylesheet(theme, font_size))

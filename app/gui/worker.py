@@ -121,6 +121,7 @@ class EngineWorker(QObject):
     placement_unavailable = Signal(str)     # the engine cannot re-place (yet)
     token_count = Signal(int, int, int)     # tag, tokens the model reads, context length
     context_report = Signal(int, dict)      # tag, {tokens, ctx, dropped, fits, total}
+    kernels = Signal(int, int, bool)        # a first start's CPU kernels: compiled, of, finished
 
     def __init__(self):
         super().__init__()
@@ -159,8 +160,15 @@ class EngineWorker(QObject):
 
             vram, ram = options.get("vram_budget"), options.get("ram_budget")
             self._budgets = (vram, ram)
+            def kernel_progress(done: int, total: int, finished: bool) -> None:  # on the compiling thread
+                self.kernels.emit(int(done), int(total), bool(finished))
+
             kwargs = dict(ctx=int(options.get("ctx", 2048)), vram_budget=vram, ram_budget=ram, progress=progress,
                           cpu_weights=options.get("cpu_weights", "int8"))
+            if not str(spec).startswith("remote/"):  # a first start answers while the kernels compile
+                from app.kernel_words import kernels_choice
+
+                kwargs.update(kernels=kernels_choice(), kernel_progress=kernel_progress)
             try:
                 try:
                     eng = open_engine(spec, mode=mode, **kwargs)
@@ -199,11 +207,15 @@ class EngineWorker(QObject):
         # A base model (the demo, or one without a chat template) continues text: an assistant
         # system prompt would only take room from its context.
         info["base_model"] = spec == "demo" or not getattr(tok, "has_chat_template", True)
+        info["remote"] = bool(getattr(eng, "remote", False))
         from engine.runtime.runtime_info import torch_build
 
         info["build"] = torch_build()  # CPU or CUDA build of torch, and whether a GPU is usable
         self.loading.emit(1.0, "Ready")
         self.loaded.emit(info)
+        prep = getattr(eng, "kernel_preparation", None)
+        if prep is not None:
+            self.kernels.emit(prep.compiled(), prep.total, prep.ready())
         self._initial_placement(sparse_note)
         if budget_note:
             self.placement_failed.emit(budget_note)
@@ -313,12 +325,18 @@ class EngineWorker(QObject):
         params = dict(params)
         policy = params.pop("context_policy", "truncate")
         conversation = params.pop("conversation_id", None)
+        prefix = params.pop("continue_text", None)  # Continue: the answer so far, which the prompt ends with
         try:
             from engine import SamplingParams
 
+            if prefix:
+                messages = [*messages, {"role": "assistant", "content": prefix}]
             fitted = self._fit(conversation, messages,
                                {"context_policy": policy, "max_new_tokens": params.get("max_new_tokens")})
             messages = fitted.messages
+            if prefix:  # the answer's turn is left open, so the model writes on inside it
+                tok = eng.tokenizer
+                messages = tok.encode(tok.render_chat(messages[:-1]) + prefix, add_special_tokens=False)
             stats["dropped_messages"] = fitted.dropped
             sampling = SamplingParams(**{k: v for k, v in params.items() if v is not None})
             last_emit = 0.0
@@ -429,6 +447,7 @@ class EngineClient(QObject):
     placement_unavailable = Signal(str)
     token_count = Signal(int, int, int)
     context_report = Signal(int, dict)
+    kernels = Signal(int, int, bool)
 
     _load = Signal(str, dict)
     _generate = Signal(int, list, dict, object)
@@ -451,7 +470,7 @@ class EngineClient(QObject):
         self.worker.finished.connect(self._on_done)
         self.worker.failed.connect(self._on_done)
         for name in ("loading", "loaded", "load_failed", "token", "live_stats", "finished", "failed", "placement",
-                     "placement_failed", "placement_unavailable", "token_count", "context_report"):
+                     "placement_failed", "placement_unavailable", "token_count", "context_report", "kernels"):
             getattr(self.worker, name).connect(getattr(self, name))  # queued to this (GUI) thread
         self.thread.start()
         self._next_request = 0

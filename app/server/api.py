@@ -14,6 +14,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from starlette.applications import Starlette
@@ -170,6 +171,61 @@ def _grammar(engine, spec, field: str):
     return spec
 
 
+@dataclass
+class ToolPlan:
+    """How one chat request's answer becomes tool calls: "constrained" (tool_choice required or a
+    named function: the answer is call_schema's JSON) or "auto" (read for the template's format)."""
+    mode: str
+    names: list[str]
+    template_tools: list[dict] | None  # what the chat template receives (None: it takes no tools)
+    fmt: Any = None  # tools.CallFormat, for "auto"
+
+
+def _tool_plan(engine, req: GenerationRequest, params) -> ToolPlan | None:
+    from engine.runtime.constraints import GrammarSpec
+
+    from .tools import call_schema, for_template, template_format
+
+    tokenizer = getattr(engine, "tokenizer", None)
+    aware = bool(getattr(tokenizer, "takes_tools", False))
+    req.prompt = for_template(req.prompt, aware)
+    tr = req.tools
+    if tr is None or tr.choice == "none":
+        return None
+    shown = tr.tools if aware else None
+    if tr.choice == "auto":
+        where = getattr(tokenizer, "template_name", "the model's chat template")
+        if not aware:
+            raise bad_request(f"tool_choice 'auto' needs a chat template that takes tools, and {where} takes none: "
+                              "send tool_choice 'required' or name a function (the answer is then constrained "
+                              "to a call)", "tool_choice", "unsupported")
+        fmt = template_format(tokenizer.template_source)
+        if fmt is None:
+            raise bad_request(f"tool_choice 'auto': {where} takes tools but writes calls in a format this server "
+                              "does not read (it reads <tool_call>, [TOOL_CALLS] and Llama 3's JSON); send "
+                              "tool_choice 'required' or name a function", "tool_choice", "unsupported")
+        return ToolPlan("auto", tr.names, shown, fmt)
+    if req.response_schema is not None:
+        raise bad_request("'response_format' and a required tool call both constrain the answer: send one",
+                          "response_format", "invalid_value")
+    params.grammar = _grammar(engine, GrammarSpec.json_schema(call_schema(tr)), "tools")
+    return ToolPlan("constrained", tr.names, shown)
+
+
+def _tool_calls(plan: ToolPlan | None, text: str) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of a whole answer."""
+    from .tools import constrained_calls, parse_template_calls
+
+    if plan is None:
+        return text, []
+    if plan.mode == "constrained":
+        try:
+            return None, constrained_calls(text)
+        except (ValueError, KeyError, TypeError):  # cut short by max_tokens: the text as it is
+            return text, []
+    return parse_template_calls(text, plan.fmt, plan.names)
+
+
 def _engine_error(exc: BaseException) -> ApiError:
     from engine.errors import ContextFullError, UserError
 
@@ -200,8 +256,9 @@ async def _serve(state: ServerState, request: Request, req: GenerationRequest, k
     if req.model is not None and req.model != model_id:
         raise _model_not_found(req.model, model_id)
     params = _sampling(engine, req)
+    plan = _tool_plan(engine, req, params) if kind == "chat" else None
     arrived = time.perf_counter()
-    job = Job(req.prompt, params, asyncio.get_running_loop())
+    job = Job(req.prompt, params, asyncio.get_running_loop(), tools=plan.template_tools if plan else None)
     try:
         state.gate.submit(job)
     except GateFull as exc:
@@ -220,7 +277,7 @@ async def _serve(state: ServerState, request: Request, req: GenerationRequest, k
         watcher.cancel()
         raise _engine_error(first[1])
     queue_s = time.perf_counter() - arrived
-    reply = _Reply(kind, model_id, request.scope)
+    reply = _Reply(kind, model_id, request.scope, plan)
     if req.stream:
         watcher.cancel()  # from here the streaming response notices the disconnect itself
         return StreamingResponse(_sse(job, first, reply, req, queue_s), media_type="text/event-stream",
@@ -243,8 +300,8 @@ async def _serve(state: ServerState, request: Request, req: GenerationRequest, k
 class _Reply:
     """Builds the chat or text completion bodies of one request, whole or as chunks."""
 
-    def __init__(self, kind: str, model_id: str | None, scope: dict):
-        self.kind, self.model, self.scope = kind, model_id, scope
+    def __init__(self, kind: str, model_id: str | None, scope: dict, plan: ToolPlan | None = None):
+        self.kind, self.model, self.scope, self.plan = kind, model_id, scope, plan
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -261,8 +318,11 @@ class _Reply:
         finish = FINISH_REASONS.get(stats.get("finish_reason"), "stop")
         if self.kind == "chat":
             body = self._head("chat.completion")
-            body["choices"] = [{"index": 0, "message": {"role": "assistant", "content": text},
-                                "logprobs": None, "finish_reason": finish}]
+            content, calls = _tool_calls(self.plan, text)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"], finish = calls, "tool_calls"
+            body["choices"] = [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}]
         else:
             body = self._head("text_completion")
             body["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
@@ -270,10 +330,13 @@ class _Reply:
         body["thermocline"] = _figures(stats, queue_s)
         return body
 
-    def chunk(self, text: str | None, finish: str | None, *, first: bool = False, usage: bool = False) -> dict:
+    def chunk(self, text: str | None, finish: str | None, *, first: bool = False, usage: bool = False,
+              calls: list[dict] | None = None) -> dict:
         if self.kind == "chat":
             body = self._head("chat.completion.chunk")
             delta = {} if text is None else {"content": text}
+            if calls:
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
             if first:
                 delta["role"] = "assistant"
             body["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
@@ -294,9 +357,11 @@ async def _sse(job: Job, first: tuple, reply: _Reply, req: GenerationRequest, qu
     try:
         if reply.kind == "chat":  # OpenAI opens a chat stream with the role
             yield _data(reply.chunk("", None, first=True, usage=usage))
-        event = first
+        event, held = first, _Held(reply.plan)
         while event[0] == "token":
-            yield _data(reply.chunk(event[1], None, usage=usage))
+            piece = held.push(event[1])
+            if piece:
+                yield _data(reply.chunk(piece, None, usage=usage))
             event = await job.events.get()
         if event[0] == "error":
             yield _data(_engine_error(event[1]).body())
@@ -304,6 +369,12 @@ async def _sse(job: Job, first: tuple, reply: _Reply, req: GenerationRequest, qu
         stats = event[1]["stats"]
         reply.note(stats, stream=True)
         finish = FINISH_REASONS.get(stats.get("finish_reason"), "stop")
+        content, calls = held.end()
+        if content:
+            yield _data(reply.chunk(content, None, usage=usage))
+        if calls:
+            yield _data(reply.chunk(None, None, usage=usage, calls=calls))
+            finish = "tool_calls"
         yield _data(reply.chunk(None, finish, usage=usage))
         if usage:
             tail = reply.chunk(None, None)
@@ -314,6 +385,32 @@ async def _sse(job: Job, first: tuple, reply: _Reply, req: GenerationRequest, qu
         yield b"data: [DONE]\n\n"
     finally:
         job.cancel.set()  # the client left (or the stream ended): the engine stops at its next token
+
+
+class _Held:
+    """A streamed answer that may be tool calls: held back while it may still become calls,
+    passed on as content from the moment it cannot."""
+
+    def __init__(self, plan: ToolPlan | None):
+        self.plan, self.text, self.holding = plan, "", plan is not None
+
+    def push(self, piece: str) -> str:
+        """What to send now of the answer's next piece."""
+        if not self.holding:
+            return piece
+        self.text += piece
+        from .tools import may_become_call
+
+        if self.plan.mode == "auto" and not may_become_call(self.text, self.plan.fmt):
+            self.holding = False
+            return self.text
+        return ""
+
+    def end(self) -> tuple[str | None, list[dict]]:
+        """The content still held and the tool calls, once the answer is whole."""
+        if not self.holding:
+            return None, []
+        return _tool_calls(self.plan, self.text)
 
 
 class _Middleware:

@@ -24,6 +24,7 @@ class Job:
     prompt: Any
     params: Any  # engine.SamplingParams
     loop: asyncio.AbstractEventLoop
+    tools: list | None = None  # OpenAI function definitions for the chat template
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
 
@@ -89,7 +90,8 @@ class GenerationGate:
             job.post("error", RuntimeError("no model is loaded"))
             return
         try:
-            for event in engine.stream(job.prompt, job.params, job.cancel):
+            extra = {"tools": job.tools} if job.tools is not None else {}
+            for event in engine.stream(job.prompt, job.params, job.cancel, **extra):
                 if event.text:
                     job.post("token", event.text)
             stats = engine.last_stats

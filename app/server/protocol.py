@@ -15,24 +15,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import ApiError, bad_request, check_json_schema
+from .tools import history_message, parse_tools
+
+__all__ = ["ApiError", "bad_request", "check_json_schema", "GenerationRequest", "parse_chat", "parse_completion",
+           "parse_json_body"]
+
 MAX_JSON_DEPTH = 64  # far more than any OpenAI body (tool schemas included) needs
 MAX_INT = 2 ** 63 - 1  # every integer field fits a signed 64-bit int
-
-
-class ApiError(Exception):
-    """An error the client caused (or a busy server), answered as OpenAI does."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
 
 
 @dataclass
@@ -50,6 +40,7 @@ class GenerationRequest:
     logit_bias: dict[int, float] | None = None
     # response_format json_object / json_schema: the JSON schema the answer is constrained to
     response_schema: dict | bool | None = None
+    tools: Any = None  # app.server.tools.ToolRequest: the functions offered and tool_choice
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -149,7 +140,8 @@ def _stop(body: dict) -> list[str]:
 _SAMPLING_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "stream",
                     "stream_options", "n", "logprobs", "response_format"}
-CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                                  "parallel_tool_calls"}
 COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 # Fields that describe the caller or ask for bookkeeping that changes no answer: accepted as
 # they are (`prediction` is a latency hint: the answer is the model's either way).
@@ -157,9 +149,6 @@ CALLER_FIELDS = {"user", "metadata", "safety_identifier", "prompt_cache_key", "s
 # Features this server does not have: accepted only when they ask for the default, refused
 # with a 400 naming the field otherwise. Each value: (is the default?, what to tell the client).
 _UNSUPPORTED = {
-    "tools": (lambda v: v in ([],), "tool calls are not supported by this server yet"),
-    "tool_choice": (lambda v: v == "none", "tool calls are not supported by this server yet"),
-    "parallel_tool_calls": (lambda v: isinstance(v, bool), "'parallel_tool_calls' must be true or false"),
     "functions": (lambda v: v in ([],), "the deprecated 'functions' field is not supported; send 'tools'"),
     "function_call": (lambda v: v == "none", "the deprecated 'function_call' field is not supported; "
                       "send 'tool_choice'"),
@@ -256,18 +245,6 @@ def _response_format(body: dict) -> dict | bool | None:
     return schema
 
 
-def check_json_schema(schema: Any, where: str) -> None:
-    """A 400 naming `where` when `schema` is not valid JSON Schema (draft 2020-12's metaschema)."""
-    import jsonschema
-
-    try:
-        jsonschema.Draft202012Validator.check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        path = "".join(f"[{p!r}]" for p in exc.absolute_path)
-        raise bad_request(f"'{where}' is not valid JSON Schema: {exc.message[:300]}"
-                          f"{' at ' + path if path else ''}", where, "invalid_schema") from None
-
-
 def _logit_bias(body: dict) -> dict[int, float] | None:
     """OpenAI's map of token ids (JSON keys: strings of digits) to a bias in [-100, 100]."""
     value = body.get("logit_bias")
@@ -285,9 +262,9 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
     return bias
 
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # What a message may carry; `refusal` is an assistant's earlier refusal text, shown as nothing.
-MESSAGE_FIELDS = {"role", "content", "name", "refusal"}
+MESSAGE_FIELDS = {"role", "content", "name", "refusal", "tool_calls", "tool_call_id"}
 
 
 def _content_text(content: Any, i: int) -> str:
@@ -325,14 +302,14 @@ def parse_chat(body: Any) -> GenerationRequest:
             if key not in MESSAGE_FIELDS and value is not None:
                 raise bad_request(f"messages[{i}].{_shown(key)[1:-1]}: this server does not take that field "
                                   "in a message", f"messages[{i}].{key}", "unsupported")
-        message = {"role": ROLES[role], "content": _content_text(m.get("content"), i)}
+        message = history_message(m, i, ROLES[role], _content_text(m.get("content"), i))
         name = m.get("name")
         if name is not None:  # the template may show who spoke; most ignore it
             if not isinstance(name, str):
                 raise bad_request(f"messages[{i}].name must be a string", f"messages[{i}].name", "invalid_type")
             message["name"] = name
         plain.append(message)
-    return GenerationRequest(prompt=plain, **values)
+    return GenerationRequest(prompt=plain, tools=parse_tools(body), **values)
 
 
 def parse_completion(body: Any) -> GenerationRequest:

@@ -8,6 +8,9 @@ cpu_weights="fp32"), so the sparse/dense ratio measures the predictors alone; `c
 in the report says which were read.
 
 - ppl_*: exp of the mean next-token negative log-likelihood over all scored positions.
+  A SiLU model with CATS thresholds (`cats`): dense is the model without them, oracle the
+  thresholded model exactly, sparse the predictors' choice; the firing figures come from
+  the oracle pass.
 - greedy_agreement: share of positions where sparse and dense pick the same greedy (argmax)
   next token. Teacher-forced, so one early difference does not count every later token.
 - Per layer, from the dense pass with an FFN observer: the true firing set against the
@@ -22,6 +25,7 @@ in the report says which were read.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -79,6 +83,19 @@ class _LayerTally:
         }
 
 
+@contextmanager
+def _thresholds_off(model):
+    """Every layer's FFN without its activation threshold (CATS off: the dense SiLU model)."""
+    saved = [layer.ffn.threshold for layer in model.layers]
+    try:
+        for layer in model.layers:
+            layer.ffn.threshold = 0.0
+        yield
+    finally:
+        for layer, t in zip(model.layers, saved):
+            layer.ffn.threshold = t
+
+
 def selection_vs_original(engine, token_ids: list[int]) -> dict:
     """The placed predictors' selection against their original's (the predictors file, in
     fp32) on one sequence's FFN inputs, over all layers: `selected_vs_original` and
@@ -130,13 +147,21 @@ def evaluate(engine, corpus: list[str | Path] | None = None, settings: EvalSetti
     nll = {m: 0.0 for m in MODES}
     agree = scored = 0
     previous = engine.model.ffn_observer
+    # CATS (a SiLU model's calibrated thresholds): dense is the model itself, thresholds off;
+    # oracle computes exactly the neurons above them, and its pass shows which fired
+    cats = bool(engine.config.cats_thresholds)
+    observed = "oracle" if cats else "dense"
     try:
         for i, ids in enumerate(windows):
             target = torch.tensor(ids[1:])
             logits = {}
             for mode in MODES:
-                engine.model.ffn_observer = observe if mode == "dense" else None
-                out = engine.score(ids, mode)[:-1].float().cpu()
+                engine.model.ffn_observer = observe if mode == observed else None
+                if cats and mode == "dense":
+                    with _thresholds_off(engine.model):
+                        out = engine.score(ids, mode)[:-1].float().cpu()
+                else:
+                    out = engine.score(ids, mode)[:-1].float().cpu()
                 logits[mode] = out
                 nll[mode] += float(F.cross_entropy(out, target, reduction="sum"))
             agree += int((logits["sparse"].argmax(-1) == logits["dense"].argmax(-1)).sum())
@@ -167,6 +192,7 @@ def evaluate(engine, corpus: list[str | Path] | None = None, settings: EvalSetti
         "recall_of_original": mean("recall_of_original"),
         "recall_of_original_min": min(layer["recall_of_original"] for layer in per_layer),
         "predictor_source": predictors.source if predictors else "router",
+        "cats": cats,  # SiLU thresholds: ppl_oracle is the thresholded model exactly, ppl_dense the model
         "cpu_weights": engine.sparse.cpu_weights,
         "per_layer": per_layer,
     }

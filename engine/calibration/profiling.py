@@ -57,6 +57,10 @@ class ProfileSettings:
     window: int = 512
     shard_bytes: int = 8 * 1024**2
     checkpoint_every: int = 16  # windows between saved checkpoints
+    # CATS (a SiLU model): the share of |SiLU(gate)| values each layer's threshold puts below
+    # it, calibrated on the first `calibration_tokens` of the text before the profile proper
+    target_sparsity: float | None = None
+    calibration_tokens: int = 16_384
 
 
 @dataclass
@@ -137,7 +141,73 @@ def _fingerprint(model_dir: Path, text: str, settings: ProfileSettings) -> str:
     h.update(text.encode("utf-8"))
     h.update(json.dumps([FORMAT_VERSION, settings.max_tokens, settings.max_pairs_bytes,
                          settings.window]).encode())
+    if settings.target_sparsity is not None:  # (absent for the ReLU family: their saved profiles still resume)
+        h.update(json.dumps(["cats", settings.target_sparsity, settings.calibration_tokens]).encode())
     return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------ CATS
+_SAMPLES_PER_WINDOW = 32_768  # |SiLU(gate)| values kept per layer and window for the quantile
+
+
+class _GateSampler:
+    """The FFN observer of a CATS calibration: a random sample of each layer's |SiLU(gate)|."""
+
+    def __init__(self, layers: int, seed: int = 0):
+        self.samples: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def gate_values(self, layer: int, gate_pre: torch.Tensor) -> None:
+        values = torch.nn.functional.silu(gate_pre.float()).abs().reshape(-1).cpu()
+        if values.numel() > _SAMPLES_PER_WINDOW:
+            values = values[torch.randint(values.numel(), (_SAMPLES_PER_WINDOW,), generator=self.gen)]
+        self.samples[layer].append(values)
+
+    def __call__(self, layer: int, pred_input: torch.Tensor, act: torch.Tensor) -> None:
+        pass
+
+    def thresholds(self, target: float) -> list[float]:
+        return [float(torch.quantile(torch.cat(s), target)) if s else 0.0 for s in self.samples]
+
+
+def calibrate_cats(engine, windows: list[list[int]], target: float, max_tokens: int) -> list[float]:
+    """Per-layer thresholds t with P(|SiLU(gate)| < t) = target on the windows' first
+    `max_tokens` tokens, scored densely (CATS, Lee et al. 2024: the threshold is the layer's
+    quantile of the gate's activation magnitudes on calibration text)."""
+    sampler = _GateSampler(engine.config.num_layers)
+    previous, engine.model.ffn_observer = engine.model.ffn_observer, sampler
+    try:
+        done = 0
+        for ids in windows:
+            if done >= max_tokens:
+                break
+            engine.score(ids, "dense")
+            done += len(ids)
+    finally:
+        engine.model.ffn_observer = previous
+    return sampler.thresholds(target)
+
+
+def write_cats(model_dir: Path, thresholds: list[float], target: float, tokens: int) -> Path:
+    from engine.config import CATS_RECORD
+
+    path = Path(model_dir) / CATS_RECORD
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"target_sparsity": target, "calibration_tokens": tokens,
+                               "thresholds": thresholds}), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def _set_thresholds(engine, thresholds: list[float]) -> list[float]:
+    """Each layer's FFN threshold set (the dense-loaded engine profiles the thresholded model); the old ones."""
+    old = []
+    for layer, t in zip(engine.model.layers, thresholds):
+        old.append(layer.ffn.threshold)
+        layer.ffn.threshold = t
+        layer.fused = None  # the fused decode's arguments hold the threshold
+    return old
 
 
 def _write_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
@@ -237,8 +307,31 @@ def profile(engine, corpus: list[str | Path], settings: ProfileSettings | None =
         raise UserError(f"window {settings.window} is longer than the context {engine.ctx}")
     cfg = engine.config
     model_dir = Path(engine.model_dir)
+    cats = settings.target_sparsity
+    if cats is not None and cfg.activation != "silu":
+        raise UserError(f"--target-sparsity calibrates CATS thresholds for SiLU (SwiGLU) models; {model_dir.name}'s "
+                        f"{cfg.activation} activations have their own zeros: profile it without it")
+    if cats is not None and not 0.0 < cats < 1.0:
+        raise UserError(f"--target-sparsity must be between 0 and 1 (e.g. 0.5), not {cats}")
+    if cats is None and cfg.activation == "silu":
+        raise UserError(f"{model_dir.name}'s SiLU activations are never zero: pass --target-sparsity (e.g. 0.5) to "
+                        "calibrate CATS thresholds, the opt-in sparse mode of a SwiGLU model")
     text = read_corpus(corpus)
     windows = corpus_windows(engine.tokenizer, text, settings.window, settings.max_tokens)
+    if cats is not None:
+        thresholds = calibrate_cats(engine, windows, cats, settings.calibration_tokens)
+        write_cats(model_dir, thresholds, cats, min(settings.calibration_tokens, sum(map(len, windows))))
+        restore = _set_thresholds(engine, thresholds)
+        try:
+            return _profile(engine, model_dir, text, windows, settings, progress, restart)
+        finally:
+            _set_thresholds(engine, restore)
+    return _profile(engine, model_dir, text, windows, settings, progress, restart)
+
+
+def _profile(engine, model_dir: Path, text: str, windows: list[list[int]], settings: ProfileSettings,
+             progress: Progress | None, restart: bool) -> ProfileResult:
+    cfg = engine.config
     root = profile_dir(model_dir)
     fingerprint = _fingerprint(model_dir, text, settings)
     state = _load_state(root, fingerprint) if not restart else None

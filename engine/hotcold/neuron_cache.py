@@ -14,7 +14,7 @@ those that fire often, and a token reads the ones it needs and misses.
   `placement.WORKING_SHARE` of a layer that a token's misses are read into); the rest are kept by CLOCK with
   counts (recency by the sweeping hand, frequency by a count of up to 3 that each hit
   raises and each pass lowers). `resize` moves its capacity between tokens.
-- Overlap (`lookahead`): while layer L's kernel runs, layer L+1's predictor is run on
+- Overlap (`lookahead`, THERMOCLINE_DISK_LOOKAHEAD=1): while layer L's kernel runs, layer L+1's predictor is run on
   layer L's input and the bundles it selects that are missing are read on a thread into
   slots layer L does not use; layer L+1 then reads only what that guess missed. The
   guess moves rows into the cache and nothing else: what a layer computes is unchanged.
@@ -46,7 +46,10 @@ GAP_ROWS = 4  # neighbours this close are read in one call (the bundles between 
 PIN_FREQUENCY = 0.5  # seeded neurons firing this often are never evicted
 MAX_COUNT = 3
 READ_THREADS_ENV = "THERMOCLINE_DISK_READ_THREADS"
-LOOKAHEAD_ENV = "THERMOCLINE_DISK_LOOKAHEAD"  # 0: no read ahead of the next layer
+# 1: read the next layer's guess ahead. Off by default: on a 2-core host (bench.beyond_ram, 7B
+# shapes) the guess's predictor pass and the reads' Python work on a thread cost more than the
+# overlap saved (0.81x at 50% on disk, 0.24x at 90%); the benchmark measures both.
+LOOKAHEAD_ENV = "THERMOCLINE_DISK_LOOKAHEAD"
 
 
 def read_threads() -> int:
@@ -55,7 +58,7 @@ def read_threads() -> int:
 
 
 def lookahead_enabled() -> bool:
-    return os.environ.get(LOOKAHEAD_ENV, "1").strip() not in ("0", "")
+    return os.environ.get(LOOKAHEAD_ENV, "0").strip() == "1"
 
 
 def open_reader(prepared, layers: int, threads: int | None = None) -> BundleReader:

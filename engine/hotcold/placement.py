@@ -51,6 +51,10 @@ class PlacementProblem:
     unit: str = "neurons"  # what is placed: FFN neurons, or neurons of a mixture's experts (engine/hotcold/moe_tiers.py)
     expert_size: int = 0   # a mixture: neurons per expert (a layer's units are expert e's at e*size..)
     disk_tier: bool = False  # cold rows beyond the RAM budget may stay in the prepared file
+    # on the disk tier the embeddings may stay in the prepared file too (a token reads one row)
+    # where they are not the head, which every token reads whole
+    embed_disk: bool = False
+    embed_row: int = 0  # bytes of one embedding row (what a token reads of them)
 
 
 @dataclass(frozen=True)
@@ -222,6 +226,8 @@ def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: l
         unit=model.unit,
         expert_size=model.expert_size,
         disk_tier=disk_tier,
+        embed_disk=disk_tier and not model.tied_embeddings,
+        embed_row=model.d * CPU_BYTES,
     )
 
 
@@ -252,6 +258,7 @@ class Placement:
     ram_read_per_token: float = 0.0
     expected_cache_hit: float = 1.0  # of the cold neurons a token computes, the share the cache serves
     resident_ram_bytes: int = 0  # the CPU side without its FFN rows: the least RAM that runs from disk
+    embed_on_disk: bool = False  # the embeddings stay in the prepared file (the disk tier, an untied head)
 
     def summary(self) -> dict:
         out = {
@@ -349,7 +356,16 @@ def solve(problem: PlacementProblem, vram_budget: int, ram_budget: int) -> Place
     hot_freq = sum(float(f[ids].sum()) for f, ids in zip(problem.frequencies, hot_ids))
     hit = hot_freq / total_freq if total_freq > 0 else (hot_count / max(hot_count + cold_count, 1))
     resident = ram - tiers["cpu_ffn"]
+    # Below the RAM budget the embeddings go to disk first (a token reads one row of them; the
+    # engine maps them from the prepared file), then the least frequent cold rows.
+    embed_on_disk = ram > ram_budget and problem.disk_tier and problem.embed_disk
+    if embed_on_disk:
+        resident -= problem.embed_cpu
+        tiers["cpu_dense"] -= problem.embed_cpu
     disk = _disk_tier(problem, hot_ids, cold_count, resident, ram_budget) if ram > ram_budget else None
+    if disk is not None and embed_on_disk and disk["cache_neurons"] is not None:
+        disk["disk_bytes"] += problem.embed_cpu
+        disk["disk_read_per_token"] += problem.embed_row
     min_ram = ram
     if disk is not None:
         min_ram = disk.pop("min_ram")
@@ -386,8 +402,9 @@ def solve(problem: PlacementProblem, vram_budget: int, ram_budget: int) -> Place
         total_units=sum(len(f) for f in problem.frequencies),
         expert_size=problem.expert_size,
         resident_ram_bytes=resident,
-        ram_read_per_token=tiers["cpu_dense"] - problem.embed_cpu + cold_read
-        - (disk["disk_read_per_token"] if disk else 0.0),
+        ram_read_per_token=tiers["cpu_dense"] - (0 if embed_on_disk else problem.embed_cpu) + cold_read
+        - (disk["disk_read_per_token"] - (problem.embed_row if embed_on_disk else 0) if disk else 0.0),
+        embed_on_disk=embed_on_disk and disk is not None,
         **(disk or {}),
     )
 

@@ -78,6 +78,7 @@ class SparseRuntime(TokenHooks, Solving, TierMoves, MemoryAccounting):
 
         self.model_dir: Path | None = None
         self.neuron_cache = None  # engine.hotcold.neuron_cache.NeuronCache: cold rows on disk
+        self.embed_mapped = False  # the embeddings are a view of the prepared dense file (the disk tier)
         self._disk_mark = (0, 0, 0)  # the cache's hits, misses and bytes read when the generation began
 
     def close(self) -> None:
@@ -103,6 +104,8 @@ class SparseRuntime(TokenHooks, Solving, TierMoves, MemoryAccounting):
         return plan
 
     def apply(self, plan: Placement) -> None:
+        if plan.embed_on_disk and not self.embed_mapped and self.model_dir is not None:
+            _map_embeddings(self, self.model_dir, self.cpu_weights)  # a lookup table: swapped between tokens
         if self.neuron_cache is None:
             return super().apply(plan)
         self.neuron_cache.resize(cache_capacity(plan))  # between tokens: the only change a disk load allows
@@ -146,6 +149,23 @@ def _attach_disk_tier(runtime: "SparseRuntime", model: Transformer, prepared_row
     for layer, ffn, nxt in zip(model.layers, ffns, ffns[1:] + [None]):
         layer.ffn, ffn.next = ffn, nxt
 
+
+
+def _map_embeddings(runtime: "SparseRuntime", model_dir: Path, cpu_weights: str) -> None:
+    """The embeddings as a view of the prepared dense file (a token reads its row from the
+    page cache or the disk), where the disk tier keeps them there; `embed_mapped` says it
+    worked (else they stay in RAM and are counted there)."""
+    model = runtime.model
+    dense = runtime.prepared_dense or prepared.PreparedDense.open_if_current(model_dir, cpu_weights)
+    if dense is None or not dense.has("embed"):
+        return
+    if not dense.holds(model.embed):
+        embed = dense.matrix("embed", tuple(model.embed.shape))
+        if not isinstance(embed, torch.Tensor) or embed.dtype != model.embed.dtype:
+            return
+        model.embed = embed
+    runtime.prepared_dense = dense
+    runtime.embed_mapped = True
 
 
 def _prepared_source(model_dir: Path, config: ModelConfig, cpu_weights: str):
@@ -308,4 +328,6 @@ def load_sparse(model_dir: Path, config: ModelConfig, mode: str, ctx: int, vram_
     runtime.prepared_dense = dense_file
     if dense_file is None and (writer is not None or prepared_rows is not None):
         _write_prepared_dense(model_dir, cpu_weights, runtime, progress)
+    if plan.embed_on_disk:
+        _map_embeddings(runtime, model_dir, cpu_weights)
     return SparseParts(model, runtime, layer_devices, [compute_dtype(d, storage) for d in layer_devices])

@@ -16,7 +16,9 @@ class MemoryAccounting:
             return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
         head = nb(model.final_norm.weight, model.final_norm.bias) + model.head_nbytes
-        tiers = {"fast_dense": 0, "fast_kv": 0, "fast_ffn": 0, "cpu_dense": nb(model.embed), "cpu_kv": 0,
+        # the disk tier's embeddings, mapped from the prepared file, are on disk: a token reads one row
+        embed = 0 if getattr(self, "embed_mapped", False) and plan.embed_on_disk else nb(model.embed)
+        tiers = {"fast_dense": 0, "fast_kv": 0, "fast_ffn": 0, "cpu_dense": embed, "cpu_kv": 0,
                  "cpu_ffn": 0}
         tiers["fast_dense" if plan.head_on_fast else "cpu_dense"] += head
         for i, layer in enumerate(model.layers):

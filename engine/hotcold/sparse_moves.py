@@ -61,7 +61,7 @@ class TierMoves:
         else:
             rows = cold_rows_from_dense(*float_rows(cold_idx), self.cpu_weights)
         cold = ColdRows(rows, cold_idx)
-        return HybridFfn(layer, dense.gated, self.config.activation, self.config.activation_threshold,
+        return HybridFfn(layer, dense.gated, self.config.activation, self.config.ffn_threshold(layer),
                          dense.n_ff, hot, cold, self.ffn_context(layer))
 
     def cold_ffn(self, layer: int, rows) -> HybridFfn:
@@ -74,7 +74,7 @@ class TierMoves:
             hot = Q4HotRows.empty(rows.gated, d, device, dtype)
         else:
             hot = HotRows(empty if rows.gated else None, empty, empty, torch.empty(0, dtype=torch.long, device=device))
-        return HybridFfn(layer, rows.gated, self.config.activation, self.config.activation_threshold, n, hot,
+        return HybridFfn(layer, rows.gated, self.config.activation, self.config.ffn_threshold(layer), n, hot,
                          ColdRows(rows, torch.arange(n)), self.ffn_context(layer))
 
     def apply(self, plan: Placement) -> None:

@@ -137,7 +137,7 @@ class Solving:
             if vram > total:
                 raise BudgetError(f"VRAM budget {format_size(vram)} exceeds the GPU's {format_size(total)}")
         plan = solve(self.problem, vram, ram)
-        if plan.disk_neurons and not self.reads_from_disk():
+        if (plan.disk_neurons or plan.embed_on_disk) and not self.reads_from_disk():
             plan = solve(replace(self.problem, disk_tier=False), vram, ram)
         if not plan.fits:
             best = solve(self.problem, 1 << 62, 1 << 62)

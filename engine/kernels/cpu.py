@@ -168,7 +168,7 @@ def sparse_ffn(x: torch.Tensor, rows: CpuFfnRows, active: torch.Tensor | None, a
     idx = id_array("active", active) if active is not None else None
     k = rows.n_neurons if active is None else idx.shape[0]
     check_ffn_call(x, rows, activation, out_acts, k)
-    kern = _kernels()
+    kern = _kernels("ffn_rows")
     if kern is None:
         return reference.sparse_ffn(x, rows.gate, rows.up, rows.down_t, active, activation,
                                     act_threshold, out_acts, scales=rows._scales())
@@ -196,7 +196,7 @@ def sparse_ffn_predicted(x: torch.Tensor, rows: CpuFfnRows, pred_logits: torch.T
     if pred_logits.dim() != 1 or (ids is None and pred_logits.shape[0] != n):
         raise ValueError(f"pred_logits: expected [{n}] (or the layer's with row_ids), "
                          f"got {tuple(pred_logits.shape)}")
-    kern = _kernels()
+    kern = _kernels("ffn_rows")
     if kern is None:
         logits = pred_logits.detach().to(device="cpu", dtype=torch.float32)
         if ids is not None:
@@ -231,7 +231,7 @@ def sparse_ffn_batch(xs: torch.Tensor, rows: CpuFfnRows, active: torch.Tensor | 
     if out_acts is not None and (out_acts.shape != (T, k) or out_acts.dtype != torch.float32
                                  or not out_acts.is_contiguous() or out_acts.is_cuda):
         raise ValueError(f"out_acts: expected contiguous CPU fp32 [{T}, {k}]")
-    kern = _kernels()
+    kern = _kernels("ffn_rows_batch")
     if kern is None or T == 0:
         ys = torch.zeros(T, rows.dim)
         for s in range(T):
@@ -267,7 +267,8 @@ def sparse_ffn_tokens(xs: torch.Tensor, rows: CpuFfnRows, pred_logits: torch.Ten
     reference.check_activation(activation)
     if pred_logits is not None and tuple(pred_logits.shape) != (T, n):
         raise ValueError(f"pred_logits: expected [{T}, {n}], got {tuple(pred_logits.shape)}")
-    kern = _kernels()
+    q8 = rows.quant == "int8" and int8_activations_available(rows.dim)
+    kern = _kernels("ffn_rows")
     if kern is not None and 0 < T and decode_each_token(T, n, pred_logits, pred_threshold):
         # few tokens, or tokens whose predicted rows overlap little: the decode kernel per
         # token reads only each token's rows (4 tokens of a 7B layer, int8: 7 vs 20 ms on one
@@ -277,6 +278,7 @@ def sparse_ffn_tokens(xs: torch.Tensor, rows: CpuFfnRows, pred_logits: torch.Ten
                                 for t in range(T)])
         return torch.stack([sparse_ffn_predicted(xs[t].float(), rows, pred_logits[t].float(), pred_threshold,
                                                  activation, act_threshold) for t in range(T)])
+    kern = _kernels(*(("quantize_act_q8", "ffn_rows_tokens_q8") if q8 else ("ffn_rows_tokens",)))
     if kern is None or T == 0 or n == 0:
         ys = torch.zeros(T, rows.dim)
         for lo in range(0, n, _DEQUANT_ROWS):
@@ -294,7 +296,7 @@ def sparse_ffn_tokens(xs: torch.Tensor, rows: CpuFfnRows, pred_logits: torch.Ten
     pred = as_numpy(pred_logits, torch.float32) if pred_logits is not None else np.empty((0, 0), np.float32)
     acts = np.empty((n, T), dtype=np.float32)
     gate, gate_s, up, up_s, down, down_s = rows._numpy_views()
-    if rows.quant == "int8" and int8_activations_available(rows.dim):
+    if q8:
         # int8 x int8 (the tokens quantized in blocks, as matmul_int8 does): 200 tokens over
         # a 7B layer's rows at 10% took 0.39 s against 0.91 s converting weights to fp32
         # (one thread, a loaded machine)
@@ -451,7 +453,7 @@ def _dense_operands(vector: torch.Tensor, w: torch.Tensor) -> bool:
 def matvec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x fp32 [d] times every row of w fp32 [n, d] -> [n]: a decode step's dense product.
     torch computes it when numba is missing, the operands are not contiguous fp32, or w is small."""
-    kern = _kernels()
+    kern = _kernels("matvec_rows")
     if kern is None or not _dense_operands(x, w):
         return torch.mv(w, x)
     with _lock:
@@ -461,7 +463,7 @@ def matvec(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def matvec_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x fp32 [d] times every row of (q int8 [n, d], scale fp32 [n]) -> fp32 [n]: `matvec`
     over int8 rows. Without numba, torch dequantizes a block of rows at a time."""
-    kern = _kernels()
+    kern = _kernels("matvec_rows_int8")
     if kern is None:
         out = torch.empty(q.shape[0], dtype=torch.float32)
         for lo in range(0, q.shape[0], _DEQUANT_ROWS):
@@ -475,8 +477,9 @@ def matvec_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
 
 def int8_activations_available(d: int) -> bool:
     """Whether `matmul_int8` runs int8 x int8 (AVX2 host, numba, d a multiple of the
-    activation block) rather than returning None."""
-    kern = _kernels()
+    activation block) rather than returning None, on this host (whatever the calling thread's
+    kernel gate: a capability, which choices of storage depend on)."""
+    kern = numba_pool.module()
     return kern is not None and kern.HAS_AVX2 and d % kern._ACT_BLOCK == 0 and d > 0
 
 
@@ -485,11 +488,14 @@ def matmul_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     x quantized to int8 in blocks (llama.cpp's Q8_0 scheme): int8 products, about twice the
     rows per second of `matvec_int8`, and a many-token product that reads each row once
     instead of dequantizing the matrix. None where it cannot run (no AVX2 or numba, d not a
-    multiple of the block, fewer than 4 rows): the caller takes another path."""
+    multiple of the block, fewer than 4 rows; on a first start, until the kernel is compiled):
+    the caller takes another path."""
     n, d = q.shape
     if n < 4 or not int8_activations_available(d) or not q.is_contiguous() or not scale.is_contiguous():
         return None
-    kern = _kernels()
+    kern = _kernels("linear_q8")
+    if kern is None:
+        return None
     xn = as_numpy(x, torch.float32)
     with _lock:  # quantize and multiply in one call: one Python transition per product
         return torch.from_numpy(kern.linear_q8(q.numpy(), scale.numpy(), xn,
@@ -502,7 +508,7 @@ _DEQUANT_ROWS = 2048
 
 def combine(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """sum_i a[i] * w[i] for a fp32 [n] and w fp32 [n, d] -> [d] (every row, dense)."""
-    kern = _kernels()
+    kern = _kernels("combine_rows")
     if kern is None or not _dense_operands(a, w):
         return a @ w
     with _lock:
@@ -517,7 +523,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     one numba call (no fp32 copy of an fp16 cache); otherwise torch's batched products."""
     H, hd = q.shape
     kvh = k_cache.shape[0]
-    kern = _kernels()
+    kern = _kernels("decode_attention_cache")
     if (kern is not None and k_cache.dtype in _CACHE_VIEWS and v_cache.dtype == k_cache.dtype
             and k_cache.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous()
             and 0 < length <= k_cache.shape[1] and H % kvh == 0):

@@ -23,7 +23,7 @@ def quantize_rows_int8(w: torch.Tensor, out_q: torch.Tensor | None = None,
     q = torch.empty((n, d), dtype=torch.int8) if out_q is None else out_q
     scale = torch.empty(n, dtype=torch.float32) if out_scale is None else out_scale
 
-    kern = numba_pool.kernels()
+    kern = numba_pool.kernels("quantize_rows_int8")
     for lo in range(0, n, _ROWS_PER_STEP):
         hi = min(n, lo + _ROWS_PER_STEP)
         block = w[lo:hi].detach().to(device="cpu", dtype=torch.float32).contiguous()

@@ -3,10 +3,18 @@
 Every CPU kernel family (`cpu` fp32/int8, `cpu_quant`, `cpu_q4`) launches through this one
 state, so a thread count set once applies to all of them and no two launches overlap.
 
-    kern = numba_pool.kernels()          # the cpu_numba module, or None (torch fallback)
+    kern = numba_pool.kernels("ffn_rows")   # the cpu_numba module, or None (torch fallback)
     with numba_pool.lock:
         threads = numba_pool.use_threads(kern)
-        kern.some_kernel(..., threads)
+        kern.ffn_rows(..., threads)
+
+A first start compiles the kernels on a thread while an engine answers on the torch paths
+(engine.runtime.kernel_preparation): that engine computes under a `KernelGate`, set on the
+calling thread for each of its computations (`gated`), and `kernels(names)` answers None there
+for a kernel the gate has not taken in yet. The gate takes kernels in between tokens. Other
+threads and other engines are not gated. A call that compiles gives up the launch lock while
+numba compiles (`_compile_for_args` below), so a compiled kernel launched on another thread
+never waits for the compiler, only for another launch.
 """
 
 from __future__ import annotations
@@ -15,20 +23,96 @@ import os
 import threading
 import warnings
 
-lock = threading.Lock()  # numba's workqueue threading layer aborts on concurrent launches
+
+class LaunchLock:
+    """numba's workqueue threading layer aborts on concurrent launches: one launch at a time.
+    Knows its holder, so a first call may hand it on while it compiles."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._holder: int | None = None
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        got = self._lock.acquire(blocking, timeout)
+        if got:
+            self._holder = threading.get_ident()
+        return got
+
+    def release(self) -> None:
+        self._holder = None
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def held_here(self) -> bool:
+        return self._holder == threading.get_ident()
+
+    def __enter__(self) -> "LaunchLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.release()
+
+
+lock = LaunchLock()
 _numba = None  # the cpu_numba module once imported; False when unavailable (tests set False)
 _threads = None  # set_num_threads's value; numba's own setting is per calling thread
 _applied = threading.local()  # .n: the count last applied on this calling thread
 _running = None  # threads the pool runs now when fewer than _threads (the decode's tuner); None: _threads
-# The thread compiling the kernels in the background on a first start (engine.kernels.preparation):
-# meanwhile every other thread gets None from `kernels()` and computes on the torch paths, so no
-# call waits for the compiler or for the launch lock the compiling thread holds.
-_preparing: int | None = None
+_local = threading.local()  # .gate: the KernelGate this thread computes under (None: every kernel)
+_compiled_listeners: list = []  # called after each first call's compile, on the compiling thread
+compiles_under_gate = 0  # compiles a gated computation ran itself (a kernel taken in too early)
 
 
-def kernels():
-    """The cpu_numba module, or None when numba is missing or disabled (THERMOCLINE_NO_NUMBA=1),
-    and to every thread but the compiling one while a first start compiles in the background."""
+class KernelGate:
+    """The kernels one engine may launch while its first start compiles them. The compiling
+    thread `mark`s each kernel once compiled; the engine takes the marked ones in at `refresh`
+    (between tokens), so a token computes on the same kernels from its start to its end."""
+
+    def __init__(self, dispatchers):
+        self.tracked = list(dispatchers)
+        self._marked: set[int] = set()
+        self._ready: frozenset[int] = frozenset()
+        self.taken = 0  # kernels taken in at the last refresh
+        self.complete = False
+
+    def mark(self, dispatcher) -> None:
+        if any(d is dispatcher for d in self.tracked):
+            self._marked.add(id(dispatcher))
+
+    def marked(self) -> int:
+        return len(self._marked)
+
+    def refresh(self) -> int:
+        """Take in every kernel marked by now; returns how many are in."""
+        ready = frozenset(self._marked)
+        self._ready, self.taken, self.complete = ready, len(ready), len(ready) == len(self.tracked)
+        return self.taken
+
+    def allows(self, dispatchers) -> bool:
+        """Whether these kernels are in; no kernels named: whether all of them are."""
+        if not dispatchers:
+            return self.complete
+        return all(id(d) in self._ready for d in dispatchers)
+
+
+class gated:
+    """`with gated(gate):` the calling thread launches only the kernels `gate` took in (None: all)."""
+
+    def __init__(self, gate: KernelGate | None):
+        self._gate = gate
+
+    def __enter__(self) -> None:
+        self._outer = getattr(_local, "gate", None)
+        _local.gate = self._gate
+
+    def __exit__(self, *_exc) -> None:
+        _local.gate = self._outer
+
+
+def _load():
     global _numba
     if _numba is None:
         if os.environ.get("THERMOCLINE_NO_NUMBA", "").strip() not in ("", "0"):
@@ -36,26 +120,73 @@ def kernels():
         else:
             try:
                 from engine.kernels import cpu_numba
+                _install_compile_hook()
                 _numba = cpu_numba
             except Exception as e:  # noqa: BLE001 - ImportError, or a broken numba/llvmlite install
                 warnings.warn(f"numba CPU kernels unavailable ({e}); using the torch fallback",
-                              RuntimeWarning, stacklevel=2)
+                              RuntimeWarning, stacklevel=3)
                 _numba = False
-    if _preparing is not None and _preparing != threading.get_ident():
-        return None
     return _numba or None
+
+
+def kernels(*names: str):
+    """The cpu_numba module, or None when numba is missing or disabled (THERMOCLINE_NO_NUMBA=1),
+    or where the calling thread's gate has not taken in the kernels `names` (no names: all)."""
+    kern = _load()
+    if kern is None or not usable(*(getattr(kern, n) for n in names)):
+        return None
+    return kern
+
+
+def usable(*dispatchers) -> bool:
+    """Whether the calling thread may launch these jitted functions (no gate, or its gate took
+    them in); none named: whether it may launch every kernel."""
+    gate = getattr(_local, "gate", None)
+    return gate is None or gate.allows(dispatchers)
 
 
 def module():
-    """The cpu_numba module (or None) for any thread, withheld or not: for its cache's location."""
-    kernels()
-    return _numba or None
+    """The cpu_numba module (or None) whatever the calling thread's gate: what the kernels
+    can do here (AVX2, block sizes), and where their cache lives."""
+    return _load()
 
 
-def withhold_for(ident: int | None) -> None:
-    """Only thread `ident` gets the kernels until called with None (engine.kernels.preparation)."""
-    global _preparing
-    _preparing = ident
+def _install_compile_hook() -> None:
+    """numba compiles a kernel at its first call with new argument types, inside the launch
+    lock the caller holds: hand the lock on while numba compiles (a compiled kernel on another
+    thread then launches meanwhile) and take it back for the launch."""
+    from numba.core.dispatcher import _DispatcherBase
+
+    original = _DispatcherBase._compile_for_args
+    if getattr(original, "thermocline_hook", False):
+        return
+
+    def _compile_for_args(self, *args, **kws):
+        global compiles_under_gate
+        if getattr(_local, "gate", None) is not None:
+            compiles_under_gate += 1
+        if not lock.held_here():
+            result = original(self, *args, **kws)
+        else:
+            lock.release()
+            try:
+                result = original(self, *args, **kws)
+            finally:
+                lock.acquire()
+        for listener in list(_compiled_listeners):
+            listener(self)
+        return result
+
+    _compile_for_args.thermocline_hook = True
+    _DispatcherBase._compile_for_args = _compile_for_args
+
+
+def on_compiled(listener, add: bool = True) -> None:
+    """listener(dispatcher) after each first call's compile (or load from the disk cache)."""
+    if add:
+        _compiled_listeners.append(listener)
+    elif listener in _compiled_listeners:
+        _compiled_listeners.remove(listener)
 
 
 def use_threads(kern) -> int:

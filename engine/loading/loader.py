@@ -127,5 +127,5 @@ def load_transformer(model_dir: Path, config: ModelConfig, layer_devices: list[t
     devices = set(layer_devices) | {head_device}
     rotary = {d: RotaryTable(config.rope, config.head_dim, ctx, compute_dtype(d, storage), d) for d in devices}
     if progress:
-        progress(1.0, "loaded")
+        progress(1.0, "layers read")  # not "loaded": what follows the layers still runs
     return Transformer(config, embed, layers, final_norm, lm_head, rotary)

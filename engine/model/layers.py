@@ -91,13 +91,15 @@ class DenseFfn:
     def nbytes(self) -> int:
         return _nbytes(self.gate_up, self.down_t, self.up_bias, self.down_bias)
 
-    def activations(self, x: torch.Tensor) -> torch.Tensor:
+    def pre_activations(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(gate, up) before the nonlinearity (gate None: ungated)."""
         if self.gated:
             pre = linear(x, self.gate_up)
-            gate_pre, up_pre = pre[..., : self.n_ff], pre[..., self.n_ff :]
-        else:
-            gate_pre, up_pre = None, linear(x, self.gate_up, self.up_bias)
-        return activations(gate_pre, up_pre, self.activation, self.threshold)
+            return pre[..., : self.n_ff], pre[..., self.n_ff :]
+        return None, linear(x, self.gate_up, self.up_bias)
+
+    def activations(self, x: torch.Tensor) -> torch.Tensor:
+        return activations(*self.pre_activations(x), self.activation, self.threshold)
 
     def project(self, act: torch.Tensor) -> torch.Tensor:
         if act.shape[0] == 1 and act.device.type == "cpu" and act.dtype == torch.float32:
@@ -108,8 +110,12 @@ class DenseFfn:
 
     def __call__(self, x: torch.Tensor, pred_input: torch.Tensor, layer: int,
                  observer: FfnObserver | None = None) -> torch.Tensor:
-        act = self.activations(x)
+        gate_pre, up_pre = self.pre_activations(x)
+        act = activations(gate_pre, up_pre, self.activation, self.threshold)
         if observer is not None:
+            gates = getattr(observer, "gate_values", None)  # CATS calibration: the gate before thresholding
+            if gates is not None and gate_pre is not None:
+                gates(layer, gate_pre)
             observer(layer, pred_input, act)
         return self.project(act)
 

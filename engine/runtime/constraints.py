@@ -12,11 +12,13 @@ what was written, and nothing else once the grammar admits no more text, so a co
 answer ends where its JSON ends.
 
 The end of the budget: a model may write a JSON string that never ends (the demo writes
-prose). Where the answer's remaining room (max_tokens, the context) is just enough to close
-the JSON written so far (`json_closing`: close the string, give a pending key the value 0,
-close the containers), and the grammar accepts that closing, the answer is closed with it, so
-JSON mode parses even when it runs out of room. A schema whose required fields are still
-missing cannot be closed that way: it ends at the length limit like any answer.
+prose). Once the answer's remaining room (max_tokens, the context) falls to CLOSE_LOOKAHEAD
+tokens, the first time the JSON written so far can be closed (`json_closing`: close the
+string, give a pending key the value 0, close the containers) in a way the grammar accepts,
+it is closed, so JSON mode parses even when it runs out of room. Until it can be (a schema's
+required field still missing, say), the answer takes a token made only of '"', '}' and ']'
+wherever the grammar allows one, which heads for the end; an answer may still reach the length
+limit, like any answer.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ class TokenGrammar:
             self.tokenizer = lib.LLTokenizer(lib.TokenizerWrapper(_SentencePieceVocab(tokenizer, eos)))
         self.vocab = self.tokenizer.vocab_size
         self._eos = torch.tensor([i for i in self.eos_ids if i < self.vocab], dtype=torch.long)
+        self._closers: torch.Tensor | None = None
 
     def grammar_text(self, spec: GrammarSpec) -> str:
         lib = _library()
@@ -129,6 +132,15 @@ class TokenGrammar:
         if error and not error.startswith("WARNING"):
             raise GrammarError(f"the grammar library cannot use this schema: {error.strip()[:500]}")
 
+    def closers(self) -> torch.Tensor:
+        """The tokens made of nothing but '"', '}' and ']': what ends strings and containers
+        without opening anything (built at the first answer that runs short of room)."""
+        if self._closers is None:
+            decode = self.tokenizer.decode_bytes
+            self._closers = torch.tensor([bool(b) and not b.strip(b'"}]') for b in
+                                          (decode([i]) for i in range(self.vocab))], dtype=torch.bool)
+        return self._closers
+
     def start(self, spec: GrammarSpec) -> "Constraint":
         lib = _library()
         matcher = lib.LLMatcher(self.tokenizer, self.grammar_text(spec), log_level=0)
@@ -137,7 +149,7 @@ class TokenGrammar:
         return Constraint(self, matcher)
 
 
-CLOSE_LOOKAHEAD = 32  # the room below which the closing is worked out at every token
+CLOSE_LOOKAHEAD = 64  # the room below which the closing is worked out at every token (a call: ~30)
 
 
 class Constraint:
@@ -174,8 +186,14 @@ class Constraint:
             return self._only(self.grammar._eos)
         if self.closable and self.room is not None and self.room <= CLOSE_LOOKAHEAD:
             closing = self.closing_tokens()
-            if closing is not None and len(closing) >= self.room:  # just room enough left: close now
+            if closing is not None:  # the last chance may not come again (inside a call, say): close now
                 return self._only(closing[:1] or self.grammar._eos)
+            allowed = self._mask()
+            closers = allowed & self.grammar.closers()
+            return closers if closers.any() else allowed  # no closing yet: head for one
+        return self._mask()
+
+    def _mask(self) -> torch.Tensor:
         self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.grammar.vocab]
         allowed = torch.from_numpy(bits.astype(np.bool_))

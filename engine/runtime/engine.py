@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import threading
 import time
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, read_cats
 from engine.arch import read_config
 from engine.activations import dense_only_words, is_sparse
 from engine.errors import ContextFullError, ModelFormatError, UserError
@@ -113,6 +114,7 @@ class Engine:
         self._token_grammar = None  # built at the first constrained request (token_grammar)
         self._logits_checked = False  # NaN/Inf weights are caught on the first token after a load
         self.kernel_preparation = None  # the CPU kernels compiling in the background (a first start)
+        self._kernel_gate = None  # numba_pool.KernelGate: the kernels this engine computes with (None: all)
         # Rows of the head past the tokenizer's vocabulary (padding) are never sampled.
         self.sampled_vocab = tokenizer.vocab_size if tokenizer.vocab_size < config.vocab_size else None
 
@@ -121,14 +123,16 @@ class Engine:
     def load(cls, model: str | Path, *, mode: str = "dense", ctx: int | None = None,
              vram_budget: int | None = None, ram_budget: int | None = None,
              device: str | None = None, threads: int | None = None, cpu_weights: str | None = None,
-             progress: Progress | None = None, kernels: str = "wait") -> "Engine":
+             progress: Progress | None = None, kernels: str = "wait", kernel_progress=None) -> "Engine":
         """`cpu_weights`: the format of the weights on the CPU (int8, int4, fp32); None: int8 in
         the sparse modes, fp32 in dense, which is then the exact reference (the CLI and the
         window pass the user's choice, int8 unless changed). `kernels` "background": where this
         machine has not compiled the CPU kernels yet (a first start), they compile on a thread
         while the engine answers on the torch paths, and come in between two tokens
-        (engine.runtime.kernel_preparation; `kernel_preparation` reports progress); "wait":
-        the load waits for them (minutes on a first start)."""
+        (engine.runtime.kernel_preparation; `kernel_preparation` reports progress, and
+        `kernel_progress(compiled, total, finished)` is called on the compiling thread after
+        each kernel and at the end);
+        "wait": the load waits for them (minutes on a first start)."""
         if mode not in MODES:
             raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
         if cpu_weights is None:
@@ -149,7 +153,13 @@ class Engine:
         if ctx is not None and ctx > config.max_positions:
             notes.append(f"context {ctx} is capped at the {config.max_positions} positions {model_dir.name} "
                          f"was trained on")
-        if not is_sparse(config.activation, config.activation_threshold):
+        if mode != "dense" and config.activation == "silu":
+            # CATS: a SiLU model profiled with --target-sparsity runs sparse at its calibrated
+            # thresholds; dense mode stays the model itself
+            cats = read_cats(model_dir, config.num_layers)
+            if cats is not None:
+                config = dataclasses.replace(config, cats_thresholds=cats["thresholds"])
+        if not is_sparse(config.activation, config.activation_threshold, config.cats_thresholds):
             if mode != "dense":
                 raise UserError(f"{model_dir.name}: {dense_only_words(config)}; load it with --mode dense")
             notes.append(f"{model_dir.name} runs dense: {dense_only_words(config)}")
@@ -163,12 +173,14 @@ class Engine:
         from engine.runtime import kernel_preparation as kp
 
         preparing = None
-        if kernels == "background" and numba_pool.kernels() is not None and not kp.is_cached(kp.kind_of(mode, cpu_weights)):
-            preparing = kp.KernelPreparation(mode, cpu_weights, _KernelWarmup.run_prompt, _KernelWarmup.run_all)
+        if kernels == "background" and numba_pool.module() is not None and not kp.is_cached(kp.kind_of(mode, cpu_weights)):
+            preparing = kp.KernelPreparation(mode, cpu_weights, _KernelWarmup.run_prompt, _KernelWarmup.run_all,
+                                             on_progress=kernel_progress)
         warm = _KernelWarmup(mode, cpu_weights) if preparing is None else None
         try:
-            model_obj, cache, runtime, dense_prepared = cls._load_model(
-                model_dir, config, mode, ctx, vram_budget, ram_budget, device, progress, cpu_weights)
+            with numba_pool.gated(preparing.gate if preparing is not None else None):  # the torch paths
+                model_obj, cache, runtime, dense_prepared = cls._load_model(
+                    model_dir, config, mode, ctx, vram_budget, ram_budget, device, progress, cpu_weights)
         except BaseException:
             if warm is not None:
                 warm.join(raise_error=False)  # the load's own error is the one to report
@@ -190,6 +202,7 @@ class Engine:
         engine = cls(model_dir, config, tokenizer, model_obj, cache, mode, ctx,
                      cls.eos_from(model_dir, config, tokenizer), cls.defaults_from(model_dir), sparse=runtime)
         engine.kernel_preparation = preparing
+        engine._kernel_gate = preparing.gate if preparing is not None else None
         engine.warnings = notes  # things the user should hear about, not errors (the CLI prints them)
         if mode == "dense":
             engine.dense_prepared = dense_prepared
@@ -246,13 +259,15 @@ class Engine:
         return {k: data[k] for k in keys if k in data}
 
     # --------------------------------------------------------------- generation
-    def encode_prompt(self, prompt: str | list[dict] | list[int]) -> list[int]:
+    def encode_prompt(self, prompt: str | list[dict] | list[int], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a text, a conversation (rendered by the chat template, which receives
+        `tools`, OpenAI's function definitions, where given) or ids."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(check_text(prompt, "the prompt"))
         elif prompt and isinstance(prompt[0], dict):
             for m in prompt:
                 check_text(m.get("content") if isinstance(m, dict) else m, "a message")
-            ids = self.tokenizer.encode_chat(prompt)
+            ids = self.tokenizer.encode_chat(prompt, tools=tools)
         else:
             ids = [int(i) for i in prompt]
         if not ids:
@@ -275,17 +290,27 @@ class Engine:
         self.token_grammar().check(spec)
 
     def swap_in_kernels(self) -> bool:
-        """Between tokens: the background-compiled CPU kernels, once all are ready, replace the
-        torch paths from the next computation on. True when they were handed over now."""
+        """Between tokens: each CPU kernel compiled in the background since the last token
+        replaces its torch path from the next computation on. True when the last of them came
+        in now (the preparation is over and the engine computes with every kernel)."""
         prep = self.kernel_preparation
-        if prep is None or not prep.ready():
+        if prep is None:
             return False
-        prep.release()
+        finished = prep.ready()  # read first: once finished, every kernel is compiled
+        prep.gate.refresh()
+        if not finished:
+            return False
         self.kernel_preparation = None
-        if prep.error is not None:
+        if prep.error is not None:  # those that compiled stay in; the rest run on the torch paths
             self.warnings.append(f"the fast CPU kernels could not be prepared ({prep.error}); "
                                  "running on the slower torch paths")
-        return prep.error is None
+            return False
+        self._kernel_gate = None
+        return True
+
+    def _kernels(self):
+        """`with self._kernels():` around each computation: the kernels this engine has taken in."""
+        return numba_pool.gated(self._kernel_gate)
 
     def close(self) -> None:
         """End what the engine runs beside generations (a mixture's prefetch thread); call it
@@ -307,14 +332,14 @@ class Engine:
             self.cache.reset(0)
 
     def stream(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None,
-               cancel: threading.Event | None = None) -> Iterator[TokenEvent]:
+               cancel: threading.Event | None = None, tools: list[dict] | None = None) -> Iterator[TokenEvent]:
         params = params or SamplingParams()
         params.validate()
         outside = [t for t in params.logit_bias if t >= self.config.vocab_size]
         if outside:
             raise UserError(f"logit bias names token {outside[0]}, outside the model's vocabulary "
                             f"of {self.config.vocab_size}")
-        ids = self.encode_prompt(prompt)
+        ids = self.encode_prompt(prompt, tools)
         if not self.cache.rolling and len(ids) >= self.ctx:
             raise ContextFullError(
                 f"the prompt has {len(ids)} tokens but the context holds {self.ctx}; "
@@ -337,7 +362,8 @@ class Engine:
         stats.cached_tokens = reuse
         start = time.perf_counter()
         self.swap_in_kernels()
-        logits = self._prefill(ids, reuse, cancel)
+        with self._kernels():
+            logits = self._prefill(ids, reuse, cancel)
         if logits is None:  # stopped while reading the prompt: nothing was generated
             stats.finish_reason = "cancelled"
             stats.ttft_s = time.perf_counter() - start
@@ -388,10 +414,11 @@ class Engine:
                 if not self.cache.rolling and position >= self.ctx:
                     stats.finish_reason = "context_full"
                     break
-                if self.sparse is not None:
-                    self.sparse.at_token_boundary()
                 self.swap_in_kernels()
-                logits = self.model.forward(torch.tensor([token]), position, self.cache)
+                with self._kernels():
+                    if self.sparse is not None:
+                        self.sparse.at_token_boundary()
+                    logits = self.model.forward(torch.tensor([token]), position, self.cache)
                 self._cached_ids.append(token)
             if stats.finish_reason in ("length", "cancelled", "context_full"):
                 tail = pending + decoder.flush()
@@ -440,8 +467,8 @@ class Engine:
         return logits
 
     def generate(self, prompt: str | list[dict] | list[int], params: SamplingParams | None = None,
-                 cancel: threading.Event | None = None) -> GenerationResult:
-        text = "".join(event.text for event in self.stream(prompt, params, cancel))
+                 cancel: threading.Event | None = None, tools: list[dict] | None = None) -> GenerationResult:
+        text = "".join(event.text for event in self.stream(prompt, params, cancel, tools))
         return GenerationResult(text, list(self.last_token_ids), self.last_stats)
 
     # -------------------------------------------------------------- inspection
@@ -470,23 +497,28 @@ class Engine:
         mode = mode or self.mode
         with self._lock:
             self.swap_in_kernels()
-            self._cached_ids = []
-            self.cache.reset(0)
-            ids = torch.tensor(token_ids)
-            if mode == "dense" or self.sparse is None:
-                if mode != "dense":
-                    raise UserError(f"mode {mode} needs the engine loaded in a sparse mode")
+            with self._kernels():
+                return self._score(token_ids, mode)
+
+    def _score(self, token_ids: list[int], mode: str) -> torch.Tensor:
+        self._cached_ids = []
+        self.cache.reset(0)
+        ids = torch.tensor(token_ids)
+        if mode == "dense" or self.sparse is None:
+            if mode != "dense":
+                raise UserError(f"mode {mode} needs the engine loaded in a sparse mode")
+            logits = self.model.forward(ids, 0, self.cache, all_logits=True)
+        else:
+            with self.sparse.scoring(mode):
                 logits = self.model.forward(ids, 0, self.cache, all_logits=True)
-            else:
-                with self.sparse.scoring(mode):
-                    logits = self.model.forward(ids, 0, self.cache, all_logits=True)
-            self._check_finite(logits)
-            return logits
+        self._check_finite(logits)
+        return logits
 
     def set_budgets(self, vram: int | None = None, ram: int | None = None):
         if self.sparse is None:
             raise UserError("budgets apply to the sparse and hybrid modes; load the model with --mode hybrid")
-        return self.sparse.set_budgets(vram, ram)
+        with self._kernels():
+            return self.sparse.set_budgets(vram, ram)
 
 
 class _KernelWarmup:

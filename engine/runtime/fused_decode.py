@@ -63,12 +63,12 @@ def enabled(value: str | None = None) -> bool:
 _module = None  # engine.kernels.decode_layer once imported; False when it cannot run here
 
 
-def kernels():
+def module():
     """engine.kernels.decode_layer, or None: no numba (or turned off), no AVX2 (its kernels
     hold AVX2 code), or the module failed to import."""
     global _module
     if _module is None:
-        kern = numba_pool.kernels()
+        kern = numba_pool.module()
         if kern is None or not kern.HAS_AVX2:
             return None  # not cached: tests turn numba off and on
         try:
@@ -77,9 +77,18 @@ def kernels():
         except Exception as e:  # noqa: BLE001 - a broken numba/llvmlite: the unfused path still runs
             warnings.warn(f"fused decode unavailable ({e}); using the unfused path", RuntimeWarning, stacklevel=2)
             _module = False
-    if _module is False or numba_pool.kernels() is None:
+    if _module is False or numba_pool.module() is None:
         return None
     return _module
+
+
+def kernels():
+    """`module()` where the calling thread may launch its layer and head functions (a first
+    start's kernel gate may not have taken them in yet: engine.kernels.numba_pool)."""
+    dl = module()
+    if dl is None or not numba_pool.usable(dl.decode_layer, dl.decode_head):
+        return None
+    return dl
 
 
 # ------------------------------------------------------------------ the arguments, once
@@ -235,7 +244,7 @@ def _build_layer(dl, model, index: int, layer, cache) -> FusedLayer:
     else:
         return FusedLayer(key, None, f"an FFN of type {type(ffn).__name__}")
     gated = bool(ffn.gated)
-    code = cpu_kernels._kernels().ACTIVATION_CODES[ffn.activation]
+    code = numba_pool.module().ACTIVATION_CODES[ffn.activation]
     empty_m = (dl.M_FP32, _EMPTY_BYTES, _EMPTY_F32)
     fc1, fc2, gate_up, down = (m or empty_m for m in (fc1, fc2, gate_up, down))
     no_rows = (dl.R_FP32, _EMPTY_BYTES, _EMPTY_F32, _EMPTY_BYTES, _EMPTY_F32, _EMPTY_BYTES, _EMPTY_F32)
@@ -307,7 +316,7 @@ def decode_step(model, ids: torch.Tensor, start: int, cache) -> torch.Tensor | N
         head = model.fused_head = _build_head(dl, model)
     if head.args is None:
         return None
-    if (head.q4 or any(p.q4 for p in plans)) and not cpu_q4.int8_activations(numba_pool.kernels()):
+    if (head.q4 or any(p.q4 for p in plans)) and not cpu_q4.int8_activations(numba_pool.module()):
         return None  # the unfused path runs cpu_q4's fp32 kernels then: the reference of that setting
     cache.prepare(start, 1)
     table.at(start, 1)  # grows the table when the position is past it
@@ -316,7 +325,7 @@ def decode_step(model, ids: torch.Tensor, start: int, cache) -> torch.Tensor | N
     if model.embedding_scale is not None:
         x = x * model.embedding_scale
     x = x.to(cpu, torch.float32).contiguous().numpy().reshape(-1).copy()
-    kern = numba_pool.kernels()
+    kern = numba_pool.module()
     for layer, plan in zip(model.layers, plans):
         pthr = layer.ffn.context.threshold if plan.sparse else 0.0
         with numba_pool.lock:
@@ -353,7 +362,7 @@ def warm(model, cache, keep: bool = True) -> None:
     if plan.args is None or head.args is None or table is None or table.cos.dtype != torch.float32:
         return
     x = np.zeros(model.config.hidden_size, dtype=np.float32)
-    kern = numba_pool.kernels()
+    kern = numba_pool.module()
     with numba_pool.lock:
         threads = numba_pool.use_threads(kern)
         dl.decode_layer(x, 0, threads, table.cos.numpy(), table.sin.numpy(), 0.0, *plan.args)

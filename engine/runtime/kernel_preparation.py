@@ -1,22 +1,24 @@
 """A first start on a machine: the CPU kernels compile in the background while the engine
-answers on the torch paths, and come in between two tokens once they are ready.
+answers on the torch paths, and each comes in between two tokens once it is ready.
 
 numba compiles the kernels for this CPU at their first use (minutes on 2 cores) and keeps them
 in its disk cache. `is_cached` says whether a preparation of this kind (dense or sparse modes,
-CPU weight format) completed before for this CPU, numba and these kernel sources: a stamp
-beside numba's cache, invalidated as numba invalidates its entries (source mtime and size).
-Then `Engine.load` loads them while the weights load, as always. Otherwise, when the caller
-asks for it (`Engine.load(..., kernels="background")`: the terminal chat, `generate`, the
-window), `KernelPreparation` compiles them on a thread while every other thread sees no
-kernels (`numba_pool.withhold_for`): the engine computes on the torch paths, which need no
-compiling and give the same results within the kernels' tested bounds. `Engine` hands them
-over at a token boundary (`Engine.swap_in_kernels`), all at once: one launch lock serialises
-numba's launches and a compiling first call holds it, so a kernel in use beside a compiling
-one would wait for the compiler mid-token.
+CPU weight format) completed before for this CPU (numba's code generation target), numba and
+these kernel sources (their contents, as numba's own cache checks them): a stamp beside
+numba's cache. Then `Engine.load` loads them while the weights load, as always. Otherwise,
+when the caller asks for it (`Engine.load(..., kernels="background")`: the terminal chat,
+`generate`, the window), `KernelPreparation` compiles them on a thread while that engine
+computes under a kernel gate (`numba_pool.KernelGate`): a kernel not taken in yet is computed
+on its torch path, which needs no compiling and gives the same results within the kernels'
+tested bounds. `Engine` refreshes the gate at every token boundary (`Engine.swap_in_kernels`),
+so each kernel comes in at the first boundary after it compiled, never within a token. While
+numba compiles, the compiling call gives up the launch lock (numba_pool), so a kernel already
+taken in launches meanwhile without waiting for the compiler.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -43,10 +45,8 @@ def _stamp(kind: str) -> tuple[Path, dict] | None:
     from numba.core.registry import cpu_target
 
     here = Path(kern.__file__).parent
-    sources = {}
-    for name in _SOURCES:
-        st = os.stat(here / name)
-        sources[name] = [st.st_mtime, st.st_size]
+    # contents, not modification times: an installer's copy of the sources keeps its cache
+    sources = {name: hashlib.sha256((here / name).read_bytes()).hexdigest() for name in _SOURCES}
     content = {"numba": numba.__version__, "target": [str(t) for t in cpu_target.target_context.codegen().magic_tuple()],
                "sources": sources}
     return Path(cache_dir) / f"thermocline-kernels-{kind}.json", content
@@ -62,6 +62,11 @@ def is_cached(kind: str) -> bool:
         return json.loads(path.read_text(encoding="utf-8")) == content
     except (OSError, ValueError):
         return False
+
+
+def any_cached() -> bool:
+    """Whether any preparation completed here for this CPU, numba and kernel sources."""
+    return any(is_cached(kind_of(mode, weights)) for mode in ("dense", "sparse") for weights in ("int8", "int4", "fp32"))
 
 
 def mark_cached(kind: str) -> None:
@@ -85,7 +90,7 @@ def _dispatchers(cpu_weights: str) -> list:
     from engine.runtime import fused_decode
 
     modules = [cpu_numba] + ([cpu_q4, q4_tiles, cpu_q4x8] if cpu_weights == "int4" else [])
-    fused = fused_decode.kernels() if fused_decode.enabled() else None
+    fused = fused_decode.module() if fused_decode.enabled() else None
     if fused is not None:
         modules.append(fused)
     return [v for m in modules for name, v in vars(m).items()
@@ -93,39 +98,69 @@ def _dispatchers(cpu_weights: str) -> list:
 
 
 class KernelPreparation:
-    """Compiles every kernel of a load's mode and weight format on a thread; meanwhile the
-    other threads get none. `model_loaded` gives it the model (the fused decode compiles for
-    its layers' storage); `ready()` is True once all are compiled; `release()` hands them over."""
+    """Compiles every kernel of a load's mode and weight format on a thread. The engine computes
+    under `gate` meanwhile; `model_loaded` gives the thread the model (the fused decode compiles
+    for its layers' storage); `on_progress(compiled, total, finished)` is called on the compiling
+    thread after each kernel and once at the end; `ready()` is True once all are compiled (or the thread failed: `error`)."""
 
-    def __init__(self, mode: str, cpu_weights: str, run_prompt, run_all):
+    def __init__(self, mode: str, cpu_weights: str, run_prompt, run_all, on_progress=None):
         self.mode, self.cpu_weights = mode, cpu_weights
         self._steps = (run_prompt, run_all)
-        self._dispatchers = _dispatchers(cpu_weights)
+        self._dispatchers = _dispatchers(cpu_weights)  # imports the kernel modules here, not on the thread
         self.total = len(self._dispatchers)
+        self.gate = numba_pool.KernelGate(self._dispatchers)
+        self.on_progress = on_progress
         self.error: BaseException | None = None
         self._model = None
         self._model_given = threading.Event()
         self._done = threading.Event()
-        numba_pool.withhold_for(-1)  # nobody until the thread holds them: its ident is not known yet
+        self._reported = -1
+        numba_pool.on_compiled(self._compiled)
         self._thread = threading.Thread(target=self._run, name="thermocline-kernel-compile", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        numba_pool.withhold_for(threading.get_ident())
         run_prompt, run_all = self._steps
         try:
+            # Each step marks a kernel as soon as its compile returns (`_compiled`), and at its
+            # end every kernel it ran (some were compiled already: another engine, a callee).
             run_prompt(self.mode, self.cpu_weights)
+            self._mark_compiled()
             self._model_given.wait()
             if self._model is not None:
                 from engine.runtime import fused_decode
 
                 fused_decode.warm(*self._model, keep=False)
+                self._mark_compiled()
             run_all(self.mode, self.cpu_weights)
+            self._mark_compiled()
             mark_cached(kind_of(self.mode, self.cpu_weights))
         except BaseException as exc:  # noqa: BLE001 - the engine stays on the torch paths and says why
             self.error = exc
         finally:
+            numba_pool.on_compiled(self._compiled, add=False)
             self._done.set()
+            self._report(final=True)
+
+    def _compiled(self, dispatcher) -> None:
+        if threading.current_thread() is self._thread:
+            self.gate.mark(dispatcher)
+            self._report()
+
+    def _mark_compiled(self) -> None:
+        for d in self._dispatchers:
+            if d.overloads:
+                self.gate.mark(d)
+        self._report()
+
+    def _report(self, final: bool = False) -> None:
+        done = self.compiled()
+        if self.on_progress is not None and (done != self._reported or final):
+            self._reported = done
+            try:
+                self.on_progress(done, self.total, final)
+            except Exception:  # noqa: BLE001 - a progress display never stops the compile
+                pass
 
     def model_loaded(self, model, scratch_cache) -> None:
         """The loaded model and a KV cache of its layers' kinds that nothing else reads (the
@@ -134,17 +169,15 @@ class KernelPreparation:
         self._model_given.set()
 
     def compiled(self) -> int:
-        """Entry points compiled so far (of `total`)."""
-        return sum(1 for d in self._dispatchers if d.overloads)
+        """Entry points this preparation has compiled so far (of `total`)."""
+        return self.gate.marked()
+
+    def taken_in(self) -> int:
+        """Entry points the engine computes with now (of `total`): the gate's last refresh."""
+        return self.gate.taken
 
     def ready(self) -> bool:
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)
-
-    def release(self) -> None:
-        """Hand the kernels to every thread (call between tokens, once `ready()`); after an
-        error they stay withheld: the torch paths go on."""
-        if self.error is None:
-            numba_pool.withhold_for(None)

@@ -16,6 +16,7 @@ from datetime import datetime
 from pathlib import Path
 
 from jinja2 import TemplateError
+from jinja2 import meta as jinja2_meta
 
 from engine.runtime import chat_formats
 from engine.errors import ModelFormatError, UserError
@@ -105,8 +106,12 @@ class Tokenizer:
         self._env = env
         try:
             self._template = env.from_string(template or PLAIN_TEMPLATE)
+            # Whether the template reads `tools` (Hugging Face's templates take them so): the server
+            # offers tool_choice "auto" only to a template that shows the model its tools.
+            self.takes_tools = "tools" in jinja2_meta.find_undeclared_variables(env.parse(template or PLAIN_TEMPLATE))
         except (TemplateError, RecursionError, MemoryError) as exc:
             raise ModelFormatError(f"{self.template_name} does not parse: {exc}") from None
+        self.template_source = template or PLAIN_TEMPLATE
 
     def _load_added_tokens(self, model_dir: Path) -> None:
         """Tokens added beside a sentencepiece model (ids past its pieces, or replacing one)."""
@@ -205,15 +210,18 @@ class Tokenizer:
                 run.append(i)
         return "".join(out + [self._sp.DecodeIds(run)])
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
         # Bounded in time and size (engine.template_sandbox); the cap leaves room for the
         # conversation itself, which a template legitimately repeats once.
-        given = sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, dict))
+        given = sum(len(str(m.get("content") or "")) + len(str(m.get("tool_calls") or ""))
+                    for m in messages if isinstance(m, dict)) + len(str(tools or ""))
+        extra = {"tools": tools} if tools is not None else {}
         try:
             return self._env.render(
                 self._template, cap=OUTPUT_CAP + 2 * given,
                 messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra,
             )
         except TemplateLimitError as exc:
             raise UserError(f"{self.template_name} was stopped: {exc}; the template is broken or "
@@ -223,9 +231,9 @@ class Tokenizer:
         except Exception as exc:  # noqa: BLE001 - a template's own bug (a TypeError, a KeyError)
             raise UserError(f"{self.template_name} failed: {exc.__class__.__name__}: {exc}") from None
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         # The template writes BOS itself where the model wants it.
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
 
 
 def _read_json(path: Path):

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The scripted first use of issue 27, on the real program under Xvfb at 800x600 with real X11
+# keys (xdotool), on a fresh data folder: the welcome is on screen; Ctrl+N, type, Enter, Esc,
+# Ctrl+Q must send a message, stop its answer, and quit within 10 s. Checks the saved
+# conversation afterwards; leaves screenshots in $SCRATCH/shots.
+# Needs: Xvfb, xdotool (apt-get install xvfb xdotool).
+# Usage: tools/first_use.sh            (MODEL=demo, PYTHON=.venv/bin/python, SIZE=800x600)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+MODEL=${MODEL:-demo}
+SIZE=${SIZE:-800x600}
+SCRATCH=${SCRATCH:-$(mktemp -d -t thermocline-first-use-XXXX)}
+DISPLAY_NUM=${DISPLAY_NUM:-$((90 + RANDOM % 400))}
+LOAD_WAIT=${LOAD_WAIT:-240}  # seconds for the model to load and the answer to begin
+mkdir -p "$SCRATCH/config" "$SCRATCH/data" "$SCRATCH/models" "$SCRATCH/shots"
+export THERMOCLINE_CONFIG_DIR="$SCRATCH/config" THERMOCLINE_DATA_DIR="$SCRATCH/data"
+export THERMOCLINE_MODELS_DIR="$SCRATCH/models" HF_ENDPOINT=http://no-such-host.invalid
+# A fresh start, except: the model, and answers long enough that Esc lands inside one.
+printf '{"model.active": "%s", "chat.max_new_tokens": 4000, "chat.temperature": 1.0}\n' "$MODEL" \
+    > "$SCRATCH/config/settings.json"
+
+Xvfb ":$DISPLAY_NUM" -screen 0 "${SIZE}x24" -nolisten tcp >/dev/null 2>&1 &
+XVFB_PID=$!
+APP_PID=
+cleanup() {
+    [ -n "$APP_PID" ] && kill "$APP_PID" 2>/dev/null || true
+    kill "$XVFB_PID" 2>/dev/null || true
+}
+trap cleanup EXIT
+for _ in $(seq 50); do [ -e "/tmp/.X11-unix/X$DISPLAY_NUM" ] && break; sleep 0.1; done
+export DISPLAY=":$DISPLAY_NUM" QT_QPA_PLATFORM=xcb
+
+fail() { echo "first use FAILED: $*"; shot failed; tail -20 "$SCRATCH/app.log" || true; exit 1; }
+shot() { "$PY" tools/grab_screen.py "$SCRATCH/shots/$1.png" 2>/dev/null || true; }
+db() {  # one value from the saved conversations
+    "$PY" -c "import sqlite3, sys; c = sqlite3.connect('file:$SCRATCH/data/conversations.db?mode=ro', uri=True)
+r = c.execute(sys.argv[1]).fetchone(); print('' if r is None else r[0])" "$1" 2>/dev/null || true
+}
+wait_for() {  # seconds, then a shell condition
+    local end=$(( $(date +%s) + $1 )); shift
+    until eval "$@"; do [ "$(date +%s)" -ge "$end" ] && return 1; sleep 0.2; done
+}
+
+PYTHONFAULTHANDLER=1 "$PY" -m app.cli > "$SCRATCH/app.log" 2>&1 &
+APP_PID=$!
+wait_for "$LOAD_WAIT" 'xdotool search --onlyvisible --name "^Welcome" >/dev/null 2>&1' \
+    || fail "no welcome window"
+shot welcome
+MAIN=$(xdotool search --onlyvisible --name "Thermocline$" | head -1)
+read -r W H < <(xdotool getwindowgeometry "$MAIN" | awk '/Geometry/ {split($2, s, "x"); print s[1], s[2]}')
+[ "$W" -le "${SIZE%x*}" ] && [ "$H" -le "${SIZE#*x}" ] || fail "the window is ${W}x${H}, larger than $SIZE"
+
+wait_for "$LOAD_WAIT" 'grep -q "model ready" "$SCRATCH/app.log"' || fail "the model did not load"
+xdotool key ctrl+n
+sleep 0.3
+xdotool type --delay 30 "Hello there"
+assistant() { db "select $1 from messages where role = 'assistant' order by id desc limit 1"; }
+users() { db "select count(*) from messages where role = 'user'"; }
+last_user() { db "select max(id) from messages where role = 'user'"; }
+stopped=
+for attempt in 1 2 3; do  # a small model may finish its answer before Esc lands: ask again
+    [ "$attempt" = 1 ] || xdotool type --delay 30 "Go on"
+    sent=$(users)
+    xdotool key Return
+    wait_for 10 '[ "$(users)" -gt "$sent" ]' || fail "Enter did not send the message"
+    xdotool key Escape  # at once: the demo writes a short answer in a fraction of a second
+    wait_for 30 '[ "$(db "select count(*) from messages where status = '"'streaming'"'")" = 0 ]' \
+        || fail "the answer never ended"
+    answer=$(db "select status from messages where role = 'assistant' and id > $(last_user)")
+    shot "answer-$attempt"
+    # Stopped mid-answer (kept, marked stopped), or while the prompt was read (no answer kept).
+    if [ "$answer" = stopped ] || [ -z "$answer" ]; then stopped=${answer:-before the answer began}; break; fi
+done
+[ -n "$stopped" ] || fail "Esc did not stop an answer in 3 tries"
+echo "stopped: $stopped"
+[ "$(db "select content from messages where role = 'user' order by id limit 1")" = "Hello there" ] \
+    || fail "the message was not the one typed"
+xdotool key ctrl+q
+if ! wait_for 10 '! kill -0 "$APP_PID" 2>/dev/null'; then
+    kill -ABRT "$APP_PID"; sleep 1  # faulthandler writes every thread's stack to the log
+    grep -A12 "most recent call first" "$SCRATCH/app.log" | head -80 || true
+    fail "Ctrl+Q did not quit within 10 s"
+fi
+APP_PID=
+echo "first use: sent, stopped and quit (screenshots in $SCRATCH/shots)"
