@@ -14,6 +14,7 @@ import json
 import logging
 import re
 
+from engine.activations import is_sparse
 from engine.arch import module_for
 from engine.errors import ModelFormatError, UserError
 
@@ -35,6 +36,8 @@ PREDICTOR_FILES = re.compile(r"(^|/)model_\d+\.pt$|^thermocline/predictors\.safe
 NO_PREDICTORS = ("has no predictors: it runs dense (every neuron computed) until they are made for it "
                  "(thermocline profile, then thermocline train-predictors)")
 WITH_PREDICTORS = "carries its predictors: it runs sparse"
+SWIGLU_DENSE = ("runs dense: its SwiGLU neurons never output zero, so every one is computed "
+                "(thermocline profile --target-sparsity 0.5 opts into CATS sparsity)")
 
 
 def runs_words(siblings: list[str], catalogued: bool = False) -> tuple[bool, str]:
@@ -108,13 +111,15 @@ def search_hub(query: str, *, ctx: int = 2048, cpu_weights: str = "int8", token:
             continue
         try:
             config = _read_config(info.id, endpoint, token, timeout)
-            detect_architecture(config)  # the engine's refusal (SwiGLU, a missing key) leaves it out
+            arch = detect_architecture(config)  # the engine's refusal (a missing key, GELU...) leaves it out
         except (httpx2.HTTPError, OSError, ValueError, UserError) as exc:
             log.info("hub search: %s left out (%s)", info.id, exc)
             continue
         siblings = [s.rfilename for s in (getattr(info, "siblings", None) or [])]
         catalogued = catalogue_repos.get(info.id.lower())
         has_predictors, runs = runs_words(siblings, bool(catalogued))
+        if not is_sparse(arch.activation):
+            has_predictors, runs = False, SWIGLU_DENSE
         try:
             est = estimate_fit(config, ctx=ctx, hardware=hw, bytes_model=BytesModel(cpu_weights=cpu_weights),
                                sparsity=None if has_predictors else 0.0)

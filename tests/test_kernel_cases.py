@@ -3,16 +3,9 @@ numba, the torch fallback, Triton under the interpreter (CUDA when there is a GP
 one fp64 reference with one error measure. `python -m bench.kernel_cases` times the same table.
 """
 
-import os
-
 import pytest
-import torch
 
-# Triton picks compile-or-interpret when its kernel module is first imported: settle it first.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from bench.kernel_cases import BACKENDS, CASES, build_layer, check  # noqa: E402
+from bench.kernel_cases import BACKENDS, CASES, build_layer, check
 
 RUNS = [pytest.param(backend, case, id=f"{name}-{case.id}")
         for name, backend in BACKENDS.items() for case in CASES if backend.supports(case)]

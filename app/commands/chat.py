@@ -64,7 +64,7 @@ def _load(args, settings):
 
     try:
         return load_engine(args, kernels_choice())
-    except Exception:  # noqa: BLE001 - no predictors, no sparse runtime: dense still works
+    except Exception:
         if args.mode == "dense":
             raise
         requested, args.mode = args.mode, "dense"

@@ -32,9 +32,7 @@ class HubResult(QFrame):
         grid.addWidget(self.title, 0, 0)
         self.verdict = QLabel(row["verdict"], self)
         self.verdict.setObjectName("verdictChip")
-        from .models_page import _verdict_kind  # the cards' colours
-
-        self.verdict.setProperty("kind", _verdict_kind(row["verdict"]))
+        self.verdict.setProperty("kind", fmt.verdict_kind(row["verdict"]))  # the cards' colours
         self.verdict.setToolTip(row.get("reason", ""))
         grid.addWidget(self.verdict, 0, 1, Qt.AlignmentFlag.AlignTop)
         self.button = QPushButton("In the catalogue" if row.get("catalogue_id") else "Download…", self)
@@ -144,9 +142,9 @@ class HubSearch(QFrame):
     def show_results(self, query: str, rows: list[dict]) -> None:
         self.clear_results()
         if not rows:
-            self._say(f"No model Thermocline runs matches “{query}” on the Hub. It runs ReLU-family models "
-                      "(ReLU Llama, ProSparse, Bamboo, TurboSparse, MiniCPM-S, SmallThinker); SwiGLU "
-                      "models such as plain Llama or Mistral are left out.")
+            from models_registry.arch import SUPPORTED_TEXT
+
+            self._say(f"No model Thermocline runs matches “{query}” on the Hub. It runs: {SUPPORTED_TEXT}.")
             return
         self._say(f"{fmt.count(len(rows), 'model')} on the Hub that Thermocline runs, for “{query}”:")
         for row in rows:

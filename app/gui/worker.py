@@ -141,7 +141,7 @@ class EngineWorker(QObject):
         if close is not None:
             try:
                 close()
-            except Exception:  # noqa: BLE001 - an unload never fails the next load
+            except Exception:
                 log.exception("closing the previous engine failed")
 
     @Slot(str, dict)
@@ -180,7 +180,7 @@ class EngineWorker(QObject):
                     kwargs.update(vram_budget=None, ram_budget=None)
                     self._budgets = (None, None)
                     eng = open_engine(spec, mode=mode, **kwargs)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 from engine.errors import RemoteError
 
                 if mode == "dense" or isinstance(exc, RemoteError):  # a remote model has no modes to fall back on
@@ -189,7 +189,7 @@ class EngineWorker(QObject):
                 log.warning("loading %s in %s mode failed (%s); trying dense", spec, mode, exc)
                 eng = open_engine(spec, mode="dense", **kwargs)
                 sparse_note = dense_fallback_words(mode, exc)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a dialog
+        except Exception as exc:
             log.exception("loading %s failed", spec)
             what, todo = explain_error(exc, f"load the model “{model_label(spec)}”")
             self.load_failed.emit(what, todo)
@@ -255,7 +255,7 @@ class EngineWorker(QObject):
             return
         try:
             report = self.engine.set_budgets(vram=pending[0], ram=pending[1])
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             from engine.errors import UserError
 
             if isinstance(exc, UserError):
@@ -305,7 +305,7 @@ class EngineWorker(QObject):
         try:
             fitted = self._fit(tag if tag >= 0 else None, messages, options)
             total = fitted.tokens if not fitted.dropped else None
-        except Exception:  # noqa: BLE001 - a count is advisory; never a dialog
+        except Exception:
             log.exception("token count failed")
             return
         ctx = int(getattr(self.engine, "ctx", 0))
@@ -357,7 +357,7 @@ class EngineWorker(QObject):
                     self.live_stats.emit(request_id, self._live(stats, start, first, now))
                 if cancel.is_set():
                     break
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             from engine.errors import ContextFullError
 
             if isinstance(exc, ContextFullError):

@@ -96,7 +96,7 @@ class GenerationGate:
                     job.post("token", event.text)
             stats = engine.last_stats
             job.post("done", {"stats": stats.to_dict(), "token_ids": list(getattr(engine, "last_token_ids", []))})
-        except Exception as exc:  # noqa: BLE001 - every failure goes back to its request
+        except Exception as exc:
             if not isinstance(exc, _user_error_types()):
                 log.exception("generation failed")
             job.post("error", exc)
