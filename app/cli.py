@@ -23,7 +23,7 @@ COMMANDS = ("chat", "generate", "place", "profile", "train_predictors", "eval", 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports bad usage as one `error:` line with exit code 2."""
 
-    def error(self, message: str):  # noqa: D401 - argparse API
+    def error(self, message: str):
         sys.stderr.write(f"error: {self.prog}: {message} (see --help)\n")
         raise SystemExit(2)
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:  # noqa: BLE001 - only a full disk is handled; the rest keeps its traceback
+    except Exception as exc:
         if args.debug or not is_disk_full(exc):
             raise
         # Downloads, profiles and predictor training keep what they finished: a rerun resumes.

@@ -28,10 +28,10 @@ from engine.kernels.triton_ffn import DEFAULT_CONFIG, PREDICTOR_CONFIG, LaunchCo
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     raise SystemExit("unset TRITON_INTERPRET to compile the kernels")
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
+import triton
+from triton.backends.compiler import GPUTarget
 
-from engine.kernels import triton_kernels as K  # noqa: E402
+from engine.kernels import triton_kernels as K
 
 
 def _ptxas_stats(ptx: str, arch: int) -> dict:

@@ -147,7 +147,7 @@ def fetch_file(url: str, part: Path, remote: RemoteFile, *, headers: dict, meter
                 if pos <= furthest:  # ended cleanly but short, without getting any further
                     raise TransferError(f"the server sent no new data for {remote.name}")
                 furthest, failures = pos, 0
-        except Exception as exc:  # noqa: BLE001 - sorted into retryable and not below
+        except Exception as exc:
             if isinstance(exc, RangeIgnoredError) or not (_retryable(exc) or isinstance(exc, TransferError)):
                 raise
             progressed = pos > furthest  # net progress, not bytes received again

@@ -95,6 +95,8 @@ else
     echo "WARNING: the bundle has no demo model (resources/demo/ is empty): the app will start with none" >&2
 fi
 rm -rf "$smoke_home"
+log "kernel caches for the CPU tiers (AVX-512, AVX2: packaging/kernel_tiers.py; minutes each)"
+"$VENV/bin/python" packaging/kernel_caches.py "$BUNDLE"
 bundle_kib=$(du -sk "$BUNDLE" | cut -f1)
 echo "bundle: $BUNDLE ($((bundle_kib / 1024)) MiB)"
 

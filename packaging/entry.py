@@ -2,19 +2,19 @@
 
 Same as the `thermocline` console script (`app.cli:main`), plus two packaging concerns:
 
-- The numba CPU kernels take ~30 s to compile. In the bundle their cache lives in the user's
-  cache folder (`<user cache>/Thermocline/numba`, via NUMBA_CACHE_DIR). With
-  THERMOCLINE_PREPARE_KERNELS=1 the program compiles them into the cache and exits: the Linux
-  package's postinst runs it as root into `_internal/numba-cache` (on the installing machine,
-  so for its CPU), and each user's first start copies that seed into their own cache; the
-  Windows installer (a per-user install) runs it straight into the user's cache. Either way
-  the first window opens without the compile.
+- The numba CPU kernels take minutes to compile on 2 cores. In the bundle their cache lives
+  in the user's cache folder (`<user cache>/Thermocline/numba`, via NUMBA_CACHE_DIR). The
+  installers ship them compiled for two CPU tiers (AVX2, AVX-512: packaging/kernel_tiers.py,
+  built by packaging/kernel_caches.py); each start sets numba's target to this CPU's tier and
+  seeds the user's cache from the bundle, so an installed app's first start loads them as a
+  second start does. A CPU of no tier compiles them in the background on its first start while
+  the model already answers. With THERMOCLINE_PREPARE_KERNELS=1 the program prepares them into
+  NUMBA_CACHE_DIR and exits (what kernel_caches.py runs for each tier).
 - The Windows window build has no console: stdout/stderr go to a log file.
 """
 
 import multiprocessing
 import os
-import shutil
 import sys
 
 
@@ -36,49 +36,43 @@ def _streams_for_windowed_app() -> None:
 
 
 def _numba_cache() -> None:
-    """Point numba at the user's cache folder, seeded from the bundle's `numba-cache` (made
-    by the Linux postinst for this machine's CPU). Entries that do not fit (another CPU, other
-    sources) are simply recompiled by numba."""
-    if not getattr(sys, "frozen", False) or os.environ.get("NUMBA_CACHE_DIR"):
+    """Point numba at the user's cache folder, seeded with the bundle's kernels for this CPU's
+    tier (packaging/kernel_tiers.py). Entries that do not fit (another numba, other sources)
+    are compiled again by numba, in the background on a first start."""
+    if not getattr(sys, "frozen", False):
         return
+    # The cache keyed by each kernel's source file, not by this program's executable (the
+    # Windows bundle has two): engine/kernels/numba_jit.py.
+    os.environ.setdefault("NUMBA_CACHE_LOCATOR_CLASSES",
+                          "engine.kernels.numba_jit.SourceStampCacheLocator,UserWideCacheLocator")
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return  # THERMOCLINE_PREPARE_KERNELS runs, or a user's own choice
     try:
         import platformdirs
 
+        import kernel_tiers
+
         user = os.path.join(platformdirs.user_cache_dir("Thermocline", appauthor=False), "numba")
-        seed = os.path.join(getattr(sys, "_MEIPASS", ""), "numba-cache")
-        for dirpath, _dirs, files in os.walk(seed):
-            target = os.path.join(user, os.path.relpath(dirpath, seed))
-            for name in files:
-                src, dst = os.path.join(dirpath, name), os.path.join(target, name)
-                if not os.path.exists(dst) or os.path.getmtime(src) > os.path.getmtime(dst):
-                    os.makedirs(target, exist_ok=True)
-                    shutil.copy2(src, dst)
         os.makedirs(user, exist_ok=True)
+        kernel_tiers.seed_user_cache(getattr(sys, "_MEIPASS", ""), user)
         os.environ["NUMBA_CACHE_DIR"] = user
     except OSError:
         pass  # numba falls back to its own per-user cache folder
 
 
 def _prepare_kernels() -> int:
-    """cpu.warmup(), then two tokens from the demo model in the modes the window offers, so
-    that every kernel a first answer runs is compiled here and not during that answer."""
+    """Every kernel the window, the terminal chat and `generate` run by default (the demo model
+    in their modes, int8 CPU weights), prepared as a first start prepares them and stamped
+    complete, into NUMBA_CACHE_DIR for the target numba is set to."""
     import time
 
-    from engine.kernels import cpu
+    from engine.runtime.kernel_preparation import prepare_now
+    from models_registry.resolve import demo_model_dir
 
-    info = cpu.warmup()
-    print(f"thermocline: CPU kernels ready in {info['seconds']:.1f} s "
-          f"(compiled {info['compiled']}, from cache {info['cache_hits']}, numba {info['numba']})")
-    t0 = time.perf_counter()
-    try:
-        from app.open_model import open_engine
-        from engine import SamplingParams
-
-        for mode in ("hybrid", "dense"):
-            open_engine("demo", mode=mode, ctx=64).generate("Hello", SamplingParams(max_new_tokens=2, temperature=0))
-        print(f"thermocline: demo model answered in both modes ({time.perf_counter() - t0:.1f} s)")
-    except Exception as exc:  # noqa: BLE001 - a missing demo model only means less is cached
-        print(f"thermocline: demo model not run ({exc})")
+    for mode in ("hybrid", "dense"):  # the window's and the chat's default; generate's
+        t0 = time.perf_counter()
+        done = prepare_now(demo_model_dir(), mode, "int8")
+        print(f"thermocline: {mode} kernels prepared in {time.perf_counter() - t0:.1f} s ({done})", flush=True)
     return 0
 
 

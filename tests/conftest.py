@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
+import model_factory
 import pytest
+import torch
 
-os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-# The terminal chat, `generate` and the window answer on slower paths while a first start
-# compiles the CPU kernels (app.kernel_words); the suite's comparisons run on one set of kernels,
-# so its loads wait for them. The first-start tests ask for the background explicitly.
-os.environ.setdefault("THERMOCLINE_KERNELS", "wait")
-sys.path.insert(0, str(Path(__file__).parent))
 
-import model_factory  # noqa: E402
+def pytest_configure(config):
+    """The environment every test module needs, set once before any is collected: Qt draws
+    offscreen, and without CUDA Triton interprets its kernels on CPU tensors (Triton picks
+    compile-or-interpret when its decorators run, at a kernel module's first import; the
+    engine runs Triton on the CPU only where a test asks, hot_q4.TRITON_ON_CPU). The
+    repository and tests/ are on sys.path by pyproject's `pythonpath` (bench, tools, helpers)."""
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    # The terminal chat, `generate` and the window answer on slower paths while a first start
+    # compiles the CPU kernels (app.kernel_words); the suite's comparisons run on one set of
+    # kernels, so its loads wait for them. The first-start tests ask for the background explicitly.
+    os.environ.setdefault("THERMOCLINE_KERNELS", "wait")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import time
 
-os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 LOAD_TIMEOUT_MS = 120_000
 

@@ -1,14 +1,10 @@
 """The chat's answer state machine without widgets: a real EngineClient (worker thread, tiny
 real model), real SQLite, and ChatSession between them; no window is built."""
 
-import os
+import pytest
 
-os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-
-import pytest  # noqa: E402
-
-from app.gui.chat_session import AnswerStats, ChatSession  # noqa: E402
-from app.storage import COMPLETE, FAILED, STREAMING, Storage  # noqa: E402
+from app.gui.chat_session import AnswerStats, ChatSession
+from app.storage import COMPLETE, FAILED, STREAMING, Storage
 
 PARAMS = {"temperature": 0.0, "max_new_tokens": 12, "context_policy": "truncate"}
 

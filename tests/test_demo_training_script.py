@@ -15,11 +15,9 @@ from safetensors import safe_open
 
 import model_factory
 from engine import Engine, SamplingParams
+from tools.demo_model import data, prepare_corpus
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from tools.demo_model import data, prepare_corpus  # noqa: E402
 
 
 def xdr_character_vector(lines: list[str | None]) -> bytes:

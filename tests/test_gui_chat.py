@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+import pytest
+from PySide6.QtCore import Qt
 
-import pytest  # noqa: E402
-from PySide6.QtCore import Qt  # noqa: E402
-
-from gui_helpers import close_window, make_window, send, wait_idle  # noqa: E402
+from gui_helpers import close_window, make_window, send, wait_idle
 
 pytestmark = pytest.mark.timeout(300)
 

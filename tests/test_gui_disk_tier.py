@@ -4,14 +4,9 @@ shows the cache's hit share and the disk reads per token."""
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-
-from gui_helpers import close_window, make_window, send, wait_idle  # noqa: E402
-
-from test_beyond_ram import _budget, _model  # noqa: E402
-from test_sparse import RAM  # noqa: E402
+from gui_helpers import close_window, make_window, send, wait_idle
+from test_beyond_ram import _budget, _model
+from test_sparse import RAM
 
 
 def test_a_budget_below_the_rows_runs_from_disk_and_says_so(qtbot, tmp_path, llama_dir, monkeypatch):

@@ -6,17 +6,14 @@ random model, offscreen."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import threading
 
-os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+import pytest
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QApplication, QMessageBox
 
-import pytest  # noqa: E402
-from PySide6.QtCore import Qt  # noqa: E402
-from PySide6.QtWidgets import QApplication, QMessageBox  # noqa: E402
-
-from gui_helpers import close_window, make_window, send, wait_idle  # noqa: E402
+from gui_helpers import close_window, make_window, send, wait_idle
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -4,16 +4,12 @@ and nothing says "loaded" before the model can answer."""
 
 from __future__ import annotations
 
-import os
+import pytest
 
-os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-
-import pytest  # noqa: E402
-
-from engine.kernels import cpu_numba  # noqa: E402
-from engine.runtime import kernel_preparation as kp  # noqa: E402
-from gui_helpers import close_window, make_window, send, wait_idle  # noqa: E402
-from kernel_steps import HeldSteps, forget_preparation  # noqa: E402
+from engine.kernels import cpu_numba
+from engine.runtime import kernel_preparation as kp
+from gui_helpers import close_window, make_window, send, wait_idle
+from kernel_steps import HeldSteps, forget_preparation
 
 pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(not cpu_numba.HAS_AVX2, reason="the fused decode runs on AVX2 hosts")]

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-
-from app.gui.markdown_view import MarkdownView, split_markdown  # noqa: E402
+from app.gui.markdown_view import MarkdownView, split_markdown
 
 
 def kinds(text):

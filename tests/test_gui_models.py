@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+import pytest
+from PySide6.QtWidgets import QApplication, QMessageBox
 
-import pytest  # noqa: E402
-from PySide6.QtWidgets import QApplication, QMessageBox  # noqa: E402
-
-from gui_helpers import close_window, make_window  # noqa: E402
-from hub_server import HubRepo, local_hub, registry_env  # noqa: E402,F401
+from gui_helpers import close_window, make_window
+from hub_server import HubRepo, local_hub, registry_env  # noqa: F401
 
 pytestmark = pytest.mark.timeout(300)
 REPO = "tiny/relu-llama"

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 
-os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+import pytest
+from PySide6.QtWidgets import QApplication, QMessageBox
 
-import pytest  # noqa: E402
-from PySide6.QtWidgets import QApplication, QMessageBox  # noqa: E402
-
-from gui_helpers import (StallMeter, close_window, make_window, send,  # noqa: E402
+from gui_helpers import (StallMeter, close_window, make_window, send,
                          wait_idle)
 
 pytestmark = pytest.mark.timeout(300)

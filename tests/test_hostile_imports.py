@@ -108,7 +108,7 @@ def test_links_inside_the_folder_are_followed(tmp_path):
     assert not imported.is_symlink() and imported.read_bytes() == (model / "real" / "tok.json").read_bytes()
 
 
-def test_an_import_larger_than_the_free_disk_is_refused_before_copying(tmp_path, tmpfs):  # noqa: F811
+def test_an_import_larger_than_the_free_disk_is_refused_before_copying(tmp_path, tmpfs):
     """The models folder is on another filesystem (a small tmpfs): every file is a copy."""
     disk = tmpfs(tmp_path / "models", "8m")
     box = Sandbox(tmp_path)

@@ -12,14 +12,12 @@ import subprocess
 import sys
 import time
 
-os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+import pytest
+from PySide6.QtCore import Qt
 
-import pytest  # noqa: E402
-from PySide6.QtCore import Qt  # noqa: E402
-
-from gui_helpers import close_window, make_window, wait_idle  # noqa: E402
-from hostile_cases import REPO, Sandbox  # noqa: E402
-from test_hostile_files import fill_disk, tmpfs  # noqa: E402,F401
+from gui_helpers import close_window, make_window, wait_idle
+from hostile_cases import REPO, Sandbox
+from test_hostile_files import fill_disk, tmpfs  # noqa: F401
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -37,7 +35,7 @@ def _send(qtbot, window, text):
 
 
 @pytest.fixture
-def full_disk_window(qtbot, tmp_path, llama_dir, monkeypatch, tmpfs):  # noqa: F811
+def full_disk_window(qtbot, tmp_path, llama_dir, monkeypatch, tmpfs):
     data = tmpfs(tmp_path / "data", "1m")
     window = make_window(qtbot, tmp_path, llama_dir, max_new_tokens=300, monkeypatch=monkeypatch)
     yield window, data

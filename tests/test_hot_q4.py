@@ -7,26 +7,21 @@ fallback, and (TRITON_INTERPRET=1) in the Triton kernels, each checked against f
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import numpy as np
 import pytest
 import torch
 
-# Triton picks compile-or-interpret when its kernel module is first imported: settle it first.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from engine import Engine  # noqa: E402
+from engine import Engine
 from engine.arch import read_config
-from engine.hotcold import hot_q4  # noqa: E402
-from engine.hotcold.placement import INDEX_BYTES, ModelBytes, build_problem  # noqa: E402
-from engine.hotcold.sparse_solve import placement_problem  # noqa: E402
-from engine.kernels import cpu_q4, q4_format, q4_quantize  # noqa: E402
-from engine.kernels.q4_format import row_bytes  # noqa: E402
-from engine.loading.weights import WeightSource  # noqa: E402
+from engine.hotcold import hot_q4
+from engine.hotcold.placement import INDEX_BYTES, ModelBytes, build_problem
+from engine.hotcold.sparse_solve import placement_problem
+from engine.kernels import cpu_q4, q4_format, q4_quantize
+from engine.kernels.q4_format import row_bytes
+from engine.loading.weights import WeightSource
 
-from test_sparse import PROMPT, RAM, random_predictors, vram_for  # noqa: E402
+from test_sparse import PROMPT, RAM, random_predictors, vram_for
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 

@@ -9,12 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 pytest.importorskip("triton")
 
-from engine.kernels import q4_format, q4_quantize  # noqa: E402
+from engine.kernels import q4_format, q4_quantize
 from engine.kernels.triton_ffn import available
 from engine.kernels.triton_q4 import matvec_q4_triton, q4_activations_triton, sparse_ffn_q4_triton
 

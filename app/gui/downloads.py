@@ -66,7 +66,7 @@ class DownloadJob(QObject):
             result = download_model(self.name, progress=progress, control=self.control)
         except DownloadCancelled:
             self.cancelled.emit(self.name)
-        except Exception as exc:  # noqa: BLE001 - any failure becomes a dialog
+        except Exception as exc:
             if not isinstance(exc, UserError):
                 log.exception("download of %s failed", self.name)
             what, todo = download_error_words(self.name, exc)

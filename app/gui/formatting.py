@@ -121,3 +121,15 @@ def model_label(spec: str | None) -> str:
     if "/" in text and (text.startswith(("/", "~", ".")) or "\\" in text or ":" in text[:3]):
         return text.replace("\\", "/").rsplit("/", 1)[-1]
     return text
+
+
+def verdict_kind(verdict: str) -> str:
+    """The colour class of a fit verdict's chip (the model cards and the Hub search rows)."""
+    v = verdict.lower()
+    if v.startswith("does not") or "not fit" in v:
+        return "bad"
+    if v == "fits":
+        return "good"
+    if v.startswith("fits"):
+        return "ok"
+    return "muted"

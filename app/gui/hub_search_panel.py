@@ -32,9 +32,7 @@ class HubResult(QFrame):
         grid.addWidget(self.title, 0, 0)
         self.verdict = QLabel(row["verdict"], self)
         self.verdict.setObjectName("verdictChip")
-        from .models_page import _verdict_kind  # the cards' colours
-
-        self.verdict.setProperty("kind", _verdict_kind(row["verdict"]))
+        self.verdict.setProperty("kind", fmt.verdict_kind(row["verdict"]))  # the cards' colours
         self.verdict.setToolTip(row.get("reason", ""))
         grid.addWidget(self.verdict, 0, 1, Qt.AlignmentFlag.AlignTop)
         self.button = QPushButton("In the catalogue" if row.get("catalogue_id") else "Download…", self)

@@ -99,7 +99,7 @@ def preload_engine() -> None:
             return
         info = cpu.warmup()  # imports numba and loads the CPU kernels from numba's cache once, here
         log.info("CPU kernels ready in %.2f s (%s)", info["seconds"], info)
-    except Exception:  # noqa: BLE001 - the worker reports a broken engine as a dialog later
+    except Exception:
         log.exception("could not import the engine")
 
 
@@ -156,7 +156,7 @@ def run_window(argv: list[str] | None = None) -> int:
     preload_engine()
     try:
         window = build_window()
-    except Exception as exc:  # noqa: BLE001 - e.g. an unreadable database: say so, do not crash silently
+    except Exception as exc:
         from PySide6.QtWidgets import QMessageBox
 
         log.exception("could not start")

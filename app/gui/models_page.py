@@ -48,17 +48,6 @@ def format_choice_words(fmt_name: str, facts: dict) -> str:
     return " · ".join(parts)
 
 
-def _verdict_kind(verdict: str) -> str:
-    v = verdict.lower()
-    if v.startswith("does not") or "not fit" in v:
-        return "bad"
-    if v == "fits":
-        return "good"
-    if v.startswith("fits"):
-        return "ok"
-    return "muted"
-
-
 class ModelCard(QFrame):
     """One model: facts, state, progress, and the buttons that apply to that state."""
 
@@ -162,7 +151,7 @@ class ModelCard(QFrame):
         self.title.setText(f"<b>{info['title']}</b>{params}")
         self.verdict.setText(info["verdict"])
         self.verdict.setToolTip(" · ".join(t for t in (info.get("reason", ""), info.get("speed", "")) if t))
-        self.verdict.setProperty("kind", _verdict_kind(info["verdict"]))
+        self.verdict.setProperty("kind", fmt.verdict_kind(info["verdict"]))
         self.verdict.style().unpolish(self.verdict)
         self.verdict.style().polish(self.verdict)
         facts = []

@@ -50,7 +50,7 @@ class _Task(QRunnable):
     def run(self) -> None:
         try:
             result = self.fn()
-        except Exception as exc:  # noqa: BLE001 - handed to the caller's on_error
+        except Exception as exc:
             if isinstance(exc, UserError):  # expected (offline, bad input): the caller words it
                 log.info("background task: %s", exc)
             else:

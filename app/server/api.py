@@ -25,6 +25,7 @@ from starlette.routing import Route
 
 from .gate import GateFull, GenerationGate, Job
 from .guard import RequestGuard
+from .metrics import ServerMetrics
 from .protocol import ApiError, GenerationRequest, bad_request, parse_chat, parse_completion, parse_json_body
 
 log = logging.getLogger(__name__)
@@ -44,22 +45,24 @@ class ServerState:
     """What the routes share: the engine (through a getter: the window swaps models), the gate."""
 
     def __init__(self, get_engine: Callable[[], Any], get_model_id: Callable[[], str | None], *,
-                 api_key: str | None = None, max_waiting: int = 8,
+                 api_key: str | None = None, max_waiting: int = 8, max_batch: int = 8,
                  on_request: Callable[[str], None] | None = None):
         self.get_engine, self.get_model_id = get_engine, get_model_id
         self.api_key = api_key or None
-        self.gate = GenerationGate(get_engine, max_waiting)
+        self.gate = GenerationGate(get_engine, max_waiting, max_batch)
+        self.metrics = ServerMetrics(lambda: self.gate.outstanding, lambda: self.gate.running)
         self.on_request = on_request
         self.created = int(time.time())
 
 
 def build_app(get_engine: Callable[[], Any], get_model_id: Callable[[], str | None], *,
-              api_key: str | None = None, max_waiting: int = 8,
+              api_key: str | None = None, max_waiting: int = 8, max_batch: int = 8,
               on_request: Callable[[str], None] | None = None, host: str = "127.0.0.1",
               allowed_origins: tuple[str, ...] | list[str] = ()) -> "_Middleware":
     """The ASGI application behind its request guard (Host, Origin, content type, body size:
     guard.py). `on_request` receives one log line per call (never the key)."""
-    state = ServerState(get_engine, get_model_id, api_key=api_key, max_waiting=max_waiting, on_request=on_request)
+    state = ServerState(get_engine, get_model_id, api_key=api_key, max_waiting=max_waiting, max_batch=max_batch,
+                        on_request=on_request)
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": state.get_model_id(),
@@ -78,6 +81,9 @@ def build_app(get_engine: Callable[[], Any], get_model_id: Callable[[], str | No
             raise _model_not_found(wanted, state.get_model_id())
         return JSONResponse(_model_card(wanted, state.created, engine))
 
+    async def metrics(request: Request) -> Response:
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
     async def chat(request: Request) -> Response:
         return await _serve(state, request, parse_chat(await _json_body(request)), "chat")
 
@@ -91,6 +97,7 @@ def build_app(get_engine: Callable[[], Any], get_model_id: Callable[[], str | No
         Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
     ]
 
     async def api_error(request: Request, exc: ApiError) -> Response:
@@ -280,7 +287,10 @@ async def _serve(state: ServerState, request: Request, req: GenerationRequest, k
     reply = _Reply(kind, model_id, request.scope, plan)
     if req.stream:
         watcher.cancel()  # from here the streaming response notices the disconnect itself
-        return StreamingResponse(_sse(job, first, reply, req, queue_s), media_type="text/event-stream",
+        def done(stats: dict) -> None:
+            state.metrics.observe(stats, queue_s, time.perf_counter() - arrived)
+
+        return StreamingResponse(_sse(job, first, reply, req, queue_s, done), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         text, event = [], first
@@ -294,6 +304,7 @@ async def _serve(state: ServerState, request: Request, req: GenerationRequest, k
         raise _engine_error(event[1])
     stats = event[1]["stats"]
     reply.note(stats, stream=False)
+    state.metrics.observe(stats, queue_s, time.perf_counter() - arrived)
     return JSONResponse(reply.whole("".join(text), stats, queue_s))
 
 
@@ -352,7 +363,8 @@ def _data(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-async def _sse(job: Job, first: tuple, reply: _Reply, req: GenerationRequest, queue_s: float) -> AsyncIterator[bytes]:
+async def _sse(job: Job, first: tuple, reply: _Reply, req: GenerationRequest, queue_s: float,
+               done: Callable[[dict], None]) -> AsyncIterator[bytes]:
     usage = req.include_usage
     try:
         if reply.kind == "chat":  # OpenAI opens a chat stream with the role
@@ -368,6 +380,7 @@ async def _sse(job: Job, first: tuple, reply: _Reply, req: GenerationRequest, qu
             return
         stats = event[1]["stats"]
         reply.note(stats, stream=True)
+        done(stats)
         finish = FINISH_REASONS.get(stats.get("finish_reason"), "stop")
         content, calls = held.end()
         if content:
@@ -439,6 +452,7 @@ class _Middleware:
                 return
             await self.app(scope, receive, send_status)
         finally:
+            self.state.metrics.request(scope.get("path", ""), status[0])
             self._log(scope, status[0], time.perf_counter() - start)
 
     def _authorized(self, scope) -> bool:
@@ -456,5 +470,5 @@ class _Middleware:
         if self.state.on_request is not None:
             try:
                 self.state.on_request(line)
-            except Exception:  # noqa: BLE001 - a log sink must never fail a request
+            except Exception:
                 log.exception("request log sink failed")

@@ -27,7 +27,7 @@ from pathlib import Path
 from engine.kernels import numba_pool
 
 # The files that define jitted code (numba's cache tracks each by its mtime and size).
-_SOURCES = ("cpu_numba.py", "cpu_q4.py", "cpu_q4x8.py", "q4_tiles.py", "decode_layer.py")
+_SOURCES = ("cpu_numba.py", "cpu_q4_numba.py", "q4_quantize.py", "cpu_q4x8.py", "q4_tiles.py", "decode_layer.py")
 
 
 def kind_of(mode: str, cpu_weights: str) -> str:
@@ -86,10 +86,14 @@ def _dispatchers(cpu_weights: str) -> list:
     """The jitted entry points of the kernel files this weight format runs (the progress count)."""
     from numba.core.dispatcher import Dispatcher
 
-    from engine.kernels import cpu_numba, cpu_q4, cpu_q4x8, q4_tiles
+    from engine.kernels import cpu_numba
     from engine.runtime import fused_decode
 
-    modules = [cpu_numba] + ([cpu_q4, q4_tiles, cpu_q4x8] if cpu_weights == "int4" else [])
+    modules = [cpu_numba]
+    if cpu_weights == "int4":
+        from engine.kernels import cpu_q4_numba, cpu_q4x8, q4_quantize, q4_tiles
+
+        modules += [cpu_q4_numba, q4_quantize, q4_tiles, cpu_q4x8]
     fused = fused_decode.module() if fused_decode.enabled() else None
     if fused is not None:
         modules.append(fused)
@@ -181,3 +185,19 @@ class KernelPreparation:
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._done.wait(timeout)
+
+
+def prepare_now(model_dir, mode: str, cpu_weights: str) -> str:
+    """Compile and stamp every kernel of `mode` and `cpu_weights` now, as a first start does in
+    the background, over the model at `model_dir` (an installer's build runs this for each CPU
+    tier it ships). Returns "compiled" or "already cached"; raises what the compile raised."""
+    from engine import Engine
+
+    engine = Engine.load(model_dir, mode=mode, cpu_weights=cpu_weights, kernels="background")
+    prep = engine.kernel_preparation
+    if prep is None:
+        return "already cached"
+    prep.wait()
+    if prep.error is not None:
+        raise prep.error
+    return "compiled"

@@ -147,7 +147,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 class _BoundedNamespace(Namespace):
     """jinja2's namespace() whose string and list attributes stay under the output cap."""
 
-    def __init__(*args, **kwargs):  # noqa: N805 - mirrors Namespace's signature
+    def __init__(*args, **kwargs):
         self, env, *rest = args
         object.__setattr__(self, "_env", env)
         Namespace.__init__(self, *rest, **kwargs)

@@ -74,8 +74,6 @@ Name: "{autoprograms}\Thermocline"; Filename: "{app}\Thermocline.exe"; Comment: 
 Name: "{autodesktop}\Thermocline"; Filename: "{app}\Thermocline.exe"; Tasks: desktopicon
 
 [Run]
-; Compile the CPU kernels for this computer's CPU into their cache now (~30 s), not at the first start.
-Filename: "{cmd}"; Parameters: "/c set THERMOCLINE_PREPARE_KERNELS=1&& ""{app}\thermocline-cli.exe"""; StatusMsg: "Preparing the inference kernels for this computer..."; Flags: runhidden waituntilterminated
 Filename: "{app}\Thermocline.exe"; Description: "{cm:LaunchProgram,Thermocline}"; Flags: nowait postinstall skipifsilent
 
 [UninstallDelete]
