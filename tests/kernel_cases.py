@@ -11,6 +11,9 @@ Ops:
   reference is `_reference` below: the FFN in fp64 over the rows the backend really holds
   (dequantized), written out from docs/ARCHITECTURE.md independently of the engine.
 - `matvec`: x times every row of a matrix in a CPU row format (int8 rows with a scale each).
+- `matmul_q4`: many tokens times a Q4_0 matrix with int8 activations (llama.cpp's Q4_0 x Q8_0),
+  in each 4-bit layout (plain rows, tiles, 8 rows interleaved); the reference rounds x to Q8_0
+  blocks as written out here, so only the fp32 sums' rounding remains.
 - `decode_attention`: one query token against the first `length` slots of a KV cache (fp16 or
   fp32, contiguous or strided), grouped query heads.
 The error is max |y - ref| over the output, divided by the largest sum of the magnitudes of
@@ -49,6 +52,8 @@ class KernelCase:
     def id(self) -> str:
         if self.op == "matvec":
             return f"matvec-{self.weights}-{self.n}x{self.d}"
+        if self.op == "matmul_q4":
+            return f"matmul-{self.weights}-{self.n}x{self.d}-t{self.length}"
         if self.op == "decode_attention":
             return f"attention-{self.weights}-{self.n}q{self.kv_heads}kv{self.d}-len{self.length}"
         return (f"{self.activation}-{'gated' if self.gated else 'ungated'}-{self.weights}-"
@@ -67,6 +72,15 @@ CASES = [
 ] + [
     # matvec over int8 rows (a decode step's dense product): one row, rows of any length
     KernelCase("", False, "int8", n, d, 1.0, 1e-5, op="matvec") for n, d in ((1, 8), (300, 1000), (2500, 257))
+] + [
+    # many tokens (`length`) times a Q4_0 matrix, int8 activations, in each 4-bit layout
+    KernelCase("", False, layout, n, cols, 1.0, 2e-6, op="matmul_q4", length=tokens)
+    for layout, shapes, token_counts in (
+        ("q4_rows", ((1, 32), (13, 100), (64, 4096), (1030, 256)), (1, 3, 9)),
+        ("q4x8", ((1, 32), (5, 64), (8, 32), (13, 100), (37, 300), (64, 4096), (203, 1000), (1030, 256)),
+         (1, 2, 3, 4, 5, 9)),
+        ("q4_tiles", ((1, 256), (3, 512), (37, 256), (200, 1000), (64, 4096)), (1, 2, 3, 4, 5, 9, 20)))
+    for n, cols in shapes for tokens in token_counts
 ] + [
     # decode attention over the CPU KV cache; positions past `length` hold other data
     KernelCase("", False, cache, heads, head_dim, 1.0, 1e-5, op="decode_attention", kv_heads=kv, length=length)
@@ -185,7 +199,47 @@ def _decode_attention(case: KernelCase, numba: bool) -> Prepared:
     return Prepared(lambda: cpu.decode_attention(q, k, v, length, scale), (), reference)
 
 
-_OPS = {"matvec": _matvec, "decode_attention": _decode_attention}
+def _as_q8(x: torch.Tensor) -> torch.Tensor:
+    """x [T, d] as the int8 x 4-bit kernels compute with it, written here independently: llama.cpp's
+    Q8_0 blocks of 32 (fp32 scale max|x| / 127, values rint(x / scale)), dequantized in fp64."""
+    t, d = x.shape
+    width = -(-d // 32) * 32
+    xp = torch.zeros(t, width, dtype=torch.float32)
+    xp[:, :d] = x
+    blocks = xp.reshape(t, -1, 32)
+    s = blocks.abs().amax(dim=2, keepdim=True) / torch.tensor(127.0)
+    inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
+    q = torch.round(blocks * inv).clamp(-127, 127)
+    return (q.double() * s.double()).reshape(t, -1)[:, :d]
+
+
+def _matmul_q4(case: KernelCase, numba: bool) -> Prepared:
+    """Many tokens times a Q4_0 matrix with int8 activations, in one of the CPU's 4-bit layouts:
+    plain rows (`cpu_q4.matmul_q4`), tiles of 8 blocks (`q4_tiles`), 8 rows interleaved (`cpu_q4x8`)."""
+    from engine.kernels import cpu_q4, cpu_q4x8, q4_format, q4_quantize, q4_tiles
+
+    n, cols, tokens = case.n, case.d, case.length
+    g = torch.Generator().manual_seed(n * 31 + cols + tokens)
+    w = torch.randn(n, cols, generator=g) * torch.rand(n, 1, generator=g) * 2
+    if n > 2 and cols >= 32:  # all-zero blocks (scale 0)
+        w[1, :32] = 0
+        w[n - 1, -min(cols, 40):] = 0
+    q = q4_quantize.quantize_rows_q4(w)
+    x = torch.randn(tokens, cols, generator=g) * torch.rand(tokens, 1, generator=g) * 3
+    x[0, :min(cols, 32)] = 0  # a zero activation block (scale 0)
+    run = {"q4_rows": lambda: cpu_q4.matmul_q4(x, q, cols),
+           "q4_tiles": lambda: q4_tiles.matmul_q4_tiles(x, q, cols),
+           "q4x8": (lambda p: lambda: cpu_q4x8.matmul_packed(x, p, cols))(cpu_q4x8.pack_rows(q))}[case.weights]
+
+    def reference():
+        wd = q4_format.dequantize_rows_q4(q, cols).double()
+        xq = _as_q8(x)
+        return xq @ wd.T, float((xq.abs() @ wd.abs().T).max()) + 1e-12
+
+    return Prepared(run, (), reference)
+
+
+_OPS = {"matvec": _matvec, "decode_attention": _decode_attention, "matmul_q4": _matmul_q4}
 
 
 def _cpu(case: KernelCase, layer: Layer) -> Prepared:
@@ -292,7 +346,8 @@ class Backend:
     tol: float | None = None
 
     def bound(self, case: KernelCase) -> float:
-        return self.tol if self.tol is not None else case.tol
+        # a case whose reference rounds the input as the backend does (matmul_q4) keeps its own bound
+        return self.tol if self.tol is not None and case.op == "sparse_ffn" else case.tol
 
     def supports(self, case: KernelCase) -> bool:
         return case.op in self.ops and (case.op != "sparse_ffn" or case.weights in self.weights)
@@ -301,7 +356,8 @@ class Backend:
 BACKENDS = {
     "numba": Backend("numba", ("fp32", "int8", "int4"), _numba_available, _cpu, fp32_activations,
                      ops=("sparse_ffn", "matvec", "decode_attention")),
-    "numba-int8act": Backend("numba-int8act", ("int4",), _int8_activations_available, _cpu, tol=1e-2),
+    "numba-int8act": Backend("numba-int8act", ("int4",), _int8_activations_available, _cpu, tol=1e-2,
+                             ops=("sparse_ffn", "matmul_q4")),
     "numba-predicted": Backend("numba-predicted", ("fp32", "int8"), _numba_available, _cpu_predicted),
     "numba-int8act-predicted": Backend("numba-int8act-predicted", ("int4",), _int8_activations_available,
                                        _cpu_predicted, tol=1e-2),
