@@ -186,15 +186,18 @@ def worker_llama(path: Path, tokens: int, threads: int, seed: int, vocab: int, r
 
     short, dprompt = prompts(seed, vocab)
     floor_rss = peak_rss()
-    if not repack:  # llama.cpp's --no-repack: model params with use_extra_bufts off (Llama() has no argument for it)
-        defaults = llama_cpp.llama_model_default_params
+    if not repack:  # llama.cpp's --no-repack: model params with use_extra_bufts off (Llama() has no argument
+        # for it; llama.py takes its defaults from the llama_cpp.llama_cpp module)
+        import llama_cpp.llama_cpp as bindings
+
+        defaults = bindings.llama_model_default_params
 
         def no_repack():
             params = defaults()
             params.use_extra_bufts = False
             return params
 
-        llama_cpp.llama_model_default_params = no_repack
+        bindings.llama_model_default_params = no_repack
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=CTX, n_batch=CTX, n_threads=threads,
                           n_threads_batch=threads, verbose=False)
