@@ -140,6 +140,8 @@ SCHEMA: tuple[Option, ...] = (
            choice_labels=("Keep chatting: the model forgets the oldest messages",
                           "Stop and say so: start a new chat to go on")),
     Option("models.custom", list, [], "Models added by hand: Hugging Face repo ids and local folders."),
+    Option("models.cpu_weights", dict, {}, "The CPU weight format chosen for a model (its spec: int4, int8 or "
+           "fp32); the others use engine.cpu_weights."),
     # The window's local OpenAI-compatible server (its key is never saved).
     Option("server.host", str, "127.0.0.1", "Address the local server listens on; not loopback needs a key."),
     Option("server.port", int, 8080, "Port of the local server.", minimum=1, maximum=65535),
@@ -205,6 +207,19 @@ class Settings:
 
     def is_default(self, name: str) -> bool:
         return name not in self._values
+
+    def cpu_weights_for(self, spec: str) -> str:
+        """The CPU weight format of one model: its own choice (the Models page), else the default."""
+        chosen = (self["models.cpu_weights"] or {}).get(str(spec))
+        choices = self.option("engine.cpu_weights").choices
+        return chosen if chosen in choices else self["engine.cpu_weights"]
+
+    def set_cpu_weights(self, spec: str, fmt: str) -> None:
+        if fmt not in self.option("engine.cpu_weights").choices:
+            raise ValueError(f"CPU weights must be one of {', '.join(self.option('engine.cpu_weights').choices)}")
+        chosen = dict(self["models.cpu_weights"] or {})
+        chosen[str(spec)] = fmt
+        self["models.cpu_weights"] = chosen
 
     def sampling_defaults(self) -> dict:
         """The sampling settings new conversations start with."""

@@ -462,20 +462,7 @@ def test_engine_load_prepares_every_kernel_the_first_answer_runs():
     assert out.stdout.split() == ["dense", "-", "hybrid", "-"], out.stdout
 
 
-@pytest.mark.parametrize("numba_on", [True, False])
-@pytest.mark.parametrize("n,d", [(1, 8), (300, 1000), (2500, 257)])
-def test_matvec_int8_equals_the_dequantized_product(monkeypatch, numba_on, n, d):
-    if numba_on and not cpu.available():
-        pytest.skip("numba unavailable")
-    if not numba_on:
-        monkeypatch.setattr(numba_pool, "_numba", False)
-    g = torch.Generator().manual_seed(n + d)
-    q, scale = cpu.quantize_rows_int8(torch.randn(n, d, generator=g))
-    x = torch.randn(d, generator=g)
-    y = cpu.matvec_int8(x, q, scale)
-    ref = (q.double() * scale.double()[:, None]) @ x.double()
-    assert y.dtype == torch.float32 and y.shape == (n,)
-    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+# (the int8 matvec's cases are rows of tests/kernel_cases.py)
 
 
 # ---- int8 x int8 products (int8 activations in blocks) -------------------------------------
@@ -639,33 +626,7 @@ def test_sparse_ffn_tokens_refuses_bad_shapes():
         cpu.sparse_ffn_tokens(torch.randn(3, 16), rows, None, 0.0, "gelu")
 
 
-# ---- decode attention over the 16-bit CPU KV cache ------------------------------------------
-@pytest.mark.parametrize("use_numba", [True, False], ids=["numba", "torch"])
-@pytest.mark.parametrize("heads,kv_heads,head_dim,length", [(4, 4, 16, 1), (8, 2, 64, 37), (32, 32, 128, 300),
-                                                            (6, 3, 80, 5), (16, 1, 32, 129)])
-def test_decode_attention_matches_fp64(monkeypatch, use_numba, heads, kv_heads, head_dim, length):
-    """One query against the first `length` slots of an fp16 cache == softmax(q k^T s) v in
-    float64 over the same fp16 keys and values, grouped query heads included."""
-    if use_numba and not cpu.available():
-        pytest.skip("numba missing or disabled")
-    if not use_numba:
-        monkeypatch.setattr(numba_pool, "_numba", False)
-    g = torch.Generator().manual_seed(length + heads)
-    slots = length + 9  # positions past `length` hold other data and must not be read
-    q = torch.randn(heads, head_dim, generator=g)
-    k = (torch.randn(kv_heads, slots, head_dim, generator=g) * 3).half()
-    v = torch.randn(kv_heads, slots, head_dim, generator=g).half()
-    k[:, length:] = 1000.0
-    scale = head_dim ** -0.5
-    out = cpu.decode_attention(q, k, v, length, scale)
-    assert out.dtype == torch.float32 and out.shape == (heads, head_dim)
-    qd = q.double().reshape(kv_heads, heads // kv_heads, head_dim)
-    ref = torch.softmax(qd @ k[:, :length].double().transpose(1, 2) * scale, -1) @ v[:, :length].double()
-    torch.testing.assert_close(out.double(), ref.reshape(heads, head_dim), rtol=1e-5, atol=1e-5)
-    # an fp32 cache (the kernel's other specialisation), and a strided one (torch's path)
-    for k32, v32 in ((k.float(), v.float()), (k.float().transpose(0, 1).contiguous().transpose(0, 1), v.float())):
-        out32 = cpu.decode_attention(q, k32, v32, length, scale)
-        torch.testing.assert_close(out32.double(), ref.reshape(heads, head_dim), rtol=1e-5, atol=1e-5)
+# ---- decode attention over the 16-bit CPU KV cache: its cases are rows of tests/kernel_cases.py
 
 
 def test_cpu_kv_cache_is_16_bit_and_clamps():

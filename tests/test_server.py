@@ -213,7 +213,8 @@ def test_16_concurrent_streams_all_complete_unmixed(server, client, engine):
 
 
 def test_over_the_queue_bound_is_429_and_the_rest_complete(engine):
-    srv = ServerThread(lambda: engine, lambda: "demo", port=0, max_waiting=3).start()
+    # one generation at a time: 1 runs, 3 wait, 12 are refused
+    srv = ServerThread(lambda: engine, lambda: "demo", port=0, max_waiting=3, max_batch=1).start()
     try:
         client = openai.OpenAI(base_url=srv.url, api_key="x", max_retries=0, timeout=60)
         expected = [direct(engine, p, max_new_tokens=10, temperature=0).text for p in PROMPTS]

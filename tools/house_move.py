@@ -47,6 +47,8 @@ MOVES = {
     # loading: the dense mode's quantized load; the predictor sets (stored, imported)
     "engine.runtime.dense_quant": "engine.loading.dense_quant",
     "engine.hotcold.predictors": "engine.loading.predictors",
+    # round 2: the context policy is the engine's (Engine.fit), used by the window, the CLI, the server
+    "app.gui.context_policy": "engine.runtime.context_policy",
 }
 
 # (module after MOVES, name) -> the module that defines the name now

@@ -74,7 +74,7 @@ def _load(args, settings):
 
 
 def run(args) -> int:
-    from app.gui.context_policy import Fitted, answer_room, fit_messages
+    from engine.runtime.context_policy import answer_room
     from app.settings import DEFAULT_SYSTEM_PROMPT, Settings, config_dir
     from app.single_instance import window_pid
 
@@ -107,9 +107,6 @@ def run(args) -> int:
         except Exception as exc:  # noqa: BLE001 - chatting matters more than keeping it
             print(f"(this chat will not be saved: {str(exc)[:200]})", file=sys.stderr)
     _line_editor(config_dir() / "chat_history")
-
-    def count(msgs: list[dict]) -> int:
-        return len(tokenizer.encode_chat(msgs)) if msgs else 0
 
     head = [{"role": "system", "content": system}] if system.strip() else []
     messages: list[dict] = list(head)
@@ -168,16 +165,16 @@ def run(args) -> int:
                 continue
             messages.append({"role": "user", "content": text})
             try:  # counting renders the template, which may refuse this conversation
-                fitted = (fit_messages(messages, count, engine.ctx, params.max_new_tokens, policy, dropped)
-                          if tokenizer is not None else Fitted(list(messages), 0, 0, True))
+                # the window's and the server's count too (Engine.fit; a remote engine counts nothing)
+                fitted = engine.fit(messages, policy, params.max_new_tokens, dropped)
             except UserError as exc:
                 if isinstance(exc, ModelFormatError):
                     raise  # the model itself is broken: no other message will do better
                 messages.pop()
                 print(f"\n(error: {exc})")
                 continue
-            if tokenizer is not None and not fitted.fits:
-                alone = count(head + [messages[-1]])
+            if fitted.tokens is not None and not fitted.fits:
+                alone = engine.count_chat(head + [messages[-1]])
                 if alone > engine.ctx - answer_room(engine.ctx, params.max_new_tokens):
                     # No policy helps a message that is itself too long: refuse it before it is sent.
                     messages.pop()

@@ -20,7 +20,7 @@ from . import formatting as fmt
 from .chat_session import AnswerStats, ChatSession
 from .chat_view import ChatView
 from .chat_widgets import Banner, ElidedLabel
-from .context_policy import answer_room
+from engine.runtime.context_policy import answer_room
 from .context_readout import ContextReadout
 from .dialogs import ConversationSettingsDialog, show_error
 from .drafts import DRAFT_TAG, Drafts

@@ -207,7 +207,8 @@ class EngineWorker(QObject):
         # A base model (the demo, or one without a chat template) continues text: an assistant
         # system prompt would only take room from its context.
         info["base_model"] = spec == "demo" or not getattr(tok, "has_chat_template", True)
-        info["remote"] = bool(getattr(eng, "remote", False))
+        info["remote"] = bool(eng.remote)
+        info["cpu_weights"] = options.get("cpu_weights", "int8")  # the format the model was loaded in
         from engine.runtime.runtime_info import torch_build
 
         info["build"] = torch_build()  # CPU or CUDA build of torch, and whether a GPU is usable
@@ -222,7 +223,7 @@ class EngineWorker(QObject):
 
     def _initial_placement(self, note: str) -> None:
         eng = self.engine
-        if getattr(eng, "remote", False):
+        if eng.remote:
             self.placement_unavailable.emit(REMOTE_NOTE.format(url=getattr(eng, "url", "another machine")))
         elif self._dense():
             self.placement_unavailable.emit(note or DENSE_NOTE)
@@ -247,7 +248,7 @@ class EngineWorker(QObject):
                 self._budgets = pending  # remembered for the next load
             return
         self._budgets = pending
-        if getattr(self.engine, "remote", False):
+        if self.engine.remote:
             self.placement_unavailable.emit(REMOTE_NOTE.format(url=getattr(self.engine, "url", "another machine")))
             return
         if self._dense():
@@ -279,42 +280,36 @@ class EngineWorker(QObject):
         self.placement.emit(plain)
 
     # -- generation ----------------------------------------------------------------------
-    def _fit(self, tag: int | None, messages: list, options: dict):
-        """The messages the model will read under the chat's context policy."""
-        from .context_policy import Fitted, fit_messages
-
-        if getattr(self.engine, "remote", False):  # its tokenizer and context are on its server
-            return Fitted(messages, 0, 0, True)
-        tok = self.engine.tokenizer
-
-        def count(msgs: list) -> int:
-            return len(tok.encode(tok.render_chat(msgs))) if msgs else 0
-
-        previous = self._dropped.get(tag, 0) if tag is not None else 0
-        fitted = fit_messages(messages, count, int(getattr(self.engine, "ctx", 0) or 0) or 10**9,
-                              options.get("max_new_tokens"), options.get("context_policy", "truncate"),
-                              previous)
+    def _fit(self, tag: int | None, messages: list, policy: str, max_new_tokens: int | None):
+        """What the model will read under the chat's context policy (`engine.fit`: the engine's
+        own count, the one the terminal chat and the server use; a remote engine counts nothing)."""
+        fitted = self.engine.fit(messages, policy, max_new_tokens,
+                                 self._dropped.get(tag, 0) if tag is not None else 0)
         if tag is not None:
             self._dropped[tag] = fitted.dropped
         return fitted
 
     @Slot(int, list, dict)
     def count_tokens(self, tag: int, messages: list, options: dict) -> None:
-        if self.engine is None or getattr(self.engine, "remote", False):
-            return  # a remote model's tokenizer is on its server
+        if self.engine is None:
+            return
         try:
-            fitted = self._fit(tag if tag >= 0 else None, messages, options)
+            fitted = self._fit(tag if tag >= 0 else None, messages, options.get("context_policy", "truncate"),
+                               options.get("max_new_tokens"))
             total = fitted.tokens if not fitted.dropped else None
         except Exception:
             log.exception("token count failed")
             return
+        if fitted.tokens is None:
+            return  # a remote model's tokenizer is on its server
         ctx = int(getattr(self.engine, "ctx", 0))
         self.token_count.emit(tag, fitted.tokens, ctx)
         self.context_report.emit(tag, {"tokens": fitted.tokens, "ctx": ctx, "dropped": fitted.dropped,
                                        "fits": fitted.fits, "total": total})
 
-    @Slot(int, list, dict, object)
-    def generate(self, request_id: int, messages: list, params: dict, cancel: threading.Event) -> None:
+    @Slot(int, object, object)
+    def generate(self, request_id: int, request, cancel: threading.Event) -> None:
+        """One answer to `request` (engine.runtime.chat_request.ChatRequest), token by token."""
         eng = self.engine
         if eng is None:
             self.failed.emit(request_id, "No model is loaded.",
@@ -322,23 +317,17 @@ class EngineWorker(QObject):
             return
         start = time.perf_counter()
         stats: dict[str, Any] = {"new_tokens": 0}
-        params = dict(params)
-        policy = params.pop("context_policy", "truncate")
-        conversation = params.pop("conversation_id", None)
-        prefix = params.pop("continue_text", None)  # Continue: the answer so far, which the prompt ends with
+        messages, prefix = request.messages, request.continue_text
         try:
-            from engine import SamplingParams
-
             if prefix:
                 messages = [*messages, {"role": "assistant", "content": prefix}]
-            fitted = self._fit(conversation, messages,
-                               {"context_policy": policy, "max_new_tokens": params.get("max_new_tokens")})
+            fitted = self._fit(request.conversation_id, messages, request.context_policy, request.max_new_tokens)
             messages = fitted.messages
             if prefix:  # the answer's turn is left open, so the model writes on inside it
                 tok = eng.tokenizer
                 messages = tok.encode(tok.render_chat(messages[:-1]) + prefix, add_special_tokens=False)
             stats["dropped_messages"] = fitted.dropped
-            sampling = SamplingParams(**{k: v for k, v in params.items() if v is not None})
+            sampling = request.sampling_params()
             last_emit = 0.0
             first = None
             for ev in eng.stream(messages, sampling, cancel=cancel):
@@ -450,7 +439,7 @@ class EngineClient(QObject):
     kernels = Signal(int, int, bool)
 
     _load = Signal(str, dict)
-    _generate = Signal(int, list, dict, object)
+    _generate = Signal(int, object, object)
     _count = Signal(int, list, dict)
     _apply_budgets = Signal()
 
@@ -502,10 +491,15 @@ class EngineClient(QObject):
                                "cpu_weights": cpu_weights})
 
     def generate(self, messages: list[dict], params: dict) -> int:
+        """Start an answer; `params` are the chat's options (sampling values, `context_policy`,
+        `conversation_id`, `continue_text`), sent to the worker as one typed ChatRequest."""
+        from engine.runtime.chat_request import ChatRequest
+
+        request = ChatRequest.from_options(messages, params)
         self._next_request += 1
         self.current_request = self._next_request
         self._cancel = threading.Event()
-        self._generate.emit(self.current_request, messages, params, self._cancel)
+        self._generate.emit(self.current_request, request, self._cancel)
         return self.current_request
 
     def stop(self) -> None:

@@ -45,23 +45,24 @@ class ServerState:
     """What the routes share: the engine (through a getter: the window swaps models), the gate."""
 
     def __init__(self, get_engine: Callable[[], Any], get_model_id: Callable[[], str | None], *,
-                 api_key: str | None = None, max_waiting: int = 8,
+                 api_key: str | None = None, max_waiting: int = 8, max_batch: int = 8,
                  on_request: Callable[[str], None] | None = None):
         self.get_engine, self.get_model_id = get_engine, get_model_id
         self.api_key = api_key or None
-        self.gate = GenerationGate(get_engine, max_waiting)
-        self.metrics = ServerMetrics(lambda: self.gate.outstanding)
+        self.gate = GenerationGate(get_engine, max_waiting, max_batch)
+        self.metrics = ServerMetrics(lambda: self.gate.outstanding, lambda: self.gate.running)
         self.on_request = on_request
         self.created = int(time.time())
 
 
 def build_app(get_engine: Callable[[], Any], get_model_id: Callable[[], str | None], *,
-              api_key: str | None = None, max_waiting: int = 8,
+              api_key: str | None = None, max_waiting: int = 8, max_batch: int = 8,
               on_request: Callable[[str], None] | None = None, host: str = "127.0.0.1",
               allowed_origins: tuple[str, ...] | list[str] = ()) -> "_Middleware":
     """The ASGI application behind its request guard (Host, Origin, content type, body size:
     guard.py). `on_request` receives one log line per call (never the key)."""
-    state = ServerState(get_engine, get_model_id, api_key=api_key, max_waiting=max_waiting, on_request=on_request)
+    state = ServerState(get_engine, get_model_id, api_key=api_key, max_waiting=max_waiting, max_batch=max_batch,
+                        on_request=on_request)
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": state.get_model_id(),

@@ -1,7 +1,7 @@
-"""One generation at a time on the engine, a bounded queue in front of it, cancellation.
+"""Generations batched on the engine, a bounded queue in front of them, cancellation.
 
-Requests arrive on uvicorn's event loop; the engine runs on this gate's own thread (its
-`stream` is a blocking generator). Each job carries an asyncio queue that the gate thread
+Requests arrive on uvicorn's event loop; the engine runs on this gate's own thread, one batch
+step after another (engine.runtime.batching). Each job carries an asyncio queue that the gate thread
 feeds through `loop.call_soon_threadsafe`, and a `threading.Event` the request sets when its
 client goes away: the engine checks it after every token, so a disconnect ends the
 generation within one token, and a job cancelled while it waits never runs.
@@ -40,19 +40,23 @@ class GateFull(Exception):
 
 
 class GenerationGate:
-    """Runs jobs one after another on a thread; at most `max_waiting` wait behind the running one.
+    """Runs jobs on a thread, up to `max_batch` decoding together (engine.runtime.batching: one
+    pass over the weights a step for all of them, each with its own KV cache and sampling; new
+    jobs join between steps); at most `max_waiting` wait beyond those, more get GateFull (429).
 
     Events posted to a job: ("token", text), then ("done", {"stats": dict, "token_ids": list})
-    or ("error", exception); a job cancelled before it ran gets ("cancelled", None) alone. The first event of a job that cannot start (prompt too long, bad
-    sampling values) is its error, before any token.
+    or ("error", exception); a job cancelled before it ran gets ("cancelled", None) alone. The
+    first event of a job that cannot start (prompt too long, bad sampling values, a KV cache
+    the memory left cannot hold) is its error, before any token.
     """
 
-    def __init__(self, get_engine: Callable[[], Any], max_waiting: int = 8):
+    def __init__(self, get_engine: Callable[[], Any], max_waiting: int = 8, max_batch: int = 8):
         self.get_engine = get_engine
-        self.max_waiting = max_waiting
+        self.max_waiting, self.max_batch = max_waiting, max(1, max_batch)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._count_lock = threading.Lock()
         self._outstanding = 0  # running + waiting
+        self._batch = None  # engine.runtime.batching.Batch of the engine now served
         self._thread = threading.Thread(target=self._run, name="thermocline-serve-engine", daemon=True)
         self._thread.start()
 
@@ -60,46 +64,82 @@ class GenerationGate:
     def outstanding(self) -> int:
         return self._outstanding
 
+    @property
+    def running(self) -> int:
+        return len(self._batch.active) if self._batch is not None else 0
+
     def submit(self, job: Job) -> None:
         with self._count_lock:
-            if self._outstanding >= 1 + self.max_waiting:
-                raise GateFull(f"the server is busy: one generation runs and {self.max_waiting} wait")
+            if self._outstanding >= self.max_batch + self.max_waiting:
+                raise GateFull(f"the server is busy: {self.max_batch} generations run and {self.max_waiting} wait")
             self._outstanding += 1
         self._jobs.put(job)
 
     def close(self) -> None:
         self._jobs.put(None)
 
+    def _release(self) -> None:
+        with self._count_lock:
+            self._outstanding -= 1
+
     def _run(self) -> None:
         while True:
-            job = self._jobs.get()
-            if job is None:
-                return
+            busy = self._batch is not None and self._batch.active
+            while not busy or (len(self._batch.active) < self.max_batch and not self._jobs.empty()):
+                job = self._jobs.get()  # blocks only when nothing decodes
+                if job is None:
+                    return
+                self._admit(job)
+                busy = self._batch is not None and self._batch.active
             try:
-                if job.cancel.is_set():  # its client left while it waited: never run it
-                    job.post("cancelled")
-                else:
-                    self._generate(job)
-            finally:
-                with self._count_lock:
-                    self._outstanding -= 1
+                self._batch.step()
+            except Exception as exc:  # a bug ends this batch's answers, not the server
+                log.exception("a batched decode step failed")
+                for seq in self._batch.active:
+                    seq.done_error(exc)
+                self._batch.active = []
 
-    def _generate(self, job: Job) -> None:
+    def _admit(self, job: Job) -> None:
+        """Start `job` in the batch (its prompt is read now), or answer why it cannot start."""
+        from engine.runtime.batching import Batch, Sequence
+
+        if job.cancel.is_set():  # its client left while it waited: never run it
+            job.post("cancelled")
+            self._release()
+            return
         engine = self.get_engine()
         if engine is None:
             job.post("error", RuntimeError("no model is loaded"))
+            self._release()
             return
+        if self._batch is None or (self._batch.engine is not engine and not self._batch.active):
+            self._batch = Batch(engine)
+        elif self._batch.engine is not engine:  # the window swapped models mid-batch: the old one finishes first
+            while self._batch.active:
+                self._batch.step()
+            self._batch = Batch(engine)
+
+        def emit(event) -> None:
+            if event.text:
+                job.post("token", event.text)
+
+        def done(stats, token_ids) -> None:
+            job.post("done", {"stats": stats.to_dict(), "token_ids": token_ids})
+            self._release()
+
+        def failed(exc: BaseException) -> None:
+            job.post("error", exc)
+            self._release()
+
         try:
-            extra = {"tools": job.tools} if job.tools is not None else {}
-            for event in engine.stream(job.prompt, job.params, job.cancel, **extra):
-                if event.text:
-                    job.post("token", event.text)
-            stats = engine.last_stats
-            job.post("done", {"stats": stats.to_dict(), "token_ids": list(getattr(engine, "last_token_ids", []))})
-        except Exception as exc:
+            ids = engine.encode_prompt(job.prompt, job.tools)
+            seq = Sequence(ids, job.params, emit, done, job.cancel)
+            seq.done_error = failed
+            self._batch.start(seq)
+        except Exception as exc:  # every failure goes back to its request
             if not isinstance(exc, _user_error_types()):
                 log.exception("generation failed")
-            job.post("error", exc)
+            failed(exc)
 
 
 def _user_error_types() -> tuple[type, ...]:

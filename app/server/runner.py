@@ -69,10 +69,11 @@ class ServerThread:
 
     def __init__(self, get_engine: Callable[[], Any], get_model_id: Callable[[], str | None], *,
                  host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None, max_waiting: int = 8,
-                 on_request: Callable[[str], None] | None = None, allowed_origins: tuple[str, ...] = ()):
+                 on_request: Callable[[str], None] | None = None, allowed_origins: tuple[str, ...] = (),
+                 max_batch: int = 8):
         check_bind(host, api_key)
         self.host, self.port = host, port
-        self.app = build_app(get_engine, get_model_id, api_key=api_key, max_waiting=max_waiting,
+        self.app = build_app(get_engine, get_model_id, api_key=api_key, max_waiting=max_waiting, max_batch=max_batch,
                              on_request=on_request, host=host, allowed_origins=allowed_origins)
         self._server = None
         self._thread: threading.Thread | None = None

@@ -8,6 +8,7 @@ compiled call per CPU layer); the layers below stay the reference and the fallba
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -15,6 +16,8 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.kernels import cpu as cpu_kernels
+from engine.kernels import numba_pool
+from engine.kernels.thread_tuner import ThreadTuner
 from engine.kernels.quantized import Int8Matrix, matrix_nbytes
 from engine.model.kv_cache import KVCache
 from engine.model.layers import FfnObserver, Layer, Norm, linear
@@ -34,6 +37,7 @@ class Transformer:
         self.rotary = rotary
         self.ffn_observer: FfnObserver | None = None
         self.decoder: Decoder | None = None  # set by the engine (runtime.fused_decode.decode_step)
+        self.thread_tuner: ThreadTuner | None = None  # set by the engine (engine.kernels.thread_tuner)
         self.fused_head = None  # the decoder's prepared call of the final norm and the head
         self.scale = config.head_dim ** -0.5
         self.q_size = config.num_heads * config.head_dim
@@ -55,7 +59,23 @@ class Transformer:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, start: int, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
-        """Run tokens `ids` [T] at positions start.. ; returns logits [T or 1, vocab] (fp32)."""
+        """Run tokens `ids` [T] at positions start.. ; returns logits [T or 1, vocab] (fp32).
+        With a `thread_tuner` (set by the engine), a one-token step runs on the thread count
+        it chooses and reports its time; many tokens run on every thread."""
+        tuner = self.thread_tuner
+        if tuner is None:
+            return self._forward(ids, start, cache, all_logits)
+        if ids.shape[0] != 1:
+            numba_pool.set_running_threads(None)
+            return self._forward(ids, start, cache, all_logits)
+        tuner.apply()
+        began = time.perf_counter()
+        try:
+            return self._forward(ids, start, cache, all_logits)
+        finally:
+            tuner.record(time.perf_counter() - began)
+
+    def _forward(self, ids: torch.Tensor, start: int, cache: KVCache, all_logits: bool) -> torch.Tensor:
         count = ids.shape[0]
         if count == 1 and self.decoder is not None:  # decode: one compiled call per layer where it can
             logits = self.decoder(self, ids, start, cache)
@@ -83,8 +103,56 @@ class Transformer:
             x = x * self.logit_scale
         return linear(x, self.lm_head).float()
 
+    def can_batch(self, caches: list[KVCache]) -> bool:
+        """Whether `decode_batch` runs these sequences' step: no experts, no windowed or rolling
+        attention (their masks are per sequence), every layer on the CPU."""
+        return (all(layer.router is None and layer.window is None and layer.device.type == "cpu"
+                    for layer in self.layers) and not any(c.rolling for c in caches))
+
+    @torch.inference_mode()
+    def decode_batch(self, ids: torch.Tensor, positions: list[int], caches: list[KVCache]) -> torch.Tensor:
+        """One decode step of B sequences at once: token ids [B], sequence b at positions[b] over
+        its own caches[b]; returns logits [B, vocab] (fp32). Every weight matrix is read once for
+        the B rows (the FFN's own many-token path: each row over the neurons its predictor
+        selects, each neuron read once for all rows); attention reads each sequence's cache."""
+        for cache, position in zip(caches, positions):
+            cache.prepare(position, 1)
+        x = self.embed[ids.to(self.embed.device)]
+        if self.embedding_scale is not None:
+            x = x * self.embedding_scale
+
+        def attend(index: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
+            return self._attention_batch(index, layer, h, positions, caches)
+
+        for index, layer in enumerate(self.layers):
+            if x.device != layer.device or x.dtype != layer.dtype:
+                x = x.to(layer.device, layer.dtype)
+            x = self._layer(index, layer, x, 0, None, None, attend)
+        x = self.final_norm(x.to(self.final_norm.weight.device, self.final_norm.weight.dtype))
+        if self.logit_scale is not None:
+            x = x * self.logit_scale
+        return linear(x, self.lm_head).float()
+
+    def _attention_batch(self, index: int, layer: Layer, x: torch.Tensor, positions: list[int],
+                         caches: list[KVCache]) -> torch.Tensor:
+        cfg = self.config
+        qkv = linear(x, layer.qkv, layer.qkv_bias)  # the projections once for all rows
+        outs = []
+        for b, (position, cache) in enumerate(zip(positions, caches)):
+            row = qkv[b : b + 1]
+            q = row[:, : self.q_size].view(1, cfg.num_heads, cfg.head_dim).transpose(0, 1)
+            k = row[:, self.q_size : self.q_size + self.kv_size].view(1, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+            v = row[:, self.q_size + self.kv_size :].view(1, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+            if layer.rope:
+                cos, sin = self.rotary[layer.device].at(position, 1)
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            cache.write(index, k, v, position)
+            outs.append(cpu_kernels.decode_attention(q[:, 0], cache.k[index], cache.v[index], position + 1,
+                                                     self.scale).to(q.dtype).reshape(1, self.q_size))
+        return linear(torch.cat(outs), layer.out, layer.out_bias)
+
     def _layer(self, index: int, layer: Layer, x: torch.Tensor, start: int, cache: KVCache,
-               mask: torch.Tensor | None) -> torch.Tensor:
+               mask: torch.Tensor | None, attend=None) -> torch.Tensor:
         routing = None
         cfg = self.config
         if layer.router is not None and cfg.router_input == "layer":  # the experts are known before attention runs
@@ -93,7 +161,10 @@ class Transformer:
             if before_attention is not None:  # where cold experts beyond RAM would start loading
                 before_attention(routing)
         h_attn = layer.attn_norm(x)
-        attn = self._attention(index, layer, h_attn, start, cache, mask)
+        if attend is not None:  # a batch of sequences, each over its own cache (decode_batch)
+            attn = attend(index, layer, h_attn)
+        else:
+            attn = self._attention(index, layer, h_attn, start, cache, mask)
         scale = self.residual_scale
         if layer.parallel:
             h_mlp = layer.mlp_norm(x) if layer.mlp_norm is not None else h_attn

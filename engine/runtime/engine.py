@@ -28,11 +28,12 @@ from engine.loading.dense_quant import load_dense
 from engine.model.kv_cache import KVCache
 from engine.loading.loader import Progress, model_folder
 from engine.runtime import fused_decode
+from engine.runtime.context_policy import Fitted, fit_messages
 from engine.runtime.sampling import Sampler, SamplingParams
 from engine.runtime.tokenizer import StreamDecoder, Tokenizer
 from engine.validation import check_ctx, check_kv_fits, check_text, check_threads, resolve_device
 from engine.kernels import cpu as cpu_kernels
-from engine.kernels import cpu_q4, cpu_q4x8, numba_pool, q4_tiles
+from engine.kernels import cpu_q4, cpu_q4x8, numba_pool, q4_tiles, thread_tuner
 
 MODES = ("dense", "sparse", "hybrid", "oracle")
 PREFILL_CHUNK = 128  # prompt tokens per forward: a stop is honoured between chunks
@@ -97,6 +98,11 @@ def _stop_holdback(text: str, stops: list[str]) -> int:
 
 
 class Engine:
+    """A local model; `RemoteEngine` answers the same calls for a remote one (`fit`, `stream`,
+    `reset`, `memory`, `remote`), so the window and the CLI never ask which it is by type."""
+
+    remote = False
+
     def __init__(self, model_dir: Path, config: ModelConfig, tokenizer: Tokenizer, model, cache: KVCache,
                  mode: str, ctx: int, eos_ids: set[int], generation_defaults: dict, sparse=None):
         self.model_dir, self.config, self.tokenizer = model_dir, config, tokenizer
@@ -188,6 +194,7 @@ class Engine:
                 preparing.model_loaded(None, None)
             raise
         model_obj.decoder = fused_decode.decode_step  # one compiled call per CPU layer where it can
+        model_obj.thread_tuner = thread_tuner.for_this_process()  # a thread count that holds up under load
         if preparing is not None:
             layers = model_obj.layers
             scratch = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 2, [la.dtype for la in layers],
@@ -257,6 +264,24 @@ class Engine:
         keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
         return {k: data[k] for k in keys if k in data}
 
+    # --------------------------------------------------------------- a conversation
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The token ids the model reads for a conversation: its chat template rendered and
+        encoded without special tokens (the template writes BOS itself where the model wants
+        it). The one count of a conversation: `count_chat`, `fit` (the window, the terminal
+        chat) and `stream` (every caller, the server's usage included) all go through it."""
+        return self.tokenizer.encode_chat(messages, tools=tools)
+
+    def count_chat(self, messages: list[dict]) -> int:
+        return len(self.chat_ids(messages)) if messages else 0
+
+    def fit(self, messages: list[dict], policy: str = "truncate", max_new_tokens: int | None = None,
+            previous_drop: int = 0) -> Fitted:
+        """What the model will read of `messages` under the context policy (`context_policy`):
+        the messages, their count in tokens, how many of the oldest were left out, whether an
+        answer has room. `previous_drop`: the last call's `dropped` for the same conversation."""
+        return fit_messages(messages, self.count_chat, self.ctx, max_new_tokens, policy, previous_drop)
+
     # --------------------------------------------------------------- generation
     def encode_prompt(self, prompt: str | list[dict] | list[int], tools: list[dict] | None = None) -> list[int]:
         """Token ids of a text, a conversation (rendered by the chat template, which receives
@@ -266,7 +291,7 @@ class Engine:
         elif prompt and isinstance(prompt[0], dict):
             for m in prompt:
                 check_text(m.get("content") if isinstance(m, dict) else m, "a message")
-            ids = self.tokenizer.encode_chat(prompt, tools=tools)
+            ids = self.chat_ids(prompt, tools=tools)
         else:
             ids = [int(i) for i in prompt]
         if not ids:

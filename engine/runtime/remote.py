@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 from engine.runtime.engine import GenerationResult, GenerationStats, TokenEvent
+from engine.runtime.context_policy import Fitted
 from engine.errors import RemoteError, RemoteInterrupted, UserError
 from engine.runtime.sampling import SamplingParams
 
@@ -169,6 +170,12 @@ class RemoteEngine:
 
     def reset(self) -> None:
         """Nothing is cached here; the server keeps (or not) its own prefix cache."""
+
+    def fit(self, messages: list[dict], policy: str = "truncate", max_new_tokens: int | None = None,
+            previous_drop: int = 0) -> Fitted:
+        """`Engine.fit` for a remote model: its tokenizer and context are on its server, which
+        counts (and refuses or trims) the conversation; every message is sent, uncounted."""
+        return Fitted(list(messages), None, 0, True)
 
     def stream(self, prompt, params: SamplingParams | None = None,
                cancel: threading.Event | None = None) -> Iterator[TokenEvent]:

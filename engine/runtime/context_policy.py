@@ -7,7 +7,10 @@ Policies (the `chat.context_policy` setting):
   reuses its cache instead of reading everything again each turn.
 - `stop`: send everything; the engine stops when the window is full and the chat says so.
 
-Pure Python over a token-counting function: no Qt, no tensors.
+Pure Python over a token-counting function: no Qt, no tensors. `Engine.fit` applies it with the
+engine's own count (`Engine.count_chat`), for the window and the terminal chat; the server's
+usage counts with the same function (`Engine.chat_ids`). `RemoteEngine.fit` keeps every message
+(the remote server counts and trims).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ MIN_ANSWER_TOKENS = 16
 @dataclass
 class Fitted:
     messages: list[dict]     # what the model will read
-    tokens: int              # its length in tokens
+    tokens: int | None       # its length in tokens (None: counted on a remote server)
     dropped: int             # oldest messages left out
     fits: bool               # the prompt leaves room for an answer
 
