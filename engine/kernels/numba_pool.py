@@ -60,6 +60,7 @@ lock = LaunchLock()
 _numba = None  # the cpu_numba module once imported; False when unavailable (tests set False)
 _threads = None  # set_num_threads's value; numba's own setting is per calling thread
 _applied = threading.local()  # .n: the count last applied on this calling thread
+_running = None  # threads the pool runs now when fewer than _threads (the decode's tuner); None: _threads
 _local = threading.local()  # .gate: the KernelGate this thread computes under (None: every kernel)
 _compiled_listeners: list = []  # called after each first call's compile, on the compiling thread
 compiles_under_gate = 0  # compiles a gated computation ran itself (a kernel taken in too early)
@@ -189,16 +190,23 @@ def on_compiled(listener, add: bool = True) -> None:
 
 
 def use_threads(kern) -> int:
-    """Applies set_num_threads's value on the calling thread; returns the thread count.
+    """Applies the thread count on the calling thread; returns the count the kernels split
+    their work for (set_num_threads's value).
 
-    Remembered per thread: numba's get/set calls cost tens of microseconds when the caches
-    are cold, as they are between two layers' FFNs."""
+    The pool may run fewer threads than that (`set_running_threads`: the decode's tuner,
+    engine.kernels.thread_tuner): the kernels still split their work as for the set count,
+    so a result never depends on how many threads computed it. Remembered per thread:
+    numba's get/set calls cost tens of microseconds when the caches are cold, as they are
+    between two layers' FFNs."""
+    want = _threads if _running is None else _running
     applied = getattr(_applied, "n", None)
-    if applied is None or (_threads is not None and applied != _threads):
-        if _threads is not None:
-            kern.numba.set_num_threads(_threads)
+    if applied is None or (want is not None and applied != want):
+        if want is not None:
+            kern.numba.set_num_threads(want)
         applied = _applied.n = kern.numba.get_num_threads()
-    return applied
+    if _running is None:
+        return applied
+    return _threads if _threads is not None else kern.numba.config.NUMBA_NUM_THREADS
 
 
 def available() -> bool:
@@ -219,3 +227,23 @@ def set_num_threads(n: int) -> None:
     if k is not None:
         n = max(1, min(int(n), k.numba.config.NUMBA_NUM_THREADS))
         _threads = n
+
+
+def set_running_threads(n: int | None) -> None:
+    """Threads numba's pool runs from the next kernel call on (1..set_num_threads's value),
+    the work still split as for that value; None: all of them."""
+    global _running, _threads
+    k = module()
+    if k is None:
+        return
+    if _threads is None:  # pin the split, so going back to all threads re-applies it
+        _threads = k.numba.config.NUMBA_NUM_THREADS
+    _running = None if n is None else max(1, min(int(n), _threads))
+
+
+def configured_threads() -> int:
+    """The thread count the kernels split their work for (1 on the torch fallback)."""
+    k = module()
+    if k is None:
+        return 1
+    return _threads if _threads is not None else k.numba.config.NUMBA_NUM_THREADS

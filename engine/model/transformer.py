@@ -8,6 +8,7 @@ compiled call per CPU layer); the layers below stay the reference and the fallba
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -15,6 +16,8 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.kernels import cpu as cpu_kernels
+from engine.kernels import numba_pool
+from engine.kernels.thread_tuner import ThreadTuner
 from engine.kernels.quantized import Int8Matrix, matrix_nbytes
 from engine.model.kv_cache import KVCache
 from engine.model.layers import FfnObserver, Layer, Norm, linear
@@ -34,6 +37,7 @@ class Transformer:
         self.rotary = rotary
         self.ffn_observer: FfnObserver | None = None
         self.decoder: Decoder | None = None  # set by the engine (runtime.fused_decode.decode_step)
+        self.thread_tuner: ThreadTuner | None = None  # set by the engine (engine.kernels.thread_tuner)
         self.fused_head = None  # the decoder's prepared call of the final norm and the head
         self.scale = config.head_dim ** -0.5
         self.q_size = config.num_heads * config.head_dim
@@ -55,7 +59,23 @@ class Transformer:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, start: int, cache: KVCache, all_logits: bool = False) -> torch.Tensor:
-        """Run tokens `ids` [T] at positions start.. ; returns logits [T or 1, vocab] (fp32)."""
+        """Run tokens `ids` [T] at positions start.. ; returns logits [T or 1, vocab] (fp32).
+        With a `thread_tuner` (set by the engine), a one-token step runs on the thread count
+        it chooses and reports its time; many tokens run on every thread."""
+        tuner = self.thread_tuner
+        if tuner is None:
+            return self._forward(ids, start, cache, all_logits)
+        if ids.shape[0] != 1:
+            numba_pool.set_running_threads(None)
+            return self._forward(ids, start, cache, all_logits)
+        tuner.apply()
+        began = time.perf_counter()
+        try:
+            return self._forward(ids, start, cache, all_logits)
+        finally:
+            tuner.record(time.perf_counter() - began)
+
+    def _forward(self, ids: torch.Tensor, start: int, cache: KVCache, all_logits: bool) -> torch.Tensor:
         count = ids.shape[0]
         if count == 1 and self.decoder is not None:  # decode: one compiled call per layer where it can
             logits = self.decoder(self, ids, start, cache)

@@ -33,7 +33,7 @@ from engine.runtime.sampling import Sampler, SamplingParams
 from engine.runtime.tokenizer import StreamDecoder, Tokenizer
 from engine.validation import check_ctx, check_kv_fits, check_text, check_threads, resolve_device
 from engine.kernels import cpu as cpu_kernels
-from engine.kernels import cpu_q4, cpu_q4x8, numba_pool, q4_tiles
+from engine.kernels import cpu_q4, cpu_q4x8, numba_pool, q4_tiles, thread_tuner
 
 MODES = ("dense", "sparse", "hybrid", "oracle")
 PREFILL_CHUNK = 128  # prompt tokens per forward: a stop is honoured between chunks
@@ -194,6 +194,7 @@ class Engine:
                 preparing.model_loaded(None, None)
             raise
         model_obj.decoder = fused_decode.decode_step  # one compiled call per CPU layer where it can
+        model_obj.thread_tuner = thread_tuner.for_this_process()  # a thread count that holds up under load
         if preparing is not None:
             layers = model_obj.layers
             scratch = KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 2, [la.dtype for la in layers],
