@@ -130,6 +130,10 @@ SCHEMA: tuple[Option, ...] = (
            minimum=0.5, maximum=3.0),
     Option("chat.min_p", float, 0.0, "Drop tokens less likely than this share of the likeliest one; 0 keeps all.",
            minimum=0.0, maximum=0.99),
+    Option("chat.presence_penalty", float, 0.0, "Lowers every token already in the answer by this much "
+           "(OpenAI's presence penalty, -2 to 2); 0 is none.", minimum=-2.0, maximum=2.0),
+    Option("chat.frequency_penalty", float, 0.0, "Lowers a token by this much for each time it is already in the "
+           "answer (OpenAI's frequency penalty, -2 to 2); 0 is none.", minimum=-2.0, maximum=2.0),
     Option("chat.seed", int, None, "Seed of the random choices: the same seed and settings give the same "
            "answer; empty picks a new one each time.", minimum=0, maximum=2**63 - 1, nullable=True),
     Option("chat.stop", list, [], "Strings that end the answer where they appear (at most 4; not shown)."),
@@ -140,6 +144,8 @@ SCHEMA: tuple[Option, ...] = (
            choice_labels=("Keep chatting: the model forgets the oldest messages",
                           "Stop and say so: start a new chat to go on")),
     Option("models.custom", list, [], "Models added by hand: Hugging Face repo ids and local folders."),
+    Option("models.cpu_weights", dict, {}, "The CPU weight format chosen for a model (its spec: int4, int8 or "
+           "fp32); the others use engine.cpu_weights."),
     # The window's local OpenAI-compatible server (its key is never saved).
     Option("server.host", str, "127.0.0.1", "Address the local server listens on; not loopback needs a key."),
     Option("server.port", int, 8080, "Port of the local server.", minimum=1, maximum=65535),
@@ -159,8 +165,8 @@ SCHEMA: tuple[Option, ...] = (
     Option("ui.last_conversation", int, None, "Conversation open when the app was closed.", nullable=True),
 )
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens", "seed",
-                 "stop")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "max_new_tokens", "seed", "stop")
 
 
 def config_dir() -> Path:
@@ -205,6 +211,19 @@ class Settings:
 
     def is_default(self, name: str) -> bool:
         return name not in self._values
+
+    def cpu_weights_for(self, spec: str) -> str:
+        """The CPU weight format of one model: its own choice (the Models page), else the default."""
+        chosen = (self["models.cpu_weights"] or {}).get(str(spec))
+        choices = self.option("engine.cpu_weights").choices
+        return chosen if chosen in choices else self["engine.cpu_weights"]
+
+    def set_cpu_weights(self, spec: str, fmt: str) -> None:
+        if fmt not in self.option("engine.cpu_weights").choices:
+            raise ValueError(f"CPU weights must be one of {', '.join(self.option('engine.cpu_weights').choices)}")
+        chosen = dict(self["models.cpu_weights"] or {})
+        chosen[str(spec)] = fmt
+        self["models.cpu_weights"] = chosen
 
     def sampling_defaults(self) -> dict:
         """The sampling settings new conversations start with."""

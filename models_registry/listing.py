@@ -60,12 +60,18 @@ def machine_words(hw) -> str:
             f"{hw.cpu_logical_cores or '?'} CPU threads" + (f", {cpu}" if cpu else ""))
 
 
-def scan_models(custom: list[str], ctx: int, active: str = "", cpu_weights: str = "int8") -> dict:
+CPU_FORMATS = ("int4", "int8", "fp32")  # 4-bit (llama.cpp's Q4_0 blocks), 8-bit rows, exact
+
+
+def scan_models(custom: list[str], ctx: int, active: str = "", cpu_weights: str = "int8",
+                weights_by_spec: dict[str, str] | None = None) -> dict:
     """Every model the page lists, with its state on disk, fit and speed on this machine, and
-    `recommended`: the spec of the chat model to suggest here."""
+    `recommended`: the spec of the chat model to suggest here. Each model is sized in its own
+    CPU weight format (`weights_by_spec`, else `cpu_weights`); `formats` says what each of
+    the three would need in memory and how fast it would answer."""
     hw = probe_hardware()
     bandwidth = read_bandwidth()
-    bytes_model = BytesModel(cpu_weights=cpu_weights)
+    weights_by_spec = dict(weights_by_spec or {})
     rows = []
     seen = set()
 
@@ -82,16 +88,29 @@ def scan_models(custom: list[str], ctx: int, active: str = "", cpu_weights: str 
         if status == "ready" and not size:
             size = _folder_size(folder)
         verdict, reason = rough_fit(size, hw)
-        words_s, capability = None, 0
+        words_s, capability, formats = None, 0, {}
+        chosen = weights_by_spec.get(spec, cpu_weights)
+        chosen = chosen if chosen in CPU_FORMATS else "int8"
         config = (_read_config(folder) if has_config else None) or (entry.config if entry else None)
         if config:
             try:
-                est = estimate_fit(config, ctx=ctx, hardware=hw, model_dir=folder if has_config else None,
-                                   known_activation=entry.activation if entry else None, bytes_model=bytes_model,
-                                   sparsity=entry.sparsity if entry else None)
+                common = dict(ctx=ctx, model_dir=folder if has_config else None,
+                              known_activation=entry.activation if entry else None,
+                              sparsity=entry.sparsity if entry else None)
+                est = estimate_fit(config, hardware=hw, bytes_model=BytesModel(cpu_weights=chosen), **common)
+                # The other formats at the same VRAM and all the RAM that can be used (the suggestion
+                # is the slow part: once per model).
+                # Only for models on disk (where a format can be chosen): a scan lists every entry.
+                room = max(est.ram_budget, usable_ram(hw.ram_available))
+                estimates = {f: est if f == chosen else
+                             estimate_fit(config, vram_budget=est.vram_budget, ram_budget=room,
+                                          bytes_model=BytesModel(cpu_weights=f), **common)
+                             for f in CPU_FORMATS} if status == "ready" else {}
             except Exception as exc:  # noqa: BLE001 - a model we cannot size is still listed
                 verdict, reason = "unknown", str(exc)
             else:
+                formats = {f: {"memory": e.ram_bytes + e.vram_bytes, "words_s": words_per_second(e, bandwidth),
+                               "verdict": e.verdict} for f, e in estimates.items()}
                 verdict, reason = est.verdict, est.reason
                 sparsity = entry.sparsity if entry else None
                 words_s = words_per_second(est, bandwidth)
@@ -106,7 +125,7 @@ def scan_models(custom: list[str], ctx: int, active: str = "", cpu_weights: str 
                 "verdict": verdict, "reason": reason, "custom": entry is None, "local": local,
                 "downloadable": repo is not None, "chat": bool(entry and entry.chat),
                 "words_s": words_s, "speed": speed_words(words_s) if words_s is not None else "",
-                "capability": capability}
+                "capability": capability, "cpu_weights": chosen, "formats": formats}
 
     for entry in load_catalogue():
         folder = demo_model_dir() if entry.repo is None else downloaded_model_dir(entry.repo)

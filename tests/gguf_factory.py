@@ -19,7 +19,8 @@ LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm
          "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
          "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
          "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-         "mlp.down_proj.weight": "ffn_down.weight"}
+         "mlp.down_proj.weight": "ffn_down.weight", "self_attn.q_proj.bias": "attn_q.bias",
+         "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias"}
 
 
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -34,10 +35,33 @@ def _tensors(hf_dir: Path) -> dict[str, np.ndarray]:
     return out
 
 
+def random_k_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Valid K-quant rows [rows, row bytes] of random codes with small scales (the gguf package
+    cannot quantize to K-quants): block_q4_K = fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins,
+    128 of nibbles (144 bytes per 256 weights); block_q6_K = 128 + 64 bytes of codes, 16 int8
+    scales, fp16 d last (210 bytes)."""
+    size = {"Q4_K": 144, "Q6_K": 210}[kind]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
+    if kind == "Q6_K":
+        blocks[:, 208:] = (rng.random(len(blocks)) * 1e-3 + 1e-4).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    else:  # d and dmin: weights d * scale * q - dmin * min, centred near 0
+        blocks[:, 0:2] = (rng.random(len(blocks)) * 2e-4 + 1e-4).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        blocks[:, 2:4] = (rng.random(len(blocks)) * 2e-3 + 1e-3).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+# llama-quantize's Q4_K_M: Q4_K matrices, Q6_K for attn_v, ffn_down and the output head
+# (llama.cpp's llama_tensor_get_type gives half the layers' ffn_down / attn_v Q6_K; all here)
+Q4_K_M = {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "output.weight": "Q6_K"}
+
+
 def write_gguf(hf_dir: Path, out: Path, *, qtype: str = "F16", powerinfer: bool = True,
                predictors: tuple[list[np.ndarray], list[np.ndarray]] | None = None,
                sparse_threshold: float | None = None, arch: str = "llama", q6_k: tuple[str, ...] = (),
                q4_scales: str = "reference") -> Path:
+    """qtype "Q4_K_M": every matrix random K-quant blocks of llama-quantize's Q4_K_M types
+    (`random_k_blocks`, `Q4_K_M`; the embeddings Q4_K too), norms F32."""
     """Write hf_dir's model (llama layout) as a GGUF. qtype: F16, BF16-less F32, Q8_0 or Q4_0 for
     the 2-D weights (norms stay F32, as llama.cpp keeps them). Tensors named in `q6_k` become
     random Q6_K blocks (llama-quantize's type for the output head of a Q4_0 file; the gguf
@@ -54,7 +78,8 @@ def write_gguf(hf_dir: Path, out: Path, *, qtype: str = "F16", powerinfer: bool 
     w.add_head_count(heads)
     w.add_head_count_kv(kv)
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    w.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    # transformers 5 writes rope_theta inside rope_parameters
+    w.add_rope_freq_base(config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     w.add_tokenizer_model("gpt2")
     vocab = tok["model"]["vocab"]
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv_: kv_[1])]
@@ -68,11 +93,15 @@ def write_gguf(hf_dir: Path, out: Path, *, qtype: str = "F16", powerinfer: bool 
     w.add_add_bos_token(True)
     if sparse_threshold is not None:
         w.add_float32("powerinfer.sparse_threshold", sparse_threshold)
-    kind = gguf.GGMLQuantizationType[qtype]
+    kind = gguf.GGMLQuantizationType[qtype] if qtype != "Q4_K_M" else None
 
     def add(name, a):
         a = np.ascontiguousarray(a, dtype=np.float32)
-        if name in q6_k:  # block_q6_K: ql[128] qh[64] int8 scales[16], fp16 d: 210 bytes per 256 weights
+        if qtype == "Q4_K_M" and a.ndim == 2:
+            k = next((v for suffix, v in Q4_K_M.items() if name.endswith(suffix)), "Q4_K")
+            w.add_tensor(name, random_k_blocks(k, *a.shape, seed=len(name) * 131 + a.shape[0]),
+                         raw_dtype=gguf.GGMLQuantizationType[k])
+        elif name in q6_k:  # block_q6_K: ql[128] qh[64] int8 scales[16], fp16 d: 210 bytes per 256 weights
             rng = np.random.default_rng(len(name))
             blocks = rng.integers(0, 256, size=(a.shape[0] * a.shape[1] // 256, 210), dtype=np.uint8)
             blocks[:, 208:] = (rng.random(len(blocks)) * 1e-3 + 1e-4).astype(np.float16).view(np.uint8).reshape(-1, 2)
@@ -93,9 +122,9 @@ def write_gguf(hf_dir: Path, out: Path, *, qtype: str = "F16", powerinfer: bool 
             continue
         _, _, i, rest = name.split(".", 3)
         new = LAYER[rest]
-        if new == "attn_q.weight":
+        if new == "attn_q.weight" and arch != "qwen2":  # qwen2's converter keeps HF's layout
             a = permute(a, heads)
-        elif new == "attn_k.weight":
+        elif new == "attn_k.weight" and arch != "qwen2":
             a = permute(a, kv)
         elif new == "ffn_down.weight" and powerinfer:
             new, a = "ffn_down_t.weight", a.T

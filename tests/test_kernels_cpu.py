@@ -462,20 +462,7 @@ def test_engine_load_prepares_every_kernel_the_first_answer_runs():
     assert out.stdout.split() == ["dense", "-", "hybrid", "-"], out.stdout
 
 
-@pytest.mark.parametrize("numba_on", [True, False])
-@pytest.mark.parametrize("n,d", [(1, 8), (300, 1000), (2500, 257)])
-def test_matvec_int8_equals_the_dequantized_product(monkeypatch, numba_on, n, d):
-    if numba_on and not cpu.available():
-        pytest.skip("numba unavailable")
-    if not numba_on:
-        monkeypatch.setattr(numba_pool, "_numba", False)
-    g = torch.Generator().manual_seed(n + d)
-    q, scale = cpu.quantize_rows_int8(torch.randn(n, d, generator=g))
-    x = torch.randn(d, generator=g)
-    y = cpu.matvec_int8(x, q, scale)
-    ref = (q.double() * scale.double()[:, None]) @ x.double()
-    assert y.dtype == torch.float32 and y.shape == (n,)
-    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+# (the int8 matvec's cases are rows of tests/kernel_cases.py)
 
 
 # ---- int8 x int8 products (int8 activations in blocks) -------------------------------------
@@ -498,24 +485,7 @@ def _q8_reference(x, q, scale, block):
     return _q8_dequantized(x, block) @ (q.double() * scale.double()[:, None]).T
 
 
-@needs_q8
-@pytest.mark.parametrize("n,d,T", [(4, 128, 1), (5, 128, 3), (7, 256, 1), (64, 384, 2), (130, 512, 9),
-                                   (257, 1024, 17), (1000, 4096, 1), (33, 4096, 40)])
-def test_matmul_int8_equals_the_fp64_product_of_quantized_activations(n, d, T):
-    g = torch.Generator().manual_seed(n * 7 + d + T)
-    q, scale = cpu.quantize_rows_int8(torch.randn(n, d, generator=g))
-    x = torch.randn(T, d, generator=g) * torch.linspace(0.1, 10.0, d)  # blocks of unequal range
-    x[0, :128] = 0.0  # an all-zero block: scale 0
-    y = cpu.matmul_int8(x, q, scale)
-    assert y is not None and y.dtype == torch.float32 and y.shape == (T, n)
-    ref = _q8_reference(x, q, scale, 128)
-    # integer sums are exact; only the fp32 block scaling and the final sums round
-    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
-    # and within the activation's quantization error of the product with fp32 activations
-    exact = x.double() @ (q.double() * scale.double()[:, None]).T
-    bound = (x.double().abs().reshape(T, -1, 128).amax(dim=2) / 254.0).repeat_interleave(128, dim=1) \
-        @ (q.double().abs() * scale.double()[:, None]).T
-    assert bool(((y.double() - exact).abs() <= bound * 1.001 + 1e-6).all())
+# The product against fp64 of the quantized activations: rows `matmul-int8-*` of tests/kernel_cases.py.
 
 
 @pytest.mark.parametrize("n,d", [(3, 128), (8, 200), (8, 64)])
@@ -639,33 +609,7 @@ def test_sparse_ffn_tokens_refuses_bad_shapes():
         cpu.sparse_ffn_tokens(torch.randn(3, 16), rows, None, 0.0, "gelu")
 
 
-# ---- decode attention over the 16-bit CPU KV cache ------------------------------------------
-@pytest.mark.parametrize("use_numba", [True, False], ids=["numba", "torch"])
-@pytest.mark.parametrize("heads,kv_heads,head_dim,length", [(4, 4, 16, 1), (8, 2, 64, 37), (32, 32, 128, 300),
-                                                            (6, 3, 80, 5), (16, 1, 32, 129)])
-def test_decode_attention_matches_fp64(monkeypatch, use_numba, heads, kv_heads, head_dim, length):
-    """One query against the first `length` slots of an fp16 cache == softmax(q k^T s) v in
-    float64 over the same fp16 keys and values, grouped query heads included."""
-    if use_numba and not cpu.available():
-        pytest.skip("numba missing or disabled")
-    if not use_numba:
-        monkeypatch.setattr(numba_pool, "_numba", False)
-    g = torch.Generator().manual_seed(length + heads)
-    slots = length + 9  # positions past `length` hold other data and must not be read
-    q = torch.randn(heads, head_dim, generator=g)
-    k = (torch.randn(kv_heads, slots, head_dim, generator=g) * 3).half()
-    v = torch.randn(kv_heads, slots, head_dim, generator=g).half()
-    k[:, length:] = 1000.0
-    scale = head_dim ** -0.5
-    out = cpu.decode_attention(q, k, v, length, scale)
-    assert out.dtype == torch.float32 and out.shape == (heads, head_dim)
-    qd = q.double().reshape(kv_heads, heads // kv_heads, head_dim)
-    ref = torch.softmax(qd @ k[:, :length].double().transpose(1, 2) * scale, -1) @ v[:, :length].double()
-    torch.testing.assert_close(out.double(), ref.reshape(heads, head_dim), rtol=1e-5, atol=1e-5)
-    # an fp32 cache (the kernel's other specialisation), and a strided one (torch's path)
-    for k32, v32 in ((k.float(), v.float()), (k.float().transpose(0, 1).contiguous().transpose(0, 1), v.float())):
-        out32 = cpu.decode_attention(q, k32, v32, length, scale)
-        torch.testing.assert_close(out32.double(), ref.reshape(heads, head_dim), rtol=1e-5, atol=1e-5)
+# ---- decode attention over the 16-bit CPU KV cache: its cases are rows of tests/kernel_cases.py
 
 
 def test_cpu_kv_cache_is_16_bit_and_clamps():

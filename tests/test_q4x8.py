@@ -65,25 +65,7 @@ def test_layout_interleaves_four_bytes_of_each_row():
                 assert torch.equal(p[o:o + 4], q[r, b * 18 + 2 + 4 * c: b * 18 + 6 + 4 * c])
 
 
-@needs_kernels
-@pytest.mark.parametrize("n, cols", [(1, 32), (5, 64), (8, 32), (13, 100), (37, 300), (64, 4096), (203, 1000),
-                                     (1030, 256)])
-@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 9])
-def test_product_matches_fp64_of_the_stored_rows(n, cols, tokens):
-    w = _weights(n, cols, n * 31 + cols + tokens)
-    q = q4_quantize.quantize_rows_q4(w)
-    g = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, cols, generator=g) * torch.rand(tokens, 1, generator=g) * 3
-    x[0, :min(cols, 32)] = 0  # a zero activation block (scale 0)
-    y = cpu_q4x8.matmul_packed(x, cpu_q4x8.pack_rows(q), cols)
-    assert y is not None and y.shape == (tokens, n) and y.dtype == torch.float32
-    wd = q4_format.dequantize_rows_q4(q, cols).double()
-    ref = _as_q8(x) @ wd.T
-    # the same integer block products; fp32 rounding of the sums apart
-    magnitude = _as_q8(x).abs() @ wd.abs().T
-    assert ((y.double() - ref).abs() <= 2e-6 * magnitude + 1e-6).all()
-    # and the row layout's kernel, up to the order of the fp32 sums
-    assert ((y.double() - cpu_q4.matmul_q4(x, q, cols).double()).abs() <= 2e-6 * magnitude + 1e-6).all()
+# The packed product against fp64 (every shape and token count): rows `matmul-q4x8-*` of tests/kernel_cases.py.
 
 
 @needs_kernels

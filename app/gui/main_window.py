@@ -134,6 +134,7 @@ class MainWindow(QMainWindow):
         self.chat.conversations_changed.connect(self.conversations.select)
         self.panel.reload_requested.connect(self.load_active_model)
         self.models.activate_requested.connect(self.switch_model)
+        self.models.reload_requested.connect(self.load_active_model)
         w = self.client
         w.loading.connect(self._on_loading)
         w.loaded.connect(self._on_loaded)
@@ -513,7 +514,7 @@ class MainWindow(QMainWindow):
             return  # another switch came in meanwhile; its own probe will load it
         vram, ram = self.panel.budgets_for_load()
         self.client.load(spec, mode=self.settings["engine.mode"], ctx=self.panel.ctx_for_load(),
-                         vram_budget=vram, ram_budget=ram, cpu_weights=self.settings["engine.cpu_weights"])
+                         vram_budget=vram, ram_budget=ram, cpu_weights=self.settings.cpu_weights_for(spec))
 
     def switch_model(self, spec: str) -> None:
         """Make `spec` the active model; the conversation stays open."""

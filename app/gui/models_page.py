@@ -14,7 +14,7 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, QUrl, Signal, Slot
 from PySide6.QtGui import QDesktopServices
-from PySide6.QtWidgets import (QFileDialog, QFrame, QGridLayout, QHBoxLayout, QInputDialog, QLabel,
+from PySide6.QtWidgets import (QComboBox, QFileDialog, QFrame, QGridLayout, QHBoxLayout, QInputDialog, QLabel,
                                QMessageBox, QProgressBar, QPushButton, QScrollArea, QSizePolicy, QVBoxLayout,
                                QWidget)
 
@@ -31,6 +31,23 @@ log = logging.getLogger(__name__)
 
 
 # -- widgets ------------------------------------------------------------------------------
+FORMAT_WORDS = {"int4": "4-bit", "int8": "8-bit", "fp32": "exact (32-bit)"}
+
+
+def format_choice_words(fmt_name: str, facts: dict) -> str:
+    """`4-bit · 3.1 GiB · about 9 words a second`: what one CPU weight format costs and gives."""
+    from models_registry.speed import speed_words
+
+    parts = [FORMAT_WORDS.get(fmt_name, fmt_name)]
+    if facts.get("memory"):
+        parts.append(f"{fmt.size(facts['memory'])} in memory")
+    if facts.get("words_s") is not None:
+        parts.append(speed_words(facts["words_s"]).replace(" on this machine", ""))
+    if facts.get("verdict", "").startswith("does not"):
+        parts.append("does not fit")
+    return " · ".join(parts)
+
+
 class ModelCard(QFrame):
     """One model: facts, state, progress, and the buttons that apply to that state."""
 
@@ -66,6 +83,20 @@ class ModelCard(QFrame):
         self.description.setObjectName("hint")
         self.description.setWordWrap(True)
         grid.addWidget(self.description, 2, 0, 1, 2)
+        # The CPU weight format of this model: the memory and speed of each, chosen per model.
+        weights_row = QHBoxLayout()
+        self.weights_label = QLabel("CPU weights", self)
+        self.weights_label.setObjectName("facts")
+        self.weights = QComboBox(self)
+        self.weights.setObjectName("cpuWeights")
+        self.weights.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.weights.setMinimumContentsLength(12)
+        self.weights.setToolTip("How this model's weights are kept on the CPU: 4-bit is smallest and "
+                                "fastest, exact is the reference. Changing it reloads the model if it is in use.")
+        self.weights.activated.connect(self._weights_chosen)
+        weights_row.addWidget(self.weights_label)
+        weights_row.addWidget(self.weights, 1)
+        grid.addLayout(weights_row, 6, 0, 1, 2)  # above the buttons
         # Progress: total and current file.
         self.total_bar = QProgressBar(self)
         self.total_bar.setObjectName("downloadTotal")
@@ -99,7 +130,7 @@ class ModelCard(QFrame):
         buttons.addStretch(1)
         for b in (self.folder_button, self.delete_button, self.remove_button):
             buttons.addWidget(b)
-        grid.addLayout(buttons, 6, 0, 1, 2)
+        grid.addLayout(buttons, 7, 0, 1, 2)
         self.update_info(info)
 
     def _button(self, text: str, tip: str, slot, kind: str = "") -> QPushButton:
@@ -141,6 +172,16 @@ class ModelCard(QFrame):
         self.facts.setText(" · ".join(facts))
         self.facts.setOpenExternalLinks(True)
         self.description.setText(info.get("description", ""))
+        formats = info.get("formats") or {}
+        self.weights.blockSignals(True)
+        self.weights.clear()
+        for name in ("int4", "int8", "fp32"):
+            if name in formats:
+                self.weights.addItem(format_choice_words(name, formats[name]), name)
+        self.weights.setCurrentIndex(max(0, self.weights.findData(info.get("cpu_weights"))))
+        self.weights.blockSignals(False)
+        for w in (self.weights, self.weights_label):
+            w.setVisible(bool(formats))
         self.sync()
 
     def sync(self) -> None:
@@ -207,6 +248,9 @@ class ModelCard(QFrame):
         self.progress_label.setText(" · ".join(parts))
 
     # -- actions -------------------------------------------------------------------------
+    def _weights_chosen(self, index: int) -> None:
+        self.page.choose_weights(self.spec, self.weights.itemData(index))
+
     def _use(self) -> None:
         self.page.activate_requested.emit(self.spec)
 
@@ -247,6 +291,7 @@ class ModelCard(QFrame):
 
 class ModelsPage(QWidget):
     activate_requested = Signal(str)
+    reload_requested = Signal()  # the model in use changed its CPU weight format
 
     def __init__(self, settings: Settings, client: EngineClient, parent: QWidget | None = None):
         super().__init__(parent)
@@ -345,8 +390,9 @@ class ModelsPage(QWidget):
             return
         self._scanning = True
         custom, ctx, active = list(self.settings["models.custom"]), self.settings["engine.ctx"], self.active_spec()
-        weights = self.settings["engine.cpu_weights"]
-        run_in_background(lambda: scan_models(custom, ctx, active, weights), self._on_scan, self._on_scan_failed, self)
+        weights, chosen = self.settings["engine.cpu_weights"], dict(self.settings["models.cpu_weights"] or {})
+        run_in_background(lambda: scan_models(custom, ctx, active, weights, chosen), self._on_scan,
+                          self._on_scan_failed, self)
 
     def _on_scan_failed(self, exc: BaseException) -> None:
         self._scanning = False
@@ -424,6 +470,8 @@ class ModelsPage(QWidget):
             text += f" · needs {fmt.size(result['disk_need'])} free"  # imports and margin included
             if free is not None and free < result["disk_need"]:
                 text += " · not enough free disk: free some space first"
+            text += (f" · CPU weights: {FORMAT_WORDS.get(self.settings.cpu_weights_for(spec), '8-bit')} "
+                     "(chosen below)")
             self.plans[spec] = {"asking": False, "bytes": result["bytes"], "text": text}
             self._sync_card(spec)
 
@@ -499,6 +547,15 @@ class ModelsPage(QWidget):
         dlg.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose, True)
         dlg.textValueSelected.connect(self._add_repo_id)
         dlg.open()
+
+    def choose_weights(self, spec: str, fmt_name: str) -> None:
+        """A model's CPU weight format: kept for it, its card re-sized; the model in use reloads."""
+        if not fmt_name or self.settings.cpu_weights_for(spec) == fmt_name:
+            return
+        self.settings.set_cpu_weights(spec, fmt_name)
+        self.refresh()
+        if spec == self.active_spec() and (self.client.model_info or self.client.loading_model):
+            self.reload_requested.emit()
 
     def get_from_hub(self, spec: str) -> None:
         """A Hub search match (a repo id, or the catalogue id of one it lists): listed, its download
@@ -581,7 +638,24 @@ class ModelsPage(QWidget):
         if spec not in custom:
             custom.append(spec)
             self.settings["models.custom"] = custom
+        self._provisional_card(spec)
         self.refresh()
+
+    def _provisional_card(self, spec: str) -> None:
+        """A card for a Hub repo just added, at once: its download shows there before the scan
+        (seconds on a busy machine) has sized it; the scan's row replaces this one."""
+        from models_registry.resolve import downloaded_model_dir, is_repo_id
+
+        if spec in self.cards or not is_repo_id(spec):
+            return
+        row = {"spec": spec, "title": spec, "repo": spec, "folder": str(downloaded_model_dir(spec)),
+               "status": "absent", "size": None, "license": "see the model card", "params": "", "sparsity": None,
+               "description": "Added by hand", "verdict": "fit unknown", "reason": "", "custom": True,
+               "local": False, "downloadable": True, "chat": False, "words_s": None, "speed": "", "capability": 0}
+        self.rows.setdefault(spec, row)
+        card = ModelCard(self, row)
+        self.cards[spec] = card
+        self.list_layout.insertWidget(1, card)  # first under the Hub search, where it is seen
 
     def add_remote(self) -> None:
         from .remote_dialog import AddRemoteDialog

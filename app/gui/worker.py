@@ -208,6 +208,7 @@ class EngineWorker(QObject):
         # system prompt would only take room from its context.
         info["base_model"] = spec == "demo" or not getattr(tok, "has_chat_template", True)
         info["remote"] = bool(eng.remote)
+        info["cpu_weights"] = options.get("cpu_weights", "int8")  # the format the model was loaded in
         from engine.runtime.runtime_info import torch_build
 
         info["build"] = torch_build()  # CPU or CUDA build of torch, and whether a GPU is usable

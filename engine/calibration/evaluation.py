@@ -157,9 +157,9 @@ def evaluate(engine, corpus: list[str | Path] | None = None, settings: EvalSetti
             logits = {}
             for mode in MODES:
                 engine.model.ffn_observer = observe if mode == observed else None
-                if cats and mode == "dense":
-                    with _thresholds_off(engine.model):
-                        out = engine.score(ids, mode)[:-1].float().cpu()
+                if cats and mode == "dense":  # every neuron, thresholds off (a sparse engine's
+                    with _thresholds_off(engine.model):  # plain "dense" score runs its predictors)
+                        out = engine.score(ids, "oracle")[:-1].float().cpu()
                 else:
                     out = engine.score(ids, mode)[:-1].float().cpu()
                 logits[mode] = out

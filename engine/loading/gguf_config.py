@@ -29,9 +29,11 @@ def hf_config(m: GgufModel, activation: str | None) -> dict:
             activation = "silu"
     if activation not in ACTIVATIONS:
         raise UserError(f"unknown activation {activation!r}: choose one of {', '.join(ACTIVATIONS)}")
+    family = {"bamboo": ("BambooForCausalLM", "bamboo"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+    architecture, model_type = family.get(a, ("LlamaForCausalLM", "llama"))
     config = {
-        "architectures": ["BambooForCausalLM" if a == "bamboo" else "LlamaForCausalLM"],
-        "model_type": "bamboo" if a == "bamboo" else "llama",
+        "architectures": [architecture],
+        "model_type": model_type,
         # Bamboo's dReLU is spelled "relu" in its config (engine.config reads it so)
         "hidden_act": "relu" if a == "bamboo" else activation,
         "hidden_size": d,
@@ -45,7 +47,7 @@ def hf_config(m: GgufModel, activation: str | None) -> dict:
         "max_position_embeddings": int(f.get(f"{a}.context_length") or 2048),
         "vocab_size": vocab.shape[0],
         "tie_word_embeddings": "output.weight" not in m.tensors,
-        "attention_bias": False,
+        "attention_bias": "blk.0.attn_q.bias" in m.tensors,  # Qwen2's q/k/v biases
         "mlp_bias": False,
         "torch_dtype": "float32",
     }

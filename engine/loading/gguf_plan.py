@@ -27,7 +27,12 @@ _LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight":
                 "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
                 "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
                 "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-                "ffn_down.weight": "mlp.down_proj.weight", "ffn_down_t.weight": "mlp.down_proj.weight"}
+                "ffn_down.weight": "mlp.down_proj.weight", "ffn_down_t.weight": "mlp.down_proj.weight",
+                "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+                "attn_v.bias": "self_attn.v_proj.bias"}
+# Architectures whose converter permutes q/k rows for ggml's interleaved rotary (convert.py's
+# LlamaModel); qwen2's keeps HF's rotate_half layout (NeoX rotary in llama.cpp): copied as they are
+_PERMUTED = ("llama", "bamboo")
 
 
 def tensor_plan(m: GgufModel, config: dict) -> tuple[list[tuple[str, GgufTensor, str]], dict[int, dict]]:
@@ -49,7 +54,12 @@ def tensor_plan(m: GgufModel, config: dict) -> tuple[list[tuple[str, GgufTensor,
             continue
         if rest not in _LAYER_NAMES:
             raise UserError(f"{m.path.name}: tensor {name} is not one Thermocline knows how to place")
-        how = {"attn_q.weight": "unpermute_q", "attn_k.weight": "unpermute_k",
+        permuted = m.arch in _PERMUTED
+        if rest.endswith(".bias") and permuted and rest != "attn_v.bias":
+            raise UserError(f"{m.path.name}: tensor {name} is a q/k bias of a {m.arch} file, whose rows convert.py "
+                            "permutes; Thermocline reads q/k/v biases of qwen2 files")
+        how = {"attn_q.weight": "unpermute_q" if permuted else "copy",
+               "attn_k.weight": "unpermute_k" if permuted else "copy",
                "ffn_down_t.weight": "transpose"}.get(rest, "copy")
         plan.append((f"model.layers.{i}.{_LAYER_NAMES[rest]}", t, how))
     names = [p[0] for p in plan]
@@ -67,6 +77,9 @@ def check_shapes(m: GgufModel, config: dict, plan) -> None:
     for hf, t, how in plan:
         shape = t.shape[::-1] if how == "transpose" else t.shape
         key = next(k for k in want if k in hf)
+        if hf.endswith(".bias"):  # q/k/v biases: one value per output row
+            want[key + ".bias"] = want[key][:1]
+            key += ".bias"
         if tuple(shape) != want[key]:
             raise ModelFormatError(f"{m.path.name} is corrupt: {t.name} has shape {list(t.shape)} but the "
                                    f"metadata says {list(want[key])}")

@@ -21,7 +21,7 @@ from engine.kernels.ggml_quants import TYPE_NAMES as BLOCK_TYPES
 
 POWERINFER_MAGIC = b"PWRI"
 GGUF_MAGIC = b"GGUF"
-ARCHITECTURES = ("llama", "bamboo")
+ARCHITECTURES = ("llama", "bamboo", "qwen2")
 
 _READS = (f"Thermocline reads F32, F16, BF16, Q8_0, Q4_0, {', '.join(BLOCK_TYPES)} tensors (convert the file to "
           "one of these with llama.cpp's llama-quantize)")
@@ -144,7 +144,8 @@ def read_gguf(path: str | Path) -> GgufModel:
         named = f"its architecture is {arch[:60]!r}" if isinstance(arch, str) and arch else \
             "it names no readable architecture"
         raise UserError(f"{path.name} is not a GGUF of a supported architecture ({named}); Thermocline imports "
-                        f"GGUFs of the {' and '.join(ARCHITECTURES)} architectures (ReLU-family models)")
+                        f"GGUFs of the {', '.join(ARCHITECTURES)} architectures (ReLU-family models, and SwiGLU "
+                        "ones, which run dense)")
     supported = _types()
     tensors = {}
     for t in reader.tensors:
