@@ -15,6 +15,7 @@ Ops:
 - `matmul_q4`: many tokens times a Q4_0 matrix with int8 activations (llama.cpp's Q4_0 x Q8_0),
   in each 4-bit layout (plain rows, tiles, 8 rows interleaved); the reference rounds x to Q8_0
   blocks as written out here, so only the fp32 sums' rounding remains.
+- `matmul_int8`: many tokens times int8 rows with int8 activations in blocks of 128.
 - `decode_attention`: one query token against the first `length` slots of a KV cache (fp16 or
   fp32, contiguous or strided), grouped query heads.
 The error is max |y - ref| over the output, divided by the largest sum of the magnitudes of
@@ -53,7 +54,7 @@ class KernelCase:
     def id(self) -> str:
         if self.op == "matvec":
             return f"matvec-{self.weights}-{self.n}x{self.d}"
-        if self.op == "matmul_q4":
+        if self.op in ("matmul_q4", "matmul_int8"):
             return f"matmul-{self.weights}-{self.n}x{self.d}-t{self.length}"
         if self.op == "decode_attention":
             return f"attention-{self.weights}-{self.n}q{self.kv_heads}kv{self.d}-len{self.length}"
@@ -88,6 +89,11 @@ CASES = [
          (1, 2, 3, 4, 5, 9)),
         ("q4_tiles", ((1, 256), (3, 512), (37, 256), (200, 1000), (64, 4096)), (1, 2, 3, 4, 5, 9, 20)))
     for n, cols in shapes for tokens in token_counts
+] + [
+    # many tokens (`length`) times int8 rows, int8 activations in blocks of 128
+    KernelCase("", False, "int8", n, d, 1.0, 1e-5, op="matmul_int8", length=tokens)
+    for n, d, tokens in ((4, 128, 1), (5, 128, 3), (7, 256, 1), (64, 384, 2), (130, 512, 9), (257, 1024, 17),
+                         (1000, 4096, 1), (33, 4096, 40))
 ] + [
     # decode attention over the CPU KV cache; positions past `length` hold other data
     KernelCase("", False, cache, heads, head_dim, 1.0, 1e-5, op="decode_attention", kv_heads=kv, length=length)
@@ -223,14 +229,15 @@ def _decode_attention(case: KernelCase, numba: bool) -> Prepared:
     return Prepared(lambda: cpu.decode_attention(q, k, v, length, scale), (), reference)
 
 
-def _as_q8(x: torch.Tensor) -> torch.Tensor:
-    """x [T, d] as the int8 x 4-bit kernels compute with it, written here independently: llama.cpp's
-    Q8_0 blocks of 32 (fp32 scale max|x| / 127, values rint(x / scale)), dequantized in fp64."""
+def _as_q8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x [T, d] as the int8-activation kernels compute with it, written here independently: llama.cpp's
+    Q8_0 blocks (32 values for the 4-bit kernels, 128 for int8 rows; fp32 scale max|x| / 127,
+    values rint(x / scale)), dequantized in fp64."""
     t, d = x.shape
-    width = -(-d // 32) * 32
+    width = -(-d // block) * block
     xp = torch.zeros(t, width, dtype=torch.float32)
     xp[:, :d] = x
-    blocks = xp.reshape(t, -1, 32)
+    blocks = xp.reshape(t, -1, block)
     s = blocks.abs().amax(dim=2, keepdim=True) / torch.tensor(127.0)
     inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
     q = torch.round(blocks * inv).clamp(-127, 127)
@@ -263,7 +270,25 @@ def _matmul_q4(case: KernelCase, numba: bool) -> Prepared:
     return Prepared(run, (), reference)
 
 
-_OPS = {"matvec": _matvec, "decode_attention": _decode_attention, "matmul_q4": _matmul_q4}
+def _matmul_int8(case: KernelCase, numba: bool) -> Prepared:
+    """Many tokens times int8 rows with int8 activations in blocks of 128 (`cpu.matmul_int8`)."""
+    from engine.kernels import cpu
+
+    n, d, tokens = case.n, case.d, case.length
+    g = torch.Generator().manual_seed(n * 7 + d + tokens)
+    q, scale = cpu.quantize_rows_int8(torch.randn(n, d, generator=g))
+    x = torch.randn(tokens, d, generator=g) * torch.linspace(0.1, 10.0, d)  # blocks of unequal range
+    x[0, :128] = 0.0  # an all-zero block: scale 0
+
+    def reference():
+        w, xq = q.double() * scale.double()[:, None], _as_q8(x, 128)
+        return xq @ w.T, float((xq.abs() @ w.abs().T).max()) + 1e-12
+
+    return Prepared(lambda: cpu.matmul_int8(x, q, scale), (), reference)
+
+
+_OPS = {"matvec": _matvec, "decode_attention": _decode_attention, "matmul_q4": _matmul_q4,
+        "matmul_int8": _matmul_int8}
 
 
 def _cpu(case: KernelCase, layer: Layer) -> Prepared:
@@ -409,7 +434,7 @@ BACKENDS = {
     "numba": Backend("numba", ("fp32", "int8", "int4"), _numba_available, _cpu, dense_kernels_for_every_size,
                      ops={"matvec": None, "decode_attention": None}),
     "numba-int8act": Backend("numba-int8act", ("int4",), _int8_activations_available, _cpu, tol=1e-2,
-                             ops={"matmul_q4": None, "matvec": ("int4",)}),
+                             ops={"matmul_q4": None, "matmul_int8": None, "matvec": ("int4",)}),
     "numba-predicted": Backend("numba-predicted", ("fp32", "int8"), _numba_available, _cpu_predicted),
     "numba-int8act-predicted": Backend("numba-int8act-predicted", ("int4",), _int8_activations_available,
                                        _cpu_predicted, tol=1e-2),
