@@ -130,6 +130,10 @@ SCHEMA: tuple[Option, ...] = (
            minimum=0.5, maximum=3.0),
     Option("chat.min_p", float, 0.0, "Drop tokens less likely than this share of the likeliest one; 0 keeps all.",
            minimum=0.0, maximum=0.99),
+    Option("chat.presence_penalty", float, 0.0, "Lowers every token already in the answer by this much "
+           "(OpenAI's presence penalty, -2 to 2); 0 is none.", minimum=-2.0, maximum=2.0),
+    Option("chat.frequency_penalty", float, 0.0, "Lowers a token by this much for each time it is already in the "
+           "answer (OpenAI's frequency penalty, -2 to 2); 0 is none.", minimum=-2.0, maximum=2.0),
     Option("chat.seed", int, None, "Seed of the random choices: the same seed and settings give the same "
            "answer; empty picks a new one each time.", minimum=0, maximum=2**63 - 1, nullable=True),
     Option("chat.stop", list, [], "Strings that end the answer where they appear (at most 4; not shown)."),
@@ -161,8 +165,8 @@ SCHEMA: tuple[Option, ...] = (
     Option("ui.last_conversation", int, None, "Conversation open when the app was closed.", nullable=True),
 )
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens", "seed",
-                 "stop")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "max_new_tokens", "seed", "stop")
 
 
 def config_dir() -> Path:

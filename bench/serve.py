@@ -110,7 +110,7 @@ def main(argv=None) -> int:
 
     global MODEL_ID
     folder = resolve_model(args.model)
-    MODEL_ID = args.model if args.model == "demo" else folder.name
+    MODEL_ID = args.model  # the id `thermocline serve` gives it: what --model said
     engine = Engine.load(folder, mode=args.mode)
     if args.server == "thread":
         engine.eos_ids = set()  # every answer is max_tokens long (the same engine serves both paths)

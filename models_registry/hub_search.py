@@ -16,6 +16,7 @@ import re
 
 from engine.activations import is_sparse
 from engine.arch import module_for
+from engine.budget_policy import usable_ram
 from engine.errors import ModelFormatError, UserError
 
 from .arch import detect_architecture
@@ -121,7 +122,9 @@ def search_hub(query: str, *, ctx: int = 2048, cpu_weights: str = "int8", token:
         if not is_sparse(arch.activation):
             has_predictors, runs = False, SWIGLU_DENSE
         try:
-            est = estimate_fit(config, ctx=ctx, hardware=hw, bytes_model=BytesModel(cpu_weights=cpu_weights),
+            # Against what this machine can give (its usable free VRAM and RAM), not a suggestion.
+            est = estimate_fit(config, ctx=ctx, vram_budget=hw.usable_vram_free, ram_budget=usable_ram(hw.ram_available),
+                               bytes_model=BytesModel(cpu_weights=cpu_weights),
                                sparsity=None if has_predictors else 0.0)
         except Exception as exc:  # noqa: BLE001 - a model we cannot size is still shown, said so
             verdict, reason, words_s, params = "unknown", str(exc), None, 0

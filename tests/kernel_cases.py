@@ -10,10 +10,12 @@ Ops:
   CPU; fp16, bf16, fp32 and int4 rows for Triton), sizes, the fraction of neurons selected. The
   reference is `_reference` below: the FFN in fp64 over the rows the backend really holds
   (dequantized), written out from docs/ARCHITECTURE.md independently of the engine.
-- `matvec`: x times every row of a matrix in a CPU row format (int8 rows with a scale each).
+- `matvec`: x times every row of a matrix in a row format (fp32, int8 with a scale a row, Q4_0 on
+  the CPU and in Triton), and `combine` (a weighted sum of rows).
 - `matmul_q4`: many tokens times a Q4_0 matrix with int8 activations (llama.cpp's Q4_0 x Q8_0),
   in each 4-bit layout (plain rows, tiles, 8 rows interleaved); the reference rounds x to Q8_0
   blocks as written out here, so only the fp32 sums' rounding remains.
+- `matmul_int8`: many tokens times int8 rows with int8 activations in blocks of 128.
 - `decode_attention`: one query token against the first `length` slots of a KV cache (fp16 or
   fp32, contiguous or strided), grouped query heads.
 The error is max |y - ref| over the output, divided by the largest sum of the magnitudes of
@@ -52,7 +54,7 @@ class KernelCase:
     def id(self) -> str:
         if self.op == "matvec":
             return f"matvec-{self.weights}-{self.n}x{self.d}"
-        if self.op == "matmul_q4":
+        if self.op in ("matmul_q4", "matmul_int8"):
             return f"matmul-{self.weights}-{self.n}x{self.d}-t{self.length}"
         if self.op == "decode_attention":
             return f"attention-{self.weights}-{self.n}q{self.kv_heads}kv{self.d}-len{self.length}"
@@ -66,21 +68,32 @@ _SIZES = [(64, 256), (200, 96), (130, 100)]
 _FRACTIONS = [0.05, 0.35, 1.0]
 CASES = [
     KernelCase(act, gated, weights, *_SIZES[i % 3], _FRACTIONS[i % 3], 1e-4)
-    for i, (act, gated, weights) in enumerate(product(("relu", "fatrelu", "drelu", "relu2"), (True, False),
+    for i, (act, gated, weights) in enumerate(product(("relu", "fatrelu", "drelu", "relu2", "silu"), (True, False),
                                                       ("fp32", "int8", "int4", "fp16", "bf16")))
     if gated or act != "drelu"  # dReLU is a gated activation
 ] + [
-    # matvec over int8 rows (a decode step's dense product): one row, rows of any length
-    KernelCase("", False, "int8", n, d, 1.0, 1e-5, op="matvec") for n, d in ((1, 8), (300, 1000), (2500, 257))
+    # a decode step's dense products: x times rows of fp32, int8 or Q4_0 (one row, rows of any
+    # length), and `combine` (sum_i a_i w_i)
+    KernelCase("", False, weights, n, d, 1.0, 1e-5, op="matvec") for weights, shapes in (
+        ("int8", ((1, 8), (300, 1000), (2500, 257))),
+        ("int4", ((1, 32), (7, 96), (1000, 256), (301, 1000), (4099, 64), (65, 96), (200, 130))),
+        ("fp32", ((1, 1), (7, 33), (300, 256), (2048, 130))),
+        ("combine", ((1, 1), (7, 33), (300, 256), (2048, 130))))
+    for n, d in shapes
 ] + [
     # many tokens (`length`) times a Q4_0 matrix, int8 activations, in each 4-bit layout
     KernelCase("", False, layout, n, cols, 1.0, 2e-6, op="matmul_q4", length=tokens)
     for layout, shapes, token_counts in (
-        ("q4_rows", ((1, 32), (13, 100), (64, 4096), (1030, 256)), (1, 3, 9)),
+        ("q4_rows", ((1, 32), (7, 96), (13, 100), (64, 4096), (301, 1000), (1030, 256)), (1, 3, 9, 17, 40)),
         ("q4x8", ((1, 32), (5, 64), (8, 32), (13, 100), (37, 300), (64, 4096), (203, 1000), (1030, 256)),
          (1, 2, 3, 4, 5, 9)),
         ("q4_tiles", ((1, 256), (3, 512), (37, 256), (200, 1000), (64, 4096)), (1, 2, 3, 4, 5, 9, 20)))
     for n, cols in shapes for tokens in token_counts
+] + [
+    # many tokens (`length`) times int8 rows, int8 activations in blocks of 128
+    KernelCase("", False, "int8", n, d, 1.0, 1e-5, op="matmul_int8", length=tokens)
+    for n, d, tokens in ((4, 128, 1), (5, 128, 3), (7, 256, 1), (64, 384, 2), (130, 512, 9), (257, 1024, 17),
+                         (1000, 4096, 1), (33, 4096, 40))
 ] + [
     # decode attention over the CPU KV cache; positions past `length` hold other data
     KernelCase("", False, cache, heads, head_dim, 1.0, 1e-5, op="decode_attention", kv_heads=kv, length=length)
@@ -111,11 +124,14 @@ def build_layer(case: KernelCase, seed: int = 0) -> Layer:
     x = torch.randn(case.d, generator=g)
     logits = torch.randn(case.n, generator=g)
     threshold = float("-inf") if case.fraction >= 1 else torch.quantile(logits, 1 - case.fraction).item()
-    act_threshold = FAT_THRESHOLD if case.activation == "fatrelu" else 0.0
+    act_threshold = FAT_THRESHOLD if case.activation in ("fatrelu", "silu") else 0.0  # silu: CATS's threshold
     return Layer(x, gate, up, down_t, logits >= threshold, logits, threshold, act_threshold)
 
 
 def _nonlinearity(v: torch.Tensor, activation: str, threshold: float) -> torch.Tensor:
+    if activation == "silu":  # x * sigmoid(x); CATS: |value| below the threshold becomes 0
+        s = v * torch.sigmoid(v)
+        return torch.where(s.abs() < threshold, torch.zeros_like(s), s) if threshold > 0 else s
     if activation == "fatrelu":
         return torch.where(v >= threshold, v, torch.zeros_like(v))
     r = v.clamp_min(0.0)
@@ -161,17 +177,34 @@ class Prepared:
 
 
 def _matvec(case: KernelCase, numba: bool) -> Prepared:
-    from engine.kernels import cpu
+    """x times every row of a matrix: fp32 rows (`cpu.matvec`), int8 rows with a scale each
+    (`cpu.matvec_int8`), Q4_0 rows (`cpu_q4.matvec_q4`, with int8 activations where the backend
+    has them on: the reference then rounds x to Q8_0 blocks too), or `combine` (sum_i a_i w_i)."""
+    from engine.kernels import cpu, cpu_q4, q4_format, q4_quantize
 
     g = torch.Generator().manual_seed(case.n + case.d)
-    q, scale = cpu.quantize_rows_int8(torch.randn(case.n, case.d, generator=g))
+    w = torch.randn(case.n, case.d, generator=g)
     x = torch.randn(case.d, generator=g)
+    if case.weights == "combine":
+        a = torch.relu(torch.randn(case.n, generator=g))
+        terms = a.double()[:, None] * w.double()
+        return Prepared(lambda: cpu.combine(a, w), (), lambda: (terms.sum(0), float(terms.abs().sum(0).max()) + 1e-12))
+    if case.weights == "fp32":
+        held, run = w.double(), lambda: cpu.matvec(x, w)
+    elif case.weights == "int8":
+        q, scale = cpu.quantize_rows_int8(w)
+        held, run = q.double() * scale.double()[:, None], lambda: cpu.matvec_int8(x, q, scale)
+    else:
+        q4 = q4_quantize.quantize_rows_q4(w)
+        held, run = q4_format.dequantize_rows_q4(q4, case.d).double(), lambda: cpu_q4.matvec_q4(x, q4, case.d)
+    q8 = case.weights == "int4" and cpu_q4.int8_activations(cpu_q4._kernels())  # in the backend's context
+    xs = _as_q8(x[None])[0] if q8 else x.double()
 
     def reference():
-        terms = (q.double() * scale.double()[:, None]) * x.double()
+        terms = held * xs
         return terms.sum(1), float(terms.abs().sum(1).max()) + 1e-12
 
-    return Prepared(lambda: cpu.matvec_int8(x, q, scale), (), reference)
+    return Prepared(run, (), reference)
 
 
 def _decode_attention(case: KernelCase, numba: bool) -> Prepared:
@@ -199,14 +232,15 @@ def _decode_attention(case: KernelCase, numba: bool) -> Prepared:
     return Prepared(lambda: cpu.decode_attention(q, k, v, length, scale), (), reference)
 
 
-def _as_q8(x: torch.Tensor) -> torch.Tensor:
-    """x [T, d] as the int8 x 4-bit kernels compute with it, written here independently: llama.cpp's
-    Q8_0 blocks of 32 (fp32 scale max|x| / 127, values rint(x / scale)), dequantized in fp64."""
+def _as_q8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x [T, d] as the int8-activation kernels compute with it, written here independently: llama.cpp's
+    Q8_0 blocks (32 values for the 4-bit kernels, 128 for int8 rows; fp32 scale max|x| / 127,
+    values rint(x / scale)), dequantized in fp64."""
     t, d = x.shape
-    width = -(-d // 32) * 32
+    width = -(-d // block) * block
     xp = torch.zeros(t, width, dtype=torch.float32)
     xp[:, :d] = x
-    blocks = xp.reshape(t, -1, 32)
+    blocks = xp.reshape(t, -1, block)
     s = blocks.abs().amax(dim=2, keepdim=True) / torch.tensor(127.0)
     inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
     q = torch.round(blocks * inv).clamp(-127, 127)
@@ -239,7 +273,25 @@ def _matmul_q4(case: KernelCase, numba: bool) -> Prepared:
     return Prepared(run, (), reference)
 
 
-_OPS = {"matvec": _matvec, "decode_attention": _decode_attention, "matmul_q4": _matmul_q4}
+def _matmul_int8(case: KernelCase, numba: bool) -> Prepared:
+    """Many tokens times int8 rows with int8 activations in blocks of 128 (`cpu.matmul_int8`)."""
+    from engine.kernels import cpu
+
+    n, d, tokens = case.n, case.d, case.length
+    g = torch.Generator().manual_seed(n * 7 + d + tokens)
+    q, scale = cpu.quantize_rows_int8(torch.randn(n, d, generator=g))
+    x = torch.randn(tokens, d, generator=g) * torch.linspace(0.1, 10.0, d)  # blocks of unequal range
+    x[0, :128] = 0.0  # an all-zero block: scale 0
+
+    def reference():
+        w, xq = q.double() * scale.double()[:, None], _as_q8(x, 128)
+        return xq @ w.T, float((xq.abs() @ w.abs().T).max()) + 1e-12
+
+    return Prepared(lambda: cpu.matmul_int8(x, q, scale), (), reference)
+
+
+_OPS = {"matvec": _matvec, "decode_attention": _decode_attention, "matmul_q4": _matmul_q4,
+        "matmul_int8": _matmul_int8}
 
 
 def _cpu(case: KernelCase, layer: Layer) -> Prepared:
@@ -281,6 +333,17 @@ def _triton_device() -> torch.device:
 
 def _triton(case: KernelCase, layer: Layer) -> Prepared:
     dev = _triton_device()
+    if case.op == "matvec":  # Q4_0 rows (the hot tier's 4-bit matrices)
+        from engine.kernels import q4_format, q4_quantize
+        from engine.kernels.triton_q4 import matvec_q4_triton
+
+        g = torch.Generator().manual_seed(case.n + case.d)
+        q = q4_quantize.quantize_rows_q4(torch.randn(case.n, case.d, generator=g))
+        x = torch.randn(case.d, generator=g)
+        wd = q4_format.dequantize_rows_q4(q, case.d).double()
+        qd, xd = q.to(dev), x.to(dev)
+        return Prepared(lambda: matvec_q4_triton(xd, qd, case.d), (),
+                        lambda: (wd @ x.double(), float((wd.abs() @ x.double().abs()).max()) + 1e-12))
     x, logits = layer.x.to(dev), layer.logits.to(dev)
     if case.weights == "int4":
         from engine.kernels import q4_format, q4_quantize
@@ -325,6 +388,20 @@ def fp32_activations():
         cpu_q4.USE_INT8_ACTIVATIONS = saved
 
 
+@contextmanager
+def dense_kernels_for_every_size():
+    """The numba backend: fp32 activations (above), and the dense products (matvec, combine) on
+    numba for the table's small shapes too (cpu's size cut-over hands small ones to torch)."""
+    from engine.kernels import cpu
+
+    saved, cpu._DENSE_MIN_ELEMENTS = cpu._DENSE_MIN_ELEMENTS, 0
+    try:
+        with fp32_activations():
+            yield
+    finally:
+        cpu._DENSE_MIN_ELEMENTS = saved
+
+
 def _triton_available() -> bool:
     try:
         from engine.kernels.triton_ffn import available
@@ -340,7 +417,7 @@ class Backend:
     available: Callable[[], bool]
     prepare: Callable[[KernelCase, Layer], Prepared]
     context: Callable = contextmanager(lambda: (yield))
-    ops: tuple[str, ...] = ("sparse_ffn",)
+    ops: dict | None = None  # op -> the weight formats it runs (None: every case of the op); None: sparse_ffn only
     # A bound of its own, for a backend that rounds its input: x in 8-bit blocks of 32 with a
     # scale each (1/254 of a block's largest value) moves the sums by a few parts in a thousand.
     tol: float | None = None
@@ -350,21 +427,25 @@ class Backend:
         return self.tol if self.tol is not None and case.op == "sparse_ffn" else case.tol
 
     def supports(self, case: KernelCase) -> bool:
-        return case.op in self.ops and (case.op != "sparse_ffn" or case.weights in self.weights)
+        if case.op == "sparse_ffn":
+            return case.weights in self.weights
+        ops = self.ops or {}
+        return case.op in ops and (ops[case.op] is None or case.weights in ops[case.op])
 
 
 BACKENDS = {
-    "numba": Backend("numba", ("fp32", "int8", "int4"), _numba_available, _cpu, fp32_activations,
-                     ops=("sparse_ffn", "matvec", "decode_attention")),
+    "numba": Backend("numba", ("fp32", "int8", "int4"), _numba_available, _cpu, dense_kernels_for_every_size,
+                     ops={"matvec": None, "decode_attention": None}),
     "numba-int8act": Backend("numba-int8act", ("int4",), _int8_activations_available, _cpu, tol=1e-2,
-                             ops=("sparse_ffn", "matmul_q4")),
+                             ops={"matmul_q4": None, "matmul_int8": None, "matvec": ("int4",)}),
     "numba-predicted": Backend("numba-predicted", ("fp32", "int8"), _numba_available, _cpu_predicted),
     "numba-int8act-predicted": Backend("numba-int8act-predicted", ("int4",), _int8_activations_available,
                                        _cpu_predicted, tol=1e-2),
     "torch": Backend("torch", ("fp32", "int8", "int4"), lambda: True, _cpu, numba_disabled,
-                     ops=("sparse_ffn", "matvec", "decode_attention")),
+                     ops={"matvec": None, "decode_attention": None}),
     # The Triton interpreter on CPU tensors (TRITON_INTERPRET=1), or CUDA when there is a GPU.
-    "triton": Backend("triton", ("fp32", "fp16", "bf16", "int4"), _triton_available, _triton),
+    "triton": Backend("triton", ("fp32", "fp16", "bf16", "int4"), _triton_available, _triton,
+                      ops={"matvec": ("int4",)}),
 }
 
 

@@ -146,13 +146,15 @@ def test_min_p_seed_and_stop_strings_are_kept_and_used(qtbot, window):
     w.chat.open_conversation_settings()
     dlg = next(d for d in QApplication.topLevelWidgets() if isinstance(d, ConversationSettingsDialog))
     assert dlg.fields["seed"].text() == "Random"
+    assert dlg.fields["presence_penalty"].minimum() == -2.0 and dlg.fields["frequency_penalty"].maximum() == 2.0
     dlg.fields["min_p"].setValue(0.05)
+    dlg.fields["frequency_penalty"].setValue(0.5)
     dlg.fields["seed"].setValue(1234)
     dlg.fields["stop"].setPlainText("never appears\\n\nzzz")
     dlg.accept()
     conv = w.storage.conversation(w.chat.conversation.id)
     assert conv.sampling["min_p"] == pytest.approx(0.05) and conv.sampling["seed"] == 1234
-    assert conv.sampling["stop"] == ["never appears\n", "zzz"]
+    assert conv.sampling["stop"] == ["never appears\n", "zzz"] and conv.sampling["frequency_penalty"] == 0.5
     answer = w.chat.view.last()
     w.chat.regenerate(answer.message_id)
     wait_idle(qtbot, w)
@@ -161,7 +163,12 @@ def test_min_p_seed_and_stop_strings_are_kept_and_used(qtbot, window):
     wait_idle(qtbot, w)
     assert w.chat.view.last().text() == one  # a fixed seed: the same answer at temperature 1.5
     # A stop string ends the answer where it appears, and is not shown.
-    cut = one.strip().split()[1] if len(one.split()) > 1 else one.strip()[:2]
+    import re
+
+    plain = re.findall(r"[A-Za-z]{2,}", one[1:])  # a tiny random model writes odd bytes too: a plain word
+    if not plain:
+        pytest.skip("the answer has no plain word to stop at")
+    cut = plain[0]
     dlg2 = w.chat.open_conversation_settings() or next(
         d for d in QApplication.topLevelWidgets() if isinstance(d, ConversationSettingsDialog) and d.isVisible())
     dlg2.fields["stop"].setPlainText(cut)

@@ -485,24 +485,7 @@ def _q8_reference(x, q, scale, block):
     return _q8_dequantized(x, block) @ (q.double() * scale.double()[:, None]).T
 
 
-@needs_q8
-@pytest.mark.parametrize("n,d,T", [(4, 128, 1), (5, 128, 3), (7, 256, 1), (64, 384, 2), (130, 512, 9),
-                                   (257, 1024, 17), (1000, 4096, 1), (33, 4096, 40)])
-def test_matmul_int8_equals_the_fp64_product_of_quantized_activations(n, d, T):
-    g = torch.Generator().manual_seed(n * 7 + d + T)
-    q, scale = cpu.quantize_rows_int8(torch.randn(n, d, generator=g))
-    x = torch.randn(T, d, generator=g) * torch.linspace(0.1, 10.0, d)  # blocks of unequal range
-    x[0, :128] = 0.0  # an all-zero block: scale 0
-    y = cpu.matmul_int8(x, q, scale)
-    assert y is not None and y.dtype == torch.float32 and y.shape == (T, n)
-    ref = _q8_reference(x, q, scale, 128)
-    # integer sums are exact; only the fp32 block scaling and the final sums round
-    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
-    # and within the activation's quantization error of the product with fp32 activations
-    exact = x.double() @ (q.double() * scale.double()[:, None]).T
-    bound = (x.double().abs().reshape(T, -1, 128).amax(dim=2) / 254.0).repeat_interleave(128, dim=1) \
-        @ (q.double().abs() * scale.double()[:, None]).T
-    assert bool(((y.double() - exact).abs() <= bound * 1.001 + 1e-6).all())
+# The product against fp64 of the quantized activations: rows `matmul-int8-*` of tests/kernel_cases.py.
 
 
 @pytest.mark.parametrize("n,d", [(3, 128), (8, 200), (8, 64)])

@@ -143,26 +143,7 @@ def test_predicted_selection_matches_the_id_path(monkeypatch, n, d):
     _check_paths(monkeypatch, run)
 
 
-@pytest.mark.parametrize("n,d", [(1, 32), (7, 96), (1000, 256), (301, 1000), (4099, 64)])
-def test_matvec_q4_matches_float64(monkeypatch, n, d):
-    g = torch.Generator().manual_seed(n + d)
-    w = torch.randn(n, d, generator=g)
-    x = torch.randn(d, generator=g)
-    q = q4_quantize.quantize_rows_q4(w)
-    wd = q4_format.dequantize_rows_q4(q, d).double()
-    exact = wd @ x.double()
-
-    def run(seen):
-        y = cpu_q4.matvec_q4(x, q, d)
-        assert y.shape == (n,)
-        ref = wd @ seen(x)
-        assert (y.double() - ref).abs().max() <= 1e-5 * float(w.abs().max()) * d ** 0.5
-        # and the activation's rounding costs at most half its step (block max / 127) per weight
-        blocks = F.pad(x.double(), (0, -d % 32)).reshape(-1, 32)
-        step = (blocks.abs().amax(dim=1, keepdim=True) / 254).expand(-1, 32).reshape(-1)[:d]
-        assert torch.all((y.double() - exact).abs() <= wd.abs() @ step + 1e-5 * float(w.abs().max()) * d ** 0.5)
-
-    _check_paths(monkeypatch, run)
+# The one-token product over 4-bit rows on every path: rows `matvec-int4-*` of tests/kernel_cases.py.
 
 
 def test_select_and_concat_keep_rows_exactly():

@@ -70,13 +70,7 @@ def test_sparse_ffn_q4_matches_float64(n, d, activation, gated, predicted):
     assert (y.cpu().double() - ref).abs().max() <= 1e-4 * (1 + ref.abs().max())
 
 
-@pytest.mark.parametrize("n,d", [(1, 32), (65, 96), (200, 130)])
-def test_matvec_q4_matches_float64(n, d):
-    g = torch.Generator().manual_seed(n + d)
-    q, w64 = _q4(torch.randn(n, d, generator=g))
-    x = torch.randn(d, generator=g)
-    y = matvec_q4_triton(x.to(DEVICE), q, d)
-    torch.testing.assert_close(y.cpu().double(), w64 @ x.double(), atol=1e-4, rtol=1e-5)
+# The Triton one-token product over 4-bit rows: rows `matvec-int4-*` (backend triton) of tests/kernel_cases.py.
 
 
 def test_rows_of_the_wrong_layout_are_refused():

@@ -22,16 +22,16 @@ def run(tuner: ThreadTuner, seconds_at, steps: int) -> list[int]:
 
 def test_it_probes_each_count_and_keeps_the_fastest():
     tuner = ThreadTuner(2, period=10, trial=3)
-    assert tuner.candidates == [2, 1]
-    used = run(tuner, lambda c, s: {2: 0.30, 1: 0.05}[c], 6)  # a busy second core: 2 threads wait for it
-    assert used == [2, 2, 2, 1, 1, 1] and tuner.best == 1 and not tuner.probing
+    assert tuner.candidates == [1, 2]
+    used = run(tuner, lambda c, s: {2: 0.30, 1: 0.05}[c], 4)  # a busy second core: 2 threads wait for it
+    assert used == [1, 1, 1, 2] and tuner.best == 1 and not tuner.probing  # one collapsed step, no more
     assert run(tuner, lambda c, s: 0.05, 10) == [1] * 10  # until the next probe, after `period` steps
     assert tuner.probing and tuner.probes == 2
 
 
 def test_a_quiet_machine_keeps_every_thread_and_a_slowdown_starts_a_probe_early():
     tuner = ThreadTuner(4, period=100, trial=3)
-    assert tuner.candidates == [4, 2, 1]
+    assert tuner.candidates == [1, 2, 4]
     run(tuner, lambda c, s: {4: 0.02, 2: 0.03, 1: 0.05}[c], 9)
     assert tuner.best == 4 and tuner.best_median == 0.02
     run(tuner, lambda c, s: 0.02, 5)
@@ -42,9 +42,14 @@ def test_a_quiet_machine_keeps_every_thread_and_a_slowdown_starts_a_probe_early(
 
 def test_noise_of_one_step_does_not_decide():
     tuner = ThreadTuner(2, period=50, trial=3)
-    times = iter([0.02, 0.5, 0.02, 0.04, 0.04, 0.04])  # one spike among the 2-thread steps
+    times = iter([0.04, 0.5, 0.04, 0.02, 0.03, 0.02])  # one spike among the 1-thread steps
     run(tuner, lambda c, s: next(times), 6)
-    assert tuner.best == 2  # medians 0.02 vs 0.04
+    assert tuner.best == 2  # medians 0.04 vs 0.02
+    run(tuner, lambda c, s: 0.02, 50)  # the period: a second probe
+    assert tuner.probing and tuner.probes == 2
+    times = iter([0.04, 0.04, 0.04, 0.02, 0.1, 0.02])  # 2.5x once: not a collapse, the median decides
+    assert run(tuner, lambda c, s: next(times), 6) == [1, 1, 1, 2, 2, 2]
+    assert tuner.best == 2
 
 
 def test_one_thread_has_nothing_to_tune():

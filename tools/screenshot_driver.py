@@ -83,6 +83,39 @@ def download_shot(window, model: str, pump, shot) -> None:
         server.stop()
 
 
+def hub_search_shot(window, pump, shot) -> None:
+    """The Models page's Hub search over the tests' local Hub stand-in: a ReLU model with
+    predictors, one without, a SwiGLU one (runs dense) and a BERT (left out)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        from hub_server import HubRepo, HubServer, tiny_model_files
+    except ImportError:
+        print("tests/hub_server.py not found: no Hub search screenshot", file=sys.stderr)
+        return
+    import json
+
+    server = HubServer().start()
+    try:
+        os.environ["HF_ENDPOINT"] = server.url
+        with_predictors = tiny_model_files(seed=1)
+        with_predictors["model_0.pt"] = b"predictor"
+        server.add_repo(HubRepo("SparseLLM/ReluLLaMA-tiny", with_predictors, downloads=900))
+        server.add_repo(HubRepo("someone/relu-llama-tiny-sft", tiny_model_files(seed=2), downloads=300))
+        server.add_repo(HubRepo("someone/llama-tiny-swiglu", tiny_model_files(seed=3, hidden_act="silu"), downloads=120))
+        server.add_repo(HubRepo("someone/bert-tiny", {"config.json": json.dumps(
+            {"architectures": ["BertModel"], "model_type": "bert"}).encode()}, downloads=5000))
+        search = window.models.hub_search
+        search.box.setText("tiny")
+        search.search()
+        pump(60, lambda: bool(search.results) or "No model" in search.status.text())
+        window.models.scroll.verticalScrollBar().setValue(0)
+        shot("models-hub-search")
+        search.clear_results()
+        search.status.hide()
+    finally:
+        server.stop()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
@@ -170,6 +203,7 @@ def main() -> int:
     window.show_page("models")
     pump(30, lambda: len(window.models.cards) > 3 and not window.models._pending_rows)
     shot("models")
+    hub_search_shot(window, pump, shot)
     download_shot(window, model, pump, shot)
 
     window.show_page("chat")
@@ -188,6 +222,10 @@ def main() -> int:
     settings["ui.theme"] = "dark"
     pump(1)
     shot("chat-small-dark")
+    window.show_page("models")
+    pump(1)
+    shot("models-small-dark")
+    window.show_page("chat")
     settings["ui.theme"] = "light"
     window.resize(w, h)
     prefs = window.show_preferences()

@@ -21,6 +21,7 @@ def show_error(parent: QWidget | None, title: str, what: str, todo: str) -> QMes
 
 
 SAMPLING_LABELS = {"top_p": "Top-p", "top_k": "Top-k", "min_p": "Min-p", "max_new_tokens": "Longest answer",
+                   "presence_penalty": "Presence penalty", "frequency_penalty": "Frequency penalty",
                    "seed": "Seed", "stop": "Stop strings"}
 RANDOM_SEED = -1  # the seed box's "Random" (a new seed each answer)
 MAX_STOPS = 4     # the OpenAI API's limit, which the server and remote models follow
@@ -44,7 +45,7 @@ def sampling_field(key: str, opt, parent: QWidget) -> QWidget:
         box = QDoubleSpinBox(parent)
         box.setDecimals(2)
         box.setSingleStep(0.01 if key == "min_p" else 0.05)
-        box.setRange(float(opt.minimum or 0), float(opt.maximum or 100))
+        box.setRange(float(opt.minimum if opt.minimum is not None else 0), float(opt.maximum or 100))
     box.setToolTip(opt.help)
     box.setObjectName(f"sampling_{key}")
     return box
@@ -103,7 +104,7 @@ class ConversationSettingsDialog(QDialog):
         buttons.rejected.connect(self.reject)
         buttons.button(QDialogButtonBox.StandardButton.RestoreDefaults).clicked.connect(self._restore)
         layout.addWidget(buttons)
-        self.resize(460, 520)
+        self.resize(460, 560)
 
     def _restore(self) -> None:
         self.system_prompt.setPlainText(self.settings["chat.system_prompt"])

@@ -96,7 +96,7 @@ class ModelCard(QFrame):
         self.weights.activated.connect(self._weights_chosen)
         weights_row.addWidget(self.weights_label)
         weights_row.addWidget(self.weights, 1)
-        grid.addLayout(weights_row, 7, 0, 1, 2)
+        grid.addLayout(weights_row, 6, 0, 1, 2)  # above the buttons
         # Progress: total and current file.
         self.total_bar = QProgressBar(self)
         self.total_bar.setObjectName("downloadTotal")
@@ -130,7 +130,7 @@ class ModelCard(QFrame):
         buttons.addStretch(1)
         for b in (self.folder_button, self.delete_button, self.remove_button):
             buttons.addWidget(b)
-        grid.addLayout(buttons, 6, 0, 1, 2)
+        grid.addLayout(buttons, 7, 0, 1, 2)
         self.update_info(info)
 
     def _button(self, text: str, tip: str, slot, kind: str = "") -> QPushButton:

@@ -4,8 +4,10 @@ A parallel kernel ends when its slowest thread does. When another process holds 
 the cores, a step on every thread waits for the descheduled one: on the shared 2-core host
 (load 7-8, SmallThinker-4B shapes, int8) a token took 46 ms on one thread and 45-312 ms on
 two. So the decode times itself (`ThreadTuner`): every `period` steps it runs `trial`
-steps at each candidate count (all threads, half, one) and keeps the fastest by median
-until the next probe; a step slower than `slack` times that median starts a probe early.
+steps at each candidate count (one thread first, then half, then all) and keeps the
+fastest by median until the next probe; a step slower than `slack` times that median
+starts a probe early. A candidate whose step takes `2 * slack` times one thread's median
+is dropped from the probe at once, so a probe costs at most one collapsed step.
 The kernels split their work as for all threads whatever runs it
 (numba_pool.set_running_threads), so the numbers never depend on the choice.
 THERMOCLINE_THREAD_TUNING=0 keeps every thread.
@@ -28,7 +30,7 @@ class ThreadTuner:
     its time; `apply()` hands the count to the kernels' pool."""
 
     def __init__(self, max_threads: int, period: int = 32, trial: int = 3, slack: float = 2.0):
-        self.candidates = sorted({max_threads, max(1, max_threads // 2), 1}, reverse=True)
+        self.candidates = sorted({max_threads, max(1, max_threads // 2), 1})  # one thread first: the baseline
         self.period, self.trial, self.slack = period, trial, slack
         self.best = self.candidates[0]
         self.best_median: float | None = None
@@ -54,7 +56,12 @@ class ThreadTuner:
 
     def record(self, seconds: float) -> None:
         if self._queue:
-            self._samples[self._queue.pop(0)].append(seconds)
+            count = self._queue.pop(0)
+            self._samples[count].append(seconds)
+            base = self._samples[self.candidates[0]]
+            if (count != self.candidates[0] and len(base) == self.trial
+                    and seconds > 2 * self.slack * statistics.median(base)):
+                self._queue = [c for c in self._queue if c != count]  # collapsed: no more steps of it
             if not self._queue:
                 medians = {c: statistics.median(t) for c, t in self._samples.items()}
                 self.best = min(medians, key=lambda c: (medians[c], -c))  # ties: more threads
