@@ -16,7 +16,8 @@ after byte n. Every request is logged in `server.log`.
 Hostile servers (tests/test_hostile.py), applied to every response: `ignore_range` (a set
 of files) answers every request with the whole file and status 200; `stall_every[file] =
 (n, seconds)` goes silent after n bytes of each response, then closes it;
-`midway[file] = (n, callback)` calls callback() once after byte n (to fill the disk). A
+`midway[file] = (n, callback)` calls callback() once after byte n (to fill the disk; a callback
+    that returns False drops the connection there). A
 listing may name files that are not safe paths (`../../x`): the server lists them as given.
 
 Other tests (the window's download page) can use the fixtures at the end:
@@ -356,7 +357,10 @@ def _make_handler(server: HubServer):
                 at = max(hook[0] - start, 0)
                 self.wfile.write(body[:at])
                 self.wfile.flush()
-                hook[1]()
+                if hook[1]() is False:  # the callback asks to drop the connection here
+                    self.entry["sent"] = at
+                    self.close_connection = True
+                    return
                 self.entry["sent"] = len(body)
                 self.wfile.write(body[at:])
                 return

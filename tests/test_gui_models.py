@@ -4,6 +4,7 @@ cancel, failure dialog, then use the downloaded model. Real HTTP, real files, no
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 from PySide6.QtWidgets import QApplication, QMessageBox
@@ -33,7 +34,10 @@ def window(qtbot, tmp_path, llama_dir, local_hub, monkeypatch):
 
 
 def test_download_pause_resume_then_use(qtbot, window, local_hub):
-    local_hub.stall_once[WEIGHTS] = (20_000, 2.0)  # silent for 2 s mid-file: time to press Pause
+    # the server holds the file at 20 kB until the test has paused and watched: a timed silence
+    # ended before a loaded machine delivered the click, and the file finished unpaused
+    held = threading.Event()
+    local_hub.midway[WEIGHTS] = (20_000, lambda: held.wait(120) and False)  # then drops the connection
     events = []
     window.models._add_repo_id(REPO)
     assert REPO in window.models.jobs
@@ -45,10 +49,10 @@ def test_download_pause_resume_then_use(qtbot, window, local_hub):
     assert card.total_bar.isVisible() and not card.download_button.isVisible()
     qtbot.waitUntil(lambda: any(e["kind"] == "file_start" and e["filename"] == WEIGHTS for e in events),
                     timeout=30_000)
-    qtbot.wait(300)  # inside the server's 2 s silence
     card.pause_button.click()
     assert card.state.text() == "Paused" and card.pause_button.text() == "Resume"
-    qtbot.wait(3000)  # past the server's silence: a paused download must not move
+    held.set()  # the server lets go: a paused download must not reconnect
+    qtbot.wait(3000)
     weights = [e for e in events if e["filename"] == WEIGHTS]
     assert weights[-1]["file_done"] < weights[-1]["file_total"] and REPO in window.models.jobs
     assert "of" in card.total_bar.format()  # bytes of total, shown as the download went
