@@ -68,7 +68,7 @@ _SIZES = [(64, 256), (200, 96), (130, 100)]
 _FRACTIONS = [0.05, 0.35, 1.0]
 CASES = [
     KernelCase(act, gated, weights, *_SIZES[i % 3], _FRACTIONS[i % 3], 1e-4)
-    for i, (act, gated, weights) in enumerate(product(("relu", "fatrelu", "drelu", "relu2"), (True, False),
+    for i, (act, gated, weights) in enumerate(product(("relu", "fatrelu", "drelu", "relu2", "silu"), (True, False),
                                                       ("fp32", "int8", "int4", "fp16", "bf16")))
     if gated or act != "drelu"  # dReLU is a gated activation
 ] + [
@@ -124,11 +124,14 @@ def build_layer(case: KernelCase, seed: int = 0) -> Layer:
     x = torch.randn(case.d, generator=g)
     logits = torch.randn(case.n, generator=g)
     threshold = float("-inf") if case.fraction >= 1 else torch.quantile(logits, 1 - case.fraction).item()
-    act_threshold = FAT_THRESHOLD if case.activation == "fatrelu" else 0.0
+    act_threshold = FAT_THRESHOLD if case.activation in ("fatrelu", "silu") else 0.0  # silu: CATS's threshold
     return Layer(x, gate, up, down_t, logits >= threshold, logits, threshold, act_threshold)
 
 
 def _nonlinearity(v: torch.Tensor, activation: str, threshold: float) -> torch.Tensor:
+    if activation == "silu":  # x * sigmoid(x); CATS: |value| below the threshold becomes 0
+        s = v * torch.sigmoid(v)
+        return torch.where(s.abs() < threshold, torch.zeros_like(s), s) if threshold > 0 else s
     if activation == "fatrelu":
         return torch.where(v >= threshold, v, torch.zeros_like(v))
     r = v.clamp_min(0.0)

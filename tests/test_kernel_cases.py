@@ -22,7 +22,7 @@ def test_case_matches_the_fp64_reference(backend, case):
 
 def test_the_table_covers_every_activation_format_and_a_real_selection():
     ffn = [c for c in CASES if c.op == "sparse_ffn"]
-    assert {c.activation for c in ffn} == {"relu", "fatrelu", "drelu", "relu2"}
+    assert {c.activation for c in ffn} == {"relu", "fatrelu", "drelu", "relu2", "silu"}
     assert {c.weights for c in ffn} == {"fp32", "int8", "int4", "fp16", "bf16"}
     assert {c.op for c in CASES} == {"sparse_ffn", "matvec", "matmul_q4", "matmul_int8", "decode_attention"}
     for name, backend in BACKENDS.items():

@@ -179,9 +179,15 @@ def run_window(argv: list[str] | None = None) -> int:
     code = app.exec()
     window.storage.close()
     instance.release()
-    if not getattr(window, "engine_stopped", True):
+    from PySide6.QtCore import QThreadPool
+
+    # A background task still running (a models scan, a Hub question: seconds on a busy machine)
+    # would hold the exit, as Qt waits for the thread pool; none of them writes what the user made.
+    tasks_done = QThreadPool.globalInstance().waitForDone(1000)
+    if not getattr(window, "engine_stopped", True) or not tasks_done:
         # Closed mid-load: everything is saved, but Engine.load cannot be interrupted and Qt
         # aborts if a running QThread is destroyed; leave without tearing it down.
+        log.info("quitting without waiting for %s", "the model load" if tasks_done else "background tasks")
         logging.shutdown()
         os._exit(code)
     return code
