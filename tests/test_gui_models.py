@@ -71,13 +71,15 @@ def test_download_pause_resume_then_use(qtbot, window, local_hub):
 
 
 def test_cancel_keeps_partial_and_failure_shows_dialog(qtbot, window, local_hub):
-    local_hub.stall_once[WEIGHTS] = (20_000, 3.0)
+    reached, held = threading.Event(), threading.Event()  # the weights wait at 20 kB for the cancel
+    local_hub.midway[WEIGHTS] = (20_000, lambda: reached.set() or held.wait(120) and False)
     window.models._add_repo_id(REPO)
     qtbot.waitUntil(lambda: REPO in window.models.cards, timeout=30_000)
     card = window.models.cards[REPO]
     qtbot.waitUntil(lambda: card.cancel_button.isVisible(), timeout=10_000)
-    qtbot.wait(300)
+    qtbot.waitUntil(reached.is_set, timeout=30_000)
     card.cancel_button.click()
+    held.set()
     qtbot.waitUntil(lambda: REPO not in window.models.jobs, timeout=60_000)
     qtbot.waitUntil(lambda: card.state.text() == "Partly downloaded", timeout=30_000)
     assert card.download_button.text() == "Resume download"
