@@ -38,6 +38,7 @@ from .arch import ArchInfo, detect_architecture
 VERDICT_FITS = "fits"
 VERDICT_HYBRID = "fits with cold neurons on CPU"
 VERDICT_NO = "does not fit"
+UNLIMITED = 1 << 62  # a RAM budget no machine has: the placement with nothing on disk
 VERDICT_DISK = "runs from disk"  # cold rows beyond a RAM neuron cache read from the prepared file
 DEFAULT_ACTIVE_SHARE = 0.15  # neurons a token computes when the catalogue gives no sparsity (ReLU models: 10-33%)
 DEFAULT_PREDICTOR_RANK = 1024
@@ -328,7 +329,8 @@ def suggest_budgets(shape: ModelShape, ctx: int, *, vram_free: int, ram_availabl
     (the engine's default budgets, `engine.budget_policy`, capped at what the model needs)."""
     vram = min(usable_vram(vram_free), gpu_bytes_for_everything(shape, ctx, predictor_params, bytes_model))
     ram_usable = usable_ram(ram_available)
-    need = place_bytes(shape, ctx=ctx, vram_budget=vram, ram_budget=0,
+    # what the model takes with every byte in RAM: a budget of 0 would be the disk tier's least
+    need = place_bytes(shape, ctx=ctx, vram_budget=vram, ram_budget=UNLIMITED,
                        predictor_params=predictor_params, bytes_model=bytes_model).ram_bytes
     ram = need if need <= ram_usable else ram_usable
     return vram, ram

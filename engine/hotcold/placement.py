@@ -361,19 +361,23 @@ def solve(problem: PlacementProblem, vram_budget: int, ram_budget: int) -> Place
     embed_on_disk = ram > ram_budget and problem.disk_tier and problem.embed_disk
     if embed_on_disk:
         resident -= problem.embed_cpu
-        tiers["cpu_dense"] -= problem.embed_cpu
     disk = _disk_tier(problem, hot_ids, cold_count, resident, ram_budget) if ram > ram_budget else None
-    if disk is not None and embed_on_disk and disk["cache_neurons"] is not None:
-        disk["disk_bytes"] += problem.embed_cpu
-        disk["disk_read_per_token"] += problem.embed_row
     min_ram = ram
     if disk is not None:
         min_ram = disk.pop("min_ram")
     if disk is not None and disk["cache_neurons"] is not None:
+        if embed_on_disk:
+            tiers["cpu_dense"] -= problem.embed_cpu
+            disk["disk_bytes"] += problem.embed_cpu
+            disk["disk_read_per_token"] += problem.embed_row
         tiers["cpu_ffn"] = disk["cache_neurons"] * (_row_bytes(problem) + SLOT_META_BYTES) + cold_count * INDEX_BYTES
         ram = resident + tiers["cpu_ffn"]
     else:
+        # nothing runs from disk (the budget is below its minimum, or there is no disk tier):
+        # the embeddings stay in RAM and in the tiers' counts (the registry's suggested budget
+        # is the RAM side of a placement at a budget of 0)
         disk = None
+        embed_on_disk = False
     fits = ram <= ram_budget
     if not fits:
         verdict = "does not fit"
