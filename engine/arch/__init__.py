@@ -112,12 +112,17 @@ def read_config_json(model_dir: Path) -> dict:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ModelFormatError(f"{model_dir} has no config.json: is it a Hugging Face model folder?")
+    shown = repr(str(path)[:160])  # quoted and cut: a downloaded folder's name is not ours to echo whole
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ModelFormatError(f"cannot read {path}: {exc}") from None
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ModelFormatError(f"cannot read {shown}: {exc.strerror or exc}") from None
+    try:
+        raw = json.loads(data)
+    except ValueError as exc:  # bad JSON or bad UTF-8
+        raise ModelFormatError(f"{shown} is not valid JSON ({str(exc)[:120]})") from None
     if not isinstance(raw, dict):
-        raise ModelFormatError(f"{path} must hold a JSON object, not a {type(raw).__name__}")
+        raise ModelFormatError(f"{shown} is not a JSON object (it holds a {type(raw).__name__})")
     return raw
 
 
