@@ -91,13 +91,17 @@ class GenerationGate:
                     return
                 self._admit(job)
                 busy = self._batch is not None and self._batch.active
-            try:
-                self._batch.step()
-            except Exception as exc:  # a bug ends this batch's answers, not the server
-                log.exception("a batched decode step failed")
-                for seq in self._batch.active:
-                    seq.done_error(exc)
-                self._batch.active = []
+            self._step()
+
+    def _step(self) -> None:
+        """One decode step of the batch; a failure ends this batch's answers, not the server."""
+        try:
+            self._batch.step()
+        except Exception as exc:
+            log.exception("a batched decode step failed")
+            for seq in self._batch.active:
+                seq.done_error(exc)
+            self._batch.active = []
 
     def _admit(self, job: Job) -> None:
         """Start `job` in the batch (its prompt is read now), or answer why it cannot start."""
@@ -116,20 +120,26 @@ class GenerationGate:
             self._batch = Batch(engine)
         elif self._batch.engine is not engine:  # the window swapped models mid-batch: the old one finishes first
             while self._batch.active:
-                self._batch.step()
+                self._step()
             self._batch = Batch(engine)
 
         def emit(event) -> None:
             if event.text:
                 job.post("token", event.text)
 
+        settled = []  # a step that fails after some sequences finished must not end them twice
+
         def done(stats, token_ids) -> None:
-            job.post("done", {"stats": stats.to_dict(), "token_ids": token_ids})
-            self._release()
+            if not settled:
+                settled.append("done")
+                job.post("done", {"stats": stats.to_dict(), "token_ids": token_ids})
+                self._release()
 
         def failed(exc: BaseException) -> None:
-            job.post("error", exc)
-            self._release()
+            if not settled:
+                settled.append("error")
+                job.post("error", exc)
+                self._release()
 
         try:
             ids = engine.encode_prompt(job.prompt, job.tools)
