@@ -143,3 +143,35 @@ def test_the_real_program_under_xvfb(tmp_path, llama_dir):
                          env=env, timeout=280)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "first use: sent, stopped and quit" in out.stdout
+
+
+def test_a_message_waiting_for_the_load_stays_in_its_chat_when_another_opens(qtbot, tmp_path, llama_dir,
+                                                                             monkeypatch):
+    """Enter during a load, then another chat: the load's end sends nothing, anywhere; the
+    message is the first chat's draft again (it used to go out in whichever chat was open)."""
+    from gui_helpers import close_window, make_window
+
+    w = make_window(qtbot, tmp_path, llama_dir, start=False, monkeypatch=monkeypatch)
+    try:
+        first = w.storage.create_conversation("First")
+        second = w.storage.create_conversation("Second")
+        w.conversations.refresh(first.id)
+        w.client.loading_model = str(llama_dir)  # as the window shows a load
+        w.chat._sync_ready()
+        edit = w.chat.input.edit
+        w.chat.open_conversation(second.id)
+        qtbot.keyClicks(edit, "second draft")  # typed, never sent
+        w.chat.open_conversation(first.id)
+        qtbot.keyClicks(edit, "first words")
+        qtbot.keyClick(edit, Qt.Key.Key_Return)
+        assert w.chat.input.waiting
+        w.chat.open_conversation(second.id)
+        assert not w.chat.input.waiting and edit.toPlainText() == "second draft"
+        w.client.loading_model, w.client.model_info = None, {"model": str(llama_dir)}
+        w.chat._sync_ready()  # the load ends
+        qtbot.wait(200)
+        assert w.storage.messages(first.id) == [] and w.storage.messages(second.id) == []
+        w.chat.open_conversation(first.id)
+        assert edit.toPlainText() == "first words"
+    finally:
+        close_window(w)
