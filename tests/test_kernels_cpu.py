@@ -359,6 +359,19 @@ def test_set_num_threads_applies_to_every_calling_thread():
         cpu.set_num_threads(default)
 
 
+def test_set_num_threads_below_a_tuners_running_count_runs_no_more(monkeypatch):
+    """An engine's thread tuner left the pool running 2; a later set_num_threads(1) is obeyed
+    (the suite's order once ran this file's test above after such an engine)."""
+    from engine.kernels import numba_pool
+
+    if not cpu.available() or numba_pool.configured_threads() < 2:
+        pytest.skip("needs the numba kernels and 2 threads")
+    monkeypatch.setattr(numba_pool, "_running", None)
+    monkeypatch.setattr(numba_pool, "_threads", None)
+    numba_pool.set_running_threads(2)
+    test_set_num_threads_applies_to_every_calling_thread()
+
+
 def test_env_disables_numba():
     code = ("from engine.kernels import cpu; import torch;"
             "r = cpu.CpuFfnRows.from_dense(None, torch.ones(4, 8), torch.ones(4, 8));"

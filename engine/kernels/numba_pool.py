@@ -222,11 +222,13 @@ def num_threads() -> int:
 
 def set_num_threads(n: int) -> None:
     """Threads for every later kernel call, from any calling thread (1..cores)."""
-    global _threads
+    global _threads, _running
     k = kernels()
     if k is not None:
         n = max(1, min(int(n), k.numba.config.NUMBA_NUM_THREADS))
         _threads = n
+        if _running is not None:  # a tuner's count above the new split would run more threads than asked
+            _running = min(_running, n)
 
 
 def set_running_threads(n: int | None) -> None:
