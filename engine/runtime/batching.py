@@ -93,13 +93,14 @@ class Batch:
         seq.started = time.perf_counter()
         with engine._lock:
             engine.swap_in_kernels()
-            logits = None
-            n = len(seq.ids)
-            chunks = max(1, -(-n // PREFILL_CHUNK))
-            bounds = [n * i // chunks for i in range(chunks + 1)]
-            for lo, hi in zip(bounds, bounds[1:]):
-                logits = engine.model.forward(torch.tensor(seq.ids[lo:hi]), lo, seq.cache)
-            engine._check_finite(logits[-1])
+            with engine._kernels():  # the kernels this engine has taken in (a first start compiles beside it)
+                logits = None
+                n = len(seq.ids)
+                chunks = max(1, -(-n // PREFILL_CHUNK))
+                bounds = [n * i // chunks for i in range(chunks + 1)]
+                for lo, hi in zip(bounds, bounds[1:]):
+                    logits = engine.model.forward(torch.tensor(seq.ids[lo:hi]), lo, seq.cache)
+                engine._check_finite(logits[-1])
         seq.logits = logits[-1]
         seq.prefill_done = time.perf_counter()
         seq.stats.ttft_s = seq.prefill_done - seq.started
@@ -122,16 +123,17 @@ class Batch:
             if engine.sparse is not None:
                 engine.sparse.at_token_boundary()
             engine.swap_in_kernels()
-            model = engine.model
-            seqs = [s for s, _ in going]
-            positions = [len(s.history) - 1 for s in seqs]
-            if len(going) == 1:
-                logits = model.forward(torch.tensor([going[0][1]]), positions[0], seqs[0].cache)
-            elif model.can_batch([s.cache for s in seqs]):
-                logits = model.decode_batch(torch.tensor([t for _, t in going]), positions, [s.cache for s in seqs])
-            else:  # experts or windows: one sequence at a time, interleaved
-                logits = torch.cat([model.forward(torch.tensor([t]), p, s.cache)
-                                    for (s, t), p in zip(going, positions)])
+            with engine._kernels():  # the kernels this engine has taken in (a first start compiles beside it)
+                model = engine.model
+                seqs = [s for s, _ in going]
+                positions = [len(s.history) - 1 for s in seqs]
+                if len(going) == 1:
+                    logits = model.forward(torch.tensor([going[0][1]]), positions[0], seqs[0].cache)
+                elif model.can_batch([s.cache for s in seqs]):
+                    logits = model.decode_batch(torch.tensor([t for _, t in going]), positions, [s.cache for s in seqs])
+                else:  # experts or windows: one sequence at a time, interleaved
+                    logits = torch.cat([model.forward(torch.tensor([t]), p, s.cache)
+                                        for (s, t), p in zip(going, positions)])
         for row, seq in enumerate(seqs):
             seq.logits = logits[row]
 
