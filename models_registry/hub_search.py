@@ -73,11 +73,15 @@ def _read_config(repo: str, endpoint: str, token: str | None, timeout: float) ->
     from .hub import auth_headers, file_url
 
     url = file_url(endpoint, repo, "main", "config.json")
-    r = get_session().get(url, headers=auth_headers(token), follow_redirects=True, timeout=timeout)
-    r.raise_for_status()
-    if len(r.content) > CONFIG_LIMIT:
-        raise ModelFormatError(f"{repo}: config.json is {len(r.content):,} bytes, too large to be a config")
-    return json.loads(r.content)
+    body = bytearray()
+    with get_session().stream("GET", url, headers=auth_headers(token), follow_redirects=True,
+                              timeout=timeout) as r:
+        r.raise_for_status()
+        for chunk in r.iter_bytes():  # read no further than the limit: a hostile repo may serve gigabytes
+            body += chunk
+            if len(body) > CONFIG_LIMIT:
+                raise ModelFormatError(f"{repo}: config.json is over {CONFIG_LIMIT:,} bytes, too large to be a config")
+    return json.loads(bytes(body))
 
 
 def search_hub(query: str, *, ctx: int = 2048, cpu_weights: str = "int8", token: str | None = None,

@@ -254,6 +254,11 @@ def test_hub_search_says_why_when_nothing_runs(qtbot, window, local_hub):
     local_hub.add_repo(HubRepo("acme/bert-tiny", {"config.json": json.dumps(
         {"architectures": ["BertModel"], "model_type": "bert"}).encode()}))
     local_hub.add_repo(HubRepo("acme/gelu-llama", tiny_model_files(hidden_act="gelu_new")))
+    huge = tiny_model_files(seed=4)  # a Llama config padded past the 1 MiB a config may take
+    config = json.loads(huge["config.json"])
+    config["padding"] = "x" * (2 * 1024**2)
+    huge["config.json"] = json.dumps(config).encode()
+    local_hub.add_repo(HubRepo("acme/huge-config-llama", huge))
     w.show_page("models")
     search = w.models.hub_search
     search.box.setText("acme")
