@@ -11,7 +11,6 @@ PY=${PYTHON:-.venv/bin/python}
 MODEL=${MODEL:-demo}
 SIZE=${SIZE:-800x600}
 SCRATCH=${SCRATCH:-$(mktemp -d -t thermocline-first-use-XXXX)}
-DISPLAY_NUM=${DISPLAY_NUM:-$((90 + RANDOM % 400))}
 LOAD_WAIT=${LOAD_WAIT:-240}  # seconds for the model to load and the answer to begin
 mkdir -p "$SCRATCH/config" "$SCRATCH/data" "$SCRATCH/models" "$SCRATCH/shots"
 export THERMOCLINE_CONFIG_DIR="$SCRATCH/config" THERMOCLINE_DATA_DIR="$SCRATCH/data"
@@ -20,7 +19,9 @@ export THERMOCLINE_MODELS_DIR="$SCRATCH/models" HF_ENDPOINT=http://no-such-host.
 printf '{"model.active": "%s", "chat.max_new_tokens": 4000, "chat.temperature": 1.0}\n' "$MODEL" \
     > "$SCRATCH/config/settings.json"
 
-Xvfb ":$DISPLAY_NUM" -screen 0 "${SIZE}x24" -nolisten tcp >/dev/null 2>&1 &
+# -displayfd: Xvfb takes a free display itself and writes its number once it accepts clients (a
+# guessed number met stale locks, and a socket file appears before the server is ready)
+Xvfb -displayfd 3 -screen 0 "${SIZE}x24" -nolisten tcp 3>"$SCRATCH/display" >"$SCRATCH/xvfb.log" 2>&1 &
 XVFB_PID=$!
 APP_PID=
 cleanup() {
@@ -28,7 +29,9 @@ cleanup() {
     kill "$XVFB_PID" 2>/dev/null || true
 }
 trap cleanup EXIT
-for _ in $(seq 50); do [ -e "/tmp/.X11-unix/X$DISPLAY_NUM" ] && break; sleep 0.1; done
+for _ in $(seq 300); do [ -s "$SCRATCH/display" ] && break; sleep 0.1; done
+DISPLAY_NUM=$(head -n1 "$SCRATCH/display" 2>/dev/null || true)
+if [ -z "$DISPLAY_NUM" ]; then echo "first use FAILED: Xvfb did not start"; cat "$SCRATCH/xvfb.log"; exit 1; fi
 export DISPLAY=":$DISPLAY_NUM" QT_QPA_PLATFORM=xcb
 
 fail() { echo "first use FAILED: $*"; shot failed; tail -20 "$SCRATCH/app.log" || true; exit 1; }
