@@ -189,3 +189,17 @@ def load_gated_layer(conv: Converter, names, i: int, where: LoadTarget, ffn_wher
         parallel=False,
         device=where.device,
     )
+
+
+def load_expert_stacks(conv: Converter, i: int, where: LoadTarget, name: str, parts: tuple[str, str, str]):
+    """Layer i's experts as stacked gate, up, down_t [E, n, d], one copy each from the map;
+    `name` formats a tensor's name from i, e and part, `parts` names gate, up and down."""
+    cfg = conv.config
+    d, n, count = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
+    stacks = [torch.empty(count, n, d, dtype=where.dtype, device=where.device) for _ in range(3)]
+    gate, up, down = parts
+    for e in range(count):
+        stacks[0][e].copy_(conv.source.get(name.format(i=i, e=e, part=gate), (n, d)))
+        stacks[1][e].copy_(conv.source.get(name.format(i=i, e=e, part=up), (n, d)))
+        stacks[2][e].copy_(conv.source.get(name.format(i=i, e=e, part=down), (d, n)).t())
+    return stacks

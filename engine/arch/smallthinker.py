@@ -97,17 +97,9 @@ def load_globals(conv, cpu, head):
 
 def load_experts(conv, i: int, where):
     """Layer i's experts as stacked gate, up, down_t [E, n, d] (one copy each, from the map)."""
-    import torch
+    from .common import load_expert_stacks
 
-    cfg = conv.config
-    d, n, count = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
-    src = conv.source
-    stacks = [torch.empty(count, n, d, dtype=where.dtype, device=where.device) for _ in range(3)]
-    for e in range(count):
-        stacks[0][e].copy_(src.get(EXPERT.format(i=i, e=e, part="gate"), (n, d)))
-        stacks[1][e].copy_(src.get(EXPERT.format(i=i, e=e, part="up"), (n, d)))
-        stacks[2][e].copy_(src.get(EXPERT.format(i=i, e=e, part="down"), (d, n)).t())
-    return stacks
+    return load_expert_stacks(conv, i, where, EXPERT, ("gate", "up", "down"))
 
 
 def load_layer(conv, i: int, where, ffn_where=None):

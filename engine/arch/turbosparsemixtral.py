@@ -90,17 +90,9 @@ def load_predictors(conv, i: int, where):
 
 def load_experts(conv, i: int, where):
     """Layer i's experts as stacked gate (w1), up (w3), down_t (w2 transposed) [E, n, d]."""
-    import torch
+    from .common import load_expert_stacks
 
-    cfg = conv.config
-    d, n, count = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
-    src = conv.source
-    stacks = [torch.empty(count, n, d, dtype=where.dtype, device=where.device) for _ in range(3)]
-    for e in range(count):
-        stacks[0][e].copy_(src.get(EXPERT.format(i=i, e=e, part="w1"), (n, d)))
-        stacks[1][e].copy_(src.get(EXPERT.format(i=i, e=e, part="w3"), (n, d)))
-        stacks[2][e].copy_(src.get(EXPERT.format(i=i, e=e, part="w2"), (d, n)).t())
-    return stacks
+    return load_expert_stacks(conv, i, where, EXPERT, ("w1", "w3", "w2"))
 
 
 def load_layer(conv, i: int, where, ffn_where=None):
