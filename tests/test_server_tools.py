@@ -47,14 +47,6 @@ def _serve(engine):
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from engine import Engine
-    from models_registry.resolve import resolve_model
-
-    return Engine.load(resolve_model("demo"), mode="dense")
-
-
-@pytest.fixture(scope="module")
 def hermes_engine(tmp_path_factory):
     from engine import Engine
 
