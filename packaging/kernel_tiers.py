@@ -10,7 +10,7 @@ code for the tier's generic CPU, not tuned to its own model.
 
 `packaging/kernel_caches.py` builds one cache per tier into the bundle
 (`_internal/numba-cache/<tier>/<source folder>/`); at each start the bundle's entry (packaging/
-entry.py) picks the best tier this CPU has, sets numba's target to it and seeds the user's cache
+entry.py) picks the best tier this CPU has a shipped cache for (a lower one where the best is missing), sets numba's target to it and seeds the user's cache
 from it. A CPU of no tier compiles for itself in the background on its first start, as from
 source. This module imports no numba (the target must be set before numba is imported).
 """
