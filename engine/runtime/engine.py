@@ -118,6 +118,7 @@ class Engine:
         self._cached_ids: list[int] = []
         self.warnings: list[str] = []
         self._token_grammar = None  # built at the first constrained request (token_grammar)
+        self._grammar_lock = threading.Lock()  # concurrent first requests build it once
         self._logits_checked = False  # NaN/Inf weights are caught on the first token after a load
         self.kernel_preparation = None  # the CPU kernels compiling in the background (a first start)
         self._kernel_gate = None  # numba_pool.KernelGate: the kernels this engine computes with (None: all)
@@ -306,7 +307,9 @@ class Engine:
         if self._token_grammar is None:
             from engine.runtime.constraints import TokenGrammar
 
-            self._token_grammar = TokenGrammar(self.tokenizer, self.eos_ids)
+            with self._grammar_lock:  # the server's requests prepare on threads of their own
+                if self._token_grammar is None:
+                    self._token_grammar = TokenGrammar(self.tokenizer, self.eos_ids)
         return self._token_grammar
 
     def check_grammar(self, spec) -> None:
