@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.kernels import cpu as cpu_kernels
-from engine.kernels import numba_pool
 from engine.kernels.thread_tuner import ThreadTuner
 from engine.kernels.quantized import Int8Matrix, matrix_nbytes
 from engine.model.kv_cache import KVCache
@@ -66,14 +65,13 @@ class Transformer:
         if tuner is None:
             return self._forward(ids, start, cache, all_logits)
         if ids.shape[0] != 1:
-            numba_pool.set_running_threads(None)
             return self._forward(ids, start, cache, all_logits)
-        tuner.apply()
-        began = time.perf_counter()
-        try:
-            return self._forward(ids, start, cache, all_logits)
-        finally:
-            tuner.record(time.perf_counter() - began)
+        with tuner.apply():  # this step's kernels, on this thread: no other engine or batch inherits it
+            began = time.perf_counter()
+            try:
+                return self._forward(ids, start, cache, all_logits)
+            finally:
+                tuner.record(time.perf_counter() - began)
 
     def _forward(self, ids: torch.Tensor, start: int, cache: KVCache, all_logits: bool) -> torch.Tensor:
         count = ids.shape[0]
