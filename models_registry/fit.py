@@ -31,7 +31,7 @@ from engine.hotcold.placement import (
     solve,
     words_per_second,
 )
-from engine.units import format_size
+from engine.units import format_rate, format_size
 
 from .arch import ArchInfo, detect_architecture
 
@@ -302,7 +302,7 @@ def place_bytes(shape: ModelShape, *, ctx: int, vram_budget: int, ram_budget: in
     elif est.verdict == VERDICT_DISK:
         est.reason = (f"{format_size(est.disk_bytes)} of cold FFN rows on disk, a neuron cache in RAM; reads "
                       f"{format_size(int(est.disk_read_per_token))} from disk per token and runs from disk at "
-                      f"about {est.words_per_s:.2g} words a second")
+                      f"about {format_rate(est.words_per_s)} words a second")
     elif est.verdict == VERDICT_FITS:
         est.reason = "all layers and FFN neurons on the GPU (embeddings in RAM)"
     elif est.hot_neurons == 0 and est.gpu_layers == 0:

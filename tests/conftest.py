@@ -67,6 +67,27 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def engine():
+    """The embedded demo model, dense: the engine the server and remote tests serve (one per
+    module, so a test's monkeypatching of it ends with its module; a module's own `engine`
+    fixture takes its place there)."""
+    from engine import Engine
+    from models_registry.resolve import resolve_model
+
+    return Engine.load(resolve_model("demo"), mode="dense")
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    """The real uvicorn over `engine` on a free 127.0.0.1 port, as `thermocline serve` runs it."""
+    from app.server.runner import ServerThread
+
+    srv = ServerThread(lambda: engine, lambda: "demo", port=0, max_waiting=16).start()
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture(scope="session")
 def llama_dir(tiny_models) -> Path:
     return tiny_models["llama"]

@@ -126,9 +126,12 @@ def test_kernel_cases():
     assert report["results"] and all(r["error"] <= r["tol"] for r in report["results"])
 
 
-def test_serve():
-    report = run_bench("serve", "--rounds", "1", "--clients", "2", "--requests", "2", "--max-tokens", "4", "--json")
+def test_serve(tmp_path):
+    # the power-law model --shape builds (tiny), served in the sparse mode: the 7B run's path
+    report = run_bench("serve", "--shape", "smoke", "--workdir", str(tmp_path), "--mode", "sparse", "--rounds", "1",
+                       "--clients", "2", "--requests", "2", "--max-tokens", "4", "--json")
     assert report["pairs"] == 8 and report["concurrency"][0]["requests"] == 2
+    assert 0.1 < report["union_of_8_expected"] < 1 - 0.9 ** 8  # hot neurons shared: below a uniform draw's union
 
 
 def test_grammar():

@@ -236,3 +236,10 @@ def test_int4_cpu_weights_with_a_cuda_gpu_count_hot_rows_at_4_bits():
     assert [hot_row_format(dev, w) for dev, w in (("cuda:0", "int4"), ("cuda", "int8"), ("cpu", "int4"))] == [
         "int4", None, None]
     assert hot_row_format("cuda", "int4", moe=True) is None
+
+
+def test_speeds_in_words_never_read_as_an_exponent():
+    from engine.units import format_rate
+
+    # "runs from disk at about 2.7e+04 words a second" was the verdict's wording
+    assert [format_rate(x) for x in (0.94, 1.0, 9.96, 12.4, 123.4, 27_350.0)] == ["0.94", "1", "10", "12", "120", "27,000"]

@@ -257,7 +257,8 @@ class PreparedRows:
 # the output head in the CPU format, and the predictors in it. With it and the FFN rows, a
 # load of a model placed on the CPU reads nothing from the checkpoint but its headers: the
 # layers are built over shape-only (meta) tensors and then given the mapped ones.
-DENSE_LAYOUT_VERSION = 3  # 2: 4-bit matrices packed in groups of 8 rows (`.q4x8`); 3: int8 predictors on int4
+DENSE_LAYOUT_VERSION = 4  # 2: 4-bit matrices packed in groups of 8 rows (`.q4x8`); 3: int8 predictors on int4;
+# 4: Q4_1 matrices kept as Q4_0 rows and block offsets (`.q4min`; tests/test_prepared_layout.py)
 Q4_PACKED = "q4x8"  # the name suffix of a packed 4-bit matrix (`.q4`: plain rows)
 Q4_OFFSETS = "q4min"  # beside `.q4`/`.q4x8`: a Q4_1 matrix's block offsets (engine.kernels.quantized.Q4MinMatrix)
 _MATRIX_SUFFIXES = ("", ".q", ".q4", "." + Q4_PACKED)
