@@ -7,6 +7,7 @@ import torch
 
 from engine.hotcold.activation_stats import ActivationStats
 from engine.arch import parse_config
+from engine.hotcold.neuron_bundles import buffer_bytes, bundle_size
 from engine.hotcold.placement import INDEX_BYTES, SLOT_META_BYTES, decode_speed, min_cache_neurons, solve
 from engine.hotcold.sparse_solve import placement_problem
 
@@ -92,15 +93,17 @@ def test_disk_tier_below_the_cpu_part():
     assert p.embed_disk  # an untied head: below the placed size the embeddings go to disk first (a row a token)
     resident = full.resident_ram_bytes - p.embed_cpu
     slot = p.neuron_cpu - INDEX_BYTES + SLOT_META_BYTES
-    maps = 6 * 688 * INDEX_BYTES
+    assert p.read_buffers == buffer_bytes(bundle_size(slot - SLOT_META_BYTES), 688) > 0  # the reader's buffers count with the cache
+    maps = 6 * 688 * INDEX_BYTES + p.read_buffers
     least = resident + maps + min_cache_neurons(p) * slot
     assert solve(p, 0, least).verdict == "runs from disk"
     below = solve(p, 0, least - 1)
     assert not below.fits and below.min_ram_bytes == least
     reads = []
-    for share in (0.9, 0.5, 0.1):
-        plan = solve(p, 0, resident + int(share * full.tier_bytes["cpu_ffn"]))
-        assert plan.fits and plan.ram_bytes <= resident + share * full.tier_bytes["cpu_ffn"]
+    for share in (0.9, 0.5, 0.1):  # of the room between the least and every cold row in RAM
+        budget = least + int(share * (resident + full.tier_bytes["cpu_ffn"] - least))
+        plan = solve(p, 0, budget)
+        assert plan.fits and plan.ram_bytes <= budget
         assert plan.cache_neurons + plan.disk_neurons == 6 * 688
         assert plan.ram_bytes == resident + maps + plan.cache_neurons * slot and plan.embed_on_disk
         assert plan.resident_ram_bytes == resident and plan.disk_bytes >= p.embed_cpu
