@@ -76,8 +76,11 @@ def test_moe_vs_llamacpp(tmp_path):
     assert report["llama_cpp_skipped"] == LLAMA_MISSING
     assert report["decode_tok_s"]["ours_int4"] > 0
     assert 0 < report["int4_fired_share_in_chosen"] < 1
+    # the measured loads are second loads: the experts mapped from the MoE prepared file
+    assert report["int4_prepared"] and report["int4_ttft_s"] > 0 and report["int4_load_rss_over_placed"] > 0
     if LLAMA_MISSING is None:
         assert report["top1_agree_int4_vs_Q4_0"] >= 0.5  # same weights, same forced tokens
+        assert report["load_ratio_int4_vs_Q4_0"] > 0 and report["ttft_ratio_int4_vs_Q4_0"] > 0
 
 
 def test_moe_decode():
