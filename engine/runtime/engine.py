@@ -28,23 +28,16 @@ from engine.loading.dense_quant import load_dense
 from engine.model.kv_cache import KVCache
 from engine.loading.loader import Progress, model_folder
 from engine.runtime import fused_decode
+from engine.runtime.answer import Answer, TokenEvent
 from engine.runtime.context_policy import Fitted, fit_messages
-from engine.runtime.sampling import Sampler, SamplingParams
-from engine.runtime.tokenizer import StreamDecoder, Tokenizer
+from engine.runtime.sampling import SamplingParams
+from engine.runtime.tokenizer import Tokenizer
 from engine.validation import check_ctx, check_kv_fits, check_text, check_threads, resolve_device
 from engine.kernels import cpu as cpu_kernels
 from engine.kernels import cpu_q4, cpu_q4x8, numba_pool, q4_tiles, thread_tuner
 
 MODES = ("dense", "sparse", "hybrid", "oracle")
 PREFILL_CHUNK = 128  # prompt tokens per forward: a stop is honoured between chunks
-
-
-@dataclass
-class TokenEvent:
-    """One step of a stream; a last event with token_id -1 carries text held back until the end."""
-    text: str
-    token_id: int
-    index: int
 
 
 @dataclass
@@ -84,17 +77,6 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def _stop_holdback(text: str, stops: list[str]) -> int:
-    """Characters at the end of `text` that could still grow into a stop string."""
-    best = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:k]):
-                best = max(best, k)
-                break
-    return best
 
 
 class Engine:
@@ -397,8 +379,8 @@ class Engine:
         stats = GenerationStats(prompt_tokens=len(ids), mode=self.mode)
         self.last_stats = stats
         constraint = self.token_grammar().start(params.grammar) if params.grammar is not None else None
-        sampler = Sampler(params, self.sampled_vocab, constraint)
-        decoder = StreamDecoder(self.tokenizer)
+        answer = Answer(ids, params, self.tokenizer, self.eos_ids, self.sampled_vocab, constraint,
+                        None if self.cache.rolling else self.ctx, cancel)
         if self.sparse is not None:
             self.sparse.begin_generation()
         reuse = min(_common_prefix(self._cached_ids, ids), len(ids) - 1)
@@ -419,65 +401,27 @@ class Engine:
         prefill_done = time.perf_counter()
         stats.ttft_s = prefill_done - start
         stats.prefill_tok_s = (len(ids) - reuse) / max(stats.ttft_s, 1e-9)
-        history = list(ids)
-        generated: list[int] = []
-        emitted, pending = "", ""
-        stats.finish_reason = "length"
         try:
             while True:
-                if constraint is not None:  # the room left, so the grammar can close in time
-                    constraint.room = min(params.max_new_tokens - len(generated),
-                                          self.ctx - len(history) if not self.cache.rolling else 1 << 30)
-                token = sampler(logits[-1], history)
-                if token in self.eos_ids:
-                    stats.finish_reason = "stop"
-                    break
-                generated.append(token)
-                history.append(token)
-                sampler.accept(token)
-                pending += decoder.push(token)
-                full = emitted + pending
-                hit = min((i for i in (full.find(s, max(0, len(emitted) - len(s))) for s in params.stop if s)
-                           if i >= 0), default=-1)
-                if hit >= 0:
-                    piece = full[len(emitted):hit]
-                    emitted = full[:hit]
-                    yield TokenEvent(piece, token, len(generated) - 1)
-                    stats.finish_reason = "stop"
-                    break
-                keep = _stop_holdback(pending, params.stop)
-                piece = pending[: len(pending) - keep]
-                emitted += piece
-                pending = pending[len(piece):]
-                yield TokenEvent(piece, token, len(generated) - 1)
-                if len(generated) >= params.max_new_tokens:
-                    break
-                if cancel is not None and cancel.is_set():
-                    stats.finish_reason = "cancelled"
-                    break
-                position = len(history) - 1
-                if not self.cache.rolling and position >= self.ctx:
-                    stats.finish_reason = "context_full"
+                events, token = answer.take(logits[-1])
+                yield from events
+                if token is None:
                     break
                 self.swap_in_kernels()
                 with self._kernels():
                     if self.sparse is not None:
                         self.sparse.at_token_boundary()
-                    logits = self.model.forward(torch.tensor([token]), position, self.cache)
+                    logits = self.model.forward(torch.tensor([token]), len(answer.history) - 1, self.cache)
                 self._cached_ids.append(token)
-            if stats.finish_reason in ("length", "cancelled", "context_full"):
-                tail = pending + decoder.flush()
-                if tail:  # text held back at the end; it belongs to no new token
-                    emitted += tail
-                    yield TokenEvent(tail, -1, len(generated) - 1)
         finally:
             end = time.perf_counter()
-            stats.new_tokens = len(generated)
-            decode_steps = max(len(generated) - 1, 0)
+            stats.finish_reason = answer.finish_reason or "length"  # None: the caller closed the stream early
+            stats.new_tokens = len(answer.generated)
+            decode_steps = max(len(answer.generated) - 1, 0)
             stats.decode_tok_s = decode_steps / (end - prefill_done) if decode_steps and end > prefill_done else 0.0
             self._fill_memory_stats(stats)
-            self.last_text = emitted
-            self.last_token_ids = generated
+            self.last_text = answer.emitted
+            self.last_token_ids = answer.generated
 
     def _check_finite(self, logits: torch.Tensor) -> None:
         """Once per load: weights holding NaN or Inf (a damaged or badly converted checkpoint)
