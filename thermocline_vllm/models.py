@@ -97,7 +97,7 @@ class Predictor(nn.Module):
 
     def __init__(self, like: torch.Tensor):
         super().__init__()
-        self.like = (like.dtype, like.device)
+        self.dtype, self.device = like.dtype, like.device
         self.fc1: torch.Tensor | None = None
         self.fc2: torch.Tensor | None = None
 
@@ -105,7 +105,7 @@ class Predictor(nn.Module):
         if which == "fc2":
             rank = get_tensor_model_parallel_rank()
             tensor = tensor.narrow(0, rank * neurons_here, neurons_here)
-        setattr(self, which, tensor.to(*self.like).contiguous())
+        setattr(self, which, tensor.to(device=self.device, dtype=self.dtype).contiguous())
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         logits = torch.relu(h @ self.fc1.T) @ self.fc2.T
