@@ -24,7 +24,7 @@ def test_the_table_covers_every_activation_format_and_a_real_selection():
     ffn = [c for c in CASES if c.op == "sparse_ffn"]
     assert {c.activation for c in ffn} == {"relu", "fatrelu", "drelu", "relu2", "silu"}
     assert {c.weights for c in ffn} == {"fp32", "int8", "int4", "fp16", "bf16"}
-    assert {c.op for c in CASES} == {"sparse_ffn", "matvec", "matmul_q4", "matmul_int8", "decode_attention"}
+    assert {c.op for c in CASES} == {"sparse_ffn", "matvec", "matmul_q4", "matmul_int8", "decode_attention", "moe_ffn"}
     for name, backend in BACKENDS.items():
         assert any(backend.supports(c) for c in CASES), name
     sparse = [c for c in ffn if c.fraction < 1]
@@ -41,6 +41,26 @@ def test_a_wrong_kernel_result_fails_the_check(monkeypatch):
     real = cpu.sparse_ffn
     monkeypatch.setattr(cpu, "sparse_ffn", lambda x, rows, active, *a, **k: real(x, rows, active[1:], *a, **k))
     assert check(case, BACKENDS["torch"]) > case.tol
+
+
+def test_a_mixture_missing_its_hot_rows_fails_the_check(monkeypatch):
+    """The mixture's check can fail: an expert table that leaves out the split experts' hot rows."""
+    from engine.runtime import fused_decode
+
+    if not BACKENDS["numba-fused"].available():
+        pytest.skip("the fused decode does not run here")
+    case = next(c for c in CASES if c.op == "moe_ffn" and c.weights == "int8")
+    real = fused_decode.moe_ffn_args
+
+    def without_hot_rows(*a, **k):
+        args, out = real(*a, **k)
+        table = args[-1].copy()
+        table[1] = 0
+        return (*args[:-1], table), out
+
+    assert check(case, BACKENDS["numba-fused"]) <= case.tol
+    monkeypatch.setattr(fused_decode, "moe_ffn_args", without_hot_rows)
+    assert check(case, BACKENDS["numba-fused"]) > case.tol
 
 
 def test_a_wrong_attention_result_fails_the_check(monkeypatch):
