@@ -67,6 +67,34 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def engine():
+    """The embedded demo model, dense: the engine the server and remote tests serve (one per
+    module, so a test's monkeypatching of it ends with its module; a module's own `engine`
+    fixture takes its place there)."""
+    from engine import Engine
+    from models_registry.resolve import resolve_model
+
+    return Engine.load(resolve_model("demo"), mode="dense")
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    """The real uvicorn over `engine` on a free 127.0.0.1 port, as `thermocline serve` runs it."""
+    from app.server.runner import ServerThread
+
+    srv = ServerThread(lambda: engine, lambda: "demo", port=0, max_waiting=16).start()
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture(scope="session")
 def llama_dir(tiny_models) -> Path:
     return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def wide_llama_dir(tmp_path_factory) -> Path:
+    """A tiny llama with wide FFNs (2 x 4096 neurons of d 256, 3.6 MB of 4-bit rows): the disk
+    tier's tests, whose rows must outweigh the reader's buffers (1.6 MB) to run from disk."""
+    return model_factory.llama_relu(tmp_path_factory.mktemp("wide") / "llama", hidden=256, ff=4096)

@@ -12,11 +12,9 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from moe_factory import CHATML, Fp64Reference, attention_tensors, build_chatml_tokenizer, draws, save_folder
 
 REAL_CONFIG = Path(__file__).parent / "data" / "real_configs" / "smallthinker-4b" / "config.json"
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -40,27 +38,14 @@ def tiny_config(*, layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, expert
 
 def random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     """Weights large enough that routing, attention and the head all matter."""
-    g = torch.Generator().manual_seed(seed)
     d, hd = cfg["hidden_size"], cfg["head_dim"]
+    _, w, norm = draws(seed, d)
     q_rows, kv_rows = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     n, experts = cfg["moe_ffn_hidden_size"], cfg["moe_num_primary_experts"]
-
-    def w(*shape, scale=None):
-        scale = scale if scale is not None else 1.0 / math.sqrt(shape[-1])
-        return torch.randn(*shape, generator=g) * scale
-
-    def norm():
-        return 1.0 + 0.2 * torch.randn(d, generator=g)
-
     t = {"model.embed_tokens.weight": w(cfg["vocab_size"], d, scale=1.0), "model.norm.weight": norm()}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = norm()
-        t[p + "post_attention_layernorm.weight"] = norm()
-        t[p + "self_attn.q_proj.weight"] = w(q_rows, d)
-        t[p + "self_attn.k_proj.weight"] = w(kv_rows, d)
-        t[p + "self_attn.v_proj.weight"] = w(kv_rows, d)
-        t[p + "self_attn.o_proj.weight"] = w(d, q_rows)
+        t.update(attention_tensors(p, w, norm, d, q_rows, kv_rows))
         t[p + "block_sparse_moe.primary_router.weight"] = w(experts, d, scale=1.0)
         for e in range(experts):
             q = p + f"block_sparse_moe.experts.{e}."
@@ -73,30 +58,14 @@ def random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
 def build_tokenizer(out: Path, vocab_size: int) -> None:
     """A byte-level BPE with Qwen's special tokens and the ChatML template; the end of a
     turn is `<|im_end|>` (tokenizer config), of a text `<|endoftext|>` (config.json)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from model_factory import WORDS
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))], trainer)
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
+    build_chatml_tokenizer(out, vocab_size, SPECIALS, {
         "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False,
         "chat_template": CHATML, "tokenizer_class": "Qwen2Tokenizer",
-    }))
+    })
 
 
 def save_model(out: Path, cfg: dict, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    weights = {k: v.to(dtype).contiguous() for k, v in random_weights(cfg, seed).items()}
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    build_tokenizer(out, min(cfg["vocab_size"], 300))
-    return out
+    return save_folder(out, cfg, random_weights(cfg, seed), dtype, build_tokenizer)
 
 
 def smallthinker(out: Path, seed: int = 0, **sizes) -> Path:
@@ -104,23 +73,8 @@ def smallthinker(out: Path, seed: int = 0, **sizes) -> Path:
 
 
 # ------------------------------------------------------------------ the reference
-class Reference:
+class Reference(Fp64Reference):
     """SmallThinker in plain fp64 torch, from the published equations, no cache."""
-
-    def __init__(self, path: Path):
-        self.cfg = json.loads((Path(path) / "config.json").read_text())
-        self.w = {k: v.double() for k, v in load_file(str(Path(path) / "model.safetensors")).items()}
-
-    def _rms(self, x, weight):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg["rms_norm_eps"]) * weight
-
-    def _rope(self, x, positions):
-        hd = x.shape[-1]
-        inv = 1.0 / (self.cfg["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-        ang = positions[:, None].double() * inv[None, :]
-        cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
-        rotated = torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1)
-        return x * cos + rotated * sin
 
     def moe(self, i: int, router_input, h):
         cfg, w = self.cfg, self.w
@@ -191,12 +145,3 @@ class Reference:
         gamma = n * u / (1 - n * u)
         scale = (self.final_hidden(ids).abs() @ self.w["model.embed_tokens.weight"].abs().T).max().item()
         return 2 * gamma * scale * (cfg["num_hidden_layers"] + 1)
-
-    def greedy(self, ids: list[int], steps: int) -> list[int]:
-        ids = list(ids)
-        out = []
-        for _ in range(steps):
-            token = int(self.forward(ids)[-1].argmax())
-            out.append(token)
-            ids.append(token)
-        return out

@@ -26,14 +26,6 @@ READ_TIMEOUT_S = 60  # a hang guard only
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from engine import Engine
-    from models_registry.resolve import resolve_model
-
-    return Engine.load(resolve_model("demo"), mode="dense")
-
-
-@pytest.fixture(scope="module")
 def server(engine):
     srv = ServerThread(lambda: engine, lambda: "demo", port=0,
                        allowed_origins=("http://localhost:3000",)).start()

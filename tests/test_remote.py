@@ -27,14 +27,6 @@ def registry(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from engine import Engine
-    from models_registry.resolve import resolve_model
-
-    return Engine.load(resolve_model("demo"), mode="dense")
-
-
-@pytest.fixture(scope="module")
 def served(engine):
     """Our own server, with a key, as the remote machine."""
     srv = ServerThread(lambda: engine, lambda: "demo", port=0, api_key="remote-key").start()

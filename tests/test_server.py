@@ -18,21 +18,6 @@ from app.server.runner import ServerThread
 CHAT = [{"role": "user", "content": "Tell me a story about a cat."}]
 
 
-@pytest.fixture(scope="module")
-def engine():
-    from engine import Engine
-    from models_registry.resolve import resolve_model
-
-    return Engine.load(resolve_model("demo"), mode="dense")
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    srv = ServerThread(lambda: engine, lambda: "demo", port=0, max_waiting=16).start()
-    yield srv
-    srv.stop()
-
-
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)

@@ -10,24 +10,8 @@ import httpx
 import openai
 import pytest
 
-from app.server.runner import ServerThread
 
 CHAT = [{"role": "user", "content": "Tell me a story about a cat."}]
-
-
-@pytest.fixture(scope="module")
-def engine():
-    from engine import Engine
-    from models_registry.resolve import resolve_model
-
-    return Engine.load(resolve_model("demo"), mode="dense")
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    srv = ServerThread(lambda: engine, lambda: "demo", port=0, max_waiting=16).start()
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture
@@ -219,3 +203,81 @@ def test_metrics_in_prometheus_format(server, client):
     assert grew("thermocline_decode_tokens_per_second_count") == 2
     assert grew("thermocline_request_duration_seconds_count") == 2
     assert after[("thermocline_queue_depth", ())] == 0
+
+
+def test_stream_options_are_honoured_or_refused_by_name(client):
+    def usage_chunks(**options):
+        chunks = list(client.chat.completions.create(model="demo", messages=CHAT, max_tokens=3, stream=True,
+                                                     **options))
+        return [c.usage for c in chunks if c.usage is not None]
+
+    assert usage_chunks() == [] and usage_chunks(stream_options={"include_usage": False}) == []
+    [usage] = usage_chunks(stream_options={"include_usage": True})  # asked for: one, after the answer
+    assert usage.completion_tokens == 3
+    for options, param in (({"include_usage": True, "continuous_usage_stats": True},
+                            "stream_options.continuous_usage_stats"),
+                           ({"include_obfuscation": True}, "stream_options.include_obfuscation")):
+        body = refused(client.chat.completions.create, model="demo", messages=CHAT, max_tokens=2, stream=True,
+                       stream_options=options)
+        assert body["param"] == param
+    body = refused(client.chat.completions.create, model="demo", messages=CHAT, max_tokens=2,
+                   stream_options={"include_usage": True})  # OpenAI's rule: only with stream
+    assert body["param"] == "stream_options" and "stream" in body["message"]
+
+
+def test_an_assistant_refusal_in_the_history_is_what_the_model_reads(client, engine):
+    said = "I cannot help with that."
+    history = [*CHAT, {"role": "assistant", "content": None, "refusal": said}, {"role": "user", "content": "Why?"}]
+    resp = client.chat.completions.create(model="demo", messages=history, max_tokens=1)
+    as_content = [*CHAT, {"role": "assistant", "content": said}, {"role": "user", "content": "Why?"}]
+    assert resp.usage.prompt_tokens == len(engine.encode_prompt(as_content))
+    body = refused(client.chat.completions.create, model="demo", max_tokens=1,
+                   messages=[{"role": "user", "content": "hi", "refusal": "no"}])
+    assert body["param"] == "messages[0].refusal"
+
+
+def test_a_grammar_being_built_holds_up_no_other_request(server, client, engine, monkeypatch):
+    import threading
+
+    building, release = threading.Event(), threading.Event()
+    check = engine.check_grammar
+
+    def slow_check(spec):  # the real compile, held until /health has answered
+        building.set()
+        release.wait(30)
+        return check(spec)
+
+    monkeypatch.setattr(engine, "check_grammar", slow_check)
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault("r", client.chat.completions.create(
+        model="demo", messages=CHAT, max_tokens=8, response_format={"type": "json_object"})))
+    worker.start()
+    try:
+        assert building.wait(30)
+        health = httpx.get(server.url.removesuffix("/v1") + "/health", timeout=10)  # hung before: the loop built it
+        assert health.status_code == 200
+    finally:
+        release.set()
+        worker.join(60)
+    json.loads(result["r"].choices[0].message.content)
+
+
+def test_concurrent_first_constrained_requests_build_one_token_grammar():
+    import threading
+
+    from engine import Engine
+    from models_registry.resolve import resolve_model
+
+    fresh = Engine.load(resolve_model("demo"), mode="dense")
+    start, got = threading.Barrier(6), []
+
+    def first():
+        start.wait()
+        got.append(fresh.token_grammar())
+
+    threads = [threading.Thread(target=first) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 6 and all(g is got[0] for g in got)

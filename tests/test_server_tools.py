@@ -47,14 +47,6 @@ def _serve(engine):
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from engine import Engine
-    from models_registry.resolve import resolve_model
-
-    return Engine.load(resolve_model("demo"), mode="dense")
-
-
-@pytest.fixture(scope="module")
 def hermes_engine(tmp_path_factory):
     from engine import Engine
 
@@ -210,3 +202,64 @@ def test_the_template_formats_are_parsed():
         assert parse_template_calls(text, HERMES, names) == (text, [])
     assert may_become_call("<tool", HERMES) and may_become_call(" <tool_call>{", HERMES)
     assert not may_become_call("It", HERMES) and not may_become_call("Sure", LLAMA3)
+
+
+def _walk(grammar, lark: str, text: str) -> bool:
+    """Whether the grammar library takes `text` whole, token by token, and may end there."""
+    from engine.runtime.constraints import GrammarSpec
+
+    constraint = grammar.start(GrammarSpec.lark(lark))
+    ids = grammar.tokenizer.tokenize_str(text)
+    return all(constraint.matcher.consume_token(t) for t in ids) and constraint.matcher.is_accepting()
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_strict_function_under_auto_holds_its_calls_to_the_schema(hermes_engine, parallel):
+    from app.server.tools import ToolRequest, strict_auto_grammar
+
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    req = ToolRequest([strict, TIME], "auto", parallel=parallel, names=["get_weather", "get_time"])
+    lark = strict_auto_grammar(req, HERMES)
+    grammar = hermes_engine.token_grammar()
+
+    def takes(text):
+        return _walk(grammar, lark, text)
+
+    good = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo","unit":"C"}}\n</tool_call>'
+    assert takes("It is sunny in Oslo.") and takes(good)
+    assert not takes(good.replace('"C"', '"K"'))  # outside the strict schema
+    assert not takes(good.replace("get_weather", "rm_rf"))  # a function not offered
+    assert takes('<tool_call>{"name":"get_time","arguments":{"anything":1}}</tool_call>')  # not strict
+    assert takes(good + "\n" + good) == parallel  # parallel_tool_calls false: one call at most
+    assert strict_auto_grammar(ToolRequest([WEATHER], "auto", names=["get_weather"]), HERMES) is None
+
+
+def test_parallel_false_under_auto_returns_at_most_one_call(hermes_client):
+    two = ('<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>\n'
+           '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+    assert len(parse_template_calls(two, HERMES, ["get_weather"])[1]) == 2
+    assert len(parse_template_calls(two, HERMES, ["get_weather"], single=True)[1]) == 1
+    # Through the server: a strict tool's grammar compiles and the answer comes back (the demo writes prose).
+    strict = {"type": "function", "function": {**SMALL["function"], "strict": True}}
+    resp = hermes_client.chat.completions.create(model="demo", messages=ASK, tools=[strict], tool_choice="auto",
+                                                 parallel_tool_calls=False, max_tokens=8, temperature=0)
+    assert resp.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_a_strict_flag_that_is_not_a_boolean_is_a_400(client):
+    bad = {"type": "function", "function": {**WEATHER["function"], "strict": "yes"}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="demo", messages=ASK, tools=[bad], tool_choice="required", max_tokens=4)
+    assert err.value.body["param"] == "tools[0].function.strict"
+
+
+def test_strict_auto_grammars_of_the_mistral_and_llama3_formats(hermes_engine):
+    from app.server.tools import ToolRequest, strict_auto_grammar
+
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    grammar = hermes_engine.token_grammar()
+    for fmt, good in ((MISTRAL, '[TOOL_CALLS] [{"name":"get_weather","arguments":{"city":"Oslo","unit":"F"}}]'),
+                      (LLAMA3, '{"name":"get_weather","parameters":{"city":"Oslo","unit":"F"}}')):
+        lark = strict_auto_grammar(ToolRequest([strict], "auto", names=["get_weather"]), fmt)
+        assert _walk(grammar, lark, good) and _walk(grammar, lark, "No call needed.")
+        assert not _walk(grammar, lark, good.replace('"F"', '"K"'))

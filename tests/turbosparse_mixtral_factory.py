@@ -14,12 +14,10 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from moe_factory import CHATML, Fp64Reference, attention_tensors, build_chatml_tokenizer, draws, save_folder
 
 REAL_DIR = Path(__file__).parent / "data" / "real_configs" / "turbosparse-mixtral"
 REAL_CONFIG = REAL_DIR / "config.json"
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_end|>", "<|im_start|>"]  # bos 1, eos 2 as config.json says
 
 
@@ -45,29 +43,16 @@ def random_weights(cfg: dict, seed: int, predictor_gain: float = 1.0) -> dict[st
     """Weights large enough that routing, attention, the predictors and the head all matter.
     The predictors see the expert's w1 rows (a predictor learns where w1 x > 0), plus noise,
     so they choose about half of the neurons and disagree with dReLU on some."""
-    g = torch.Generator().manual_seed(seed)
     d = cfg["hidden_size"]
+    g, w, norm = draws(seed, d)
     hd = d // cfg["num_attention_heads"]
     q_rows, kv_rows = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     n, experts = cfg["intermediate_size"], cfg["num_local_experts"]
-
-    def w(*shape, scale=None):
-        scale = scale if scale is not None else 1.0 / math.sqrt(shape[-1])
-        return torch.randn(*shape, generator=g) * scale
-
-    def norm():
-        return 1.0 + 0.2 * torch.randn(d, generator=g)
-
     t = {"model.embed_tokens.weight": w(cfg["vocab_size"], d, scale=1.0), "model.norm.weight": norm(),
          "lm_head.weight": w(cfg["vocab_size"], d)}
     for i, rank in enumerate(ranks(cfg)):
         p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = norm()
-        t[p + "post_attention_layernorm.weight"] = norm()
-        t[p + "self_attn.q_proj.weight"] = w(q_rows, d)
-        t[p + "self_attn.k_proj.weight"] = w(kv_rows, d)
-        t[p + "self_attn.v_proj.weight"] = w(kv_rows, d)
-        t[p + "self_attn.o_proj.weight"] = w(d, q_rows)
+        t.update(attention_tensors(p, w, norm, d, q_rows, kv_rows))
         t[p + "block_sparse_moe.gate.weight"] = w(experts, d, scale=1.0)
         for e in range(experts):
             q = p + f"block_sparse_moe.experts.{e}."
@@ -86,29 +71,13 @@ def random_weights(cfg: dict, seed: int, predictor_gain: float = 1.0) -> dict[st
 
 def build_tokenizer(out: Path, vocab_size: int) -> None:
     """A byte-level BPE with the Instruct model's ChatML turn tokens (`<|im_end|>` ends a turn)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from model_factory import WORDS
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))], trainer)
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
+    build_chatml_tokenizer(out, vocab_size, SPECIALS, {
         "bos_token": "<s>", "eos_token": "<|im_end|>", "add_bos_token": False, "chat_template": CHATML,
-    }))
+    })
 
 
 def save_model(out: Path, cfg: dict, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    weights = {k: v.to(dtype).contiguous() for k, v in random_weights(cfg, seed).items()}
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    build_tokenizer(out, min(cfg["vocab_size"], 300))
-    return out
+    return save_folder(out, cfg, random_weights(cfg, seed), dtype, build_tokenizer)
 
 
 def turbosparse_mixtral(out: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **sizes) -> Path:
@@ -116,29 +85,17 @@ def turbosparse_mixtral(out: Path, seed: int = 0, dtype: torch.dtype = torch.flo
 
 
 # ------------------------------------------------------------------ the reference
-class Reference:
+class Reference(Fp64Reference):
     """TurboSparse-Mixtral in plain fp64 torch, from the published equations, no cache.
     `masks=False`: the same experts without the predictors' masks (every neuron), what the
     dense mode computes."""
 
     def __init__(self, path: Path, masks: bool = True):
-        self.cfg = json.loads((Path(path) / "config.json").read_text())
-        self.w = {k: v.double() for k, v in load_file(str(Path(path) / "model.safetensors")).items()}
+        super().__init__(path)
         self.masks = masks
         self.chosen: list[torch.Tensor] = []  # per layer: [T, k] experts of the last forward
         self.selected = 0  # neurons the predictors let through, over chosen experts (last forward)
         self.considered = 0
-
-    def _rms(self, x, weight):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg["rms_norm_eps"]) * weight
-
-    def _rope(self, x, positions):
-        hd = x.shape[-1]
-        inv = 1.0 / (self.cfg["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-        ang = positions[:, None].double() * inv[None, :]
-        cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
-        rotated = torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1)
-        return x * cos + rotated * sin
 
     def moe(self, i: int, h):
         """The sparse MoE block on the normed FFN input h [T, d]."""
@@ -191,12 +148,3 @@ class Reference:
     def forward(self, ids: list[int]) -> torch.Tensor:
         """Logits [T, vocab] (fp64)."""
         return self.final_hidden(ids) @ self.w["lm_head.weight"].T
-
-    def greedy(self, ids: list[int], steps: int) -> list[int]:
-        ids = list(ids)
-        out = []
-        for _ in range(steps):
-            token = int(self.forward(ids)[-1].argmax())
-            out.append(token)
-            ids.append(token)
-        return out

@@ -167,6 +167,12 @@ def _sampling(engine, req: GenerationRequest):
     return params
 
 
+def _prepare(engine, req: GenerationRequest, kind: str):
+    """The sampling parameters (a grammar compiled where the request asks for one) and the tool plan."""
+    params = _sampling(engine, req)
+    return params, (_tool_plan(engine, req, params) if kind == "chat" else None)
+
+
 def _grammar(engine, spec, field: str):
     """`spec`, once the engine's grammar library has compiled it; a 400 naming `field` if not."""
     from engine.errors import UserError
@@ -186,12 +192,13 @@ class ToolPlan:
     names: list[str]
     template_tools: list[dict] | None  # what the chat template receives (None: it takes no tools)
     fmt: Any = None  # tools.CallFormat, for "auto"
+    single: bool = False  # parallel_tool_calls false: at most one call
 
 
 def _tool_plan(engine, req: GenerationRequest, params) -> ToolPlan | None:
     from engine.runtime.constraints import GrammarSpec
 
-    from .tools import call_schema, for_template, template_format
+    from .tools import call_schema, for_template, strict_auto_grammar, template_format
 
     tokenizer = getattr(engine, "tokenizer", None)
     aware = bool(getattr(tokenizer, "takes_tools", False))
@@ -211,7 +218,13 @@ def _tool_plan(engine, req: GenerationRequest, params) -> ToolPlan | None:
             raise bad_request(f"tool_choice 'auto': {where} takes tools but writes calls in a format this server "
                               "does not read (it reads <tool_call>, [TOOL_CALLS] and Llama 3's JSON); send "
                               "tool_choice 'required' or name a function", "tool_choice", "unsupported")
-        return ToolPlan("auto", tr.names, shown, fmt)
+        grammar = strict_auto_grammar(tr, fmt)
+        if grammar is not None:  # a strict function: its calls are held to its schema while decoding
+            if req.response_schema is not None:
+                raise bad_request("'response_format' and a strict tool both constrain the answer: send one",
+                                  "response_format", "invalid_value")
+            params.grammar = _grammar(engine, GrammarSpec.lark(grammar), "tools")
+        return ToolPlan("auto", tr.names, shown, fmt, single=not tr.parallel)
     if req.response_schema is not None:
         raise bad_request("'response_format' and a required tool call both constrain the answer: send one",
                           "response_format", "invalid_value")
@@ -230,7 +243,7 @@ def _tool_calls(plan: ToolPlan | None, text: str) -> tuple[str | None, list[dict
             return None, constrained_calls(text)
         except (ValueError, KeyError, TypeError):  # cut short by max_tokens: the text as it is
             return text, []
-    return parse_template_calls(text, plan.fmt, plan.names)
+    return parse_template_calls(text, plan.fmt, plan.names, plan.single)
 
 
 def _engine_error(exc: BaseException) -> ApiError:
@@ -262,9 +275,10 @@ async def _serve(state: ServerState, request: Request, req: GenerationRequest, k
         raise ApiError(503, "no model is loaded; load one in the window first", type="server_error")
     if req.model is not None and req.model != model_id:
         raise _model_not_found(req.model, model_id)
-    params = _sampling(engine, req)
-    plan = _tool_plan(engine, req, params) if kind == "chat" else None
     arrived = time.perf_counter()
+    # Off the event loop: a grammar (the tokenizer's view at the first constrained request, a
+    # big schema's compile) takes its time there while every other request goes on.
+    params, plan = await asyncio.to_thread(_prepare, engine, req, kind)
     job = Job(req.prompt, params, asyncio.get_running_loop(), tools=plan.template_tools if plan else None)
     try:
         state.gate.submit(job)

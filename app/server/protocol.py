@@ -191,10 +191,7 @@ def _common(body: Any, kind: str) -> dict:
     if _number(body, "best_of", 1, integer=True) not in (None, 1):
         raise bad_request("this server returns one choice per request ('best_of' must be 1)", "best_of",
                           "invalid_value")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise bad_request("'stream_options' must be an object", "stream_options", "invalid_type")
-    include_usage = _bool(options or {}, "include_usage")
+    include_usage = _stream_options(body)
     # OpenAI's newer name for the answer's length wins over the old one.
     max_tokens = _number(body, "max_completion_tokens", 1, integer=True)
     if max_tokens is None:
@@ -209,6 +206,32 @@ def _common(body: Any, kind: str) -> dict:
         frequency_penalty=_number(body, "frequency_penalty", -2, 2), logit_bias=_logit_bias(body),
         response_schema=_response_format(body),
     )
+
+
+def _stream_options(body: dict) -> bool:
+    """Whether a streamed answer ends with a usage chunk (`stream_options.include_usage`, as
+    OpenAI's: only when asked). OpenAI takes `stream_options` only with `stream: true`; each of
+    its keys is honoured or refused by name (`include_obfuscation`: this server pads no chunks,
+    so only false, the answer it gives, is taken)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options", "invalid_type")
+    if not _bool(body, "stream"):
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options",
+                          "invalid_value")
+    for key, value in options.items():
+        if key == "include_usage" or value is None:
+            continue
+        if key == "include_obfuscation":
+            if _bool(options, key):
+                raise bad_request("'stream_options.include_obfuscation': this server pads no chunks; send false",
+                                  "stream_options.include_obfuscation", "unsupported")
+            continue
+        raise bad_request(f"'stream_options.{_shown(key)[1:-1]}' is not an option this server knows "
+                          "(it takes include_usage)", f"stream_options.{key}", "unknown_field")
+    return _bool(options, "include_usage")
 
 
 ANY_OBJECT = {"type": "object"}  # JSON mode: an object, as OpenAI's json_object promises
@@ -263,7 +286,7 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
 
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-# What a message may carry; `refusal` is an assistant's earlier refusal text, shown as nothing.
+# What a message may carry; `refusal` is an assistant's earlier refusal text (`_refusal`).
 MESSAGE_FIELDS = {"role", "content", "name", "refusal", "tool_calls", "tool_call_id"}
 
 
@@ -284,6 +307,21 @@ def _content_text(content: Any, i: int) -> str:
                       f"messages[{i}].content", "invalid_type")
 
 
+def _refusal(m: dict, i: int, content: str) -> str:
+    """An assistant turn's content as the model reads it: OpenAI sends an earlier refusal in
+    `refusal` with no content; that text is what the assistant said, so the template gets it
+    (after the content, when both are sent)."""
+    refusal = m.get("refusal")
+    if refusal is None:
+        return content
+    if not isinstance(refusal, str):
+        raise bad_request(f"messages[{i}].refusal must be a string", f"messages[{i}].refusal", "invalid_type")
+    if m.get("role") != "assistant":
+        raise bad_request(f"messages[{i}].refusal belongs to an assistant message", f"messages[{i}].refusal",
+                          "invalid_value")
+    return f"{content}\n{refusal}" if content and refusal else content or refusal
+
+
 def parse_chat(body: Any) -> GenerationRequest:
     values = _common(body, "chat completion")
     messages = body.get("messages")
@@ -302,7 +340,7 @@ def parse_chat(body: Any) -> GenerationRequest:
             if key not in MESSAGE_FIELDS and value is not None:
                 raise bad_request(f"messages[{i}].{_shown(key)[1:-1]}: this server does not take that field "
                                   "in a message", f"messages[{i}].{key}", "unsupported")
-        message = history_message(m, i, ROLES[role], _content_text(m.get("content"), i))
+        message = history_message(m, i, ROLES[role], _refusal(m, i, _content_text(m.get("content"), i)))
         name = m.get("name")
         if name is not None:  # the template may show who spoke; most ignore it
             if not isinstance(name, str):

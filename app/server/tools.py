@@ -70,6 +70,9 @@ def parse_tools(body: dict) -> ToolRequest | None:
         if name in names:
             raise bad_request(f"'{where}': the function {name!r} is defined twice", f"{where}.function.name",
                               "invalid_value")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise bad_request(f"'{where}.function.strict' must be true or false", f"{where}.function.strict",
+                              "invalid_type")
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise bad_request(f"'{where}.function.description' must be a string", f"{where}.function.description",
                               "invalid_type")
@@ -114,6 +117,42 @@ def call_schema(req: ToolRequest) -> dict:
     return {"type": "array", "items": single, "minItems": 1}
 
 
+def _call_object(tool: dict, arguments_key: str = "arguments") -> dict:
+    """The schema of one call of `tool`: its name, and arguments that match its `parameters`
+    where it is strict (OpenAI's `strict`), any object where it is not."""
+    fn = tool["function"]
+    args = fn["parameters"] if fn.get("strict") else {"type": "object"}
+    return {"type": "object", "properties": {"name": {"const": fn["name"]}, arguments_key: args},
+            "required": ["name", arguments_key], "additionalProperties": False}
+
+
+def strict_auto_grammar(req: ToolRequest, fmt: "CallFormat") -> str | None:
+    """tool_choice "auto" with a strict function: a Lark grammar (llguidance's, with %json) that
+    lets the answer be free text or calls in the template's format, and holds every call to its
+    function's schema, as OpenAI's `strict` promises; at most one call without parallel calls.
+    None when no function is strict (the answer is then read, not constrained)."""
+    if not any(t["function"].get("strict") for t in req.tools):
+        return None
+    key = "parameters" if fmt is LLAMA3 else "arguments"
+    calls = [_call_object(t, key) for t in req.tools]
+    one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if fmt is HERMES:
+        body = 'call: "<tool_call>" WS? call_json WS? "</tool_call>"\n'
+        body += "calls: call\n" if not req.parallel else "calls: call (WS? call)*\n"
+        schema = one
+    elif fmt is MISTRAL:
+        body = 'calls: "[TOOL_CALLS]" WS? call_json\n'
+        schema = {"type": "array", "items": one, "minItems": 1, **({} if req.parallel else {"maxItems": 1})}
+    else:  # Llama 3: one bare object
+        body = "calls: call_json\n"
+        schema = one
+    marker = re.escape(fmt.marker or "{").replace("/", "\\/")
+    return ("start: TEXT | calls\n" + body + f"call_json: %json {json.dumps(schema)}\n"
+            "WS: /[ \\t\\n]+/\n"
+            # free text: anything that does not start (after blanks) with the format's marker
+            f"TEXT: /(.|\\n)*/ & ~/[ \\t\\n]*{marker}(.|\\n)*/\n")
+
+
 def constrained_calls(text: str) -> list[dict]:
     """The tool calls of a constrained answer (`call_schema`'s JSON) in OpenAI's shape."""
     value = json.loads(text)
@@ -149,9 +188,11 @@ def template_format(template: str) -> CallFormat | None:
     return None
 
 
-def parse_template_calls(text: str, fmt: CallFormat, names: list[str]) -> tuple[str | None, list[dict]]:
+def parse_template_calls(text: str, fmt: CallFormat, names: list[str],
+                         single: bool = False) -> tuple[str | None, list[dict]]:
     """(content, tool_calls) of an answer in `fmt`; an answer whose calls do not parse, or name
-    functions that were not offered, is content (what the model wrote, unaltered)."""
+    functions that were not offered, is content (what the model wrote, unaltered). `single`
+    (parallel_tool_calls false): the first call alone, as OpenAI returns at most one."""
     stripped = text.strip()
     try:
         if fmt is HERMES and stripped.startswith(HERMES.marker):
@@ -168,7 +209,7 @@ def parse_template_calls(text: str, fmt: CallFormat, names: list[str]) -> tuple[
     except ValueError:
         return text, []
     calls = []
-    for item in raw:
+    for item in raw[: 1 if single else None]:
         if not isinstance(item, dict) or item.get("name") not in names:
             return text, []
         args = item.get("arguments", item.get("parameters", {}))
@@ -230,7 +271,7 @@ def for_template(messages: list[dict], tool_aware: bool) -> list[dict]:
     out = []
     for m in messages:
         if m.get("tool_calls"):
-            shown = json.dumps([{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+            shown = json.dumps([{"name": c["function"]["name"], "arguments": _as_object(c["function"]["arguments"])}
                                 for c in m["tool_calls"]], ensure_ascii=False)
             out.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + shown})
         elif m["role"] == "tool":
@@ -238,3 +279,14 @@ def for_template(messages: list[dict], tool_aware: bool) -> list[dict]:
         else:
             out.append({k: v for k, v in m.items() if k != "tool_calls"})
     return out
+
+
+def _as_object(arguments: Any) -> Any:
+    """Arguments as the history shows them: parsed where they are JSON text (OpenAI's wire
+    form, and what the window stores), as they are otherwise."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments

@@ -146,7 +146,9 @@ class TokenGrammar:
         matcher = lib.LLMatcher(self.tokenizer, self.grammar_text(spec), log_level=0)
         if matcher.is_error():
             raise GrammarError(f"the grammar library cannot use this schema: {matcher.get_error().strip()[:500]}")
-        return Constraint(self, matcher)
+        # JSON is closed in time when the room runs out; a Lark grammar (free text or a tool call)
+        # has no such closing: prose would be pushed into '"', '}' and ']'.
+        return Constraint(self, matcher, closable=spec.kind == "json_schema")
 
 
 CLOSE_LOOKAHEAD = 64  # the room below which the closing is worked out at every token (a call: ~30)

@@ -133,18 +133,20 @@ def _plain(*arrays: np.ndarray) -> bool:
     return all(a.flags.writeable and a.flags.aligned for a in arrays)
 
 
-def _rows(dl, rows) -> tuple | None:
-    """(kind, gate, gate_scale, up, up_scale, down, down_scale) of FFN rows in the CPU kernels' storage."""
+def _rows(dl, rows, plain: bool = True) -> tuple | None:
+    """(kind, gate, gate_scale, up, up_scale, down, down_scale) of FFN rows in the CPU kernels' storage.
+    `plain`: only arrays of the flags the layer function was compiled for (an expert table holds
+    addresses: any flags do)."""
     if isinstance(rows, q4_rows.Q4FfnRows):
         gate, up, down = (t.numpy() if t is not None else None for t in (rows.gate, rows.up, rows.down_t))
         out = dl.R_Q4, gate if gate is not None else up, _EMPTY_F32, up, _EMPTY_F32, down, _EMPTY_F32
-        return out if _plain(*out[1:]) else None
-    if isinstance(rows, cpu_kernels.CpuFfnRows):
+    elif isinstance(rows, cpu_kernels.CpuFfnRows):
         gate, gs, up, us, down, ds = rows._numpy_views()
         kind = dl.R_INT8 if rows.quant == "int8" else dl.R_FP32
         out = kind, gate.view(np.uint8), gs, up.view(np.uint8), us, down.view(np.uint8), ds
-        return out if _plain(*out[1:]) else None
-    return None
+    else:
+        return None
+    return out if not plain or _plain(*out[1:]) else None
 
 
 @dataclass
@@ -315,8 +317,9 @@ def _expert_table(dl, ffn: TieredMoe):
             return "hot experts on another device"
         kind = width = None
         for e, rows in rows_of.items():
-            args = _rows(dl, rows)
-            if args is None or any(a.ndim != 2 or not a.flags.c_contiguous for a in args[1::2]):
+            args = _rows(dl, rows, plain=False)
+            if args is None or any(not a.flags.c_contiguous for a in args[1:]) \
+                    or any(a.ndim != 2 for a in args[1::2]):
                 return "expert rows in a storage the kernel does not read"
             ids = tier.neuron_ids[e]
             whole = len(ids) == ffn.n_ff
@@ -491,14 +494,16 @@ def decode_step(model, ids: torch.Tensor, start: int, cache) -> torch.Tensor | N
     return torch.from_numpy(logits)[None]
 
 
-def warm(model, cache, keep: bool = True) -> None:
+def warm(model, cache, keep: bool = True) -> bool:
     """Load the compiled layer and head functions now (numba's disk cache; a first compile takes
     minutes) rather than in the first decoded token: one call of the first layer at position 0,
     whose cache slot the prompt overwrites before anything reads it, and one of the head.
     `keep`: the prepared arguments stay on the model for the first token; False (a background
-    compile beside a running engine, over a scratch cache) leaves the model untouched."""
+    warm-up beside a running engine, over a scratch cache) leaves the model untouched.
+    Returns whether the decode is fused: every layer on the CPU, the first layer's and the
+    head's calls prepared."""
     if not enabled() or kernels() is None or not model.layers:
-        return
+        return False
     dl = kernels()
     layer = model.layers[0]
     plan = _build_layer(dl, model, 0, layer, cache)
@@ -507,7 +512,7 @@ def warm(model, cache, keep: bool = True) -> None:
         layer.fused, model.fused_head = plan, head
     table = model.rotary.get(torch.device("cpu"))
     if plan.args is None or head.args is None or table is None or table.cos.dtype != torch.float32:
-        return
+        return False
     x = np.zeros(model.config.hidden_size, dtype=np.float32)
     kern = numba_pool.module()
     with numba_pool.lock:
@@ -519,3 +524,4 @@ def warm(model, cache, keep: bool = True) -> None:
         else:
             dl.decode_layer(x, 0, threads, table.cos.numpy(), table.sin.numpy(), 0.0, *plan.args)
         dl.decode_head(x, threads, *head.args)
+    return all(getattr(la, "device", torch.device("cpu")).type == "cpu" for la in model.layers)
