@@ -34,7 +34,7 @@ from engine.errors import UserError
 from engine.hotcold import hot_q4
 from engine.kernels import cpu_q4, numba_pool, q4_format, q4_rows
 from engine.kernels import cpu as cpu_kernels
-from engine.kernels.quantized import Int8Matrix, Q4Matrix
+from engine.kernels.quantized import Int8Matrix, Q4Matrix, Q4MinMatrix
 from engine.hotcold.hybrid_ffn import HybridFfn
 from engine.hotcold.moe_tiers import TieredMoe, row_bytes
 from engine.loading.dense_quant import QuantDenseFfn
@@ -120,6 +120,13 @@ def _matrix(dl, w) -> tuple | None:
         else:
             kind = dl.M_Q4_TILES if q4_format.n_blocks(w.cols) % 8 == 0 else dl.M_Q4  # matmul_q4_tiles, else matmul_q4
         return (kind, q.numpy(), _EMPTY_F32) if _plain(q.numpy()) else None
+    if isinstance(w, Q4MinMatrix):  # Q4_1 blocks: the 4-bit rows' kind, the block offsets as the scale
+        rows, off = _matrix(dl, w.rows), w.offsets
+        if (rows is None or off.device.type != "cpu" or off.dtype != torch.float32 or not off.is_contiguous()
+                or tuple(off.shape) != (w.q.shape[0], w.q.shape[1] // q4_format.BLOCK_BYTES)):
+            return None
+        offsets = off.numpy().reshape(-1)
+        return (rows[0] + dl.Q4MIN_SHIFT, rows[1], offsets) if _plain(offsets) else None
     if isinstance(w, torch.Tensor):
         if w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous() or w.dim() != 2:
             return None
@@ -280,13 +287,8 @@ def _build_layer(dl, model, index: int, layer, cache) -> FusedLayer:
     args = (*_attention_args(model, index, layer, cache, qkv, out),
             ffn_kind, int(ffn.n_ff), gated, code, float(ffn.threshold),
             *fc1, *fc2, *rows, row_ids, *hot, *gate_up, *down)
-    q4 = any(m[0] in _q4_kinds(dl) for m in mats) or dl.R_Q4 in (rows[0], hot[0])
+    q4 = any(_four_bit(dl, m[0]) for m in mats) or dl.R_Q4 in (rows[0], hot[0])
     return FusedLayer(key, args, sparse=ffn_kind == dl.FFN_ROWS, q4=q4, n_ff=int(ffn.n_ff))
-
-
-def _q4_kinds(dl) -> tuple[int, ...]:
-    """The 4-bit matrix kinds (the int8 x 4-bit kernels must be on to fuse them)."""
-    return dl.M_Q4, dl.M_Q4_TILES, dl.M_Q4X8
 
 
 def _attention_args(model, index: int, layer, cache, qkv: tuple, out: tuple) -> tuple:
@@ -349,6 +351,8 @@ def _predictor_table(dl, predictors, n_ff: int):
         return None
     if len({(m[0], m[1].shape) for m in fc1}) != 1 or len({(m[0], m[1].shape) for m in fc2}) != 1:
         return None
+    if any(m[0][0] >= dl.M_Q4MIN_TILES for m in (fc1, fc2)):  # the table holds one scale a row, no block offsets
+        return None
     rank = fc1[0][1].shape[0]
     if fc2[0][1].shape[0] != n_ff:
         return None
@@ -382,8 +386,8 @@ def moe_ffn_args(dl, ffn: TieredMoe, router, top_k: int, softmax: bool) -> tuple
             kinds, widths, table)
     tier_bytes = tuple(row_bytes(next(iter(rows.values()))) if rows else 0
                        for rows in (ffn.cold.rows, ffn.hot.cpu_rows))
-    q4 = router[0] in _q4_kinds(dl) or dl.R_Q4 in kinds.tolist() \
-        or (use_pred and any(m in _q4_kinds(dl) for m in pred_args[:2]))
+    q4 = _four_bit(dl, router[0]) or dl.R_Q4 in kinds.tolist() \
+        or (use_pred and any(_four_bit(dl, m) for m in pred_args[:2]))
     moe = FusedMoe(np.zeros(top_k, dtype=np.int64), np.zeros(top_k, dtype=np.float32),
                    np.zeros((top_k, 2, 2), dtype=np.int64), tier_bytes, keep + pred_keep, q4)
     return args, moe
@@ -396,7 +400,7 @@ def _build_moe(dl, model, layer, key: tuple, attention: tuple) -> FusedLayer:
     if isinstance(built, str):
         return FusedLayer(key, None, built)
     args, moe = built
-    q4 = moe.q4 or any(m[0] in _q4_kinds(dl) for m in (attention[10:13], attention[13:16]))
+    q4 = moe.q4 or any(_four_bit(dl, m[0]) for m in (attention[10:13], attention[13:16]))
     return FusedLayer(key, (*attention, cfg.router_input == "layer", *args), q4=q4, n_ff=int(layer.ffn.n_ff),
                       moe=moe)
 
@@ -412,7 +416,12 @@ def _build_head(dl, model) -> FusedLayer:
         return FusedLayer(key, None, "the head is not on the CPU in a storage the kernel reads")
     scale = model.logit_scale
     args = (norm.weight.numpy(), float(norm.eps), float(scale if scale is not None else 1.0), scale is not None, *m)
-    return FusedLayer(key, args, q4=m[0] in (dl.M_Q4, dl.M_Q4_TILES, dl.M_Q4X8))
+    return FusedLayer(key, args, q4=_four_bit(dl, m[0]))
+
+
+def _four_bit(dl, kind: int) -> bool:
+    """A matrix kind of 4-bit rows (Q4_0, or Q4_1's): int8 activations (cpu_q4.USE_INT8_ACTIVATIONS)."""
+    return kind in (dl.M_Q4, dl.M_Q4_TILES, dl.M_Q4X8, dl.M_Q4MIN, dl.M_Q4MIN_TILES, dl.M_Q4MIN_X8)
 
 
 def _current(plan: FusedLayer | None, key: tuple) -> bool:
