@@ -502,3 +502,39 @@ class _NoRows:
 
     def __len__(self) -> int:
         return 0
+
+
+class SlotRows:
+    """A group's cold positions as the cache holds them, for one kernel call (a mixture's
+    expert, engine.hotcold.moe_disk): the pool's rows with each position's slot (`idx`) and
+    its index into the predictor's logits (`pred_index`). The kernel walks the same positions
+    in the same order as over the expert's own rows in RAM, each reading its slot's row: the
+    same bits. Positions not resident hold slot 0; the caller made every one it computes
+    resident."""
+
+    def __init__(self, cache: NeuronCache, idx: np.ndarray, pred_index: np.ndarray):
+        self.cache, self.idx, self.pred_index = cache, np.ascontiguousarray(idx), pred_index
+        rows = cache.rows
+        self.quant, self.dim, self.up = rows.quant, rows.dim, rows.up  # what a row's bytes are counted from
+        self.n_neurons = len(idx)
+
+    def ffn(self, x: torch.Tensor, out_acts: torch.Tensor, activation: str, pred_logits: torch.Tensor | None = None,
+            threshold: float = 0.0) -> torch.Tensor:
+        """`cpu.sparse_ffn` (pred_logits None: every position) or `cpu.sparse_ffn_predicted`
+        (the positions whose logit >= threshold) over these positions, relu's threshold 0."""
+        rows = self.cache.rows
+        q4 = self.quant == q4_format.QUANT
+        module = cpu_q4 if q4 else cpu_kernels
+        kern = module._kernels() if q4 else module._kernels("ffn_rows")
+        if kern is None:  # torch: the positions' rows gathered, as the in-RAM torch path computes them
+            sub = rows.select(torch.from_numpy(self.idx))
+            if pred_logits is None:
+                return module.sparse_ffn(x, sub, None, activation, 0.0, out_acts=out_acts)
+            return module.sparse_ffn_predicted(x, sub, pred_logits, threshold, activation, 0.0, out_acts=out_acts,
+                                               row_ids=torch.from_numpy(self.pred_index))
+        acts = out_acts.numpy()
+        if pred_logits is None:
+            return module._launch(kern, x, rows, self.idx, None, None, 0.0, activation, 0.0, acts)
+        pred = pred_logits.detach().to("cpu", torch.float32).numpy()
+        return module._launch(kern, x, rows, self.idx, pred, self.cache.pred_ids(self.pred_index), threshold,
+                              activation, 0.0, acts)
