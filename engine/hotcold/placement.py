@@ -10,11 +10,14 @@ moves. Everything not on the fast device must fit the RAM budget, or the answer 
 "does not fit" with the minimum RAM.
 
 A third tier, the disk (PowerInfer-2), where the problem allows it (`disk_tier`: int8/int4 CPU
-rows of a dense FFN, which a prepared file holds): the RAM budget may go below the CPU side's
-bytes, down to its resident parts (embeddings, attention, predictors, norms, KV cache, head)
-plus a working set of neuron slots (`WORKING_SHARE` of the largest layer). What RAM is left
-is a neuron cache, seeded with the most frequent cold neurons; the rest stay in the prepared
-file and a token reads those it needs (`disk_read_per_token`, expected from the frequencies).
+rows of a dense FFN or of a mixture's experts, which the prepared files hold): the RAM budget
+may go below the CPU side's bytes, down to its resident parts (attention, predictors, norms,
+KV cache, head; the embeddings go to disk first where the head is not them) plus a working set
+of neuron slots (`WORKING_SHARE` of the largest layer; a mixture's, one expert) and the
+readers' buffers. What RAM is left is a neuron cache, seeded with the cold neurons needed most
+often (`need_frequencies`: a mixture caches by expert and by neuron inside an expert, so the
+experts the router rarely picks stay on disk); the rest stay in the prepared file and a token
+reads those it needs (`disk_read_per_token`, expected from the same frequencies).
 """
 
 from __future__ import annotations
@@ -55,6 +58,11 @@ class PlacementProblem:
     # where they are not the head, which every token reads whole
     embed_disk: bool = False
     embed_row: int = 0  # bytes of one embedding row (what a token reads of them)
+    # per layer, how often a token needs each unit's rows resident (the disk tier caches and reads
+    # by it); None: `frequencies`. A mixture's neuron is needed whenever its expert is chosen (the
+    # kernel reads every gate row of a chosen expert), or, where the experts carry predictors,
+    # when it is predicted.
+    need_frequencies: list[np.ndarray] | None = None
     read_buffers: int = 0  # the disk tier's read buffers (neuron_bundles.buffer_bytes), counted with the cache
     # the cold rows are a neuron cache's (a load that reads rows from disk): counted as its slots
     # even when every cold neuron fits, since the cache holds them
@@ -189,7 +197,8 @@ def attention_cpu_bytes(model: "ModelBytes", params: int, cpu_weights: str) -> i
 def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: list[np.ndarray], ctx: int,
                   fast_weight_bytes: int, fast_kv_bytes: int, cpu_weights: str,
                   fast_device: str = "cuda:0", hot_weights: str | None = None,
-                  cpu_kv_bytes: int | None = None, disk_tier: bool | None = None) -> PlacementProblem:
+                  cpu_kv_bytes: int | None = None, disk_tier: bool | None = None,
+                  need_frequencies: list[np.ndarray] | None = None) -> PlacementProblem:
     """Bytes of every placeable part, exactly as the engine allocates them.
 
     Fast tier: the output head (its own copy even when tied to the embeddings), each
@@ -199,13 +208,14 @@ def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: l
     rows) are int8 rows with an fp32 scale each when cpu_weights is int8, else fp32; the
     KV cache is cpu_kv_bytes per element (None: the setting, fp16 unless
     THERMOCLINE_KV_CACHE=fp32); the rest is fp32. hot_weights "int4": hot neurons are 4-bit
-    rows (engine.hotcold.hot_q4). disk_tier (None: int8/int4 rows of a dense FFN) lets cold
-    rows stay on disk below the RAM budget; its readers' buffers count with the cache.
+    rows (engine.hotcold.hot_q4). disk_tier (None: int8/int4 rows, which the prepared files
+    hold, of a dense FFN or of experts) lets cold rows stay on disk below the RAM budget; its
+    readers' buffers count with the cache; need_frequencies: PlacementProblem's.
     """
     from engine.hotcold.neuron_bundles import buffer_bytes, bundle_size
 
     if disk_tier is None:
-        disk_tier = cpu_weights in DISK_FORMATS and model.unit == "neurons"
+        disk_tier = cpu_weights in DISK_FORMATS
     if cpu_kv_bytes is None:
         cpu_kv_bytes = kv_setting_bytes()
     layers = []
@@ -234,7 +244,8 @@ def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: l
         unit=model.unit,
         expert_size=model.expert_size,
         disk_tier=disk_tier,
-        embed_disk=disk_tier and not model.tied_embeddings,
+        embed_disk=disk_tier and not shares_embeddings,  # a lookup table only, where the head is its own
+        need_frequencies=need_frequencies,
         embed_row=model.d * CPU_BYTES,
         read_buffers=buffer_bytes(bundle_size(cpu_matrix_bytes(rows * model.d, rows, cpu_weights)), model.n_ff)
         if disk_tier else 0,
@@ -438,10 +449,11 @@ def _cold_read_bytes(problem: PlacementProblem, hot_ids: list[np.ndarray]) -> fl
     return total * _row_bytes(problem)
 
 
-def cold_frequencies(problem: PlacementProblem, hot_ids: list[np.ndarray]) -> list[np.ndarray]:
-    """Per layer, the frequencies of the cold neurons in id order (hot ones left out)."""
+def cold_frequencies(problem: PlacementProblem, hot_ids: list[np.ndarray], need: bool = False) -> list[np.ndarray]:
+    """Per layer, the frequencies of the cold neurons in id order (hot ones left out); with
+    `need`, how often each is needed resident (PlacementProblem.need_frequencies)."""
     out = []
-    for f, ids in zip(problem.frequencies, hot_ids):
+    for f, ids in zip(problem.need_frequencies or problem.frequencies if need else problem.frequencies, hot_ids):
         mask = np.ones(len(f), dtype=bool)
         mask[ids] = False
         out.append(np.asarray(f, dtype=np.float64)[mask])
@@ -471,7 +483,7 @@ def _disk_tier(problem: PlacementProblem, hot_ids, cold_count: int, resident: in
     if ram_budget < min_ram:
         return {"min_ram": min_ram, "cache_neurons": None}
     cache = min(cold_count, (ram_budget - resident - maps) // slot)
-    freqs = np.sort(np.concatenate(cold_frequencies(problem, hot_ids) or [np.empty(0)]))[::-1]
+    freqs = np.sort(np.concatenate(cold_frequencies(problem, hot_ids, need=True) or [np.empty(0)]))[::-1]
     cached_freq, total = float(freqs[:cache].sum()), float(freqs.sum())
     disk_neurons = cold_count - cache
     return {"min_ram": min_ram, "cache_neurons": int(cache), "disk_neurons": int(disk_neurons),

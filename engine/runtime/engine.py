@@ -104,6 +104,7 @@ class Engine:
         self._logits_checked = False  # NaN/Inf weights are caught on the first token after a load
         self.kernel_preparation = None  # the CPU kernels compiling in the background (a first start)
         self._kernel_gate = None  # numba_pool.KernelGate: the kernels this engine computes with (None: all)
+        self._warmup: _KernelWarmup | None = None  # the cached kernels still loading after `load` returned
         # Rows of the head past the tokenizer's vocabulary (padding) are never sampled.
         self.sampled_vocab = tokenizer.vocab_size if tokenizer.vocab_size < config.vocab_size else None
 
@@ -121,7 +122,8 @@ class Engine:
         (engine.runtime.kernel_preparation; `kernel_preparation` reports progress, and
         `kernel_progress(compiled, total, finished)` is called on the compiling thread after
         each kernel and at the end);
-        "wait": the load waits for them (minutes on a first start)."""
+        "wait": they load (or compile: minutes on a first start) on a thread past the load's end,
+        and the engine's first computation waits for them (`wait_kernels`)."""
         if mode not in MODES:
             raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
         if cpu_weights is None:
@@ -184,13 +186,19 @@ class Engine:
                               [la.device for la in layers], config.sliding_window, cpu_16bit=cache.cpu_16bit)
             preparing.model_loaded(model_obj, scratch)
         else:
-            warm.join()
-            fused_decode.warm(model_obj, cache)  # the one-call-per-layer decode's machine code, now
-            if not _decode_fused(model_obj):  # the unfused decode's kernels too (oracle, GPU layers, ...)
-                _KernelWarmup.run_all(mode, cpu_weights)
+            # The decode's kernels (from numba's disk cache: ~1 s of its registry work and LLVM
+            # relinking on a 2-core host; a first compile: minutes) load on past the load's end,
+            # on the warm-up's thread, over a scratch cache of 2 slots; the engine's first
+            # computation waits for them (`wait_kernels`), so every token computes on the same
+            # kernels as before and the load returns once the weights are in.
+            layers = model_obj.layers
+            warm.decode_over(model_obj, KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 2,
+                                                [la.dtype for la in layers], [la.device for la in layers],
+                                                config.sliding_window, cpu_16bit=cache.cpu_16bit))
         engine = cls(model_dir, config, tokenizer, model_obj, cache, mode, ctx,
                      cls.eos_from(model_dir, config, tokenizer), cls.defaults_from(model_dir), sparse=runtime)
         engine.kernel_preparation = preparing
+        engine._warmup = warm
         engine._kernel_gate = preparing.gate if preparing is not None else None
         engine.warnings = notes  # things the user should hear about, not errors (the CLI prints them)
         if mode == "dense":
@@ -318,8 +326,18 @@ class Engine:
         return True
 
     def _kernels(self):
-        """`with self._kernels():` around each computation: the kernels this engine has taken in."""
+        """`with self._kernels():` around each computation: the kernels this engine has taken in
+        (the load's warm-up over first, where it still runs)."""
+        self.wait_kernels()
         return numba_pool.gated(self._kernel_gate)
+
+    def wait_kernels(self) -> None:
+        """Wait for the CPU kernels the load left loading from numba's cache (its warm-up thread);
+        raises what that raised. Every computation of the engine calls it first."""
+        warm = self._warmup
+        if warm is not None:
+            self._warmup = None
+            warm.join()
 
     def close(self) -> None:
         """End what the engine runs beside generations (a mixture's prefetch thread); call it
@@ -505,13 +523,25 @@ class _KernelWarmup:
         # modules at once can see them half initialised.
         numba_pool.kernels()
         self._error: BaseException | None = None
+        self._decode: tuple | None = None  # (model, scratch cache) once loaded, or (None, None)
+        self._loaded = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(mode, cpu_weights),
                                         name="thermocline-kernel-warmup", daemon=True)
         self._thread.start()
 
+    def decode_over(self, model, cache=None) -> None:
+        """After the prompt's kernels, the decode's (fused_decode.warm over `cache`, a scratch one
+        the engine never reads; the unfused decode's kernels where it is not fused); None: no more."""
+        self._decode = (model, cache)
+        self._loaded.set()
+
     def _run(self, mode: str, cpu_weights: str) -> None:
         try:
             self.run_prompt(mode, cpu_weights)
+            self._loaded.wait()
+            model, cache = self._decode
+            if model is not None and not fused_decode.warm(model, cache, keep=False):
+                self.run_all(mode, cpu_weights)
         except BaseException as exc:  # noqa: BLE001 - handed to the loading thread
             self._error = exc
 
@@ -538,15 +568,8 @@ class _KernelWarmup:
             cpu_q4x8.warmup()
 
     def join(self, raise_error: bool = True) -> None:
+        if not self._loaded.is_set():  # the load failed before it had a model to hand over
+            self.decode_over(None)
         self._thread.join()
         if raise_error and self._error is not None:
             raise self._error
-
-
-def _decode_fused(model) -> bool:
-    """Whether the load's warm-up found the decode fused: every layer on the CPU, the first
-    layer's and the head's compiled calls prepared (fused_decode.warm)."""
-    layers = getattr(model, "layers", None) or []
-    plan, head = (getattr(layers[0], "fused", None) if layers else None), getattr(model, "fused_head", None)
-    return (plan is not None and plan.args is not None and head is not None and head.args is not None
-            and all(getattr(layer, "device", torch.device("cpu")).type == "cpu" for layer in layers))
