@@ -74,6 +74,15 @@ def _functions_lines(tree: ast.AST) -> set[int]:
     return inside
 
 
+def _from_module(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module a `from ... import` names, relative ones resolved against `package`."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".") if package else []
+    base = base[: len(base) - node.level + 1] if node.level > 1 else base
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def imports_of(name: str, path: Path, modules: dict) -> list[Import]:
     tree = _tree(path)
     inside = _functions_lines(tree)
@@ -84,12 +93,7 @@ def imports_of(name: str, path: Path, modules: dict) -> list[Import]:
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".") if package else []
-                base = base[: len(base) - node.level + 1] if node.level > 1 else base
-                stem = ".".join(base + ([node.module] if node.module else []))
-            else:
-                stem = node.module or ""
+            stem = _from_module(node, package)
             targets = [f"{stem}.{a.name}" if f"{stem}.{a.name}" in modules else stem for a in node.names]
         for target in targets:
             resolved = _resolve(target, modules)
@@ -220,12 +224,7 @@ def unresolved() -> list[str]:
                     elif a.asname and a.name in modules:
                         aliases[a.asname] = a.name
             elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".") if package else []
-                    base = base[: len(base) - node.level + 1] if node.level > 1 else base
-                    stem = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    stem = node.module or ""
+                stem = _from_module(node, package)
                 if stem.split(".")[0] not in PACKAGES and not node.level:
                     continue
                 if stem not in modules:
