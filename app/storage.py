@@ -6,6 +6,12 @@ marks leftover `streaming` rows `interrupted` (`recover_interrupted`), so nothin
 on screen is lost. WAL with synchronous=NORMAL keeps every committed write across a
 process crash while making the per-flush commits cheap enough for the GUI thread.
 
+Tool calls (schema 2): an assistant message may carry the tool calls the model made
+(`tool_calls`, OpenAI's shape: id, type, function name and arguments as JSON text), and a
+`tool` message carries a call's result (`tool_call_id` names the call). A schema-1 database
+is migrated in place on open, in one transaction: every conversation and message is kept
+with its id.
+
 `THERMOCLINE_DATA_DIR` overrides the folder (tests and scripts).
 """
 
@@ -23,7 +29,7 @@ import platformdirs
 APP_NAME = "Thermocline"
 DATA_DIR_ENV = "THERMOCLINE_DATA_DIR"
 DB_FILE = "conversations.db"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Message status values.
 COMPLETE = "complete"
@@ -32,7 +38,7 @@ STOPPED = "stopped"
 INTERRUPTED = "interrupted"
 FAILED = "failed"
 STATUSES = (COMPLETE, STREAMING, STOPPED, INTERRUPTED, FAILED)
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
@@ -47,12 +53,34 @@ CREATE TABLE IF NOT EXISTS conversations (
 CREATE TABLE IF NOT EXISTS messages (
     id              INTEGER PRIMARY KEY AUTOINCREMENT,  -- never reused: ids name widgets and requests
     conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
-    role            TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
+    role            TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant', 'tool')),
     content         TEXT NOT NULL,
     status          TEXT NOT NULL DEFAULT 'complete',
     stats           TEXT,
-    created_at      REAL NOT NULL
+    created_at      REAL NOT NULL,
+    tool_calls      TEXT,  -- an assistant's calls: a JSON list in OpenAI's shape
+    tool_call_id    TEXT   -- a tool message: the call it answers
 );
+CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
+"""
+# Schema 1 -> 2: SQLite cannot widen a CHECK, so the messages table is rebuilt with its rows
+# and ids, and its AUTOINCREMENT counter, so that no id is ever reused.
+_MIGRATE_1_TO_2 = """
+CREATE TABLE messages_v2 (
+    id              INTEGER PRIMARY KEY AUTOINCREMENT,
+    conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    role            TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant', 'tool')),
+    content         TEXT NOT NULL,
+    status          TEXT NOT NULL DEFAULT 'complete',
+    stats           TEXT,
+    created_at      REAL NOT NULL,
+    tool_calls      TEXT,
+    tool_call_id    TEXT
+);
+INSERT INTO messages_v2 (id, conversation_id, role, content, status, stats, created_at)
+    SELECT id, conversation_id, role, content, status, stats, created_at FROM messages;
+DROP TABLE messages;
+ALTER TABLE messages_v2 RENAME TO messages;
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
 """
 
@@ -84,10 +112,18 @@ class Message:
     status: str = COMPLETE
     stats: dict | None = None
     created_at: float = field(default_factory=time.time)
+    tool_calls: list[dict] | None = None  # an assistant's: [{"id", "type": "function", "function": {...}}]
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
     def as_chat(self) -> dict:
-        """The `{"role", "content"}` form the engine renders with the chat template."""
-        return {"role": self.role, "content": self.content}
+        """The form the engine renders with the chat template: role and content, and an
+        assistant's tool calls or a tool result's call id where the message has them."""
+        chat = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            chat["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            chat["tool_call_id"] = self.tool_call_id
+        return chat
 
 
 # A write that failed for a reason outside the program: a full disk, an I/O error, a folder
@@ -112,10 +148,43 @@ class Storage:
             raise RuntimeError(
                 f"{self.path} was written by a newer Thermocline (schema {version}); update the app"
             )
+        if version < 2 and self._has_table("messages") and not self._has_column("messages", "tool_calls"):
+            self._migrate_1_to_2()
         self._db.executescript(_SCHEMA)
         self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         self._pending: dict[int, dict] = {}  # message id -> fields a failed write still owes the disk
         self.last_write_error: Exception | None = None
+
+    def _has_table(self, name: str) -> bool:
+        return self._db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+                                (name,)).fetchone() is not None
+
+    def _has_column(self, table: str, column: str) -> bool:
+        return any(row["name"] == column for row in self._db.execute(f"PRAGMA table_info({table})"))
+
+    def _migrate_1_to_2(self) -> None:
+        """Add the tool role and the tool-call columns, keeping every message and its id; all
+        or nothing (a failure leaves the schema-1 database as it was)."""
+        db = self._db
+        seq = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'messages'").fetchone()
+        db.execute("PRAGMA foreign_keys=OFF")  # the rebuild drops the old table; conversations stay
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                for statement in _MIGRATE_1_TO_2.split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+                if seq is not None:  # the counter of ids handed out, deleted messages' included
+                    cur = db.execute("UPDATE sqlite_sequence SET seq = max(seq, ?) WHERE name = 'messages'", (seq[0],))
+                    if cur.rowcount == 0:  # no message left to carry it over
+                        db.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('messages', ?)", (seq[0],))
+                db.execute("PRAGMA user_version=2")
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        finally:
+            db.execute("PRAGMA foreign_keys=ON")
 
     def close(self) -> None:
         """Last try to write what is owed, then close; never raises (quitting must work)."""
@@ -182,20 +251,27 @@ class Storage:
 
     # -- messages ------------------------------------------------------------------------
     def add_message(self, conversation_id: int, role: str, content: str, status: str = COMPLETE,
-                    stats: dict | None = None) -> Message:
+                    stats: dict | None = None, *, tool_calls: list[dict] | None = None,
+                    tool_call_id: str | None = None) -> Message:
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}")
         if status not in STATUSES:
             raise ValueError(f"unknown status {status!r}")
+        if tool_calls and role != "assistant":
+            raise ValueError("only an assistant message carries tool calls")
+        if (role == "tool") != (tool_call_id is not None):
+            raise ValueError("a tool message, and only one, names the call it answers (tool_call_id)")
         now = time.time()
         with self._transaction():
             cur = self._db.execute(
-                "INSERT INTO messages (conversation_id, role, content, status, stats, created_at)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (conversation_id, role, content, status, _dump(stats), now),
+                "INSERT INTO messages (conversation_id, role, content, status, stats, created_at, tool_calls,"
+                " tool_call_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (conversation_id, role, content, status, _dump(stats), now,
+                 json.dumps(tool_calls) if tool_calls else None, tool_call_id),
             )
             self._db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
-        return Message(cur.lastrowid, conversation_id, role, content, status, stats, now)
+        return Message(cur.lastrowid, conversation_id, role, content, status, stats, now, tool_calls or None,
+                       tool_call_id)
 
     def update_message(self, message_id: int, *, content: str | None = None, status: str | None = None,
                        stats: dict | None = None) -> None:
@@ -312,4 +388,13 @@ def _message(row: sqlite3.Row) -> Message:
     return Message(
         id=row["id"], conversation_id=row["conversation_id"], role=row["role"], content=row["content"],
         status=row["status"], stats=_load_json(row["stats"], None), created_at=row["created_at"],
+        tool_calls=_calls(_load_json(row["tool_calls"], None)), tool_call_id=row["tool_call_id"],
     )
+
+
+def _calls(value) -> list[dict] | None:
+    """The stored tool calls, as far as they are calls (a damaged row shows none, not a crash)."""
+    if not isinstance(value, list):
+        return None
+    calls = [c for c in value if isinstance(c, dict) and isinstance(c.get("function"), dict)]
+    return calls or None

@@ -141,14 +141,25 @@ def forced_tokens(count: int, vocab: int, seed: int) -> list[int]:
 def worker_llama(path: Path, threads: int, tokens: int, seed: int) -> dict:
     import llama_cpp
 
+    t0 = time.perf_counter()
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=threads, n_threads_batch=threads,
                           verbose=False)
+    load = {"load_s": time.perf_counter() - t0, "load_peak_rss": _peak_rss()}
     vocab = llm.n_vocab()
 
     def last_logits():  # llama-cpp-python keeps no scores without logits_all: read the context's
         return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))
 
     llm.eval(PROMPT[:4])  # warm-up: first touch of the mapped weights
+
+    def prefill() -> float:
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(PROMPT)
+        last_logits()
+        return time.perf_counter() - t
+
+    load["ttft_s"] = min(prefill() for _ in range(2))
     llm.reset()
     llm.eval(PROMPT)
     top = [int(np.argmax(last_logits()))]
@@ -157,7 +168,14 @@ def worker_llama(path: Path, threads: int, tokens: int, seed: int) -> dict:
     for tok in forced:
         llm.eval([tok])
         top.append(int(np.argmax(last_logits())))
-    return {"decode_tok_s": tokens / (time.perf_counter() - t), "top": top}
+    return {"decode_tok_s": tokens / (time.perf_counter() - t), "top": top, **load}
+
+
+def _peak_rss() -> int:
+    """This process's peak resident set so far, bytes (imports and the load)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def worker_ours(root: Path, cpu_weights: str, threads: int, tokens: int, seed: int) -> dict:
@@ -169,11 +187,23 @@ def worker_ours(root: Path, cpu_weights: str, threads: int, tokens: int, seed: i
     torch.set_num_threads(threads)
     cpu_weights, _, option = cpu_weights.partition("+")
     kwargs = {} if cpu_weights == "dense" else {"mode": "sparse", "cpu_weights": cpu_weights}
+    t0 = time.perf_counter()
     engine = Engine.load(root, ctx=256, threads=threads, **kwargs)
+    # a second load where the model was prepared before (main runs one untimed load first)
+    load = {"load_s": time.perf_counter() - t0, "load_peak_rss": _peak_rss(),
+            "placed_ram": engine.memory()["ram_bytes"] if engine.sparse is not None else None,
+            "prepared": getattr(engine.sparse, "prepared_experts", None) is not None}
     if engine.sparse is not None:  # "+prefetch": read the chosen cold experts while attention runs
         engine.sparse.set_prefetch(option == "prefetch")
     engine.eos_ids = set()
     engine.generate(PROMPT[:4], SamplingParams(max_new_tokens=2, temperature=0))  # warm-up: kernels compiled
+
+    def prefill() -> float:  # time to first token: the prompt's prefill and its first token
+        engine.reset()
+        engine.generate(PROMPT, SamplingParams(max_new_tokens=1, temperature=0))
+        return engine.last_stats.ttft_s
+
+    load["ttft_s"] = min(prefill() for _ in range(2))
     engine.reset()
     sparse, model, cache = engine.sparse, engine.model, engine.cache
     if sparse is not None:
@@ -187,7 +217,7 @@ def worker_ours(root: Path, cpu_weights: str, threads: int, tokens: int, seed: i
             sparse.at_token_boundary()
         logits = model.forward(torch.tensor([tok]), len(PROMPT) + i, cache)
         top.append(int(torch.argmax(logits[-1])))
-    out = {"decode_tok_s": tokens / (time.perf_counter() - t), "top": top}
+    out = {"decode_tok_s": tokens / (time.perf_counter() - t), "top": top, **load}
     if sparse is not None:
         c = sparse.counters
         steps = c.experts_chosen // (engine.config.experts_per_token * engine.config.num_layers)
@@ -236,6 +266,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         kind, _, fmt = args.worker.partition(":")
+        if kind == "prepare":  # the untimed first load, which writes the prepared files
+            from engine import Engine
+
+            fmt = fmt.partition("+")[0]
+            Engine.load(args.path, ctx=256, threads=args.threads,
+                        **({} if fmt == "dense" else {"mode": "sparse", "cpu_weights": fmt}))
+            print(json.dumps({}))
+            return 0
         if kind == "llama":
             out = worker_llama(args.path, args.threads, args.tokens, args.seed)
         else:
@@ -255,6 +293,8 @@ def main(argv=None) -> int:
     pairs = [p.split(":") for p in args.pairs.split(",")]
     common = ["--threads", str(args.threads), "--tokens", str(args.tokens), "--seed", str(args.seed)]
     runs: dict[str, list[dict]] = {}
+    for ours in sorted({p[0].partition("+")[0] for p in pairs} - {"dense"}):
+        spawn(["--worker", f"prepare:{ours}", "--path", str(files["hf"]), *common])
     load_before = os.getloadavg()
     for _ in range(args.repeats):  # alternate, so load changes hit both engines alike
         for ours, theirs in pairs:
@@ -290,8 +330,18 @@ def main(argv=None) -> int:
             if ours.endswith("+prefetch"):
                 result[f"{ours}_prefetched_MB_per_token"] = round(med(a, "prefetched_MB_per_token"), 3)
                 result[f"{ours}_prefetch_wait_ms_per_token"] = round(med(a, "prefetch_wait_ms_per_token"), 3)
+        if ours != "dense":  # the second load (prepared files mapped), its memory, time to first token
+            result[f"{ours}_load_s"] = round(med(a, "load_s"), 3)
+            result[f"{ours}_prepared"] = all(r["prepared"] for r in runs[a])
+            result[f"{ours}_load_rss_over_placed"] = round(med(a, "load_peak_rss") / runs[a][0]["placed_ram"], 3)
+            result[f"{ours}_placed_MB"] = round(runs[a][0]["placed_ram"] / 1e6, 1)
+            result[f"{ours}_ttft_s"] = round(med(a, "ttft_s"), 4)
         if llama_skipped is not None:
             continue
+        if ours != "dense":
+            result[f"load_ratio_{ours}_vs_{theirs}"] = round(med(a, "load_s") / med(b, "load_s"), 3)
+            result[f"ttft_ratio_{ours}_vs_{theirs}"] = round(med(a, "ttft_s") / med(b, "ttft_s"), 3)
+            result[f"llama_{theirs}_load_peak_MB"] = round(med(b, "load_peak_rss") / 1e6, 1)
         # same weights and inputs, different rounding: how often the two argmaxes agree
         top_a, top_b = runs[a][0]["top"], runs[b][0]["top"]
         result[f"top1_agree_{ours}_vs_{theirs}"] = round(sum(x == y for x, y in zip(top_a, top_b)) / len(top_a), 3)

@@ -9,8 +9,16 @@ Then N concurrent streams (1, 4, 8 by default): requests per second, the aggrega
 tokens per second, and each stream's latency and TTFT p50/p99 as the clients see it; the
 server decodes concurrent streams together (continuous batching), and `aggregate_vs_one` is
 each level's tokens per second over one stream's (goals: 8 streams >= 2x on the demo, >= 3x
-on a 7B-shaped model: `--model` a folder, e.g. bench.vs_llamacpp's). The last line is one JSON
-object.
+on a 7B-shaped model: `--shape 7B`). The last line is one JSON object.
+
+`--shape 7B` builds (once, in `--workdir`) and serves bench.beyond_ram's model: bench.vs_llamacpp's
+7B layer shapes (d 4096, 11008 neurons, 32 heads, 32k vocabulary, 2 layers) with exact
+predictors, whose neurons fire at power-law rates of mean 10% (bench.sparse_decode.power_law:
+p_i ~ 1/rank, as real ReLU models' hot and cold neurons; ActivationStats saved beside them).
+bench.vs_llamacpp's own weights fire every neuron at the same 10%: the union of 8 sequences'
+predicted sets is then 1 - 0.9^8 = 57% of the neurons, where a power law's hot neurons are
+shared (`union_of_8_expected` reports the figure for the model served). `--shape smoke`: the
+same, tiny (the test suite's check).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import os
 import statistics
 import threading
 import time
+from pathlib import Path
 
 from bench import emit
 
@@ -88,14 +97,38 @@ class ServeProcess:
         self.proc.wait(30)
 
 
+def build_model(shape: str, workdir: Path | None) -> tuple[Path, float]:
+    """bench.beyond_ram's power-law model of `shape` (built once in workdir), and the expected
+    share of a layer's neurons that 8 independent tokens' active sets cover together."""
+    import tempfile
+
+    import numpy as np
+
+    from bench.beyond_ram import build
+    from bench.sparse_decode import power_law
+    from bench.vs_llamacpp import SHAPES
+
+    dims, layers, rank, active, seed = SHAPES[shape], 2, (64 if shape == "7B" else 8), 0.10, 0
+    root = (workdir or Path(tempfile.gettempdir()) / f"thermocline-serve-{shape}") / "model"
+    files = build(root, dims, layers, rank, active, seed, gguf=False)
+    rng = np.random.default_rng(seed)  # build's own draw of the rates
+    probs = [power_law(dims.n_ff, active, rng) for _ in range(layers)]
+    union = float(np.mean([1 - np.mean((1 - p) ** 8) for p in probs]))
+    return files["hf"], round(union, 4)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--mode", default="dense", choices=("dense", "sparse", "hybrid"))
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=5, help="alternating direct/server rounds at one client")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="alternating direct/server rounds at one client (0: the concurrency levels alone)")
     parser.add_argument("--clients", default="1,4,8", help="concurrent stream counts")
     parser.add_argument("--model", default="demo", help="the model served (default: the embedded demo)")
+    parser.add_argument("--shape", choices=("7B", "smoke"),
+                        help="build and serve a power-law sparse model of these shapes (instead of --model)")
+    parser.add_argument("--workdir", type=Path, help="where --shape keeps its model between runs")
     parser.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
     parser.add_argument("--server", default="process", choices=("process", "thread"),
                         help="process: `thermocline serve` in its own process, as clients meet it (default); "
@@ -109,9 +142,15 @@ def main(argv=None) -> int:
     from models_registry.resolve import resolve_model
 
     global MODEL_ID
+    union = None
+    if args.shape is not None:
+        built, union = build_model(args.shape, args.workdir)
+        args.model = str(built)
     folder = resolve_model(args.model)
     MODEL_ID = args.model  # the id `thermocline serve` gives it: what --model said
-    engine = Engine.load(folder, mode=args.mode)
+    # The direct path's engine, loaded as `thermocline serve` loads it (none when nothing runs direct).
+    direct = args.rounds > 0 or args.server == "thread"
+    engine = Engine.load(folder, mode=args.mode, cpu_weights="int8") if direct else None
     if args.server == "thread":
         engine.eos_ids = set()  # every answer is max_tokens long (the same engine serves both paths)
         server = ServerThread(lambda: engine, lambda: MODEL_ID, port=0, max_waiting=max(64, args.requests)).start()
@@ -119,7 +158,8 @@ def main(argv=None) -> int:
         server = ServeProcess(args.mode, max(64, args.requests), args.model)
     http = httpx.Client(timeout=600)
     try:
-        direct_request(engine, PROMPTS[0], 4)  # warm-up both paths
+        if args.rounds:
+            direct_request(engine, PROMPTS[0], 4)  # warm-up both paths
         served_request(http, server.url, PROMPTS[0], 4)
         # Pairs close in time see the same machine load: the same request direct, then served
         # (the order flips every pair), and the overhead is the median of the pairs' ratios.
@@ -179,16 +219,18 @@ def main(argv=None) -> int:
     result = {
         "model": MODEL_ID, "mode": args.mode, "server": args.server, "max_tokens": args.max_tokens,
         "rounds": args.rounds,
-        "direct_request_s": round(statistics.median(direct_s), 4),
-        "served_request_s": round(statistics.median(served_s), 4),
-        "direct_ttft_p50_s": round(percentile(direct_ttft, 50), 4),
-        "served_ttft_p50_s": round(percentile(served_ttft, 50), 4),
-        "overhead_one_client": round(statistics.median(ratios), 4),
-        "overhead_p25_p75": [round(percentile(ratios, 25), 4), round(percentile(ratios, 75), 4)],
+        **({"direct_request_s": round(statistics.median(direct_s), 4),
+            "served_request_s": round(statistics.median(served_s), 4),
+            "direct_ttft_p50_s": round(percentile(direct_ttft, 50), 4),
+            "served_ttft_p50_s": round(percentile(served_ttft, 50), 4),
+            "overhead_one_client": round(statistics.median(ratios), 4),
+            "overhead_p25_p75": [round(percentile(ratios, 25), 4), round(percentile(ratios, 75), 4)]}
+           if ratios else {}),  # --rounds 0: the concurrency levels alone
         "pairs": len(ratios),
         "overhead_goal": 0.05,
         "concurrency": levels,
         "aggregate_goal_8_streams": 2.0 if args.model == "demo" else 3.0,
+        "shape": args.shape, "union_of_8_expected": union,
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "cpu_count": os.cpu_count(),
     }

@@ -35,3 +35,10 @@ def format_size(n: int | float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def format_rate(per_second: float) -> str:
+    """A speed in words: two significant figures, never an exponent (`0.9`, `12`, `27,000`)."""
+    if per_second >= 10:
+        return f"{float(f'{per_second:.2g}'):,.0f}"
+    return f"{per_second:.2g}"

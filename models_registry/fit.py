@@ -31,7 +31,7 @@ from engine.hotcold.placement import (
     solve,
     words_per_second,
 )
-from engine.units import format_size
+from engine.units import format_rate, format_size
 
 from .arch import ArchInfo, detect_architecture
 
@@ -65,6 +65,7 @@ class ModelShape:
     # A mixture of experts (SmallThinker): n_ff counts experts of `expert_ff` neurons each,
     # the placed unit; every layer also has a router [n_ff, d]. 0: a dense FFN.
     expert_ff: int = 0
+    experts_per_token: int = 0  # a mixture: experts the router chooses for a token
     max_positions: int | None = None  # the context cap (ModelConfig.context_length)
     # Experts that carry neuron predictors (TurboSparse-Mixtral): each layer's predictor
     # parameters over all its experts, E * rank * (d + expert_ff); () where none or unknown.
@@ -124,6 +125,7 @@ def shape_from_config(config: dict, arch: ArchInfo | None = None) -> ModelShape:
         tied_embeddings=cfg.tie_word_embeddings, gated=cfg.gated, attn_bias=cfg.attention_bias,
         norm_params_per_layer=norms, final_norm_params=final_norm, max_positions=cfg.max_positions,
         expert_ff=cfg.intermediate_size if cfg.num_experts else 0,
+        experts_per_token=cfg.experts_per_token if cfg.num_experts else 0,
         expert_predictor_params=tuple(cfg.num_experts * rank * (d + cfg.intermediate_size)
                                       for rank in cfg.expert_predictor_ranks),
     )
@@ -235,6 +237,22 @@ def power_law_frequencies(n: int, mean: float) -> np.ndarray:
     return np.minimum(f * scale, 1.0)
 
 
+def moe_frequencies(shape: ModelShape, active_share: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """A mixture with no profile: (what the solver ranks units by, how often a token needs
+    each unit resident; engine.model.moe's two measures), per layer. The router is taken as
+    balanced (each expert chosen on experts_per_token / experts of the tokens: training
+    balances it; a profile shows the skew the disk tier exploits); inside a chosen expert
+    the neurons fire by `power_law_frequencies`, `active_share` of all experts' neurons in
+    all. A chosen expert reads every gate row (needed whenever chosen) unless its experts
+    carry predictors (needed when predicted: when it fires)."""
+    experts, n = shape.n_ff, shape.expert_ff
+    chosen = min(1.0, (shape.experts_per_token or 1) / experts)
+    fires = chosen * power_law_frequencies(n, min(1.0, active_share / chosen))
+    rank = np.tile((chosen + 2 * fires) / 3, experts)
+    need = np.tile(fires, experts) if shape.expert_predictor_params else np.full(experts * n, chosen)
+    return [rank] * shape.n_layers, [need] * shape.n_layers
+
+
 def placement_bytes(shape: ModelShape) -> ModelBytes:
     """The element counts the engine's placement rules take."""
     return ModelBytes(
@@ -270,11 +288,15 @@ def place_bytes(shape: ModelShape, *, ctx: int, vram_budget: int, ram_budget: in
     # Which neurons are hot does not change any byte count: uniform frequencies will do.
     model = placement_bytes(shape)
     share = DEFAULT_ACTIVE_SHARE if active_share is None else active_share
-    frequencies = [power_law_frequencies(model.n_ff, share)] * shape.n_layers
+    need = None
+    if shape.expert_ff:
+        frequencies, need = moe_frequencies(shape, share)
+    else:
+        frequencies = [power_law_frequencies(model.n_ff, share)] * shape.n_layers
     hot = hot_row_format(bm.fast_device, bm.cpu_weights, moe=bool(shape.expert_ff))  # the engine's rule
     problem = build_problem(model, predictor_params, frequencies, ctx, bm.gpu_weight_bytes,
                             bm.gpu_kv_bytes, bm.cpu_weights, fast_device=bm.fast_device, hot_weights=hot,
-                            cpu_kv_bytes=bm.cpu_kv_bytes)
+                            cpu_kv_bytes=bm.cpu_kv_bytes, need_frequencies=need)
     plan = solve(problem, max(int(vram_budget), 0), ram_budget)
     tiers = plan.tier_bytes
     on_gpu = plan.layer_on_fast
@@ -302,7 +324,7 @@ def place_bytes(shape: ModelShape, *, ctx: int, vram_budget: int, ram_budget: in
     elif est.verdict == VERDICT_DISK:
         est.reason = (f"{format_size(est.disk_bytes)} of cold FFN rows on disk, a neuron cache in RAM; reads "
                       f"{format_size(int(est.disk_read_per_token))} from disk per token and runs from disk at "
-                      f"about {est.words_per_s:.2g} words a second")
+                      f"about {format_rate(est.words_per_s)} words a second")
     elif est.verdict == VERDICT_FITS:
         est.reason = "all layers and FFN neurons on the GPU (embeddings in RAM)"
     elif est.hot_neurons == 0 and est.gpu_layers == 0:

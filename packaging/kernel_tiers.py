@@ -10,7 +10,7 @@ code for the tier's generic CPU, not tuned to its own model.
 
 `packaging/kernel_caches.py` builds one cache per tier into the bundle
 (`_internal/numba-cache/<tier>/<source folder>/`); at each start the bundle's entry (packaging/
-entry.py) picks the best tier this CPU has, sets numba's target to it and seeds the user's cache
+entry.py) picks the best tier this CPU has a shipped cache for (a lower one where the best is missing), sets numba's target to it and seeds the user's cache
 from it. A CPU of no tier compiles for itself in the background on its first start, as from
 source. This module imports no numba (the target must be set before numba is imported).
 """
@@ -48,13 +48,16 @@ def host_features() -> dict[str, bool]:
         return {}
 
 
+def host_tiers(features: dict[str, bool] | None = None) -> list[str]:
+    """Every tier this CPU has every feature of, best first (an AVX-512 CPU runs the AVX2 tier too)."""
+    features = host_features() if features is None else features
+    return [name for name, tier in TIERS.items() if all(features.get(f) for f in tier["needs"])]
+
+
 def host_tier(features: dict[str, bool] | None = None) -> str | None:
     """The best tier this CPU has every feature of, or None."""
-    features = host_features() if features is None else features
-    for name, tier in TIERS.items():
-        if all(features.get(f) for f in tier["needs"]):
-            return name
-    return None
+    tiers = host_tiers(features)
+    return tiers[0] if tiers else None
 
 
 def cache_subpath(source_dir: str) -> str:
@@ -64,21 +67,39 @@ def cache_subpath(source_dir: str) -> str:
     return "_".join([os.path.split(path)[-1], hashlib.sha1(path.encode()).hexdigest()])
 
 
+def _seed_folders(seed: str, manifest: dict, tier: str) -> list[str] | None:
+    """The tier's folders in the bundle's seed, or None where the manifest lacks it or a folder is missing."""
+    entry = manifest.get("tiers", {}).get(tier)
+    folders = entry.get("folders") if isinstance(entry, dict) else None
+    if not isinstance(folders, list) or not all(isinstance(f, str) and os.path.isdir(os.path.join(seed, tier, f))
+                                                for f in folders):
+        return None
+    return folders
+
+
 def seed_user_cache(internal: str, user_cache: str, features: dict[str, bool] | None = None) -> str | None:
-    """Set numba's target to this CPU's tier and copy the bundle's cache for it into the user's
-    cache, under the folder numba looks in for this bundle's place on disk (the user's install
-    folder need not be the build's). Returns the tier, or None (no seed for this CPU)."""
+    """Set numba's target to this CPU's best tier the bundle has a cache for and copy that cache
+    into the user's cache, under the folder numba looks in for this bundle's place on disk (the
+    user's install folder need not be the build's). A tier whose cache the bundle lacks (not
+    built, or its folder missing) gives way to the next lower one this CPU has: code for the
+    lower tier runs here, where compiling for itself would take the first start minutes.
+    Returns the tier, or None (no seed for this CPU)."""
     seed = os.path.join(internal, SEED)
     try:
         with open(os.path.join(seed, MANIFEST), encoding="utf-8") as f:
             manifest = json.load(f)
     except (OSError, ValueError):
         return None
-    tier = host_tier(features)
-    if tier is None or tier not in manifest.get("tiers", {}):
+    if not isinstance(manifest, dict):
+        return None
+    for tier in host_tiers(features):
+        folders = _seed_folders(seed, manifest, tier)
+        if folders is not None:
+            break
+    else:
         return None
     os.environ.update(target_env(tier))
-    for source in manifest["tiers"][tier]["folders"]:  # e.g. engine/kernels, relative to _internal
+    for source in folders:  # e.g. engine/kernels, relative to _internal
         src = os.path.join(seed, tier, source)
         dst = os.path.join(user_cache, cache_subpath(os.path.join(internal, source)))
         os.makedirs(dst, exist_ok=True)

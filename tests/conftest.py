@@ -91,3 +91,10 @@ def server(engine):
 @pytest.fixture(scope="session")
 def llama_dir(tiny_models) -> Path:
     return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def wide_llama_dir(tmp_path_factory) -> Path:
+    """A tiny llama with wide FFNs (2 x 4096 neurons of d 256, 3.6 MB of 4-bit rows): the disk
+    tier's tests, whose rows must outweigh the reader's buffers (1.6 MB) to run from disk."""
+    return model_factory.llama_relu(tmp_path_factory.mktemp("wide") / "llama", hidden=256, ff=4096)

@@ -74,7 +74,76 @@ def test_a_sequence_that_does_not_fit_in_memory_is_refused_before_it_starts(demo
 
     engine = Engine.load(demo_path)
     batch = Batch(engine)
-    monkeypatch.setattr(batching, "MEMORY_RESERVE", psutil.virtual_memory().available)  # no room left at all
+    monkeypatch.setattr(batching, "MEMORY_RESERVE", psutil.virtual_memory().total)  # no room left at all (available moves)
     with pytest.raises(BatchMemoryError, match="KV cache needs"):
         batch.start(Sequence(engine.encode_prompt("hi"), SamplingParams(max_new_tokens=4), print, print))
     assert batch.active == []
+
+
+def test_prompts_that_arrive_together_are_read_in_one_pass(demo_path):
+    engine = Engine.load(demo_path)
+    engine.eos_ids = set()
+    params = SamplingParams(max_new_tokens=3, temperature=0)
+    batch, ended = Batch(engine), {}
+    for i, p in enumerate(PROMPTS):
+        batch.start(Sequence(engine.encode_prompt(p), params, lambda ev: None,
+                             lambda stats, ids, i=i: ended.__setitem__(i, ids)))
+    assert all(s.reading for s in batch.active)  # start only sizes a sequence
+    assert sum(len(s.ids) for s in batch.active) <= batching.PREFILL_BUDGET
+    batch.step()  # one forward over all eight prompts
+    assert not any(s.reading for s in batch.active) and len(batch.active) == len(PROMPTS)
+    while batch.active:
+        batch.step()
+    assert [ended[i] for i in range(len(PROMPTS))] == [engine.generate(p, params).token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_a_long_prompt_is_read_in_pieces_while_the_others_decode(demo_path, mode, monkeypatch):
+    monkeypatch.setattr(batching, "PREFILL_BUDGET", 32)  # the demo's 256 positions hold a few pieces of 32
+    engine = Engine.load(demo_path, mode=mode)
+    engine.eos_ids = set()
+    params = SamplingParams(max_new_tokens=6, temperature=0)
+    long_prompt = " ".join(f"word{i}" for i in range(40))
+    ids = engine.encode_prompt(long_prompt)
+    assert batching.PREFILL_BUDGET * 3 < len(ids) < engine.ctx - 8
+    batch, ended, seen = Batch(engine), {}, []
+    batch.start(Sequence(engine.encode_prompt(PROMPTS[0]), params, lambda ev: seen.append(ev.token_id),
+                         lambda stats, got: ended.__setitem__("short", got)))
+    batch.step()  # the short prompt read
+    batch.start(Sequence(ids, params, lambda ev: None, lambda stats, got: ended.__setitem__("long", got)))
+    long_seq = batch.active[-1]
+    pieces = 0
+    while long_seq.reading:
+        before = len(seen)
+        batch.step()
+        pieces += 1
+        assert len(seen) == before + 1 or "short" in ended  # the short answer goes on meanwhile
+    assert pieces >= 3  # read beside the short answer's steps, not in a pause of its own
+    while batch.active:
+        batch.step()
+    assert ended["short"] == engine.generate(PROMPTS[0], params).token_ids
+    assert ended["long"] == engine.generate(long_prompt, params).token_ids
+
+
+def test_an_answer_that_ends_keeps_the_text_held_back_for_a_stop_string(demo_path):
+    import torch
+
+    from engine.runtime.answer import Answer
+
+    engine = Engine.load(demo_path)
+    tok = engine.tokenizer
+    [e_id] = tok.encode("E", add_special_tokens=False)[-1:]
+    eos = min(engine.eos_ids)
+
+    def forcing(token):
+        logits = torch.full((engine.config.vocab_size,), -1e9)
+        logits[token] = 0.0
+        return logits
+
+    answer = Answer([1], SamplingParams(max_new_tokens=8, temperature=0, stop=["END"]), tok, engine.eos_ids,
+                    engine.sampled_vocab)
+    events, token = answer.take(forcing(e_id))
+    assert token == e_id and "".join(ev.text for ev in events) == ""  # "E" may begin "END": held
+    events, token = answer.take(forcing(eos))
+    assert token is None and answer.finish_reason == "stop" and answer.emitted.endswith("E")
+    assert events and events[-1].token_id == -1

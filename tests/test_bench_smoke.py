@@ -76,8 +76,11 @@ def test_moe_vs_llamacpp(tmp_path):
     assert report["llama_cpp_skipped"] == LLAMA_MISSING
     assert report["decode_tok_s"]["ours_int4"] > 0
     assert 0 < report["int4_fired_share_in_chosen"] < 1
+    # the measured loads are second loads: the experts mapped from the MoE prepared file
+    assert report["int4_prepared"] and report["int4_ttft_s"] > 0 and report["int4_load_rss_over_placed"] > 0
     if LLAMA_MISSING is None:
         assert report["top1_agree_int4_vs_Q4_0"] >= 0.5  # same weights, same forced tokens
+        assert report["load_ratio_int4_vs_Q4_0"] > 0 and report["ttft_ratio_int4_vs_Q4_0"] > 0
 
 
 def test_moe_decode():
@@ -123,9 +126,12 @@ def test_kernel_cases():
     assert report["results"] and all(r["error"] <= r["tol"] for r in report["results"])
 
 
-def test_serve():
-    report = run_bench("serve", "--rounds", "1", "--clients", "2", "--requests", "2", "--max-tokens", "4", "--json")
+def test_serve(tmp_path):
+    # the power-law model --shape builds (tiny), served in the sparse mode: the 7B run's path
+    report = run_bench("serve", "--shape", "smoke", "--workdir", str(tmp_path), "--mode", "sparse", "--rounds", "1",
+                       "--clients", "2", "--requests", "2", "--max-tokens", "4", "--json")
     assert report["pairs"] == 8 and report["concurrency"][0]["requests"] == 2
+    assert 0.1 < report["union_of_8_expected"] < 1 - 0.9 ** 8  # hot neurons shared: below a uniform draw's union
 
 
 def test_grammar():

@@ -26,11 +26,11 @@ from test_sparse import PROMPT, RAM, random_predictors
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0)
 
 
-def _model(tmp_path, llama_dir):
+def _model(tmp_path, wide_llama_dir, threshold: float = 2.5):
     model = tmp_path / "m"
-    shutil.copytree(llama_dir, model, ignore=FRESH)
+    shutil.copytree(wide_llama_dir, model, ignore=FRESH)
     config = Engine.load(model).config
-    random_predictors(config, threshold=0.8).save(model)  # about a tenth of the neurons a token
+    random_predictors(config, threshold=threshold).save(model)  # 2.5: about a tenth of the neurons a token
     g = torch.Generator().manual_seed(1)  # a power law of firing counts: a few neurons fire often
     counts = [(torch.rand(config.intermediate_size, generator=g) ** 6) * 100 for _ in range(config.num_layers)]
     ActivationStats(counts, tokens=100).save(model)
@@ -38,11 +38,11 @@ def _model(tmp_path, llama_dir):
 
 
 def _budget(engine, share: float) -> int:
-    """The RAM budget of the resident parts (the embeddings on disk) plus `share` of the cold
-    rows (at least the least that runs from disk: the resident parts and the working set)."""
-    plan = engine.sparse.plan
-    floor = solve(engine.sparse.problem, 0, 0)  # its resident parts leave the embeddings on disk
-    return max(floor.min_ram_bytes, int(floor.resident_ram_bytes + share * plan.tier_bytes["cpu_ffn"]))
+    """`share` of the way from the least RAM budget that runs from disk (the resident parts
+    with the embeddings on disk, the working set of slots, the reader's buffers) to the
+    in-RAM placement of this (in-RAM) engine."""
+    least = solve(engine.sparse.problem, 0, 0).min_ram_bytes
+    return int(least + share * (engine.sparse.plan.ram_bytes - least))
 
 
 def _step_logits(engine, ids: list[int]) -> list[torch.Tensor]:
@@ -53,11 +53,11 @@ def _step_logits(engine, ids: list[int]) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_disk_decodes_the_same_bits_as_ram(tmp_path, llama_dir, fmt, monkeypatch):
+def test_disk_decodes_the_same_bits_as_ram(tmp_path, wide_llama_dir, fmt, monkeypatch):
     # the same kernels: the unfused decode (a disk layer is not fused; the fused decode's own
     # bits are its tests' business)
     monkeypatch.setenv("THERMOCLINE_FUSED_DECODE", "0")
-    model = _model(tmp_path, llama_dir)
+    model = _model(tmp_path, wide_llama_dir)
     in_ram = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights=fmt)  # writes the prepared file
     in_ram.eos_ids = set()
     ids = PROMPT + in_ram.generate(PROMPT, GREEDY).token_ids
@@ -88,8 +88,37 @@ def test_disk_decodes_the_same_bits_as_ram(tmp_path, llama_dir, fmt, monkeypatch
         disk.close()
 
 
-def test_cache_never_exceeds_its_budget_and_resizes_between_tokens(tmp_path, llama_dir):
-    model = _model(tmp_path, llama_dir)
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_a_layer_beyond_the_cache_is_computed_chunk_by_chunk(tmp_path, wide_llama_dir, fmt, monkeypatch):
+    """At the least budget a layer whose predicted set (a third of its neurons here) exceeds
+    the cache's working set (a quarter) is computed chunk by chunk as the kernel splits it
+    over its 2 threads: the same bits as in RAM. With every neuron predicted, a chunk exceeds
+    it too and is computed in rounds: the same neurons summed in another order, close."""
+    from engine.kernels import numba_pool
+
+    monkeypatch.setenv("THERMOCLINE_FUSED_DECODE", "0")
+    if numba_pool.num_threads() < 2:  # the split the chunks follow (CI has 2 cores)
+        pytest.skip("one kernel thread: a layer is one chunk")
+    ids = PROMPT + [3, 4, 5]
+    for threshold, exact in ((0.8, True), (-1e9, False)):
+        model = _model(tmp_path / str(exact), wide_llama_dir, threshold=threshold)
+        in_ram = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights=fmt)
+        reference = _step_logits(in_ram, ids)
+        disk = Engine.load(model, mode="sparse", ram_budget=_budget(in_ram, 0.0), cpu_weights=fmt)
+        got = _step_logits(disk, ids)
+        cache = disk.sparse.neuron_cache
+        assert cache.chunk_rounds > 0 and (cache.overflow_rounds == 0) == exact
+        if exact:
+            assert all(torch.equal(a, b) for a, b in zip(reference, got))
+        else:
+            for a, b in zip(reference, got):
+                assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * a.abs().max().item())
+        assert disk.memory()["ram_bytes"] <= _budget(in_ram, 0.0)
+        disk.close()
+
+
+def test_cache_never_exceeds_its_budget_and_resizes_between_tokens(tmp_path, wide_llama_dir):
+    model = _model(tmp_path, wide_llama_dir)
     probe = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights="int4")
     big, small = _budget(probe, 0.6), _budget(probe, 0.15)
     engine = Engine.load(model, mode="sparse", ram_budget=big, cpu_weights="int4")
@@ -111,8 +140,39 @@ def test_cache_never_exceeds_its_budget_and_resizes_between_tokens(tmp_path, lla
     assert report.applied and cache.capacity == sizes[0]
 
 
-def test_a_budget_below_the_resident_parts_is_one_error_line(tmp_path, llama_dir):
-    model = _model(tmp_path, llama_dir)
+def test_a_slider_move_from_ram_onto_the_disk_tier_and_back(tmp_path, wide_llama_dir, monkeypatch):
+    """A load with every cold row in RAM, moved below them: its embeddings are mapped, a
+    neuron cache takes the cold rows, and it decodes the same bits; moved back up, the cache
+    holds every cold neuron. The engine's bytes (the reader's buffers with the cache's) stay
+    within each budget."""
+    monkeypatch.setenv("THERMOCLINE_FUSED_DECODE", "0")
+    model = _model(tmp_path, wide_llama_dir)
+    Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights="int4").close()  # writes the prepared files
+    engine = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights="int4")  # maps them
+    engine.eos_ids = set()
+    ids = PROMPT + engine.generate(PROMPT, GREEDY).token_ids
+    reference = _step_logits(engine, ids)
+    assert engine.sparse.neuron_cache is None and not engine.sparse.embed_mapped
+    low = _budget(engine, 0.3)
+    report = engine.set_budgets(ram=low)
+    cache = engine.sparse.neuron_cache
+    assert report.applied and report.verdict == "runs from disk" and cache is not None
+    assert engine.sparse.embed_mapped and cache.capacity == engine.sparse.plan.cache_neurons
+    assert cache.reader.buffer_bytes > 0 and cache.nbytes == engine.memory()["tiers"]["cpu_ffn"]
+    assert engine.memory()["ram_bytes"] <= low
+    assert all(torch.equal(a, b) for a, b in zip(reference, _step_logits(engine, ids)))
+    assert cache.misses > 0 and cache.overflow_rounds == 0
+    assert engine.memory()["ram_bytes"] <= low
+    cold = sum(len(c) for c in cache.cold_ids)
+    report = engine.set_budgets(ram=RAM)  # back up: every cold neuron in the cache
+    assert report.applied and report.verdict != "runs from disk" and cache.capacity == cold
+    assert all(torch.equal(a, b) for a, b in zip(reference, _step_logits(engine, ids)))
+    assert engine.memory()["ram_bytes"] <= RAM and engine.memory()["ram_bytes"] == engine.sparse.plan.ram_bytes
+    engine.close()
+
+
+def test_a_budget_below_the_resident_parts_is_one_error_line(tmp_path, wide_llama_dir):
+    model = _model(tmp_path, wide_llama_dir)
     probe = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights="int4")
     least = solve(probe.sparse.problem, 0, 0).min_ram_bytes - 1  # the resident parts and the working set, less 1
     with pytest.raises(BudgetError, match="resident parts"):
@@ -125,8 +185,8 @@ def test_a_budget_below_the_resident_parts_is_one_error_line(tmp_path, llama_dir
     assert len(lines) == 1 and lines[0].startswith("error:") and "at least" in lines[0]
 
 
-def test_kill_while_reading_leaves_nothing_to_heal(tmp_path, llama_dir):
-    model = _model(tmp_path, llama_dir)
+def test_kill_while_reading_leaves_nothing_to_heal(tmp_path, wide_llama_dir):
+    model = _model(tmp_path, wide_llama_dir)
     probe = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights="int4")
     budget = _budget(probe, 0.1)
     probe.close()
@@ -150,9 +210,9 @@ def test_kill_while_reading_leaves_nothing_to_heal(tmp_path, llama_dir):
     assert np.isfinite(again.generate(PROMPT, GREEDY).stats.decode_tok_s)
 
 
-def test_a_cut_bundles_file_is_rebuilt_and_decodes_the_same(tmp_path, llama_dir, monkeypatch):
+def test_a_cut_bundles_file_is_rebuilt_and_decodes_the_same(tmp_path, wide_llama_dir, monkeypatch):
     monkeypatch.setenv("THERMOCLINE_FUSED_DECODE", "0")
-    model = _model(tmp_path, llama_dir)
+    model = _model(tmp_path, wide_llama_dir)
     probe = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights="int4")
     budget = _budget(probe, 0.3)
     probe.close()
@@ -170,13 +230,13 @@ def test_a_cut_bundles_file_is_rebuilt_and_decodes_the_same(tmp_path, llama_dir,
     assert again.generate(PROMPT, GREEDY).token_ids == expected
 
 
-def test_three_tiers_hot_on_the_fast_device_cold_in_the_cache_and_on_disk(tmp_path, llama_dir, monkeypatch):
+def test_three_tiers_hot_on_the_fast_device_cold_in_the_cache_and_on_disk(tmp_path, wide_llama_dir, monkeypatch):
     """VRAM (hot neurons), RAM (resident parts and the neuron cache) and disk at once: the
     hybrid mode with a VRAM budget for a share of the neurons and a RAM budget below the cold
     rows decodes the same bits as the same VRAM budget with every cold row in RAM. On the
     GPU under bench/gpu.sh; here the CPU stands in for the fast device."""
     monkeypatch.setenv("THERMOCLINE_FUSED_DECODE", "0")
-    model = _model(tmp_path, llama_dir)
+    model = _model(tmp_path, wide_llama_dir)
     probe = Engine.load(model, mode="hybrid", vram_budget=0, ram_budget=RAM, cpu_weights="int4")
     problem = probe.sparse.problem
     dense_fast = problem.head_fast + sum(c.dense_fast + c.kv_fast for c in problem.layers)
@@ -189,7 +249,7 @@ def test_three_tiers_hot_on_the_fast_device_cold_in_the_cache_and_on_disk(tmp_pa
     reference = _step_logits(in_ram, ids)
     plan = in_ram.sparse.plan
     floor = solve(in_ram.sparse.problem, vram, 0)
-    budget = max(floor.min_ram_bytes, int(floor.resident_ram_bytes + 0.3 * plan.tier_bytes["cpu_ffn"]))
+    budget = int(floor.min_ram_bytes + 0.3 * (plan.ram_bytes - floor.min_ram_bytes))
     disk = Engine.load(model, mode="hybrid", vram_budget=vram, ram_budget=budget, cpu_weights="int4")
     disk.eos_ids = set()
     assert disk.sparse.plan.verdict == "runs from disk" and disk.sparse.neuron_cache is not None

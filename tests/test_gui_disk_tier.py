@@ -9,10 +9,10 @@ from test_beyond_ram import _budget, _model
 from test_sparse import RAM
 
 
-def test_a_budget_below_the_rows_runs_from_disk_and_says_so(qtbot, tmp_path, llama_dir, monkeypatch):
+def test_a_budget_below_the_rows_runs_from_disk_and_says_so(qtbot, tmp_path, wide_llama_dir, monkeypatch):
     from engine import Engine
 
-    model = _model(tmp_path, llama_dir)
+    model = _model(tmp_path, wide_llama_dir)
     probe = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights="int4")  # writes the prepared file
     budget = _budget(probe, 0.3)
     probe.close()

@@ -140,6 +140,27 @@ def test_text_size_is_bounded_to_readable_sizes(qtbot, window):
     w.settings.reset("ui.font_size")
 
 
+def test_at_800x600_with_the_panel_open_a_cards_chips_go_under_its_title(qtbot, window):
+    w = window
+    scanned(qtbot, w)
+    w.resize(800, 600)
+    if not w.panel.isVisible():
+        w.panel_button.click()
+    qtbot.waitUntil(lambda: w.panel.isVisible() and w.width() == 800, timeout=5000)
+    card = w.models.cards["turbosparse-mistral"]
+    qtbot.waitUntil(lambda: card.width() < card.NARROW, timeout=5000)
+    qtbot.wait(50)
+    # The title keeps the card's width (the id was broken at its hyphen), the chips below it.
+    assert card.verdict.y() >= card.title.y() + card.title.height()
+    line = card.title.fontMetrics().height()
+    assert card.title.height() < 2 * line, "the title wraps"
+    assert card.verdict.x() < card.width() // 2  # from the left, under the title
+    w.resize(1280, 800)
+    qtbot.waitUntil(lambda: card.width() >= card.NARROW, timeout=5000)
+    qtbot.wait(50)
+    assert abs(card.verdict.y() - card.title.y()) < line  # one row again
+
+
 # -- 4. old answers keep their model's name ------------------------------------------------
 def test_old_answers_keep_the_name_of_the_model_that_wrote_them(qtbot, window, tmp_path):
     import shutil

@@ -94,3 +94,28 @@ def test_a_tier_cache_built_in_one_place_is_used_from_another_and_compiles_nothi
     assert second["compiled"] == 0 and second["from_cache"] == 2
     native = _run(internal, {"NUMBA_CACHE_DIR": str(user)})  # the host's own target: not this cache
     assert native["compiled"] == 2 and native["target"][1] != "haswell"
+
+
+@pytest.mark.parametrize("missing", ["not built", "folder missing"])
+def test_a_cpu_whose_best_tier_has_no_cache_takes_the_next_lower_one(tmp_path, monkeypatch, missing):
+    """An AVX-512 CPU and a bundle without the AVX-512 tier's cache (built on an AVX2 machine,
+    or its folder lost): the AVX2 tier's cache is seeded and numba's target set to it, instead
+    of a first start that compiles every kernel for itself."""
+    internal = tmp_path / "_internal"
+    seed = internal / kernel_tiers.SEED
+    (seed / "avx2" / "engine" / "kernels").mkdir(parents=True)
+    (seed / "avx2" / "engine" / "kernels" / "cpu_numba.kernel.nbi").write_bytes(b"index")
+    tiers = {"avx2": {"folders": ["engine/kernels"]}}
+    if missing == "folder missing":
+        tiers["avx512"] = {"folders": ["engine/kernels"]}  # in the manifest, not on disk
+    (seed / kernel_tiers.MANIFEST).write_text(json.dumps({"tiers": tiers}))
+    for k in kernel_tiers.target_env("avx2"):
+        monkeypatch.delenv(k, raising=False)
+    avx512_cpu = {f: True for f in kernel_tiers.TIERS["avx512"]["needs"]}
+    user = tmp_path / "user-cache"
+    assert kernel_tiers.seed_user_cache(str(internal), str(user), avx512_cpu) == "avx2"
+    assert os.environ["NUMBA_CPU_NAME"] == kernel_tiers.TIERS["avx2"]["cpu_name"]
+    copied = user / kernel_tiers.cache_subpath(str(internal / "engine" / "kernels")) / "cpu_numba.kernel.nbi"
+    assert copied.read_bytes() == b"index"
+    no_tier = {"avx": True}
+    assert kernel_tiers.seed_user_cache(str(internal), str(tmp_path / "other"), no_tier) is None

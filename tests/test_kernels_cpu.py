@@ -225,10 +225,9 @@ def test_set_num_threads_below_a_tuners_running_count_runs_no_more(monkeypatch):
 
     if not cpu.available() or numba_pool.configured_threads() < 2:
         pytest.skip("needs the numba kernels and 2 threads")
-    monkeypatch.setattr(numba_pool, "_running", None)
     monkeypatch.setattr(numba_pool, "_threads", None)
-    numba_pool.set_running_threads(2)
-    test_set_num_threads_applies_to_every_calling_thread()
+    with numba_pool.running_threads(2):
+        test_set_num_threads_applies_to_every_calling_thread()
 
 
 def test_env_disables_numba():

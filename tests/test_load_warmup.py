@@ -1,7 +1,9 @@
-"""Engine.load's kernel warm-up: a second load of a prepared model leaves nothing for the first
+"""Engine.load's kernel warm-up: a second load of a prepared model and its warm-up thread (which
+runs on past the load's end; the first computation waits for it) leave nothing for the first
 prompt and the decode after it to load from numba's cache (each a fresh process: numba's
 dispatchers remember what this test process already ran); the unfused decode's kernels are
-loaded where the decode is not fused; an error on the warm-up thread is the load's error."""
+loaded where the decode is not fused; an answer right after the load is the one after the
+warm-up; an error on the warm-up thread is the first answer's error."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import real_config_models as rc
-from engine import Engine
+from engine import Engine, SamplingParams
 from engine.kernels import cpu_numba
 from engine.runtime import engine as engine_module
 from engine.runtime import fused_decode
@@ -39,6 +41,7 @@ def counts():
 
 path, mode, weights = sys.argv[1:4]
 engine = Engine.load(path, mode=mode, cpu_weights=weights, ram_budget=1 << 30)
+engine.wait_kernels()  # what the load left loading on its thread (the first computation waits for it)
 before = counts()
 engine.eos_ids = set()
 engine.generate(list(range(5, 25)), SamplingParams(max_new_tokens=4, temperature=0))
@@ -72,11 +75,16 @@ def test_a_second_load_leaves_no_kernel_for_the_first_answer_to_load(model, mode
 def test_the_unfused_decode_gets_every_kernel_warmed(model, monkeypatch):
     calls = []
     monkeypatch.setattr(engine_module._KernelWarmup, "run_all", staticmethod(lambda *a: calls.append(a)))
-    Engine.load(model, mode="sparse", cpu_weights="int8", ram_budget=RAM).close()
+    def load(mode):
+        engine = Engine.load(model, mode=mode, cpu_weights="int8", ram_budget=RAM)
+        engine.wait_kernels()
+        engine.close()
+
+    load("sparse")
     assert calls == []  # fused: the prompt's kernels on the thread, the decode's in fused_decode.warm
     monkeypatch.setenv(fused_decode.FUSED_ENV, "0")
-    Engine.load(model, mode="sparse", cpu_weights="int8", ram_budget=RAM).close()
-    Engine.load(model, mode="oracle", cpu_weights="int8", ram_budget=RAM).close()
+    load("sparse")
+    load("oracle")
     assert calls == [("sparse", "int8"), ("oracle", "int8")]
 
 
@@ -85,6 +93,22 @@ def test_an_error_on_the_warm_up_thread_is_the_loads_error(model, monkeypatch):
         raise RuntimeError(f"warm-up failed for {mode} {weights}")
 
     monkeypatch.setattr(engine_module._KernelWarmup, "run_prompt", staticmethod(broken))
-    with pytest.raises(RuntimeError, match="warm-up failed for sparse int4"):
-        Engine.load(model, mode="sparse", cpu_weights="int4", ram_budget=RAM)
+    engine = Engine.load(model, mode="sparse", cpu_weights="int4", ram_budget=RAM)  # the weights are in
+    with pytest.raises(RuntimeError, match="warm-up failed for sparse int4"):  # the first answer says it
+        engine.generate([5, 6, 7], SamplingParams(max_new_tokens=2, temperature=0))
 
+
+
+@pytest.mark.parametrize("mode,weights", [("sparse", "int8"), ("dense", "int4")])
+def test_an_answer_right_after_the_load_is_the_one_after_its_warm_up(model, mode, weights):
+    greedy = SamplingParams(max_new_tokens=6, temperature=0)
+    answers = []
+    for wait in (False, True):
+        engine = Engine.load(model, mode=mode, cpu_weights=weights, ram_budget=RAM)
+        engine.eos_ids = set()
+        if wait:
+            engine.wait_kernels()
+        answers.append(engine.generate(list(range(5, 25)), greedy).token_ids)
+        assert engine._warmup is None  # the first computation waited for it
+        engine.close()
+    assert answers[0] == answers[1]

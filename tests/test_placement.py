@@ -7,6 +7,7 @@ import torch
 
 from engine.hotcold.activation_stats import ActivationStats
 from engine.arch import parse_config
+from engine.hotcold.neuron_bundles import buffer_bytes, bundle_size
 from engine.hotcold.placement import INDEX_BYTES, SLOT_META_BYTES, decode_speed, min_cache_neurons, solve
 from engine.hotcold.sparse_solve import placement_problem
 
@@ -92,15 +93,17 @@ def test_disk_tier_below_the_cpu_part():
     assert p.embed_disk  # an untied head: below the placed size the embeddings go to disk first (a row a token)
     resident = full.resident_ram_bytes - p.embed_cpu
     slot = p.neuron_cpu - INDEX_BYTES + SLOT_META_BYTES
-    maps = 6 * 688 * INDEX_BYTES
+    assert p.read_buffers == buffer_bytes(bundle_size(slot - SLOT_META_BYTES), 688) > 0  # the reader's buffers count with the cache
+    maps = 6 * 688 * INDEX_BYTES + p.read_buffers
     least = resident + maps + min_cache_neurons(p) * slot
     assert solve(p, 0, least).verdict == "runs from disk"
     below = solve(p, 0, least - 1)
     assert not below.fits and below.min_ram_bytes == least
     reads = []
-    for share in (0.9, 0.5, 0.1):
-        plan = solve(p, 0, resident + int(share * full.tier_bytes["cpu_ffn"]))
-        assert plan.fits and plan.ram_bytes <= resident + share * full.tier_bytes["cpu_ffn"]
+    for share in (0.9, 0.5, 0.1):  # of the room between the least and every cold row in RAM
+        budget = least + int(share * (resident + full.tier_bytes["cpu_ffn"] - least))
+        plan = solve(p, 0, budget)
+        assert plan.fits and plan.ram_bytes <= budget
         assert plan.cache_neurons + plan.disk_neurons == 6 * 688
         assert plan.ram_bytes == resident + maps + plan.cache_neurons * slot and plan.embed_on_disk
         assert plan.resident_ram_bytes == resident and plan.disk_bytes >= p.embed_cpu
@@ -116,3 +119,35 @@ def test_statistics_load_in_numeric_layer_order(tmp_path):
     ActivationStats(counts, tokens=10).save(tmp_path)
     loaded = ActivationStats.load(tmp_path)
     assert [int(c[0]) for c in loaded.counts] == list(range(12))  # layer 10 is not second
+
+
+def test_a_mixture_runs_from_disk_by_expert_and_by_neuron():
+    """A mixture's disk tier: below its CPU side the experts the router rarely picks stay on
+    disk and the cache holds the often chosen ones, down to the resident parts, one expert's
+    slots and the reader's buffers; with the experts' predictors the cache keeps the neurons
+    that fire, inside every expert."""
+    config = parse_config({
+        "model_type": "smallthinker", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 500, "tie_word_embeddings": True,
+        "moe_num_primary_experts": 8, "moe_num_active_primary_experts": 2, "moe_ffn_hidden_size": 512,
+    })  # 3.5 MB of 4-bit expert rows: more than the reader's buffers
+    E, n = 8, 512
+    chosen = np.array([0.9, 0.6, 0.3, 0.1, 0.05, 0.03, 0.01, 0.01])  # a router's skew, per expert
+    fires = np.random.default_rng(0).random((E, n)) * chosen[:, None]
+    rank = [((chosen[:, None] + 2 * fires) / 3).reshape(-1)] * 2
+    for need, by_expert in (([np.repeat(chosen, n)] * 2, True), ([fires.reshape(-1)] * 2, False)):
+        p = placement_problem(config, [0, 0], rank, 64, torch.device("cpu"), torch.float32, "int4", need)
+        assert p.disk_tier and p.embed_disk  # a tied head gets its own 4-bit copy: the embeddings may go to disk
+        full = solve(p, 0, 1 << 40)
+        slot = p.neuron_cpu - INDEX_BYTES + SLOT_META_BYTES
+        least = full.resident_ram_bytes - p.embed_cpu + 2 * E * n * INDEX_BYTES + p.read_buffers + n * slot
+        assert min_cache_neurons(p) == n and solve(p, 0, least).verdict == "runs from disk"
+        assert not solve(p, 0, least - 1).fits and solve(p, 0, least - 1).min_ram_bytes == least
+        plan = solve(p, 0, least + 3 * n * slot)  # four experts' worth of slots
+        assert plan.fits and plan.cache_neurons == 4 * n and plan.disk_neurons == 2 * E * n - 4 * n
+        cached = np.sort(np.concatenate(need))[::-1][:4 * n].sum()
+        assert np.isclose(plan.expected_cache_hit, cached / sum(f.sum() for f in need))
+        assert np.isclose(plan.disk_read_per_token - p.embed_row,
+                          (sum(f.sum() for f in need) - cached) * (p.neuron_cpu - INDEX_BYTES))
+        if by_expert:  # the two most chosen experts of each layer, whole, and nothing of the rest
+            assert np.sort(np.concatenate(need))[::-1][4 * n - 1] == chosen[1]

@@ -76,3 +76,17 @@ def test_q4_1_blocks_split_into_q4_0_rows_and_offsets_decode_as_ggml_does():
     q4, offsets = cpu_q4_1.split_blocks(raw)
     ours = q4_format.dequantize_rows_q4(torch.from_numpy(q4), 64) + torch.from_numpy(offsets).repeat_interleave(32, 1)
     assert torch.allclose(ours, torch.from_numpy(cpu_q4_1.dequantize_blocks(raw)), rtol=0, atol=1e-6)
+
+
+def test_a_16_bit_matrix_that_is_not_q4_1_is_answered_from_its_probe_rows_without_a_copy():
+    """Every matrix a load quantizes is first asked whether it holds Q4_1 blocks; a 16-bit one
+    must not be widened whole to fp32 for the answer (a 7B FFN matrix: 180 MB), only its probe rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.kernels import cpu_q4_1
+
+    w = torch.randn(2048, 1024, generator=torch.Generator().manual_seed(5)).half()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        assert cpu_q4_1.split_exact(w) is None
+    allocated = sum(max(e.self_cpu_memory_usage, 0) for e in prof.key_averages())
+    assert allocated < w.numel() * 4 // 16  # the probe's 8 rows, not the matrix's fp32 copy (8 MB)

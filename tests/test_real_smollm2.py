@@ -80,6 +80,13 @@ def test_logits_match_transformers_gguf_loader(dense, reference):
     assert (ours - theirs).abs().max().item() < LOGIT_BOUND * theirs.abs().max().item()
 
 
+def test_the_files_vocabulary_splits_text_as_transformers_does(dense, reference):
+    # the file names SmolLM's splitter (`tokenizer.ggml.pre` "smollm": every digit alone)
+    _, tokenizer = reference
+    for text in ["Hello world! 12345", "I'M here; it's 2026.\n\n  def f(x):\n\treturn x**2", "Café déjà vu..."]:
+        assert dense.tokenizer.encode(text, add_special_tokens=False) == tokenizer.encode(text, add_special_tokens=False)
+
+
 def test_the_france_question_is_answered_paris(dense):
     result = dense.generate(FRANCE, SamplingParams(max_new_tokens=GREEDY_STEPS, temperature=0.0))
     assert "Paris" in result.text, result.text

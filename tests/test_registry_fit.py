@@ -236,3 +236,27 @@ def test_int4_cpu_weights_with_a_cuda_gpu_count_hot_rows_at_4_bits():
     assert [hot_row_format(dev, w) for dev, w in (("cuda:0", "int4"), ("cuda", "int8"), ("cpu", "int4"))] == [
         "int4", None, None]
     assert hot_row_format("cuda", "int4", moe=True) is None
+
+
+def test_speeds_in_words_never_read_as_an_exponent():
+    from engine.units import format_rate
+
+    # "runs from disk at about 2.7e+04 words a second" was the verdict's wording
+    assert [format_rate(x) for x in (0.94, 1.0, 9.96, 12.4, 123.4, 27_350.0)] == ["0.94", "1", "10", "12", "120", "27,000"]
+
+
+@pytest.mark.parametrize("model_id", ["turbosparse-mixtral", "smallthinker-21b-a3b-instruct"])
+def test_the_catalogues_mixtures_get_a_disk_verdict_on_16_gb(model_id):
+    """TurboSparse-Mixtral (47B) and SmallThinker-21B at int8 exceed 16 GB: their experts'
+    cold rows run from disk behind a cache, with a disk read and a speed per token (#29)."""
+    entry = find_entry(model_id)
+    shape = shape_from_config(entry.config)
+    share = 1.0 - entry.sparsity
+    est = place_bytes(shape, ctx=2048, vram_budget=0, ram_budget=16 * GiB,
+                      bytes_model=BytesModel(cpu_weights="int8"), active_share=share)
+    assert est.verdict == VERDICT_DISK and est.ram_bytes <= 16 * GiB
+    assert est.disk_bytes > 0 and 0 < est.disk_read_per_token and 0 < est.words_per_s
+    assert est.min_ram_bytes < 16 * GiB
+    everything = place_bytes(shape, ctx=2048, vram_budget=0, ram_budget=1 << 62,
+                             bytes_model=BytesModel(cpu_weights="int8"), active_share=share)
+    assert everything.ram_bytes > 16 * GiB and everything.verdict != VERDICT_DISK

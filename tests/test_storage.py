@@ -116,3 +116,69 @@ def test_refuses_newer_schema(tmp_path):
     s.close()
     with pytest.raises(RuntimeError, match="newer Thermocline"):
         Storage(tmp_path / "n.db")
+
+
+# Schema 1 as release 1 wrote it (app/storage.py before the tool role): the migration's input.
+SCHEMA_1 = """
+CREATE TABLE conversations (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, title TEXT NOT NULL, system_prompt TEXT NOT NULL DEFAULT '',
+    sampling TEXT NOT NULL DEFAULT '{}', model TEXT NOT NULL DEFAULT '', created_at REAL NOT NULL,
+    updated_at REAL NOT NULL);
+CREATE TABLE messages (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')), content TEXT NOT NULL,
+    status TEXT NOT NULL DEFAULT 'complete', stats TEXT, created_at REAL NOT NULL);
+CREATE INDEX messages_by_conversation ON messages(conversation_id, id);
+PRAGMA user_version=1;
+"""
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}
+
+
+def test_a_schema_1_database_is_migrated_keeping_every_chat_and_id(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    old = sqlite3.connect(path)
+    old.executescript(SCHEMA_1)
+    old.execute("INSERT INTO conversations VALUES (1, 'Old chat', 'terse', '{\"temperature\": 0.3}', 'demo', 1, 2)")
+    old.executemany("INSERT INTO messages (conversation_id, role, content, status, stats, created_at)"
+                    " VALUES (1, ?, ?, 'complete', ?, 1)", [("user", "Hello", None), ("assistant", "Hi", '{"x": 1}'),
+                                                            ("user", "gone", None)])
+    old.execute("DELETE FROM messages WHERE id = 3")  # its id must not come back
+    old.commit()
+    old.close()
+
+    db = Storage(path)
+    assert db._db.execute("PRAGMA user_version").fetchone()[0] == storage.SCHEMA_VERSION == 2
+    [conv] = db.conversations()
+    assert (conv.title, conv.system_prompt, conv.sampling, conv.model) == ("Old chat", "terse", {"temperature": 0.3},
+                                                                          "demo")
+    msgs = db.messages(1)
+    assert [(m.id, m.role, m.content, m.stats) for m in msgs] == [(1, "user", "Hello", None), (2, "assistant", "Hi",
+                                                                                              {"x": 1})]
+    call = db.add_message(1, "assistant", "", tool_calls=[CALL])
+    result = db.add_message(1, "tool", "{\"temp\": 21}", tool_call_id="call_1")
+    assert call.id == 4 and result.id == 5  # past the deleted one
+    db.delete_conversation(1)  # the rebuilt table still cascades
+    assert db.messages(1) == []
+    db.close()
+
+
+def test_tool_calls_and_results_round_trip(db, tmp_path):
+    c = db.create_conversation()
+    db.add_message(c.id, "user", "Weather?")
+    db.add_message(c.id, "assistant", "Let me look.", tool_calls=[CALL])
+    db.add_message(c.id, "tool", "{\"temp\": 21}", tool_call_id="call_1")
+    db.close()
+    again = Storage(tmp_path / "c.db")
+    _, call, result = again.messages(c.id)
+    assert call.tool_calls == [CALL] and call.as_chat() == {"role": "assistant", "content": "Let me look.",
+                                                            "tool_calls": [CALL]}
+    assert result.as_chat() == {"role": "tool", "content": "{\"temp\": 21}", "tool_call_id": "call_1"}
+    with pytest.raises(ValueError):
+        again.add_message(c.id, "user", "x", tool_calls=[CALL])
+    with pytest.raises(ValueError):
+        again.add_message(c.id, "tool", "no call named")
+    again.close()

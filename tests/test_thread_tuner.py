@@ -88,3 +88,41 @@ def test_running_fewer_threads_changes_no_number(tmp_path, family, one_torch_thr
     finally:
         numba_pool.set_running_threads(None)
         numba_pool.set_num_threads(before)
+
+
+@pytest.mark.skipif(not numba_pool.available() or numba_pool.configured_threads() < 2,
+                    reason="the numba kernels on 2 threads")
+def test_one_engines_reduced_count_stays_in_its_own_step(tmp_path):
+    """A tuner that chose one thread runs that engine's one-token steps on one thread; a second
+    engine, a batched decode or another calling thread afterwards runs on every thread (the
+    count was process-wide and stayed at one)."""
+    import threading
+
+    import model_factory as mf
+
+    from engine import Engine
+
+    kern = numba_pool.module()
+    engine = Engine.load(mf.llama_relu(tmp_path / "m", hidden=64, ff=128, layers=1))
+    tuner = ThreadTuner(2, trial=1)
+    run(tuner, lambda c, s: {1: 0.01, 2: 0.5}[c], 2)
+    assert tuner.best == 1 and not tuner.probing
+    seen = []
+
+    def probe(model, ids, start, cache):  # in the decoder's place: the count this step's kernels run on
+        numba_pool.use_threads(kern)
+        seen.append(kern.numba.get_num_threads())
+        return None  # the step goes on the ordinary path
+
+    engine.model.thread_tuner, engine.model.decoder = tuner, probe
+    engine.cache.reset(0)
+    engine.model.forward(torch.tensor([1]), 0, engine.cache)
+    assert seen == [1]
+    # after the step, on this thread and on another: every thread again
+    assert numba_pool.use_threads(kern) == 2 and kern.numba.get_num_threads() == 2
+    other = []
+    with numba_pool.running_threads(1):
+        t = threading.Thread(target=lambda: (numba_pool.use_threads(kern), other.append(kern.numba.get_num_threads())))
+        t.start()
+        t.join()
+    assert other == [2]

@@ -24,10 +24,10 @@ def disk_words_per_s(plan) -> float:
 
 def disk_speed_line(plan) -> str:
     """What `place` and `models fit` say of a placement that reads neurons from disk."""
-    from engine.units import format_size
+    from engine.units import format_rate, format_size
 
     return (f"reads {format_size(int(plan.disk_read_per_token))} from disk per token · runs from disk at about "
-            f"{disk_words_per_s(plan):.2g} words a second")
+            f"{format_rate(disk_words_per_s(plan))} words a second")
 
 
 def add_model_options(parser: argparse.ArgumentParser, *, sampling: bool = True) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from engine.activations import NAMES as ACTIVATION_NAMES
 from engine.errors import UserError
-from engine.units import format_size
+from engine.units import format_rate, format_size
 
 from .common import size_arg
 
@@ -326,6 +326,6 @@ def cmd_fit(args) -> int:
     if est.disk_neurons:
         print(f"  disk: {format_size(est.disk_bytes)} of FFN rows in the prepared file, {est.cache_neurons} neurons "
               f"cached in RAM; reads {format_size(int(est.disk_read_per_token))} from disk per token · runs from "
-              f"disk at about {est.words_per_s:.2g} words a second")
+              f"disk at about {format_rate(est.words_per_s)} words a second")
     print(f"  least RAM budget at this VRAM budget: {format_size(est.min_ram_bytes)}")
     return 0

@@ -468,7 +468,7 @@ class BudgetPanel(QScrollArea):
             facts.append(f"Cold neurons on disk: reads about <b>{fmt.size(report.get('disk_read_per_token'))}</b> "
                          f"from disk per token, the RAM cache serving about "
                          f"{fmt.percent(report.get('expected_cache_hit'))} of them; runs from disk at about "
-                         f"{report.get('disk_words_per_second') or 0:.0f} words a second")
+                         f"{fmt.words_rate(report.get('disk_words_per_second') or 0)} words a second")
         self._show_ram_floor(report)
         solve = report.get("solve_s")
         dev = report.get("device")

@@ -13,6 +13,7 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QKeySequence, QShortcut, QTextCursor
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QMenu, QMessageBox, QPushButton, QToolButton, QVBoxLayout, QWidget
 
+from app.server.tools import for_template
 from app.settings import DEFAULT_SYSTEM_PROMPT, Settings
 from app.storage import COMPLETE, FAILED, STREAMING, WRITE_ERRORS, Conversation, Storage
 
@@ -230,7 +231,8 @@ class ChatPage(QWidget):
                 hidden = len(messages) - SHOWN_MESSAGES
                 messages = messages[hidden:]
             for m in messages:
-                self.view.add_message(m.id, m.role, m.content, m.status, m.stats, m.created_at, self._writer_of(m))
+                self.view.add_message(m.id, m.role, m.content, m.status, m.stats, m.created_at, self._writer_of(m),
+                                      m.tool_calls, m.tool_call_id)
         self.view.set_hidden_count(hidden)
         self.refresh_title()
         self.view.update_actions(self.client.busy)
@@ -460,9 +462,10 @@ class ChatPage(QWidget):
         if prompt.strip():
             msgs.append({"role": "system", "content": prompt})
         for m in self.storage.messages(conv.id):
-            if m.role != "system" and m.content:
+            if m.role != "system" and (m.content or m.tool_calls):
                 msgs.append(m.as_chat())
-        return msgs
+        # Tool calls and results as plain turns: every chat template reads those (few take tools).
+        return for_template(msgs, tool_aware=False)
 
     def _sampling(self) -> dict:
         params = self.settings.sampling_defaults()

@@ -39,11 +39,15 @@ class MessageWidget(QFrame):
 
     def __init__(self, message_id: int, role: str, text: str, status: str = COMPLETE,
                  stats: dict | None = None, created_at: float | None = None, model: str = "",
-                 parent: QWidget | None = None):
+                 parent: QWidget | None = None, tool_calls: list[dict] | None = None,
+                 tool_call_id: str | None = None):
         super().__init__(parent)
         self.message_id = message_id
         self.role = role
-        self.setObjectName("userMessage" if role == "user" else "assistantMessage")
+        self.tool_calls = tool_calls or []
+        # A tool's result, or an answer that called tools: shown as they are, never answered again.
+        self.read_only = role == "tool" or bool(self.tool_calls)
+        self.setObjectName({"user": "userMessage", "tool": "toolMessage"}.get(role, "assistantMessage"))
         self.setAttribute(Qt.WidgetAttribute.WA_StyledBackground, True)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(16, 10, 16, 10)
@@ -51,7 +55,7 @@ class MessageWidget(QFrame):
 
         header = QHBoxLayout()
         header.setSpacing(8)
-        who = QLabel("You" if role == "user" else (model or "Assistant"), self)
+        who = QLabel({"user": "You", "tool": _tool_result_title(tool_call_id)}.get(role, model or "Assistant"), self)
         who.setObjectName("messageRole")
         header.addWidget(who)
         when = QLabel(time.strftime("%H:%M", time.localtime(created_at or time.time())), self)
@@ -63,8 +67,14 @@ class MessageWidget(QFrame):
         header.addStretch(1)
         layout.addLayout(header)
 
-        self.body = MarkdownView(self)
+        if role == "tool":  # a tool's output is data, not Markdown: shown as it came
+            self.body = _PlainBody(self)
+        else:
+            self.body = MarkdownView(self)
         layout.addWidget(self.body)
+        self.call_labels = [_tool_call_label(call, self) for call in self.tool_calls]
+        for label in self.call_labels:
+            layout.addWidget(label)
 
         footer = QHBoxLayout()
         footer.setSpacing(4)
@@ -161,6 +171,7 @@ class MessageWidget(QFrame):
 
     def set_actions_enabled(self, can_regenerate: bool, can_edit: bool) -> None:
         # On a last message from the user (its answer failed or never started) it reads "Answer".
+        can_regenerate = can_regenerate and not self.read_only
         self.regen_button.setVisible(can_regenerate)
         self.regen_button.setText("Regenerate" if self.role == "assistant" else "Answer")
         self.regen_button.setToolTip("Answer this again" if self.role == "assistant"
@@ -195,10 +206,56 @@ class MessageWidget(QFrame):
         self.menu = menu
         return menu
 
+    def copy_text(self) -> str:
+        """The message as Copy puts it on the clipboard: its text, then each tool call."""
+        return "\n\n".join([self.text()] * bool(self.text()) + [label.text() for label in self.call_labels])
+
     def _copy(self) -> None:
-        QGuiApplication.clipboard().setText(self.text())
+        QGuiApplication.clipboard().setText(self.copy_text())
         self.copy_button.setText("Copied ✓")
         QTimer.singleShot(1500, self.copy_button, lambda: self.copy_button.setText("Copy"))  # dies with it
+
+
+def _tool_result_title(call_id: str | None) -> str:
+    return f"Tool result · {call_id}" if call_id else "Tool result"
+
+
+def tool_call_text(call: dict) -> str:
+    """One call as the window shows it: the function, then its arguments (pretty JSON where
+    they are JSON, as written where not)."""
+    import json
+
+    fn = call.get("function") or {}
+    args = fn.get("arguments", "")
+    try:
+        args = json.dumps(json.loads(args) if isinstance(args, str) else args, indent=2, ensure_ascii=False)
+    except ValueError:
+        pass
+    return f"Called {fn.get('name', '?')}" + (f" · {call['id']}" if call.get("id") else "") + f"\n{args}"
+
+
+def _tool_call_label(call: dict, parent: QWidget) -> QLabel:
+    label = QLabel(tool_call_text(call), parent)
+    label.setObjectName("toolCall")
+    label.setTextFormat(Qt.TextFormat.PlainText)  # a model's arguments are never markup
+    label.setWordWrap(True)
+    label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+    label.setToolTip("A tool call the model made (read-only)")
+    return label
+
+
+class _PlainBody(QLabel):
+    """A tool result's body: plain, selectable text (the MarkdownView's text/set_markdown)."""
+
+    def __init__(self, parent: QWidget):
+        super().__init__(parent)
+        self.setObjectName("toolResult")
+        self.setTextFormat(Qt.TextFormat.PlainText)
+        self.setWordWrap(True)
+        self.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+
+    def set_markdown(self, text: str) -> None:
+        self.setText(text)
 
 
 class ChatView(QScrollArea):
@@ -269,8 +326,10 @@ class ChatView(QScrollArea):
         self.empty_label.setVisible(bool(self.empty_label.text()))
 
     def add_message(self, message_id: int, role: str, text: str, status: str = COMPLETE,
-                    stats: dict | None = None, created_at: float | None = None, model: str = "") -> MessageWidget:
-        w = MessageWidget(message_id, role, text, status, stats, created_at, model, self.column)
+                    stats: dict | None = None, created_at: float | None = None, model: str = "",
+                    tool_calls: list[dict] | None = None, tool_call_id: str | None = None) -> MessageWidget:
+        w = MessageWidget(message_id, role, text, status, stats, created_at, model, self.column, tool_calls,
+                          tool_call_id)
         w.edit_requested.connect(self.edit_requested)
         w.regenerate_requested.connect(self.regenerate_requested)
         w.version_requested.connect(self.version_requested)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from engine.units import format_rate
+
 GIB = 1024**3
 
 
@@ -29,6 +31,11 @@ def rate(tok_s: float | None) -> str:
     if tok_s is None:
         return "—"
     return f"{tok_s:.1f} tok/s" if tok_s < 100 else f"{tok_s:.0f} tok/s"
+
+
+def words_rate(words_s: float) -> str:
+    """Words a second in two figures, never an exponent (`0.9`, `12`, `27,000`)."""
+    return format_rate(words_s)
 
 
 def seconds(s: float | None) -> str:
@@ -130,6 +137,6 @@ def verdict_kind(verdict: str) -> str:
         return "bad"
     if v == "fits":
         return "good"
-    if v.startswith("fits"):
+    if v.startswith("fits") or v.startswith("runs from disk"):  # runs, at a cost the card states
         return "ok"
     return "muted"

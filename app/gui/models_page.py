@@ -14,7 +14,7 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, QUrl, Signal, Slot
 from PySide6.QtGui import QDesktopServices
-from PySide6.QtWidgets import (QComboBox, QFileDialog, QFrame, QGridLayout, QHBoxLayout, QInputDialog, QLabel,
+from PySide6.QtWidgets import (QBoxLayout, QComboBox, QFileDialog, QFrame, QGridLayout, QHBoxLayout, QInputDialog, QLabel,
                                QMessageBox, QProgressBar, QPushButton, QScrollArea, QSizePolicy, QVBoxLayout,
                                QWidget)
 
@@ -70,11 +70,16 @@ class ModelCard(QFrame):
         self.verdict.setObjectName("verdictChip")
         self.state = QLabel(self)
         self.state.setObjectName("modelState")
-        head = QHBoxLayout()
-        head.addWidget(self.title, 1)
-        head.addWidget(self.verdict, 0, Qt.AlignmentFlag.AlignTop)  # a chip keeps its height by a wrapped title
-        head.addWidget(self.state, 0, Qt.AlignmentFlag.AlignTop)
-        grid.addLayout(head, 0, 0, 1, 2)
+        self.chips = QHBoxLayout()
+        self.chips.setContentsMargins(0, 0, 0, 0)
+        self.chips.addWidget(self.verdict, 0, Qt.AlignmentFlag.AlignTop)  # a chip keeps its height by a wrapped title
+        self.chips.addWidget(self.state, 0, Qt.AlignmentFlag.AlignTop)
+        # Wide: title | chips on one row. Narrow (800x600 with the budgets panel open): the chips
+        # go under the title, which then keeps the card's width instead of breaking a model's id.
+        self.head = QBoxLayout(QBoxLayout.Direction.LeftToRight)
+        self.head.addWidget(self.title, 1)
+        self.head.addLayout(self.chips)
+        grid.addLayout(self.head, 0, 0, 1, 2)
         self.facts = QLabel(self)
         self.facts.setObjectName("facts")
         self.facts.setWordWrap(True)
@@ -132,6 +137,16 @@ class ModelCard(QFrame):
             buttons.addWidget(b)
         grid.addLayout(buttons, 7, 0, 1, 2)
         self.update_info(info)
+
+    NARROW = 560  # px: below it the verdict and state chips take their own row
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 (Qt's name)
+        narrow = event.size().width() < self.NARROW
+        direction = QBoxLayout.Direction.TopToBottom if narrow else QBoxLayout.Direction.LeftToRight
+        if self.head.direction() != direction:
+            self.head.setDirection(direction)
+            self.head.setAlignment(self.chips, Qt.AlignmentFlag.AlignLeft if narrow else Qt.AlignmentFlag(0))
+        super().resizeEvent(event)
 
     def _button(self, text: str, tip: str, slot, kind: str = "") -> QPushButton:
         b = QPushButton(text, self)

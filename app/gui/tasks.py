@@ -55,9 +55,19 @@ class _Task(QRunnable):
                 log.info("background task: %s", exc)
             else:
                 log.exception("background task failed")
-            self.relay.failed.emit(exc)
+            self._deliver(self.relay.failed, exc)
             return
-        self.relay.done.emit(result)
+        self._deliver(self.relay.done, result)
+
+    def _deliver(self, signal, value) -> None:
+        # At exit Qt may delete the relay while a slow task (a Hub call timing out) still runs:
+        # nobody is left to tell, so the result is dropped rather than raised on a pool thread.
+        if not isValid(self.relay):
+            return
+        try:
+            signal.emit(value)
+        except RuntimeError:  # deleted between the check and the emit
+            log.debug("background task finished after its receiver was deleted")
 
 
 _alive: set[_Relay] = set()  # keep relays alive until their result has been delivered

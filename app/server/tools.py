@@ -271,7 +271,7 @@ def for_template(messages: list[dict], tool_aware: bool) -> list[dict]:
     out = []
     for m in messages:
         if m.get("tool_calls"):
-            shown = json.dumps([{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+            shown = json.dumps([{"name": c["function"]["name"], "arguments": _as_object(c["function"]["arguments"])}
                                 for c in m["tool_calls"]], ensure_ascii=False)
             out.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + shown})
         elif m["role"] == "tool":
@@ -279,3 +279,14 @@ def for_template(messages: list[dict], tool_aware: bool) -> list[dict]:
         else:
             out.append({k: v for k, v in m.items() if k != "tool_calls"})
     return out
+
+
+def _as_object(arguments: Any) -> Any:
+    """Arguments as the history shows them: parsed where they are JSON text (OpenAI's wire
+    form, and what the window stores), as they are otherwise."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments

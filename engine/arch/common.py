@@ -47,6 +47,12 @@ class Converter:
         self.keep_q4 = False
         self.keep_q4_ffn = False
 
+    @property
+    def values(self) -> "Converter":
+        """The converter that reads the checkpoint's values: itself (the loader's header-only
+        converter answers its real one, for the FFN it does read)."""
+        return self
+
     def get(self, name: str, shape: tuple[int, ...], where: LoadTarget) -> torch.Tensor:
         return self.source.get(name, shape).to(device=where.device, dtype=where.dtype)
 
@@ -198,8 +204,9 @@ def load_expert_stacks(conv: Converter, i: int, where: LoadTarget, name: str, pa
     d, n, count = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
     stacks = [torch.empty(count, n, d, dtype=where.dtype, device=where.device) for _ in range(3)]
     gate, up, down = parts
+    source = conv.values.source  # a layer built from a prepared file's headers still reads its experts
     for e in range(count):
-        stacks[0][e].copy_(conv.source.get(name.format(i=i, e=e, part=gate), (n, d)))
-        stacks[1][e].copy_(conv.source.get(name.format(i=i, e=e, part=up), (n, d)))
-        stacks[2][e].copy_(conv.source.get(name.format(i=i, e=e, part=down), (d, n)).t())
+        stacks[0][e].copy_(source.get(name.format(i=i, e=e, part=gate), (n, d)))
+        stacks[1][e].copy_(source.get(name.format(i=i, e=e, part=up), (n, d)))
+        stacks[2][e].copy_(source.get(name.format(i=i, e=e, part=down), (d, n)).t())
     return stacks

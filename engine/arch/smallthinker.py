@@ -124,7 +124,8 @@ def load_layer(conv, i: int, where, ffn_where=None):
         qkv_bias=None,
         out=conv.get(p + names.o + ".weight", (d, q_rows), where),
         out_bias=None,
-        ffn=DenseMoe(*load_experts(conv, i, ffn_where or where)),
+        # skip_ffn: the experts come from the MoE prepared file (engine.loading.prepared_moe)
+        ffn=None if conv.skip_ffn else DenseMoe(*load_experts(conv, i, ffn_where or where)),
         parallel=False,
         device=where.device,
         router=conv.get(ROUTER.format(i=i), (cfg.num_experts, d), where),

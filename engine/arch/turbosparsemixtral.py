@@ -111,7 +111,9 @@ def load_layer(conv, i: int, where, ffn_where=None):
     finally:
         conv.skip_ffn = conv_skip
     ffn_target = ffn_where or where
-    predictors = load_predictors(conv, i, ffn_target) if ffn_where is not None else None
-    layer.ffn = DenseMoe(*load_experts(conv, i, ffn_target), activation=cfg.activation, predictors=predictors)
+    if not conv_skip:  # else the experts and their predictors come from the MoE prepared file
+        values = conv.values  # the checkpoint's values even where the layer's dense part is mapped
+        predictors = load_predictors(values, i, ffn_target) if ffn_where is not None else None
+        layer.ffn = DenseMoe(*load_experts(values, i, ffn_target), activation=cfg.activation, predictors=predictors)
     layer.router = conv.get(ROUTER.format(i=i), (cfg.num_experts, cfg.hidden_size), where)
     return layer

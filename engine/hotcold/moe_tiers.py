@@ -28,12 +28,14 @@ the experts whose hot neurons change, at the next token boundary during a genera
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import threading
 import time
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -44,13 +46,16 @@ from engine.kernels import cpu as cpu_kernels
 from engine.kernels import cpu_q4, q4_format, q4_rows
 from engine.loading.loader import compute_dtype, load_transformer
 from engine.cpu_formats import predictor_cpu_format
+from engine.model.expert_stack import FORMATS as STACK_FORMATS, ExpertStack
 from engine.model.moe import DenseMoe, ExpertPredictors, Routing, experts_by_token, reglu
 from engine.hotcold.placement import COLD_INT4, COLD_INT8, INDEX_BYTES
 from engine.kernels.quantized import QuantMatrix, matrix_nbytes, quantize_matrix
-from engine.hotcold.sparse import SparseParts, SparseRuntime
+from engine.hotcold.sparse import SparseParts, SparseRuntime, _prepared_dense, _write_prepared_dense
 from engine.hotcold.sparse_moves import cold_rows_from_dense
 from engine.hotcold.sparse_solve import default_budgets, pick_fast_device, problem_for_model
 from engine.loading.weights import WeightSource
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -139,18 +144,37 @@ class HotExperts(_ExpertTier):
 
 class ColdExperts(_ExpertTier):
     """Experts' neurons on the CPU tier, in the CPU kernels' storage: int8 rows + scales,
-    4-bit rows (ggml's Q4_0 blocks, engine.kernels.cpu_q4), or fp32."""
+    4-bit rows (ggml's Q4_0 blocks, engine.kernels.cpu_q4), or fp32.
+
+    `stack` (engine.model.expert_stack.ExpertStack, int8/int4 tiers): the layer's experts
+    stacked [E, n, d] per matrix where every expert of the layer is cold and whole, and
+    `rows[e]` are views of `stack` (a mapped MoE prepared file, or the first load's
+    quantized stack until it is written); None otherwise (a split layer, or after a
+    re-placement took an expert out)."""
 
     def __init__(self, quant: str):
         self.quant = quant
         self.rows: dict[int, cpu_kernels.CpuFfnRows | q4_rows.Q4FfnRows] = {}
         self.neuron_ids: dict[int, torch.Tensor] = {}
+        self.stack: ExpertStack | None = None
 
     def add(self, e: int, ids: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down_t: torch.Tensor) -> None:
+        self.add_rows(e, ids, cold_rows_from_dense(gate, up, down_t, self.quant))
+
+    def add_rows(self, e: int, ids: torch.Tensor, rows) -> None:
+        """Rows already in the CPU format (a stack's expert, or a selection of its rows)."""
         self.neuron_ids[e] = ids
-        self.rows[e] = cold_rows_from_dense(gate, up, down_t, self.quant)
+        self.rows[e] = rows
+
+    def take_stack(self, stack: ExpertStack) -> None:
+        """Every expert of the layer, whole, as views of `stack`."""
+        n = stack.n_ff
+        for e in range(stack.num_experts):
+            self.add_rows(e, torch.arange(n), stack.expert(e))
+        self.stack = stack
 
     def pop(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.stack = None  # it no longer describes this tier
         rows = self.rows.pop(e)
         g, u, d = rows.dequantized()
         return self.neuron_ids.pop(e), g.clone(), u.clone(), d.clone()
@@ -174,6 +198,29 @@ def split_expert(e: int, hot_ids: np.ndarray, gate: torch.Tensor, up: torch.Tens
             tier.add(e, ids, gate, up, down_t)
         elif len(ids):
             tier.add(e, ids, gate[ids], up[ids], down_t[ids])
+
+
+def split_stacked(e_count: int, n: int, hot_units: np.ndarray, dense: DenseMoe, stack: ExpertStack,
+                  hot: HotExperts, cold: ColdExperts) -> None:
+    """A layer's experts into the tiers, the cold rows from `stack` (the layer already in
+    the CPU format, rows quantized one by one, so a selection of them is what quantizing
+    those neurons alone gives): with no hot unit the cold tier takes the stack itself
+    (views); else the fast tier takes the fp32 rows of its neurons from `dense` and the
+    cold tier copies of the rest of the stack's."""
+    if len(hot_units) == 0:
+        cold.take_stack(stack)
+        return
+    for e in range(e_count):
+        ids = hot_units[(hot_units >= e * n) & (hot_units < (e + 1) * n)] - e * n
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[torch.as_tensor(ids, dtype=torch.long)] = True
+        hot_ids, cold_ids = torch.nonzero(mask).flatten(), torch.nonzero(~mask).flatten()
+        if len(hot_ids):
+            gate, up, down_t = dense.expert(e)
+            whole = len(hot_ids) == n
+            hot.add(e, hot_ids, *((gate, up, down_t) if whole else (gate[hot_ids], up[hot_ids], down_t[hot_ids])))
+        if len(cold_ids):
+            cold.add_rows(e, cold_ids, stack.expert(e).select(cold_ids))
 
 
 class ColdPrefetcher:
@@ -418,6 +465,7 @@ class MoeRuntime(SparseRuntime):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.counters = MoeCounters()
+        self.prepared_experts = None  # engine.loading.prepared_moe.PreparedExperts: mapped or written at load
         self.prefetcher: ColdPrefetcher | None = None
         self._prefetch_finalizer: weakref.finalize | None = None
         # Read the chosen cold experts ahead while attention runs: by default where a GPU
@@ -458,20 +506,35 @@ class MoeRuntime(SparseRuntime):
         finally:
             self.scoring_mode = None
 
-    def split_experts(self, layer: int, dense: DenseMoe, hot_units: np.ndarray) -> TieredMoe:
+    def split_experts(self, layer: int, dense: DenseMoe, hot_units: np.ndarray,
+                      stack: ExpertStack | None = None) -> TieredMoe:
         """Split a freshly loaded fp32 CPU layer of experts into the two tiers: the
-        placement's units `hot_units` (neuron j of expert e is e * n + j) on the fast tier."""
+        placement's units `hot_units` (neuron j of expert e is e * n + j) on the fast tier.
+        `stack`: the layer's experts already in the CPU format (int8/int4 tiers), which the
+        cold rows come from (see split_stacked)."""
         hot = HotExperts(*self._where(True))
         cold = ColdExperts(self.cpu_weights)
         n = dense.n_ff
         hot_units = np.asarray(hot_units, dtype=np.int64)
-        for e in range(dense.num_experts):
-            ids = hot_units[(hot_units >= e * n) & (hot_units < (e + 1) * n)] - e * n
-            split_expert(e, ids, *dense.expert(e), hot, cold)
+        if stack is not None:
+            split_stacked(dense.num_experts, n, hot_units, dense, stack, hot, cold)
+        else:
+            for e in range(dense.num_experts):
+                ids = hot_units[(hot_units >= e * n) & (hot_units < (e + 1) * n)] - e * n
+                split_expert(e, ids, *dense.expert(e), hot, cold)
         predictors = None
         if dense.predictors is not None:
             predictors = self.place_expert_predictors(dense.predictors, self.plan.layer_on_fast[layer])
         return TieredMoe(layer, dense.num_experts, n, hot, cold, self, dense.activation, predictors)
+
+    def mapped_experts(self, layer: int, stack: ExpertStack, predictors: ExpertPredictors | None) -> TieredMoe:
+        """A layer whose experts all sit on the CPU tier, from the MoE prepared file: the
+        cold experts are views of the mapped stack, the predictors (in the CPU tier's format
+        already) views of the map; nothing is converted."""
+        hot = HotExperts(*self._where(True))
+        cold = ColdExperts(self.cpu_weights)
+        cold.take_stack(stack)
+        return TieredMoe(layer, stack.num_experts, stack.n_ff, hot, cold, self, self.config.activation, predictors)
 
     def place_expert_predictors(self, predictors: ExpertPredictors, on_fast: bool) -> ExpertPredictors:
         """A layer's expert predictors in its tier's storage: the fast tier's dtype, or on
@@ -494,6 +557,9 @@ class MoeRuntime(SparseRuntime):
         (counted by the placement, ModelBytes.int8_head_copy): it is most of a token's bytes
         otherwise."""
         if not on_fast and self.config.tie_word_embeddings and self.cpu_weights in (COLD_INT8, COLD_INT4):
+            head = self.model.lm_head
+            if isinstance(head, QuantMatrix):  # the copy already (mapped from the dense prepared file)
+                return quantize_matrix(head, self.cpu_weights)
             return quantize_matrix(self.model.embed, self.cpu_weights)
         return super()._head_weights(on_fast)
 
@@ -522,7 +588,11 @@ class MoeRuntime(SparseRuntime):
 
 def load_moe(model_dir, config, mode: str, ctx: int, vram_budget: int | None, ram_budget: int | None,
              device: str | None, progress, cpu_weights: str = "int8") -> SparseParts:
-    """`engine.hotcold.sparse.load_sparse` for a mixture of experts: the parts `Engine.load` assembles."""
+    """`engine.hotcold.sparse.load_sparse` for a mixture of experts: the parts `Engine.load`
+    assembles. With an int8/int4 CPU tier the first load writes the experts in that format
+    (engine.loading.prepared_moe) and the rest of the CPU tier (the dense prepared file);
+    later loads map both: a layer whose experts all sit on the CPU reads nothing from the
+    checkpoint, converts nothing, and its cold experts are views of the map."""
     fast = pick_fast_device(device)
     default_vram, default_ram = default_budgets(fast, mode)
     vram = default_vram if vram_budget is None else vram_budget
@@ -530,17 +600,103 @@ def load_moe(model_dir, config, mode: str, ctx: int, vram_budget: int | None, ra
     storage = WeightSource(model_dir).dtype()
     problem = problem_for_model(model_dir, config, ctx, fast, cpu_weights, None, storage)
     runtime = MoeRuntime(threading.RLock(), config, mode, fast, storage, None, problem, cpu_weights)
+    runtime.model_dir = Path(model_dir)
     plan = runtime.solve(vram, ram)
     runtime.budgets = (vram, ram)
     runtime.plan = plan
     cpu = torch.device("cpu")
     layer_devices = [fast if on else cpu for on in plan.layer_on_fast]
     head_device = fast if plan.head_on_fast else cpu
-    model = load_transformer(
-        model_dir, config, layer_devices, head_device, ctx, progress,
-        ffn_builder=lambda i, dense: runtime.split_experts(i, dense, plan.hot_ids[i]),
-        on_layer=lambda i, layer: runtime.convert_layer_dense(layer, plan.layer_on_fast[i]),
-    )
+    dense_file = _prepared_dense(model_dir, cpu_weights)
+    ranks = _predictor_ranks(model_dir, config)
+    experts_file, writer = _prepared_experts(model_dir, config, cpu_weights, ranks)
+    runtime.prepared_experts = experts_file
+
+    def mapped(i: int) -> bool:
+        # this layer's experts come from the MoE prepared file: all of them cold, and their
+        # predictors (if any) in the CPU tier (on the fast tier they keep the checkpoint's precision)
+        return experts_file is not None and len(plan.hot_ids[i]) == 0 and not (plan.layer_on_fast[i] and ranks)
+
+    def build_ffn(i: int, dense: DenseMoe | None) -> TieredMoe:
+        if dense is None:
+            return runtime.mapped_experts(i, experts_file.stack(i, config.hidden_size), experts_file.predictors(i))
+        if cpu_weights not in STACK_FORMATS:
+            return runtime.split_experts(i, dense, plan.hot_ids[i])
+        if writer is not None and progress:
+            progress(i / config.num_layers, f"preparing layer {i + 1} of {config.num_layers} "
+                                            f"({cpu_weights} experts, first load only)")
+        stack = ExpertStack.quantize(dense.gate, dense.up, dense.down_t, cpu_weights)
+        ffn = runtime.split_experts(i, dense, plan.hot_ids[i], stack)
+        if writer is not None:
+            predictors = ffn.predictors if ffn.predictors is not None and not plan.layer_on_fast[i] else (
+                None if dense.predictors is None else runtime.place_expert_predictors(dense.predictors, False))
+            writer.add_layer(i, stack, predictors)
+        return ffn
+
+    try:
+        model = load_transformer(
+            model_dir, config, layer_devices, head_device, ctx, progress, ffn_builder=build_ffn,
+            on_layer=lambda i, layer: runtime.convert_layer_dense(layer, plan.layer_on_fast[i]),
+            read_ffn=lambda i: not mapped(i), prepared=dense_file,
+            from_prepared=lambda i: not plan.layer_on_fast[i], globals_from_prepared=not plan.head_on_fast,
+        )
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
     runtime.model = model
     model.lm_head = runtime._head_weights(plan.head_on_fast)
+    if writer is not None:
+        try:
+            runtime.prepared_experts = _take_written(writer.finish(), model, config)
+        except (OSError, RuntimeError, ValueError) as exc:
+            writer.abort()
+            log.warning("could not write the prepared experts of %s: %s", model_dir, exc)
+    runtime.prepared_dense = dense_file
+    if dense_file is None and runtime.prepared_experts is not None:
+        _write_prepared_dense(model_dir, cpu_weights, runtime, progress)
     return SparseParts(model, runtime, layer_devices, [compute_dtype(d, storage) for d in layer_devices])
+
+
+def _prepared_experts(model_dir, config, cpu_weights: str, ranks: list[int] | None):
+    """(the mapped MoE prepared file, None) when a current one exists; else (None, a writer
+    for one) for the int8/int4 formats; (None, None) when preparing is off or the folder
+    cannot be written."""
+    from engine.loading import prepared, prepared_moe
+
+    if cpu_weights not in prepared.FORMATS or not prepared.enabled() or prepared.is_bundled(model_dir):
+        return None, None
+    experts = prepared_moe.PreparedExperts.open_if_current(model_dir, cpu_weights, config, ranks)
+    if experts is not None:
+        return experts, None
+    try:
+        return None, prepared_moe.MoeWriter(model_dir, cpu_weights, config, ranks)
+    except OSError as exc:
+        log.warning("not preparing the experts of %s: %s", model_dir, exc)
+        return None, None
+
+
+def _predictor_ranks(model_dir, config) -> list[int] | None:
+    """Each layer's expert predictor rank from the checkpoint's shapes (TurboSparse-Mixtral),
+    or None where the experts carry none."""
+    from engine.arch import arch_module
+
+    ranks = getattr(arch_module(config.arch), "predictor_ranks", None)
+    return ranks(WeightSource(model_dir), config) if ranks is not None else None
+
+
+def _take_written(path, model, config):
+    """The file just written, mapped; layers whose cold tier is a whole stack take its views
+    in place of the load's own quantized copy (freed), so a first load ends with the layout
+    of every later one."""
+    from engine.loading import prepared_moe
+
+    experts = prepared_moe.PreparedExperts(path)
+    for i, layer in enumerate(model.layers):
+        cold = layer.ffn.cold
+        if cold.stack is None:
+            continue
+        cold.take_stack(experts.stack(i, config.hidden_size))
+        if layer.ffn.predictors is not None and not isinstance(layer.ffn.predictors.fc1[0], torch.Tensor):
+            layer.ffn.predictors = experts.predictors(i)
+    return experts

@@ -44,9 +44,36 @@ MAGIC = b"TCBUNDL1"
 HEADER_BYTES = 4096  # the bundles start page-aligned
 ALIGN = 512  # a bundle's size is a multiple of this (O_DIRECT's unit on most devices)
 MAX_READ = 256 << 10  # bytes of one read call (a run longer than this is split): each thread's buffer
+PAGE = 4096  # the largest alignment a direct read takes (a buffer spans an aligned read's two ends)
+READ_THREADS_ENV = "THERMOCLINE_DISK_READ_THREADS"
 READ_PATH_ENV = "THERMOCLINE_DISK_READ_PATH"  # o_direct, pread+nocache or portable: the fastest the platform has
 WRITE_CHUNK = 8 << 20  # bytes written between a sync and a drop from the page cache
 VERSION = 1
+
+
+def read_threads() -> int:
+    """Threads a reader reads on (THERMOCLINE_DISK_READ_THREADS, else 4)."""
+    value = os.environ.get(READ_THREADS_ENV, "").strip()
+    return max(1, int(value)) if value.isdigit() else 4
+
+
+def bundle_size(row_bytes: int) -> int:
+    """Bytes of one bundle of a neuron's rows (row_bytes in all), padded to ALIGN."""
+    return -(-row_bytes // ALIGN) * ALIGN
+
+
+def bundles_per_read(bundle_bytes: int, n: int) -> int:
+    """Bundles one read call takes at most: MAX_READ's worth (at least one), never more than
+    a layer's n (a run lies in one layer)."""
+    return max(1, min(MAX_READ // bundle_bytes, n))
+
+
+def buffer_bytes(bundle_bytes: int, n: int, threads: int | None = None) -> int:
+    """The most a reader's buffers hold at once: one per thread that reads (its pool's, the
+    token's own thread and the read-ahead thread), each of one read call and its alignment
+    at both ends. The disk tier counts it in the RAM budget beside the cache's slots."""
+    threads = read_threads() if threads is None else threads
+    return (threads + 2) * (bundles_per_read(bundle_bytes, n) * bundle_bytes + 2 * PAGE)
 
 
 def bundles_path(prepared_path: Path) -> Path:
@@ -65,8 +92,7 @@ class BundleLayout:
         self.parts = parts
         self.layers, self.n = layers, n
         self.offsets = np.cumsum([0] + [p[1] for p in parts])[:-1].tolist()
-        raw = sum(p[1] for p in parts)
-        self.bundle_bytes = -(-raw // ALIGN) * ALIGN
+        self.bundle_bytes = bundle_size(sum(p[1] for p in parts))
 
     def file_bytes(self) -> int:
         return HEADER_BYTES + self.layers * self.n * self.bundle_bytes
@@ -198,12 +224,15 @@ def runs(ids: np.ndarray, gap: int) -> list[tuple[int, int]]:
 
 
 class _Buffer(threading.local):
-    """One page-aligned read buffer per reading thread, grown as needed."""
+    """One page-aligned read buffer per reading thread, of the largest read call (counted by
+    `buffer_bytes`: allocated once at that size, so it never grows past the count)."""
     buf: mmap.mmap | None = None
 
-    def get(self, size: int) -> mmap.mmap:
-        if self.buf is None or len(self.buf) < size:  # the old one goes with its last view
-            self.buf = mmap.mmap(-1, max(size, 1 << 16))
+    def get(self, size: int, capacity: int) -> mmap.mmap:
+        if self.buf is None:
+            self.buf = mmap.mmap(-1, capacity)
+        if size > len(self.buf):
+            raise ValueError(f"a read of {size} bytes exceeds the {len(self.buf)}-byte buffer")
         return self.buf
 
 
@@ -238,6 +267,8 @@ class BundleReader:
         self.bytes_read = 0
         self.calls = 0
         self.seconds = 0.0
+        self.buffer_bytes = buffer_bytes(layout.bundle_bytes, layout.n, threads)  # counted in the RAM budget
+        self._per_buffer = self.buffer_bytes // (threads + 2)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -253,7 +284,7 @@ class BundleReader:
         align = self.align
         lo = offset - offset % align
         hi = -(-(offset + size) // align) * align
-        buf = self._buffers.get(hi - lo)
+        buf = self._buffers.get(hi - lo, self._per_buffer)
         view = memoryview(buf)[: hi - lo]
         try:
             got = os.preadv(fd, [view], lo)
@@ -297,7 +328,7 @@ class BundleReader:
             return
         start = time.perf_counter()
         B = self.layout.bundle_bytes
-        per_read = max(1, MAX_READ // B)
+        per_read = bundles_per_read(B, self.layout.n)
         jobs = []
         for first, count in runs(ids, gap):
             for lo in range(first, first + count, per_read):

@@ -21,9 +21,13 @@ those that fire often, and a token reads the ones it needs and misses.
 - `DiskFfn` is a `HybridFfn` whose cold rows are the cache's: per token its predictor picks
   the neurons, the missing ones are read into free or evicted slots, and the same kernel as
   in RAM runs over the same positions with a slot index per position (`idx`), so each
-  position computes the same row bytes in the same chunks: the same bits as in RAM. Only
-  when one layer's predicted set exceeds the slots that may be evicted is it computed in
-  rounds (`overflow_rounds`), whose sums are exact but summed in another order.
+  position computes the same row bytes in the same chunks: the same bits as in RAM. When one
+  layer's predicted set exceeds the slots that may be evicted, it is computed chunk by chunk
+  (`chunk_rounds`: the kernel's own split over its threads, each chunk resident in turn and
+  its sums added in the kernel's order): still the same bits. Only a chunk's predicted set
+  beyond the cache is computed in rounds (`overflow_rounds`), the same neurons summed in
+  another order: with 2 threads that takes more than twice the working set's share of a
+  layer firing at once.
 """
 
 from __future__ import annotations
@@ -37,24 +41,18 @@ import torch
 
 from engine.errors import UserError
 from engine.hotcold.hybrid_ffn import HybridFfn
-from engine.hotcold.neuron_bundles import BundleReader, open_or_build
+from engine.hotcold.neuron_bundles import BundleReader, open_or_build, read_threads
 from engine.hotcold.placement import SLOT_META_BYTES, WORKING_SHARE
 from engine.kernels import cpu as cpu_kernels
-from engine.kernels import cpu_q4, q4_format, q4_rows
+from engine.kernels import cpu_q4, numba_pool, q4_format, q4_rows
 
 GAP_ROWS = 4  # neighbours this close are read in one call (the bundles between are dropped)
 PIN_FREQUENCY = 0.5  # seeded neurons firing this often are never evicted
 MAX_COUNT = 3
-READ_THREADS_ENV = "THERMOCLINE_DISK_READ_THREADS"
 # 1: read the next layer's guess ahead. Off by default: on a 2-core host (bench.beyond_ram, 7B
 # shapes) the guess's predictor pass and the reads' Python work on a thread cost more than the
 # overlap saved (0.81x at 50% on disk, 0.24x at 90%); the benchmark measures both.
 LOOKAHEAD_ENV = "THERMOCLINE_DISK_LOOKAHEAD"
-
-
-def read_threads() -> int:
-    value = os.environ.get(READ_THREADS_ENV, "").strip()
-    return max(1, int(value)) if value.isdigit() else 4
 
 
 def lookahead_enabled() -> bool:
@@ -79,7 +77,8 @@ class NeuronCache:
         self.fmt, self.reader, self.d = fmt, reader, d
         self.cold_ids = [np.asarray(ids, dtype=np.int64) for ids in cold_ids]
         self.slot_of = [np.full(len(ids), -1, dtype=np.int64) for ids in self.cold_ids]
-        self.hits = self.misses = self.overflow_rounds = 0
+        # layers computed chunk by chunk (the same bits), and rounds of a chunk beyond the cache (not)
+        self.hits = self.misses = self.chunk_rounds = self.overflow_rounds = 0
         # the read ahead (lookahead): its thread, the layer it reads for, and its counters
         self._ahead = ThreadPoolExecutor(1, thread_name_prefix="neuron-ahead")
         self._pending: tuple[int, Future] | None = None
@@ -132,9 +131,11 @@ class NeuronCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the cache holds: its slots (rows and bookkeeping) and every cold neuron's slot map."""
+        """Bytes the cache holds: its slots (rows and bookkeeping), every cold neuron's slot map,
+        and the most its reader's buffers hold."""
         return (sum(a.nbytes for a in self.pool) + self.slot_layer.nbytes + self.slot_pos.nbytes
-                + self.count.nbytes + self.pinned.nbytes + sum(m.nbytes for m in self.slot_of))
+                + self.count.nbytes + self.pinned.nbytes + sum(m.nbytes for m in self.slot_of)
+                + self.reader.buffer_bytes)
 
     def used(self) -> int:
         return int((self.slot_layer >= 0).sum())
@@ -256,9 +257,10 @@ class NeuronCache:
         self._evict(out[self.slot_layer[out] >= 0])
         return out
 
-    def ensure(self, layer: int, positions: np.ndarray) -> list[np.ndarray]:
-        """Make the cold positions (sorted) of a layer resident; the groups to compute them in
-        (one group unless the layer wants more slots than may be evicted)."""
+    def ensure(self, layer: int, positions: np.ndarray) -> bool:
+        """Count a token's hits and misses of a layer's cold positions (sorted) and make them
+        resident; False (nothing read) when the slots that may be evicted cannot hold them
+        all at once: the layer is then computed in rounds (DiskFfn)."""
         read_ahead = 0
         if self._pending is not None:
             ahead_layer, _, ahead = self._pending
@@ -272,32 +274,31 @@ class NeuronCache:
         self.misses += int((~hit).sum()) + read_ahead
         hit_slots = slots[hit]
         self.count[hit_slots] = np.minimum(self.count[hit_slots] + 1, MAX_COUNT)
+        return self.make_resident(layer, positions)
+
+    def room(self, layer: int, positions: np.ndarray) -> int:
+        """How many of a layer's positions can be resident at once beside the pinned slots
+        (those of `positions` already resident count as theirs)."""
+        slots = self.slot_of[layer][positions]
+        busy = np.zeros(self.capacity, dtype=bool)
+        busy[slots[slots >= 0]] = True
+        return self.capacity - int((self.pinned | busy).sum()) + int(busy.sum())
+
+    def make_resident(self, layer: int, positions: np.ndarray) -> bool:
+        """Read the missing ones of a layer's positions (sorted) into free or evicted slots,
+        the resident ones kept; False, with nothing evicted, when they cannot all fit."""
+        self.wait()
+        slots = self.slot_of[layer][positions]
+        hit = slots >= 0
         missing = positions[~hit]
         if not len(missing):
-            return [positions]
+            return True
+        if len(positions) > self.room(layer, positions):
+            return False
         busy = np.zeros(self.capacity, dtype=bool)
-        busy[hit_slots] = True
-        victims = self._victims(len(missing), busy)
-        if len(victims) >= len(missing):
-            self._fill(layer, missing, victims)
-            return [positions]
-        # more than the pool can hold at once: the hits, then the rest in rounds
-        groups = [positions[hit]] if hit.any() else []
-        busy[:] = False
-        room = len(victims) + len(hit_slots)
-        self._evict(hit_slots)  # the hits are computed first; their slots are free for the rounds after
-        for lo in range(0, len(missing), max(room, 1)):
-            groups.append(missing[lo:lo + room])
-        self.overflow_rounds += len(groups) - 1
-        return groups
-
-    def fill_group(self, layer: int, group: np.ndarray) -> None:
-        """Make a round's positions resident (ensure's rounds after the first)."""
-        self.wait()
-        missing = group[self.slot_of[layer][group] < 0]
-        if len(missing):
-            busy = np.zeros(self.capacity, dtype=bool)
-            self._fill(layer, missing, self._victims(len(missing), busy))
+        busy[slots[hit]] = True
+        self._fill(layer, missing, self._victims(len(missing), busy))
+        return True
 
     def slot_index(self, layer: int) -> np.ndarray:
         """Per cold position its slot (0 for positions on disk: the kernel reads no row there)."""
@@ -396,24 +397,63 @@ class DiskFfn(HybridFfn):
 
     def _from_cache(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         cache, layer, thr = self.cache, self.layer, self.context.threshold
-        ids = cache.cold_ids[layer]
         pred = logits.numpy()
-        positions = np.flatnonzero(pred[ids] >= thr)
-        groups = cache.ensure(layer, positions)
-        if len(groups) == 1:
+        positions = np.flatnonzero(pred[cache.cold_ids[layer]] >= thr)
+        if cache.ensure(layer, positions):
             self._read_ahead(positions)  # overlaps with the kernel below
-        y = None
-        for k, group in enumerate(groups):
-            if k:
-                cache.fill_group(layer, group)
-            if len(groups) > 1:  # a round: only its positions pass the threshold
-                masked = np.full_like(pred, -np.inf)
-                masked[ids[group]] = pred[ids[group]]
-                part = self._kernel(x, torch.from_numpy(masked), thr)
-            else:
-                part = self._kernel(x, logits, thr)
-            y = part if y is None else y + part
+            return self._kernel(x, logits, thr)
+        return self._in_rounds(x, logits, positions)
+
+    def _in_rounds(self, x: torch.Tensor, logits: torch.Tensor, positions: np.ndarray) -> torch.Tensor:
+        """A layer whose predicted set the cache cannot hold at once. The in-RAM kernel splits
+        a layer's cold positions into one chunk per thread, sums each chunk in position order
+        and adds the chunks' sums in order: here each chunk is made resident and computed
+        alone by the same kernel (one chunk, its predicted positions), and the sums are added
+        in the same order, so the bits are those of RAM. Only a chunk larger than the cache
+        is computed in rounds of what fits (`overflow_rounds`): the same neurons, summed in
+        another order."""
+        cache, layer = self.cache, self.layer
+        rows = cache.rows
+        module = cpu_q4 if rows.quant == q4_format.QUANT else cpu_kernels
+        kern = module._kernels()
+        k = len(cache.cold_ids[layer])
+        if kern is None:  # torch: no chunks to follow
+            chunks = [positions]
+        else:
+            with numba_pool.lock:
+                n = max(1, min(numba_pool.use_threads(kern), k))
+            per = -(-k // n)
+            chunks = [positions[(positions >= lo) & (positions < lo + per)] for lo in range(0, k, per)]
+        y = torch.zeros(x.shape[-1], dtype=torch.float32)
+        for chunk in chunks:
+            if not len(chunk):
+                continue
+            cache.chunk_rounds += 1
+            if cache.make_resident(layer, chunk):
+                y += self._rows_kernel(kern, module, x, chunk, logits)
+                continue
+            room = max(cache.room(layer, chunk[:0]), 1)
+            part = None
+            for lo in range(0, len(chunk), room):
+                group = chunk[lo:lo + room]
+                cache.overflow_rounds += 1
+                if not cache.make_resident(layer, group):
+                    raise RuntimeError("a round larger than the neuron cache")
+                got = self._rows_kernel(kern, module, x, group, logits)
+                part = got if part is None else part + got
+            y += part
         return y
+
+    def _rows_kernel(self, kern, module, x: torch.Tensor, group: np.ndarray, logits: torch.Tensor) -> torch.Tensor:
+        """The kernel over resident positions `group` (sorted) of this layer, as one chunk."""
+        cache = self.cache
+        idx = np.ascontiguousarray(cache.slot_of[self.layer][group])
+        if kern is None:
+            return module.sparse_ffn(x, cache.rows.select(torch.from_numpy(idx)), None, self.activation,
+                                     self.threshold)
+        acts = np.empty(len(idx), dtype=np.float32)
+        return module._launch(kern, x, cache.rows, idx, None, None, 0.0, self.activation, self.threshold, acts,
+                              nchunks=1)
 
     def _kernel(self, x: torch.Tensor, logits: torch.Tensor, thr: float) -> torch.Tensor:
         """The in-RAM kernel over the same positions, each reading its slot's row."""

@@ -10,11 +10,14 @@ moves. Everything not on the fast device must fit the RAM budget, or the answer 
 "does not fit" with the minimum RAM.
 
 A third tier, the disk (PowerInfer-2), where the problem allows it (`disk_tier`: int8/int4 CPU
-rows of a dense FFN, which a prepared file holds): the RAM budget may go below the CPU side's
-bytes, down to its resident parts (embeddings, attention, predictors, norms, KV cache, head)
-plus a working set of neuron slots (`WORKING_SHARE` of the largest layer). What RAM is left
-is a neuron cache, seeded with the most frequent cold neurons; the rest stay in the prepared
-file and a token reads those it needs (`disk_read_per_token`, expected from the frequencies).
+rows of a dense FFN or of a mixture's experts, which the prepared files hold): the RAM budget
+may go below the CPU side's bytes, down to its resident parts (attention, predictors, norms,
+KV cache, head; the embeddings go to disk first where the head is not them) plus a working set
+of neuron slots (`WORKING_SHARE` of the largest layer; a mixture's, one expert) and the
+readers' buffers. What RAM is left is a neuron cache, seeded with the cold neurons needed most
+often (`need_frequencies`: a mixture caches by expert and by neuron inside an expert, so the
+experts the router rarely picks stay on disk); the rest stay in the prepared file and a token
+reads those it needs (`disk_read_per_token`, expected from the same frequencies).
 """
 
 from __future__ import annotations
@@ -55,6 +58,15 @@ class PlacementProblem:
     # where they are not the head, which every token reads whole
     embed_disk: bool = False
     embed_row: int = 0  # bytes of one embedding row (what a token reads of them)
+    # per layer, how often a token needs each unit's rows resident (the disk tier caches and reads
+    # by it); None: `frequencies`. A mixture's neuron is needed whenever its expert is chosen (the
+    # kernel reads every gate row of a chosen expert), or, where the experts carry predictors,
+    # when it is predicted.
+    need_frequencies: list[np.ndarray] | None = None
+    read_buffers: int = 0  # the disk tier's read buffers (neuron_bundles.buffer_bytes), counted with the cache
+    # the cold rows are a neuron cache's (a load that reads rows from disk): counted as its slots
+    # even when every cold neuron fits, since the cache holds them
+    cached: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,7 +138,9 @@ COLD_INT4 = "int4"  # CPU weights as 4-bit rows: ggml's Q4_0 blocks, 18 bytes pe
 CPU_BYTES = 4       # fp32 on the CPU: embeddings, norms, biases, and weights stored as fp32 (the KV cache: engine/kv_storage.py)
 INDEX_BYTES = 8     # the int64 id kept with every hot and cold neuron
 # The disk tier's smallest neuron cache: this share of the largest layer's neurons, slots a
-# token's misses are read into (a layer's predicted set is computed from RAM in one pass).
+# token's misses are read into. A layer's predicted set up to it is computed in one pass; a
+# larger one chunk by chunk, as the kernel splits it over threads (the same bits); only a chunk
+# whose predicted set exceeds it in rounds whose sums differ in order (neuron_cache.DiskFfn).
 WORKING_SHARE = 0.25
 DISK_FORMATS = (COLD_INT8, COLD_INT4)  # the prepared file holds rows in these formats
 # A cached neuron's bookkeeping beside its rows (owner layer and position, int32 each; its
@@ -183,7 +197,8 @@ def attention_cpu_bytes(model: "ModelBytes", params: int, cpu_weights: str) -> i
 def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: list[np.ndarray], ctx: int,
                   fast_weight_bytes: int, fast_kv_bytes: int, cpu_weights: str,
                   fast_device: str = "cuda:0", hot_weights: str | None = None,
-                  cpu_kv_bytes: int | None = None, disk_tier: bool | None = None) -> PlacementProblem:
+                  cpu_kv_bytes: int | None = None, disk_tier: bool | None = None,
+                  need_frequencies: list[np.ndarray] | None = None) -> PlacementProblem:
     """Bytes of every placeable part, exactly as the engine allocates them.
 
     Fast tier: the output head (its own copy even when tied to the embeddings), each
@@ -193,11 +208,14 @@ def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: l
     rows) are int8 rows with an fp32 scale each when cpu_weights is int8, else fp32; the
     KV cache is cpu_kv_bytes per element (None: the setting, fp16 unless
     THERMOCLINE_KV_CACHE=fp32); the rest is fp32. hot_weights "int4": hot neurons are 4-bit
-    rows (engine.hotcold.hot_q4). disk_tier (None: int8/int4 rows of a dense FFN) lets cold
-    rows stay on disk below the RAM budget.
+    rows (engine.hotcold.hot_q4). disk_tier (None: int8/int4 rows, which the prepared files
+    hold, of a dense FFN or of experts) lets cold rows stay on disk below the RAM budget; its
+    readers' buffers count with the cache; need_frequencies: PlacementProblem's.
     """
+    from engine.hotcold.neuron_bundles import buffer_bytes, bundle_size
+
     if disk_tier is None:
-        disk_tier = cpu_weights in DISK_FORMATS and model.unit == "neurons"
+        disk_tier = cpu_weights in DISK_FORMATS
     if cpu_kv_bytes is None:
         cpu_kv_bytes = kv_setting_bytes()
     layers = []
@@ -226,8 +244,11 @@ def build_problem(model: ModelBytes, predictor_params: list[int], frequencies: l
         unit=model.unit,
         expert_size=model.expert_size,
         disk_tier=disk_tier,
-        embed_disk=disk_tier and not model.tied_embeddings,
+        embed_disk=disk_tier and not shares_embeddings,  # a lookup table only, where the head is its own
+        need_frequencies=need_frequencies,
         embed_row=model.d * CPU_BYTES,
+        read_buffers=buffer_bytes(bundle_size(cpu_matrix_bytes(rows * model.d, rows, cpu_weights)), model.n_ff)
+        if disk_tier else 0,
     )
 
 
@@ -361,7 +382,8 @@ def solve(problem: PlacementProblem, vram_budget: int, ram_budget: int) -> Place
     embed_on_disk = ram > ram_budget and problem.disk_tier and problem.embed_disk
     if embed_on_disk:
         resident -= problem.embed_cpu
-    disk = _disk_tier(problem, hot_ids, cold_count, resident, ram_budget) if ram > ram_budget else None
+    in_cache = ram > ram_budget or (problem.cached and problem.disk_tier)
+    disk = _disk_tier(problem, hot_ids, cold_count, resident, ram_budget) if in_cache else None
     min_ram = ram
     if disk is not None:
         min_ram = disk.pop("min_ram")
@@ -370,7 +392,8 @@ def solve(problem: PlacementProblem, vram_budget: int, ram_budget: int) -> Place
             tiers["cpu_dense"] -= problem.embed_cpu
             disk["disk_bytes"] += problem.embed_cpu
             disk["disk_read_per_token"] += problem.embed_row
-        tiers["cpu_ffn"] = disk["cache_neurons"] * (_row_bytes(problem) + SLOT_META_BYTES) + cold_count * INDEX_BYTES
+        tiers["cpu_ffn"] = (disk["cache_neurons"] * (_row_bytes(problem) + SLOT_META_BYTES) + cold_count * INDEX_BYTES
+                            + problem.read_buffers)
         ram = resident + tiers["cpu_ffn"]
     else:
         # nothing runs from disk (the budget is below its minimum, or there is no disk tier):
@@ -378,10 +401,11 @@ def solve(problem: PlacementProblem, vram_budget: int, ram_budget: int) -> Place
         # is the RAM side of a placement at a budget of 0)
         disk = None
         embed_on_disk = False
-    fits = ram <= ram_budget
+    # a cache below its working set cannot run, whatever the plain count says
+    fits = ram <= ram_budget and not (problem.cached and problem.disk_tier and disk is None)
     if not fits:
         verdict = "does not fit"
-    elif disk is not None:
+    elif disk is not None and (disk["disk_neurons"] or embed_on_disk):
         verdict = "runs from disk"
     elif cold_count == 0 and all(layer_on_fast) and head_on_fast:
         verdict = "fits"
@@ -425,10 +449,11 @@ def _cold_read_bytes(problem: PlacementProblem, hot_ids: list[np.ndarray]) -> fl
     return total * _row_bytes(problem)
 
 
-def cold_frequencies(problem: PlacementProblem, hot_ids: list[np.ndarray]) -> list[np.ndarray]:
-    """Per layer, the frequencies of the cold neurons in id order (hot ones left out)."""
+def cold_frequencies(problem: PlacementProblem, hot_ids: list[np.ndarray], need: bool = False) -> list[np.ndarray]:
+    """Per layer, the frequencies of the cold neurons in id order (hot ones left out); with
+    `need`, how often each is needed resident (PlacementProblem.need_frequencies)."""
     out = []
-    for f, ids in zip(problem.frequencies, hot_ids):
+    for f, ids in zip(problem.need_frequencies or problem.frequencies if need else problem.frequencies, hot_ids):
         mask = np.ones(len(f), dtype=bool)
         mask[ids] = False
         out.append(np.asarray(f, dtype=np.float64)[mask])
@@ -436,7 +461,11 @@ def cold_frequencies(problem: PlacementProblem, hot_ids: list[np.ndarray]) -> li
 
 
 def min_cache_neurons(problem: PlacementProblem) -> int:
-    """The disk tier's working set: slots for a share of the largest layer's neurons."""
+    """The disk tier's working set: slots for a share of the largest layer's neurons; a
+    mixture's, one whole expert (its experts are computed one at a time, so a token never
+    needs more of them resident at once)."""
+    if problem.unit == "experts":
+        return problem.expert_size
     return int(np.ceil(WORKING_SHARE * max((len(f) for f in problem.frequencies), default=0)))
 
 
@@ -446,7 +475,7 @@ def _disk_tier(problem: PlacementProblem, hot_ids, cold_count: int, resident: in
     (with the least RAM in `min_ram`) when the budget is below the resident parts plus the
     working set, or the problem has no disk tier."""
     slot = _row_bytes(problem) + SLOT_META_BYTES
-    maps = cold_count * INDEX_BYTES
+    maps = cold_count * INDEX_BYTES + problem.read_buffers
     working = min(cold_count, min_cache_neurons(problem))
     min_ram = resident + maps + working * slot
     if not problem.disk_tier:
@@ -454,7 +483,7 @@ def _disk_tier(problem: PlacementProblem, hot_ids, cold_count: int, resident: in
     if ram_budget < min_ram:
         return {"min_ram": min_ram, "cache_neurons": None}
     cache = min(cold_count, (ram_budget - resident - maps) // slot)
-    freqs = np.sort(np.concatenate(cold_frequencies(problem, hot_ids) or [np.empty(0)]))[::-1]
+    freqs = np.sort(np.concatenate(cold_frequencies(problem, hot_ids, need=True) or [np.empty(0)]))[::-1]
     cached_freq, total = float(freqs[:cache].sum()), float(freqs.sum())
     disk_neurons = cold_count - cache
     return {"min_ram": min_ram, "cache_neurons": int(cache), "disk_neurons": int(disk_neurons),

@@ -11,11 +11,13 @@ and sparse_memory.
 
 from __future__ import annotations
 
+import gc
 import logging
+import os
 import threading
 
 import numpy as np
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -90,8 +92,10 @@ class SparseRuntime(TokenHooks, Solving, TierMoves, MemoryAccounting):
     def reads_from_disk(self) -> bool:
         from engine.loading import prepared
 
+        # once loaded, only where the load has a prepared file to read rows from
         return (self.model_dir is not None and not self.config.is_moe and self.cpu_weights in prepared.FORMATS
-                and prepared.enabled() and not prepared.is_bundled(self.model_dir))
+                and prepared.enabled() and not prepared.is_bundled(self.model_dir)
+                and (self.model is None or self.prepared_path is not None))
 
     def solve(self, vram: int, ram: int) -> Placement:
         plan = super().solve(vram, ram)
@@ -107,9 +111,26 @@ class SparseRuntime(TokenHooks, Solving, TierMoves, MemoryAccounting):
         if plan.embed_on_disk and not self.embed_mapped and self.model_dir is not None:
             _map_embeddings(self, self.model_dir, self.cpu_weights)  # a lookup table: swapped between tokens
         if self.neuron_cache is None:
-            return super().apply(plan)
+            super().apply(plan)
+            if plan.disk_neurons:  # a load with every cold row in RAM, moved below them: onto the disk tier
+                self._to_disk(plan)
+            return
         self.neuron_cache.resize(cache_capacity(plan))  # between tokens: the only change a disk load allows
         self.plan = plan
+
+    def _to_disk(self, plan: Placement) -> None:
+        """Cold rows in RAM handed to a neuron cache (seeded from the bundles, written from the
+        prepared file the first time) and the prepared file: between tokens, as a load below
+        the cold rows would have placed them. The rows in RAM (or the prepared file's pages
+        they were mapped from) go."""
+        from engine.loading import prepared
+
+        had_map = self.prepared_rows is not None
+        self.prepared_rows = prepared.PreparedRows(self.prepared_path)  # a fresh map: the old one goes with its rows
+        _attach_disk_tier(self, self.model, self.prepared_rows, plan)
+        if had_map:  # the rows the in-RAM load read through its map: out of the page cache (charged to a cgroup)
+            gc.collect()
+            _drop_file_pages(self.prepared_path)
 
     def begin_generation(self) -> None:
         super().begin_generation()
@@ -128,9 +149,9 @@ class SparseRuntime(TokenHooks, Solving, TierMoves, MemoryAccounting):
 
 
 def cache_capacity(plan: Placement) -> int:
-    """The neuron cache's slots under a plan: its cache share, or every cold neuron when the
-    budget holds them all (a disk load keeps its cache)."""
-    if plan.disk_neurons:
+    """The neuron cache's slots under a plan: its cache share (every cold neuron when the
+    budget holds them all: a disk load keeps its cache, counted as its slots)."""
+    if plan.cache_neurons:
         return plan.cache_neurons
     return plan.total_units - sum(len(ids) for ids in plan.hot_ids)
 
@@ -144,11 +165,24 @@ def _attach_disk_tier(runtime: "SparseRuntime", model: Transformer, prepared_row
     cache = NeuronCache(prepared_rows.fmt, open_reader(prepared_rows, len(model.layers)), cold_ids,
                         cache_capacity(plan), runtime.config.hidden_size)
     runtime.neuron_cache = cache
+    runtime.problem = replace(runtime.problem, cached=True)  # from now on the cold rows are the cache's slots
     cache.seed(cold_frequencies(runtime.problem, plan.hot_ids))
     ffns = [DiskFfn(layer.ffn, cache) for layer in model.layers]
     for layer, ffn, nxt in zip(model.layers, ffns, ffns[1:] + [None]):
         layer.ffn, ffn.next = ffn, nxt
+        layer.fused = None  # the fused decode's views of the rows this layer had (rebuilt at the next token)
 
+
+
+def _drop_file_pages(path: Path) -> None:
+    """A file's pages no mapping holds, dropped from the page cache (where the OS can)."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def _map_embeddings(runtime: "SparseRuntime", model_dir: Path, cpu_weights: str) -> None:

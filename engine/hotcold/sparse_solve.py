@@ -27,7 +27,7 @@ from engine.model.kv_cache import kv_storage_dtype
 from engine.validation import resolve_device
 from engine.budget_policy import usable_ram, usable_vram
 from engine.hotcold.hot_q4 import hot_weights
-from engine.model.moe import placement_frequencies
+from engine.model.moe import need_frequencies, placement_frequencies
 
 
 def pick_fast_device(device: str | None) -> torch.device:
@@ -82,7 +82,8 @@ class PlacementReport:
 
 
 def placement_problem(config: ModelConfig, predictor_ranks: list[int], frequencies: list[np.ndarray],
-                      ctx: int, fast: torch.device, storage: torch.dtype, cpu_weights: str) -> PlacementProblem:
+                      ctx: int, fast: torch.device, storage: torch.dtype, cpu_weights: str,
+                      need_frequencies: list[np.ndarray] | None = None) -> PlacementProblem:
     """The engine's placement problem: the fast tier holds its compute dtype, each KV cache
     the dtype `KVCache` stores it in (fp16 for an fp32 CPU layer unless THERMOCLINE_KV_CACHE=fp32)."""
     fast_dtype = compute_dtype(fast, storage)
@@ -94,7 +95,8 @@ def placement_problem(config: ModelConfig, predictor_ranks: list[int], frequenci
               for rank in predictor_ranks]
     hot = None if config.is_moe else hot_weights(fast, cpu_weights)  # 4-bit hot rows count their bytes
     return build_problem(ModelBytes.from_config(config), params, frequencies, ctx, fast_bytes, fast_kv_bytes,
-                         cpu_weights, str(fast), hot_weights=hot, cpu_kv_bytes=cpu_kv_bytes)
+                         cpu_weights, str(fast), hot_weights=hot, cpu_kv_bytes=cpu_kv_bytes,
+                         need_frequencies=need_frequencies)
 
 
 def problem_for_model(model_dir: Path, config: ModelConfig, ctx: int, fast: torch.device, cpu_weights: str,
@@ -103,6 +105,7 @@ def problem_for_model(model_dir: Path, config: ModelConfig, ctx: int, fast: torc
     import_checkpoint_predictors(model_dir, config)  # those a checkpoint carries count too
     if predictors is None and PredictorSet.exists(model_dir):
         predictors = PredictorSet.load(model_dir, config.num_layers, config.hidden_size, config.intermediate_size)
+    need = None
     if config.is_moe:  # the neurons of the experts, ranked by expert use and firing (engine.moe)
 
         stats = ActivationStats.load(model_dir) if ActivationStats.exists(model_dir) else None
@@ -121,8 +124,10 @@ def problem_for_model(model_dir: Path, config: ModelConfig, ctx: int, fast: torc
     if config.is_moe:  # the experts' own predictors (TurboSparse-Mixtral), ranks from the checkpoint's shapes
         expert_ranks = getattr(arch_module(config.arch), "predictor_ranks", None)
         ranks = (expert_ranks and expert_ranks(WeightSource(model_dir), config)) or [0] * config.num_layers
+        need = need_frequencies(stats, config.num_experts, config.intermediate_size, config.num_layers,
+                                any(ranks))  # checked against the model with the frequencies above
     storage = storage or WeightSource(model_dir).dtype()
-    return placement_problem(config, ranks, frequencies, ctx, fast, storage, cpu_weights)
+    return placement_problem(config, ranks, frequencies, ctx, fast, storage, cpu_weights, need)
 
 
 class Solving:

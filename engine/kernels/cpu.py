@@ -145,13 +145,13 @@ _EMPTY_IDS = np.empty(0, dtype=np.int64)
 _EMPTY_F32 = np.empty(0, dtype=np.float32)
 
 
-def _launch(kern, x, rows, idx, pred, pred_ids, pthr, activation, act_threshold, acts):
+def _launch(kern, x, rows, idx, pred, pred_ids, pthr, activation, act_threshold, acts, nchunks: int | None = None):
     xn = as_numpy(x, torch.float32)
     gate, gate_s, up, up_s, down, down_s = rows._numpy_views()
     use_idx, use_pred = idx is not None, pred is not None
     k = idx.shape[0] if use_idx else rows.n_neurons
     with _lock:
-        nchunks = max(1, min(_use_threads(kern), k))
+        nchunks = max(1, min(_use_threads(kern), k)) if nchunks is None else nchunks
         y = kern.ffn_rows(xn, gate, gate_s, up, up_s, down, down_s,
                           idx if use_idx else _EMPTY_IDS, use_idx,
                           pred if use_pred else _EMPTY_F32,

@@ -102,13 +102,13 @@ def _torch_ffn(x, rows: Q4FfnRows, active, activation, act_threshold, out_acts):
     return reference.sparse_ffn(x, g, u, d, active, activation, act_threshold, out_acts)
 
 
-def _launch(kern, x, rows: Q4FfnRows, idx, pred, pred_ids, pthr, activation, act_threshold, acts):
+def _launch(kern, x, rows: Q4FfnRows, idx, pred, pred_ids, pthr, activation, act_threshold, acts, nchunks: int | None = None):
     xp = padded(x, rows.dim).numpy()
     gate, up, down = rows._numpy_views()
     use_idx, use_pred = idx is not None, pred is not None
     k = idx.shape[0] if use_idx else rows.n_neurons
     with numba_pool.lock:
-        nchunks = max(1, min(numba_pool.use_threads(kern), k))
+        nchunks = max(1, min(numba_pool.use_threads(kern), k)) if nchunks is None else nchunks
         if int8_activations(kern):
             y = kern.ffn_rows_q4_act(xp, gate, up, down, idx if use_idx else _EMPTY_IDS,
                                       use_idx, pred if use_pred else _EMPTY_F32,

@@ -49,6 +49,24 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tens
     return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(shape)
 
 
+def zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed contiguous CPU tensor that takes no memory until written: an anonymous mapping
+    reads as zeros and the kernel gives it a page at the first write there, where torch.zeros
+    writes every byte first. A KV cache costs its load nothing and its process only the
+    positions a conversation reached (32 layers of 7B shapes at 512 positions: 268 MB that
+    torch.zeros faulted in during the load). Small pages: a cache fills a position at a time
+    across every head, and a huge page would be zeroed whole at its first position."""
+    shape = tuple(int(s) for s in shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < MIN_BYTES or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.zeros(shape, dtype=dtype)
+    try:
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.from_numpy(np.frombuffer(region, dtype=np.uint8)).view(dtype).view(shape)
+
+
 def map_file(path) -> np.ndarray:
     """The whole file as a uint8 array over a copy-on-write mapping (numpy's memmap mode "c"),
     advised for huge pages. Where the page cache holds the file in 2 MB folios (ext4 and

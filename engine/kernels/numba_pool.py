@@ -60,8 +60,11 @@ lock = LaunchLock()
 _numba = None  # the cpu_numba module once imported; False when unavailable (tests set False)
 _threads = None  # set_num_threads's value; numba's own setting is per calling thread
 _applied = threading.local()  # .n: the count last applied on this calling thread
-_running = None  # threads the pool runs now when fewer than _threads (the decode's tuner); None: _threads
-_local = threading.local()  # .gate: the KernelGate this thread computes under (None: every kernel)
+# .gate: the KernelGate this thread computes under (None: every kernel); .running: the threads
+# the pool runs for this calling thread's launches when fewer than _threads (the decode's tuner,
+# within its step: `running_threads`); None: _threads. Per calling thread and scoped, so one
+# engine's reduced count never carries over to another engine, a batched decode or a prefill.
+_local = threading.local()
 _compiled_listeners: list = []  # called after each first call's compile, on the compiling thread
 compiles_under_gate = 0  # compiles a gated computation ran itself (a kernel taken in too early)
 
@@ -193,18 +196,21 @@ def use_threads(kern) -> int:
     """Applies the thread count on the calling thread; returns the count the kernels split
     their work for (set_num_threads's value).
 
-    The pool may run fewer threads than that (`set_running_threads`: the decode's tuner,
-    engine.kernels.thread_tuner): the kernels still split their work as for the set count,
-    so a result never depends on how many threads computed it. Remembered per thread:
+    The pool may run fewer threads than that for this calling thread (`running_threads`: the
+    decode's tuner, engine.kernels.thread_tuner): the kernels still split their work as for the
+    set count, so a result never depends on how many threads computed it. Remembered per thread:
     numba's get/set calls cost tens of microseconds when the caches are cold, as they are
     between two layers' FFNs."""
-    want = _threads if _running is None else _running
+    running = getattr(_local, "running", None)
+    if running is not None and _threads is not None:
+        running = min(running, _threads)  # set_num_threads lowered the split since
+    want = _threads if running is None else running
     applied = getattr(_applied, "n", None)
     if applied is None or (want is not None and applied != want):
         if want is not None:
             kern.numba.set_num_threads(want)
         applied = _applied.n = kern.numba.get_num_threads()
-    if _running is None:
+    if running is None:
         return applied
     return _threads if _threads is not None else kern.numba.config.NUMBA_NUM_THREADS
 
@@ -222,25 +228,38 @@ def num_threads() -> int:
 
 def set_num_threads(n: int) -> None:
     """Threads for every later kernel call, from any calling thread (1..cores)."""
-    global _threads, _running
+    global _threads
     k = kernels()
     if k is not None:
-        n = max(1, min(int(n), k.numba.config.NUMBA_NUM_THREADS))
-        _threads = n
-        if _running is not None:  # a tuner's count above the new split would run more threads than asked
-            _running = min(_running, n)
+        _threads = max(1, min(int(n), k.numba.config.NUMBA_NUM_THREADS))
 
 
 def set_running_threads(n: int | None) -> None:
-    """Threads numba's pool runs from the next kernel call on (1..set_num_threads's value),
-    the work still split as for that value; None: all of them."""
-    global _running, _threads
+    """Threads numba's pool runs for the calling thread's kernel calls from the next one on
+    (1..set_num_threads's value), the work still split as for that value; None: all of them.
+    Other calling threads are not affected."""
+    global _threads
     k = module()
     if k is None:
         return
     if _threads is None:  # pin the split, so going back to all threads re-applies it
         _threads = k.numba.config.NUMBA_NUM_THREADS
-    _running = None if n is None else max(1, min(int(n), _threads))
+    _local.running = None if n is None else max(1, min(int(n), _threads))
+
+
+class running_threads:
+    """`with running_threads(n):` the calling thread's kernel calls run on n threads (None: all),
+    split as for all; the count it had before is back on leaving (a decode step's scope)."""
+
+    def __init__(self, n: int | None):
+        self._n = n
+
+    def __enter__(self) -> None:
+        self._outer = getattr(_local, "running", None)
+        set_running_threads(self._n)
+
+    def __exit__(self, *_exc) -> None:
+        _local.running = self._outer
 
 
 def configured_threads() -> int:

@@ -77,8 +77,10 @@ class ThreadTuner:
         if self._since >= self.period or slow:
             self._start_probe()
 
-    def apply(self) -> None:
-        numba_pool.set_running_threads(self.count())
+    def apply(self) -> numba_pool.running_threads:
+        """The kernels' thread count for the coming step, as a scope: `with tuner.apply():`
+        (only that step's calls, on the calling thread, run on the chosen count)."""
+        return numba_pool.running_threads(self.count())
 
 
 def for_this_process() -> ThreadTuner | None:

@@ -35,12 +35,12 @@ def tokenizer_json(m: GgufModel) -> dict:
                                                            "tokens": [tokens[int(bos)]]}}} if add_bos else None
     if kind == "gpt2":
         merges = f.get("tokenizer.ggml.merges") or []
+        pre_tokenizer, ignore_merges = byte_level_pre_tokenizer(m)
         model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                 "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                 "vocab": vocab, "merges": [m_.split(" ", 1) for m_ in merges]}
+                 "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                 "ignore_merges": ignore_merges, "vocab": vocab, "merges": [m_.split(" ", 1) for m_ in merges]}
         return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-                "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-                                  "use_regex": True},
+                "pre_tokenizer": pre_tokenizer,
                 "post_processor": bos_processor or {"type": "ByteLevel", "add_prefix_space": True,
                                                     "trim_offsets": False, "use_regex": True},
                 "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
@@ -63,6 +63,70 @@ def tokenizer_json(m: GgufModel) -> dict:
                 "model": model}
     raise UserError(f"{m.path.name} has a {kind!r} tokenizer; Thermocline rebuilds llama (SentencePiece) and "
                     "gpt2 (byte-level BPE) vocabularies")
+
+
+# How a byte-level BPE vocabulary splits text before its merges run. A GGUF names its splitter
+# in `tokenizer.ggml.pre` (llama.cpp's names; the patterns are the ones the models' own
+# tokenizer.json files publish, which llama.cpp rewrites for its regex engine). Splitting with
+# GPT-2's pattern where a file asks for another gives other tokens than the model was trained
+# on: Qwen2 reads digits one by one, Llama 3 in threes, and both attach a leading symbol to a word.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# splitter -> (patterns applied in turn, each cutting the pieces the previous ones left; whether a
+# word found whole in the vocabulary skips the merges, as llama.cpp's `ignore_merges`)
+BYTE_LEVEL_SPLITS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "gpt2": ((_GPT2,), False),
+    "digits+gpt2": ((r"\p{N}", _GPT2), False),  # StarCoder's and SmolLM's: every digit alone
+    "llama3": ((_LLAMA3,), True),
+    "llama3-merges": ((_LLAMA3,), False),
+    "qwen2": ((_QWEN2,), False),
+    "tekken": ((_TEKKEN,), True),
+    "gpt-4o": ((_GPT4O,), False),
+    "falcon": ((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]"), False),
+    "default": ((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"), False),
+}
+# llama.cpp's `tokenizer.ggml.pre` names -> the splitter each takes
+PRE_NAMES = {
+    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4", "trillion", "granite-docling",
+                     "mellum", "a.x-4.0", "gigachat"), "gpt2"),
+    **dict.fromkeys(("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"),
+                    "digits+gpt2"),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"),
+                    "llama3"),
+    **dict.fromkeys(("dbrx", "smaug-bpe", "chatglm-bpe", "glm4"), "llama3-merges"),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2", "hunyuan"), "qwen2"),
+    "tekken": "tekken",
+    **dict.fromkeys(("gpt-4o", "llama4"), "gpt-4o"),
+    "falcon": "falcon",
+    "default": "default",
+}
+
+
+def byte_level_pre_tokenizer(m: GgufModel) -> tuple[dict, bool]:
+    """The tokenizer.json pre_tokenizer for the splitter the GGUF names, and whether whole words
+    skip the merges. A file without the field takes llama.cpp's default splitter; a name we do
+    not know is refused rather than split another way."""
+    name = m.fields.get("tokenizer.ggml.pre") or "default"
+    if not isinstance(name, str) or name not in PRE_NAMES:
+        shown = repr(name)[:60]
+        raise UserError(f"{m.path.name} splits text with the {shown} pre-tokenizer, which Thermocline does not "
+                        "know (it knows GPT-2's, Llama 3's, Qwen2's, SmolLM's, Tekken's, GPT-4o's and Falcon's)")
+    patterns, ignore_merges = BYTE_LEVEL_SPLITS[PRE_NAMES[name]]
+    if patterns == (_GPT2,):  # GPT-2's own split is ByteLevel's built-in one
+        return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}, False
+    splits = [{"type": "Split", "pattern": {"Regex": p}, "behavior": "Isolated", "invert": False} for p in patterns]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    return {"type": "Sequence", "pretokenizers": [*splits, byte_level]}, ignore_merges
 
 
 def _merges_from_scores(tokens: list[str], scores: list[float], types: list[int]) -> list[list[str]]:

@@ -63,6 +63,10 @@ class _HeaderConverter(Converter):
         super().__init__(_HeaderSource(real.source), real.config)
         self.real = real
 
+    @property
+    def values(self) -> Converter:
+        return self.real
+
     def get(self, name, shape, where):
         return self.source.get(name, shape).to(dtype=where.dtype)
 
@@ -102,7 +106,7 @@ def load_transformer(model_dir: Path, config: ModelConfig, layer_devices: list[t
     head = LoadTarget(head_device, compute_dtype(head_device, storage))
     if headers is not None and globals_from_prepared and prepared.has_globals():
         embed, final_norm, lm_head = arch.load_globals(headers, cpu, head)
-        embed, final_norm, lm_head = prepared.fill_globals(embed, final_norm, lm_head, lm_head is embed)
+        embed, final_norm, lm_head = prepared.fill_globals(embed, final_norm, lm_head)
     else:
         conv.keep_q4 = q4_head
         embed, final_norm, lm_head = arch.load_globals(conv, cpu, head)

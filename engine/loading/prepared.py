@@ -257,10 +257,14 @@ class PreparedRows:
 # the output head in the CPU format, and the predictors in it. With it and the FFN rows, a
 # load of a model placed on the CPU reads nothing from the checkpoint but its headers: the
 # layers are built over shape-only (meta) tensors and then given the mapped ones.
-DENSE_LAYOUT_VERSION = 3  # 2: 4-bit matrices packed in groups of 8 rows (`.q4x8`); 3: int8 predictors on int4
+DENSE_LAYOUT_VERSION = 4  # 2: 4-bit matrices packed in groups of 8 rows (`.q4x8`); 3: int8 predictors on int4;
+# 4: Q4_1 matrices kept as Q4_0 rows and block offsets (`.q4min`; tests/test_prepared_layout.py)
 Q4_PACKED = "q4x8"  # the name suffix of a packed 4-bit matrix (`.q4`: plain rows)
 Q4_OFFSETS = "q4min"  # beside `.q4`/`.q4x8`: a Q4_1 matrix's block offsets (engine.kernels.quantized.Q4MinMatrix)
 _MATRIX_SUFFIXES = ("", ".q", ".q4", "." + Q4_PACKED)
+# a layer's dense tensors; `router`: a mixture's (SmallThinker, TurboSparse-Mixtral), whose
+# experts are in the MoE prepared file (engine.loading.prepared_moe)
+_LAYER_FIELDS = ("attn_norm", "mlp_norm", "qkv", "qkv_bias", "out", "out_bias", "router")
 
 
 def dense_path(model_dir: Path, fmt: str) -> Path:
@@ -293,8 +297,8 @@ def dense_tensors(model, predictors, cpu_layers: list[int], head_on_cpu: bool) -
     out: dict[str, torch.Tensor] = {}
     for i in cpu_layers:
         layer = model.layers[i]
-        for field in ("attn_norm", "mlp_norm", "qkv", "qkv_bias", "out", "out_bias"):
-            value = getattr(layer, field)
+        for field in _LAYER_FIELDS:
+            value = getattr(layer, field, None)
             if value is None:
                 continue
             if isinstance(value, Norm):
@@ -430,24 +434,27 @@ class PreparedDense(PreparedRows):
     def fill_layer(self, i: int, layer) -> None:
         """Replace the shape-only (meta) tensors of a layer built from the checkpoint's
         headers with the mapped ones."""
-        for field in ("attn_norm", "mlp_norm", "qkv", "qkv_bias", "out", "out_bias"):
-            value = getattr(layer, field)
+        for field in _LAYER_FIELDS:
+            value = getattr(layer, field, None)
             if value is None:
                 continue
             if isinstance(value, Norm):
                 value.weight = self.matrix(f"layers.{i}.{field}.weight", tuple(value.weight.shape))
                 if value.bias is not None:
                     value.bias = self.matrix(f"layers.{i}.{field}.bias", tuple(value.bias.shape))
-            else:  # qkv, out: read whole by every token
+            else:  # qkv, out (and a mixture's router): read whole by every token
                 setattr(layer, field, self.matrix(f"layers.{i}.{field}", tuple(value.shape), resident=True))
 
-    def fill_globals(self, embed, norm, head, tied: bool):
+    def fill_globals(self, embed, norm, head):
         """(embed, final norm, head) in place of meta tensors of the same shapes."""
         embed = self.matrix("embed", tuple(embed.shape))
         norm.weight = self.matrix("final_norm.weight", tuple(norm.weight.shape))
         if norm.bias is not None:
             norm.bias = self.matrix("final_norm.bias", tuple(norm.bias.shape))
-        if tied or not self.has("lm_head"):  # the embeddings are the head: read whole by every token
+        # A tied head is stored only where the CPU tier holds its own copy in the CPU format
+        # (a mixture's: engine.hotcold.moe_tiers.MoeRuntime._head_weights); else the
+        # embeddings are the head, read whole by every token.
+        if not self.has("lm_head"):
             embed = self.matrix("embed", tuple(embed.shape), resident=True)
             head = embed
         else:

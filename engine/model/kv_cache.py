@@ -12,9 +12,16 @@ from __future__ import annotations
 import torch
 
 from engine.errors import ContextFullError
+from engine.kernels import host_memory
 from engine.kv_storage import cpu_kv_format
 
 _F16_MAX = 65504.0
+
+
+def _zeros(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    if torch.device(device).type == "cpu":
+        return host_memory.zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def kv_storage_dtype(device: torch.device | str, dtype: torch.dtype, cpu_16bit: bool | None = None) -> torch.dtype:
@@ -38,9 +45,10 @@ class KVCache:
         self.rolling = sliding_window is not None and sliding_window <= slots
         self.window = sliding_window
         # Each layer's cache lives with its layer, in `storage_dtype` of its compute dtype.
-        self.k = [torch.zeros(kv_heads, slots, head_dim, dtype=self.storage_dtype(devices[i], dtypes[i]),
-                              device=devices[i]) for i in range(num_layers)]
-        self.v = [torch.zeros_like(k) for k in self.k]
+        # On the CPU its pages are taken as positions are written (host_memory.zeros), not at the load.
+        self.k = [_zeros((kv_heads, slots, head_dim), self.storage_dtype(devices[i], dtypes[i]), devices[i])
+                  for i in range(num_layers)]
+        self.v = [_zeros(k.shape, k.dtype, k.device) for k in self.k]
         # Bookkeeping stays on the CPU; masks are moved to a layer's device when used.
         self.slot_pos = torch.full((slots,), -1, dtype=torch.long)
         self.length = 0  # positions 0 .. length-1 have been written

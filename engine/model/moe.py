@@ -159,6 +159,22 @@ class DenseMoe:
         return out.to(x.dtype)
 
 
+def need_frequencies(stats, num_experts: int, n: int, layers: int, predicted: bool) -> list[np.ndarray] | None:
+    """How often a token needs each unit's rows resident (the disk tier's cache order and
+    reads, engine.hotcold.placement): P(e chosen) for every neuron of expert e (a chosen
+    expert reads all its gate rows), or, where the experts carry predictors (`predicted`),
+    P(j fires) of its neurons (those the predictor picks; fires as profiled stand in for
+    them). None without statistics: the placement's frequencies."""
+    if stats is None:
+        return None
+    chosen = [c.double().numpy() / max(stats.tokens, 1) for c in stats.counts]
+    if any(len(c) != num_experts for c in chosen) or len(chosen) != layers:
+        raise ValueError("expert counts do not match the model")
+    if not predicted or stats.expert_neurons is None:
+        return [np.repeat(c, n) for c in chosen]
+    return [(fired.double().numpy() / max(stats.tokens, 1)).reshape(-1) for fired in stats.expert_neurons]
+
+
 def placement_frequencies(stats, num_experts: int, n: int, layers: int) -> list[np.ndarray]:
     """What the solver ranks the neurons of a mixture's experts by (unit e*n + j: neuron j
     of expert e): the rows a token reads from the CPU tier while the neuron stays there, a

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.kernels import cpu as cpu_kernels
-from engine.kernels import numba_pool
 from engine.kernels.thread_tuner import ThreadTuner
 from engine.kernels.quantized import Int8Matrix, matrix_nbytes
 from engine.model.kv_cache import KVCache
@@ -66,14 +65,13 @@ class Transformer:
         if tuner is None:
             return self._forward(ids, start, cache, all_logits)
         if ids.shape[0] != 1:
-            numba_pool.set_running_threads(None)
             return self._forward(ids, start, cache, all_logits)
-        tuner.apply()
-        began = time.perf_counter()
-        try:
-            return self._forward(ids, start, cache, all_logits)
-        finally:
-            tuner.record(time.perf_counter() - began)
+        with tuner.apply():  # this step's kernels, on this thread: no other engine or batch inherits it
+            began = time.perf_counter()
+            try:
+                return self._forward(ids, start, cache, all_logits)
+            finally:
+                tuner.record(time.perf_counter() - began)
 
     def _forward(self, ids: torch.Tensor, start: int, cache: KVCache, all_logits: bool) -> torch.Tensor:
         count = ids.shape[0]
@@ -104,51 +102,71 @@ class Transformer:
         return linear(x, self.lm_head).float()
 
     def can_batch(self, caches: list[KVCache]) -> bool:
-        """Whether `decode_batch` runs these sequences' step: no experts, no windowed or rolling
+        """Whether `forward_batch` runs these sequences' step: no experts, no windowed or rolling
         attention (their masks are per sequence), every layer on the CPU."""
         return (all(layer.router is None and layer.window is None and layer.device.type == "cpu"
                     for layer in self.layers) and not any(c.rolling for c in caches))
 
     @torch.inference_mode()
-    def decode_batch(self, ids: torch.Tensor, positions: list[int], caches: list[KVCache]) -> torch.Tensor:
-        """One decode step of B sequences at once: token ids [B], sequence b at positions[b] over
-        its own caches[b]; returns logits [B, vocab] (fp32). Every weight matrix is read once for
-        the B rows (the FFN's own many-token path: each row over the neurons its predictor
+    def forward_batch(self, segments: list[tuple[torch.Tensor, int, KVCache]]) -> torch.Tensor:
+        """One step of B sequences at once: segment b is token ids [T_b] at positions start_b..
+        over its own cache (T_b = 1: a decode step; more: a piece of its prompt). Returns the
+        logits [B, vocab] (fp32) of each segment's last token. Every weight matrix is read once
+        for all the rows (the FFN's own many-token path: each row over the neurons its predictor
         selects, each neuron read once for all rows); attention reads each sequence's cache."""
-        for cache, position in zip(caches, positions):
-            cache.prepare(position, 1)
+        spans, row = [], 0
+        for ids, start, cache in segments:
+            count = ids.shape[0]
+            cache.prepare(start, count)
+            spans.append((row, row + count, start, cache, cache.mask(start, count)))
+            row += count
+        ids = torch.cat([ids for ids, _, _ in segments])
         x = self.embed[ids.to(self.embed.device)]
         if self.embedding_scale is not None:
             x = x * self.embedding_scale
 
         def attend(index: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
-            return self._attention_batch(index, layer, h, positions, caches)
+            return self._attention_batch(index, layer, h, spans)
 
         for index, layer in enumerate(self.layers):
             if x.device != layer.device or x.dtype != layer.dtype:
                 x = x.to(layer.device, layer.dtype)
             x = self._layer(index, layer, x, 0, None, None, attend)
+        x = x[[hi - 1 for _, hi, _, _, _ in spans]]
         x = self.final_norm(x.to(self.final_norm.weight.device, self.final_norm.weight.dtype))
         if self.logit_scale is not None:
             x = x * self.logit_scale
         return linear(x, self.lm_head).float()
 
-    def _attention_batch(self, index: int, layer: Layer, x: torch.Tensor, positions: list[int],
-                         caches: list[KVCache]) -> torch.Tensor:
+    def decode_batch(self, ids: torch.Tensor, positions: list[int], caches: list[KVCache]) -> torch.Tensor:
+        """One decode step of B sequences: token ids [B], sequence b at positions[b]."""
+        return self.forward_batch([(ids[b : b + 1], p, c) for b, (p, c) in enumerate(zip(positions, caches))])
+
+    def _attention_batch(self, index: int, layer: Layer, x: torch.Tensor, spans: list) -> torch.Tensor:
         cfg = self.config
         qkv = linear(x, layer.qkv, layer.qkv_bias)  # the projections once for all rows
         outs = []
-        for b, (position, cache) in enumerate(zip(positions, caches)):
-            row = qkv[b : b + 1]
-            q = row[:, : self.q_size].view(1, cfg.num_heads, cfg.head_dim).transpose(0, 1)
-            k = row[:, self.q_size : self.q_size + self.kv_size].view(1, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
-            v = row[:, self.q_size + self.kv_size :].view(1, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+        for lo, hi, start, cache, mask in spans:
+            count = hi - lo
+            rows = qkv[lo:hi]
+            q = rows[:, : self.q_size].view(count, cfg.num_heads, cfg.head_dim).transpose(0, 1)
+            k = rows[:, self.q_size : self.q_size + self.kv_size].view(count, cfg.num_kv_heads,
+                                                                       cfg.head_dim).transpose(0, 1)
+            v = rows[:, self.q_size + self.kv_size :].view(count, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
             if layer.rope:
-                cos, sin = self.rotary[layer.device].at(position, 1)
+                cos, sin = self.rotary[layer.device].at(start, count)
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            cache.write(index, k, v, position)
-            outs.append(cpu_kernels.decode_attention(q[:, 0], cache.k[index], cache.v[index], position + 1,
-                                                     self.scale).to(q.dtype).reshape(1, self.q_size))
+            cache.write(index, k, v, start)
+            if count == 1:
+                outs.append(cpu_kernels.decode_attention(q[:, 0], cache.k[index], cache.v[index], start + 1,
+                                                         self.scale).to(q.dtype).reshape(1, self.q_size))
+                continue
+            keys, values = cache.keys_values(index, start + count)  # a prompt's piece: causal over the cache
+            if keys.dtype != q.dtype:
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
+            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, scale=self.scale,
+                                                 enable_gqa=cfg.num_heads != cfg.num_kv_heads)[0]
+            outs.append(out.transpose(0, 1).reshape(count, self.q_size))
         return linear(torch.cat(outs), layer.out, layer.out_bias)
 
     def _layer(self, index: int, layer: Layer, x: torch.Tensor, start: int, cache: KVCache,
@@ -161,7 +179,7 @@ class Transformer:
             if before_attention is not None:  # where cold experts beyond RAM would start loading
                 before_attention(routing)
         h_attn = layer.attn_norm(x)
-        if attend is not None:  # a batch of sequences, each over its own cache (decode_batch)
+        if attend is not None:  # a batch of sequences, each over its own cache (forward_batch)
             attn = attend(index, layer, h_attn)
         else:
             attn = self._attention(index, layer, h_attn, start, cache, mask)

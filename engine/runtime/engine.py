@@ -28,23 +28,16 @@ from engine.loading.dense_quant import load_dense
 from engine.model.kv_cache import KVCache
 from engine.loading.loader import Progress, model_folder
 from engine.runtime import fused_decode
+from engine.runtime.answer import Answer, TokenEvent
 from engine.runtime.context_policy import Fitted, fit_messages
-from engine.runtime.sampling import Sampler, SamplingParams
-from engine.runtime.tokenizer import StreamDecoder, Tokenizer
+from engine.runtime.sampling import SamplingParams
+from engine.runtime.tokenizer import Tokenizer
 from engine.validation import check_ctx, check_kv_fits, check_text, check_threads, resolve_device
 from engine.kernels import cpu as cpu_kernels
 from engine.kernels import cpu_q4, cpu_q4x8, numba_pool, q4_tiles, thread_tuner
 
 MODES = ("dense", "sparse", "hybrid", "oracle")
 PREFILL_CHUNK = 128  # prompt tokens per forward: a stop is honoured between chunks
-
-
-@dataclass
-class TokenEvent:
-    """One step of a stream; a last event with token_id -1 carries text held back until the end."""
-    text: str
-    token_id: int
-    index: int
 
 
 @dataclass
@@ -86,17 +79,6 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def _stop_holdback(text: str, stops: list[str]) -> int:
-    """Characters at the end of `text` that could still grow into a stop string."""
-    best = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:k]):
-                best = max(best, k)
-                break
-    return best
-
-
 class Engine:
     """A local model; `RemoteEngine` answers the same calls for a remote one (`fit`, `stream`,
     `reset`, `memory`, `remote`), so the window and the CLI never ask which it is by type."""
@@ -122,6 +104,7 @@ class Engine:
         self._logits_checked = False  # NaN/Inf weights are caught on the first token after a load
         self.kernel_preparation = None  # the CPU kernels compiling in the background (a first start)
         self._kernel_gate = None  # numba_pool.KernelGate: the kernels this engine computes with (None: all)
+        self._warmup: _KernelWarmup | None = None  # the cached kernels still loading after `load` returned
         # Rows of the head past the tokenizer's vocabulary (padding) are never sampled.
         self.sampled_vocab = tokenizer.vocab_size if tokenizer.vocab_size < config.vocab_size else None
 
@@ -139,7 +122,8 @@ class Engine:
         (engine.runtime.kernel_preparation; `kernel_preparation` reports progress, and
         `kernel_progress(compiled, total, finished)` is called on the compiling thread after
         each kernel and at the end);
-        "wait": the load waits for them (minutes on a first start)."""
+        "wait": they load (or compile: minutes on a first start) on a thread past the load's end,
+        and the engine's first computation waits for them (`wait_kernels`)."""
         if mode not in MODES:
             raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
         if cpu_weights is None:
@@ -202,13 +186,19 @@ class Engine:
                               [la.device for la in layers], config.sliding_window, cpu_16bit=cache.cpu_16bit)
             preparing.model_loaded(model_obj, scratch)
         else:
-            warm.join()
-            fused_decode.warm(model_obj, cache)  # the one-call-per-layer decode's machine code, now
-            if not _decode_fused(model_obj):  # the unfused decode's kernels too (oracle, GPU layers, ...)
-                _KernelWarmup.run_all(mode, cpu_weights)
+            # The decode's kernels (from numba's disk cache: ~1 s of its registry work and LLVM
+            # relinking on a 2-core host; a first compile: minutes) load on past the load's end,
+            # on the warm-up's thread, over a scratch cache of 2 slots; the engine's first
+            # computation waits for them (`wait_kernels`), so every token computes on the same
+            # kernels as before and the load returns once the weights are in.
+            layers = model_obj.layers
+            warm.decode_over(model_obj, KVCache(config.num_layers, config.num_kv_heads, config.head_dim, 2,
+                                                [la.dtype for la in layers], [la.device for la in layers],
+                                                config.sliding_window, cpu_16bit=cache.cpu_16bit))
         engine = cls(model_dir, config, tokenizer, model_obj, cache, mode, ctx,
                      cls.eos_from(model_dir, config, tokenizer), cls.defaults_from(model_dir), sparse=runtime)
         engine.kernel_preparation = preparing
+        engine._warmup = warm
         engine._kernel_gate = preparing.gate if preparing is not None else None
         engine.warnings = notes  # things the user should hear about, not errors (the CLI prints them)
         if mode == "dense":
@@ -336,8 +326,18 @@ class Engine:
         return True
 
     def _kernels(self):
-        """`with self._kernels():` around each computation: the kernels this engine has taken in."""
+        """`with self._kernels():` around each computation: the kernels this engine has taken in
+        (the load's warm-up over first, where it still runs)."""
+        self.wait_kernels()
         return numba_pool.gated(self._kernel_gate)
+
+    def wait_kernels(self) -> None:
+        """Wait for the CPU kernels the load left loading from numba's cache (its warm-up thread);
+        raises what that raised. Every computation of the engine calls it first."""
+        warm = self._warmup
+        if warm is not None:
+            self._warmup = None
+            warm.join()
 
     def close(self) -> None:
         """End what the engine runs beside generations (a mixture's prefetch thread); call it
@@ -379,8 +379,8 @@ class Engine:
         stats = GenerationStats(prompt_tokens=len(ids), mode=self.mode)
         self.last_stats = stats
         constraint = self.token_grammar().start(params.grammar) if params.grammar is not None else None
-        sampler = Sampler(params, self.sampled_vocab, constraint)
-        decoder = StreamDecoder(self.tokenizer)
+        answer = Answer(ids, params, self.tokenizer, self.eos_ids, self.sampled_vocab, constraint,
+                        None if self.cache.rolling else self.ctx, cancel)
         if self.sparse is not None:
             self.sparse.begin_generation()
         reuse = min(_common_prefix(self._cached_ids, ids), len(ids) - 1)
@@ -401,65 +401,27 @@ class Engine:
         prefill_done = time.perf_counter()
         stats.ttft_s = prefill_done - start
         stats.prefill_tok_s = (len(ids) - reuse) / max(stats.ttft_s, 1e-9)
-        history = list(ids)
-        generated: list[int] = []
-        emitted, pending = "", ""
-        stats.finish_reason = "length"
         try:
             while True:
-                if constraint is not None:  # the room left, so the grammar can close in time
-                    constraint.room = min(params.max_new_tokens - len(generated),
-                                          self.ctx - len(history) if not self.cache.rolling else 1 << 30)
-                token = sampler(logits[-1], history)
-                if token in self.eos_ids:
-                    stats.finish_reason = "stop"
-                    break
-                generated.append(token)
-                history.append(token)
-                sampler.accept(token)
-                pending += decoder.push(token)
-                full = emitted + pending
-                hit = min((i for i in (full.find(s, max(0, len(emitted) - len(s))) for s in params.stop if s)
-                           if i >= 0), default=-1)
-                if hit >= 0:
-                    piece = full[len(emitted):hit]
-                    emitted = full[:hit]
-                    yield TokenEvent(piece, token, len(generated) - 1)
-                    stats.finish_reason = "stop"
-                    break
-                keep = _stop_holdback(pending, params.stop)
-                piece = pending[: len(pending) - keep]
-                emitted += piece
-                pending = pending[len(piece):]
-                yield TokenEvent(piece, token, len(generated) - 1)
-                if len(generated) >= params.max_new_tokens:
-                    break
-                if cancel is not None and cancel.is_set():
-                    stats.finish_reason = "cancelled"
-                    break
-                position = len(history) - 1
-                if not self.cache.rolling and position >= self.ctx:
-                    stats.finish_reason = "context_full"
+                events, token = answer.take(logits[-1])
+                yield from events
+                if token is None:
                     break
                 self.swap_in_kernels()
                 with self._kernels():
                     if self.sparse is not None:
                         self.sparse.at_token_boundary()
-                    logits = self.model.forward(torch.tensor([token]), position, self.cache)
+                    logits = self.model.forward(torch.tensor([token]), len(answer.history) - 1, self.cache)
                 self._cached_ids.append(token)
-            if stats.finish_reason in ("length", "cancelled", "context_full"):
-                tail = pending + decoder.flush()
-                if tail:  # text held back at the end; it belongs to no new token
-                    emitted += tail
-                    yield TokenEvent(tail, -1, len(generated) - 1)
         finally:
             end = time.perf_counter()
-            stats.new_tokens = len(generated)
-            decode_steps = max(len(generated) - 1, 0)
+            stats.finish_reason = answer.finish_reason or "length"  # None: the caller closed the stream early
+            stats.new_tokens = len(answer.generated)
+            decode_steps = max(len(answer.generated) - 1, 0)
             stats.decode_tok_s = decode_steps / (end - prefill_done) if decode_steps and end > prefill_done else 0.0
             self._fill_memory_stats(stats)
-            self.last_text = emitted
-            self.last_token_ids = generated
+            self.last_text = answer.emitted
+            self.last_token_ids = answer.generated
 
     def _check_finite(self, logits: torch.Tensor) -> None:
         """Once per load: weights holding NaN or Inf (a damaged or badly converted checkpoint)
@@ -561,13 +523,25 @@ class _KernelWarmup:
         # modules at once can see them half initialised.
         numba_pool.kernels()
         self._error: BaseException | None = None
+        self._decode: tuple | None = None  # (model, scratch cache) once loaded, or (None, None)
+        self._loaded = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(mode, cpu_weights),
                                         name="thermocline-kernel-warmup", daemon=True)
         self._thread.start()
 
+    def decode_over(self, model, cache=None) -> None:
+        """After the prompt's kernels, the decode's (fused_decode.warm over `cache`, a scratch one
+        the engine never reads; the unfused decode's kernels where it is not fused); None: no more."""
+        self._decode = (model, cache)
+        self._loaded.set()
+
     def _run(self, mode: str, cpu_weights: str) -> None:
         try:
             self.run_prompt(mode, cpu_weights)
+            self._loaded.wait()
+            model, cache = self._decode
+            if model is not None and not fused_decode.warm(model, cache, keep=False):
+                self.run_all(mode, cpu_weights)
         except BaseException as exc:  # noqa: BLE001 - handed to the loading thread
             self._error = exc
 
@@ -594,15 +568,8 @@ class _KernelWarmup:
             cpu_q4x8.warmup()
 
     def join(self, raise_error: bool = True) -> None:
+        if not self._loaded.is_set():  # the load failed before it had a model to hand over
+            self.decode_over(None)
         self._thread.join()
         if raise_error and self._error is not None:
             raise self._error
-
-
-def _decode_fused(model) -> bool:
-    """Whether the load's warm-up found the decode fused: every layer on the CPU, the first
-    layer's and the head's compiled calls prepared (fused_decode.warm)."""
-    layers = getattr(model, "layers", None) or []
-    plan, head = (getattr(layers[0], "fused", None) if layers else None), getattr(model, "fused_head", None)
-    return (plan is not None and plan.args is not None and head is not None and head.args is not None
-            and all(getattr(layer, "device", torch.device("cpu")).type == "cpu" for layer in layers))

@@ -344,14 +344,16 @@ def decode_step(model, ids: torch.Tensor, start: int, cache) -> torch.Tensor | N
     return torch.from_numpy(logits)[None]
 
 
-def warm(model, cache, keep: bool = True) -> None:
+def warm(model, cache, keep: bool = True) -> bool:
     """Load the compiled layer and head functions now (numba's disk cache; a first compile takes
     minutes) rather than in the first decoded token: one call of the first layer at position 0,
     whose cache slot the prompt overwrites before anything reads it, and one of the head.
     `keep`: the prepared arguments stay on the model for the first token; False (a background
-    compile beside a running engine, over a scratch cache) leaves the model untouched."""
+    warm-up beside a running engine, over a scratch cache) leaves the model untouched.
+    Returns whether the decode is fused: every layer on the CPU, the first layer's and the
+    head's calls prepared."""
     if not enabled() or kernels() is None or not model.layers:
-        return
+        return False
     dl = kernels()
     layer = model.layers[0]
     plan = _build_layer(dl, model, 0, layer, cache)
@@ -360,10 +362,11 @@ def warm(model, cache, keep: bool = True) -> None:
         layer.fused, model.fused_head = plan, head
     table = model.rotary.get(torch.device("cpu"))
     if plan.args is None or head.args is None or table is None or table.cos.dtype != torch.float32:
-        return
+        return False
     x = np.zeros(model.config.hidden_size, dtype=np.float32)
     kern = numba_pool.module()
     with numba_pool.lock:
         threads = numba_pool.use_threads(kern)
         dl.decode_layer(x, 0, threads, table.cos.numpy(), table.sin.numpy(), 0.0, *plan.args)
         dl.decode_head(x, threads, *head.args)
+    return all(getattr(la, "device", torch.device("cpu")).type == "cpu" for la in model.layers)
