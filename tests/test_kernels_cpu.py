@@ -315,6 +315,7 @@ _FIRST_ANSWER_PROBE = textwrap.dedent("""
     fns = (kern.matvec_rows, kern.combine_rows, kern.ffn_rows)
     for mode in ("dense", "hybrid"):
         eng = Engine.load(resolve_model("demo"), mode=mode)
+        eng.wait_kernels()  # the load's warm-up goes on on its thread: what it brings in is the load's
         before = [len(f.signatures) for f in fns]
         for _ in eng.stream("Mr. Darcy", SamplingParams(max_new_tokens=3)):
             pass
