@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine", "models_registry", "app", "bench", "tools")
+PACKAGES = ("engine", "models_registry", "app", "bench", "tools", "thermocline_vllm")
 
 # engine's floors, bottom up: a module may import its own floor and the ones below.
 # The facts are engine's top-level modules (torch-free: errors, units, activations, config).

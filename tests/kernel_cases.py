@@ -26,6 +26,10 @@ Ops:
   blocks as written out here, so only the fp32 sums' rounding remains. `route` "matvec": each
   token's row equals the one-token kernel's bit for bit (bound 0).
 - `matmul_int8`: many tokens times int8 rows with int8 activations in blocks of 128.
+- `decode_linear_q4_1`: one token times ggml's Q4_1 blocks (weight = d q + m) as the fused decode
+  reads them (`engine.kernels.decode_layer.linear`: the Q4_0 rows of d and q with int8
+  activations, plus the block offsets m + 8d times the fp32 input's block sums), in each 4-bit
+  layout; the reference rounds x to Q8_0 blocks for the first part only.
 - `decode_attention`: one query token against the first `length` slots of a KV cache (fp16 or
   fp32, contiguous or strided), grouped query heads.
 - `down_proj`: Triton's down projection alone (80% of the activations 0, `length` row splits,
@@ -78,6 +82,8 @@ class KernelCase:
         route = f"-{self.route}" if self.route else ""
         if self.op == "matvec":
             return f"matvec-{self.weights}-{self.n}x{self.d}"
+        if self.op == "decode_linear_q4_1":
+            return f"decode-q4_1-{self.weights}-{self.n}x{self.d}"
         if self.op in ("matmul_q4", "matmul_int8"):
             return f"matmul-{self.weights}-{self.n}x{self.d}-t{self.length}{route}"
         if self.op == "decode_attention":
@@ -156,6 +162,13 @@ CASES = [
     KernelCase("", False, "int8", n, d, 1.0, 1e-5, op="matmul_int8", length=tokens)
     for n, d, tokens in ((4, 128, 1), (5, 128, 3), (7, 256, 1), (64, 384, 2), (130, 512, 9), (257, 1024, 17),
                          (1000, 4096, 1), (33, 4096, 40))
+] + [
+    # one token times Q4_1 blocks in the fused decode (SmolLM2-135M's qkv, gate_up, down shapes among them)
+    KernelCase("", False, layout, n, cols, 1.0, 2e-6, op="decode_linear_q4_1", length=1)
+    for layout, shapes in (("q4_rows", ((1, 32), (13, 96), (37, 256), (960, 576))),
+                           ("q4_tiles", ((3, 256), (37, 512), (576, 1536))),  # blocks a multiple of 8
+                           ("q4x8", ((1, 32), (13, 96), (37, 256), (960, 576), (3072, 576), (576, 1536))))
+    for n, cols in shapes
 ] + [
     # decode attention over the CPU KV cache; positions past `length` hold other data
     KernelCase("", False, cache, heads, head_dim, 1.0, 1e-5, op="decode_attention", kv_heads=kv, length=length)
@@ -411,8 +424,49 @@ def _matmul_int8(case: KernelCase, numba: bool) -> Prepared:
     return Prepared(lambda: cpu.matmul_int8(x, q, scale), (), reference)
 
 
+def _decode_linear_q4_1(case: KernelCase, numba: bool) -> Prepared:
+    """One token times Q4_1 blocks in the fused decode's product (`decode_layer.linear`), the
+    blocks held as fused_decode hands them over (Q4_0 rows in `case.weights`' layout, offsets)."""
+    import numpy as np
+
+    from engine.kernels import cpu_q4_1, cpu_q4x8, numba_pool
+    from engine.kernels import decode_layer as dl
+
+    n, cols = case.n, case.d
+    g = torch.Generator().manual_seed(n * 13 + cols)
+    w = torch.randn(n, cols, generator=g) * torch.rand(n, 1, generator=g) + torch.rand(n, 1, generator=g)
+    if n > 2:
+        w[1, :32] = 0.5  # a constant block: d 0, the value in m alone
+    raw = cpu_q4_1.quantize_blocks(w.numpy())  # ggml's blocks: fp16 d, fp16 m, 16 bytes of nibbles
+    q4, offsets = cpu_q4_1.split_blocks(raw)
+    x = torch.randn(cols, generator=g) * 2
+    if cols > 32:
+        x[:32] = 0  # a zero activation block (scale 0)
+    kind = {"q4_rows": dl.M_Q4MIN, "q4_tiles": dl.M_Q4MIN_TILES, "q4x8": dl.M_Q4MIN_X8}[case.weights]
+    rows = cpu_q4x8.pack_rows(torch.from_numpy(q4)).numpy() if case.weights == "q4x8" else q4
+    xs = x.numpy().copy()
+
+    def reference():
+        nb = cols // 32
+        blocks = raw.reshape(n, nb, 20)
+        d = torch.from_numpy(blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float64))
+        m = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64))
+        nib = torch.from_numpy(blocks[:, :, 4:].astype(np.int64))
+        q = torch.cat([nib & 15, nib >> 4], dim=2).double()  # low nibbles weights 0..15, high 16..31
+        first = (d[:, :, None] * (q - 8)).reshape(n, cols) * as_q8(x[None])[0]  # d (q - 8) x~
+        second = (m + 8 * d) * x.double().reshape(nb, 32).sum(1)  # (m + 8d) * the block sum
+        terms = torch.cat([first, second], dim=1)
+        return terms.sum(1), float(terms.abs().sum(1).max()) + 1e-12
+
+    def run():
+        threads = numba_pool.use_threads(numba_pool.module())  # the pool set up as fused_decode does
+        return torch.from_numpy(dl.linear(kind, rows, offsets.reshape(-1), xs, threads))
+
+    return Prepared(run, (), reference)
+
+
 _OPS = {"matvec": _matvec, "decode_attention": _decode_attention, "matmul_q4": _matmul_q4,
-        "matmul_int8": _matmul_int8}
+        "matmul_int8": _matmul_int8, "decode_linear_q4_1": _decode_linear_q4_1}
 
 
 def _cpu(case: KernelCase, layer: Layer) -> Prepared:
@@ -711,7 +765,8 @@ BACKENDS = {
     "numba": Backend("numba", ("fp32", "int8", "int4"), _numba_available, _cpu, dense_kernels_for_every_size,
                      ops={"matvec": None, "decode_attention": None}, ffn_ops=_CPU_FFN_OPS),
     "numba-int8act": Backend("numba-int8act", ("int4",), _int8_activations_available, _cpu,
-                             ops={"matmul_q4": None, "matmul_int8": None, "matvec": ("int4",)},
+                             ops={"matmul_q4": None, "matmul_int8": None, "matvec": ("int4",),
+                                  "decode_linear_q4_1": None},
                              ffn_ops=("sparse_ffn", "sparse_ffn_predicted")),
     # without numba one torch path serves both of sparse_ffn_tokens' routes
     "torch": Backend("torch", ("fp32", "int8", "int4"), lambda: True, _torch, numba_disabled,

@@ -28,7 +28,7 @@ def test_the_table_covers_every_activation_format_and_a_real_selection():
     assert {c.weights for c in ffn} == {"fp32", "int8", "int4", "fp16", "bf16"}
     assert {c.op for c in CASES} == {"sparse_ffn", "sparse_ffn_predicted", "sparse_ffn_batch", "sparse_ffn_tokens",
                                      "matvec", "matmul_q4", "matmul_int8", "decode_attention", "down_proj",
-                                     "predictor"}
+                                     "predictor", "decode_linear_q4_1"}
     assert {c.route for c in CASES if c.op == "sparse_ffn_predicted"} == {"logits", "row-ids"}
     assert {c.route for c in CASES if c.op == "sparse_ffn_tokens"} == {"union", "per_token"}
     for name, backend in BACKENDS.items():
@@ -94,3 +94,15 @@ def test_a_wrong_attention_result_fails_the_check(monkeypatch):
     real = cpu.decode_attention
     monkeypatch.setattr(cpu, "decode_attention", lambda q, k, v, length, scale: real(q, k, v, length + 1, scale))
     assert check(case, BACKENDS["torch"]) > case.tol
+
+
+def test_q4_1_products_without_their_block_offsets_fail_the_check(monkeypatch):
+    """The fused decode's Q4_1 rows checked for their offsets: the Q4_0 part alone is caught."""
+    if not BACKENDS["numba-int8act"].available():
+        pytest.skip("no int8-activation kernels here")
+    from engine.kernels import decode_layer as dl
+
+    case = next(c for c in CASES if c.op == "decode_linear_q4_1" and c.n == 960)
+    real = dl.linear
+    monkeypatch.setattr(dl, "linear", lambda kind, wb, off, x, t: real(kind - dl.Q4MIN_SHIFT, wb, off[:0], x, t))
+    assert check(case, BACKENDS["numba-int8act"]) > case.tol

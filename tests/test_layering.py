@@ -7,10 +7,15 @@
   loading, hotcold, runtime, calibration): a module imports its own floor and those below,
   imports inside functions counted too.
 - No import circle anywhere in the project (engine, models_registry, app, bench, tools,
-  the tests' helpers), imports inside functions counted too.
+  thermocline_vllm, the tests' helpers), imports inside functions counted too.
+- The vLLM plugin (thermocline_vllm) stands alone: it imports nothing of Thermocline, and
+  nothing at all when vLLM reads its entry point (vLLM loads it in every process it starts).
 """
 
 import ast
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import import_graph
@@ -92,3 +97,19 @@ def test_a_name_left_behind_by_a_move_is_found(tmp_path, monkeypatch):
     for words in ("no module engine.runtime.model", "cpu_q4 has no quantize_rows_q4",
                   "models_registry has no resolve_model", "cpu_q4 has no n_blocks", "cpu has no _NO_SUCH_NAME"):
         assert "stale_helper.py:" in found and words in found, words
+
+
+def test_the_vllm_plugin_imports_nothing_of_thermocline_and_nothing_until_registered():
+    root = import_graph.ROOT / "thermocline_vllm"
+    found = _imports(root)
+    assert not {"engine", "app", "models_registry", "bench", "tools"} & set(found), found
+    init = ast.parse((root / "__init__.py").read_text(encoding="utf-8"))
+    top = [n for n in init.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert all(isinstance(n, ast.ImportFrom) and n.module == "__future__" for n in top)
+    # importing it loads neither torch nor vLLM nor transformers (this venv has no vLLM)
+    probe = "import sys, thermocline_vllm; print(sorted({'torch', 'vllm', 'transformers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=import_graph.ROOT, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"
+    project = tomllib.loads((import_graph.ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    assert project["entry-points"]["vllm.general_plugins"] == {"thermocline": "thermocline_vllm:register"}
