@@ -219,6 +219,28 @@ def test_int4_matrices_fused_packed_and_as_rows(models, mode, monkeypatch, one_t
     assert (packed - rows).abs().max().item() <= 1e-4 * max(1.0, rows.abs().max().item())
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_q4_1_matrices_are_fused(models, packed, monkeypatch, one_torch_thread):
+    """A Q4_1 GGUF's matrices (SmolLM2's), kept as Q4_0 rows plus block offsets (Q4MinMatrix),
+    packed as the dense mode keeps them or as plain rows: fused, and decoded as the unfused path."""
+    from engine.kernels import cpu_q4_1
+    from engine.kernels.quantized import Q4MinMatrix
+
+    def q4_1(m):  # the matrix's values rounded to Q4_1 blocks: what a Q4_1 file decodes to
+        w = m.dequantize().numpy()
+        return Q4MinMatrix.exact(torch.from_numpy(cpu_q4_1.dequantize_blocks(cpu_q4_1.quantize_blocks(w)).copy()),
+                                 packed=packed)
+
+    dl = fused_decode.kernels()
+    engine = Engine.load(models["prosparse"], mode="dense", cpu_weights="int4")
+    for layer in engine.model.layers:
+        layer.qkv, layer.out, layer.ffn.gate_up, layer.ffn.down = map(
+            q4_1, (layer.qkv, layer.out, layer.ffn.gate_up, layer.ffn.down))
+    _check_same(engine, monkeypatch)
+    kinds = {dl.M_Q4MIN_X8} if packed else {dl.M_Q4MIN, dl.M_Q4MIN_TILES}
+    assert {layer.fused.args[10] for layer in engine.model.layers} <= kinds  # qkv's kind
+
+
 def test_int4_with_fp32_activations_takes_the_unfused_path(models, monkeypatch, one_torch_thread):
     engine = Engine.load(models["relullama"], mode="sparse", ram_budget=RAM, cpu_weights="int4")
     monkeypatch.setattr(cpu_q4, "USE_INT8_ACTIVATIONS", False)

@@ -85,6 +85,10 @@ M_INT8 = 2       # int8 rows x fp32: cpu_numba.matvec_rows_int8
 M_Q4_TILES = 3   # 4-bit rows, blocks per row a multiple of 8: q4_tiles.tiles_kernel
 M_Q4 = 4         # 4-bit rows: cpu_q4_numba.linear_q4
 M_Q4X8 = 5       # 4-bit rows packed in interleaved groups of 8: cpu_q4x8.matmul_q4x8
+# Q4_1 blocks (quantized.Q4MinMatrix): its Q4_0 rows' kind above + Q4MIN_SHIFT, the block
+# offsets fp32 [n * blocks] as the scale; the product adds the input's block sums times them
+Q4MIN_SHIFT = 3
+M_Q4MIN_TILES, M_Q4MIN, M_Q4MIN_X8 = M_Q4_TILES + Q4MIN_SHIFT, M_Q4 + Q4MIN_SHIFT, M_Q4X8 + Q4MIN_SHIFT
 
 # Kinds of FFN rows (CpuFfnRows fp32 / int8, Q4FfnRows) for the sparse FFN.
 R_FP32, R_INT8, R_Q4 = 0, 1, 2
@@ -122,6 +126,26 @@ def _padded(x, width):
 @_njit()
 def linear(kind, wb, scale, x, threads):
     """y fp32 [n] = W x for x fp32 [cols] (contiguous); W's bytes wb uint8 [n, row bytes] of `kind`."""
+    if kind < M_Q4MIN_TILES:
+        return _linear_rows(kind, wb, scale, x, threads)
+    # Q4_1: the Q4_0 rows' product, plus sum_b offset[i, b] * (sum of x over block b), as
+    # Q4MinMatrix.linear adds them (block sums of the fp32 input, not of its int8 copy)
+    y = _linear_rows(kind - Q4MIN_SHIFT, wb, scale, x, threads)
+    nb = wb.shape[1] // 18
+    sums = np.zeros(nb, dtype=np.float32)
+    for j in range(x.shape[0]):
+        sums[j // 32] += x[j]
+    off = scale.reshape((y.shape[0], nb))
+    for i in range(y.shape[0]):
+        acc = np.float32(0.0)
+        for b in range(nb):
+            acc += off[i, b] * sums[b]
+        y[i] += acc
+    return y
+
+
+@_njit()
+def _linear_rows(kind, wb, scale, x, threads):
     chunks = _DENSE_CHUNKS_PER_THREAD * threads
     cols = x.shape[0]
     if kind == M_FP32:
@@ -316,4 +340,5 @@ def loaded_from_cache() -> bool:
 
 
 __all__ = ["decode_layer", "decode_head", "linear", "M_FP32", "M_INT8_Q8", "M_INT8", "M_Q4_TILES", "M_Q4", "M_Q4X8",
+           "M_Q4MIN_TILES", "M_Q4MIN", "M_Q4MIN_X8",
            "R_FP32", "R_INT8", "R_Q4", "FFN_ROWS", "FFN_DENSE_LINEAR", "FFN_DENSE_COMBINE"]

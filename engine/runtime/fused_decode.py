@@ -32,7 +32,7 @@ from engine.errors import UserError
 from engine.hotcold import hot_q4
 from engine.kernels import cpu_q4, numba_pool, q4_format, q4_rows
 from engine.kernels import cpu as cpu_kernels
-from engine.kernels.quantized import Int8Matrix, Q4Matrix
+from engine.kernels.quantized import Int8Matrix, Q4Matrix, Q4MinMatrix
 from engine.hotcold.hybrid_ffn import HybridFfn
 from engine.loading.dense_quant import QuantDenseFfn
 from engine.model.layers import DenseFfn
@@ -113,6 +113,13 @@ def _matrix(dl, w) -> tuple | None:
         else:
             kind = dl.M_Q4_TILES if q4_format.n_blocks(w.cols) % 8 == 0 else dl.M_Q4  # matmul_q4_tiles, else matmul_q4
         return (kind, q.numpy(), _EMPTY_F32) if _plain(q.numpy()) else None
+    if isinstance(w, Q4MinMatrix):  # Q4_1 blocks: the 4-bit rows' kind, the block offsets as the scale
+        rows, off = _matrix(dl, w.rows), w.offsets
+        if (rows is None or off.device.type != "cpu" or off.dtype != torch.float32 or not off.is_contiguous()
+                or tuple(off.shape) != (w.q.shape[0], w.q.shape[1] // q4_format.BLOCK_BYTES)):
+            return None
+        offsets = off.numpy().reshape(-1)
+        return (rows[0] + dl.Q4MIN_SHIFT, rows[1], offsets) if _plain(offsets) else None
     if isinstance(w, torch.Tensor):
         if w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous() or w.dim() != 2:
             return None
@@ -258,7 +265,7 @@ def _build_layer(dl, model, index: int, layer, cache) -> FusedLayer:
             *qkv, *out, k.view(torch.uint8).numpy(), v.view(torch.uint8).numpy(), k.dtype == torch.float16,
             ffn_kind, int(ffn.n_ff), gated, code, float(ffn.threshold),
             *fc1, *fc2, *rows, row_ids, *hot, *gate_up, *down)
-    q4 = any(m[0] in (dl.M_Q4, dl.M_Q4_TILES, dl.M_Q4X8) for m in mats) or dl.R_Q4 in (rows[0], hot[0])
+    q4 = any(_four_bit(dl, m[0]) for m in mats) or dl.R_Q4 in (rows[0], hot[0])
     if not all(w.dtype == torch.float32 and w.is_contiguous() for w in (layer.attn_norm.weight,
                                                                         layer.mlp_norm.weight)):
         return FusedLayer(key, None, "norm weights not contiguous fp32")
@@ -276,7 +283,12 @@ def _build_head(dl, model) -> FusedLayer:
         return FusedLayer(key, None, "the head is not on the CPU in a storage the kernel reads")
     scale = model.logit_scale
     args = (norm.weight.numpy(), float(norm.eps), float(scale if scale is not None else 1.0), scale is not None, *m)
-    return FusedLayer(key, args, q4=m[0] in (dl.M_Q4, dl.M_Q4_TILES, dl.M_Q4X8))
+    return FusedLayer(key, args, q4=_four_bit(dl, m[0]))
+
+
+def _four_bit(dl, kind: int) -> bool:
+    """A matrix kind of 4-bit rows (Q4_0, or Q4_1's): int8 activations (cpu_q4.USE_INT8_ACTIVATIONS)."""
+    return kind in (dl.M_Q4, dl.M_Q4_TILES, dl.M_Q4X8, dl.M_Q4MIN, dl.M_Q4MIN_TILES, dl.M_Q4MIN_X8)
 
 
 def _current(plan: FusedLayer | None, key: tuple) -> bool:
