@@ -28,6 +28,7 @@ the experts whose hot neurons change, at the next token boundary during a genera
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import queue
@@ -41,7 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.errors import UserError
+from engine.errors import BudgetError, UserError
 from engine.kernels import cpu as cpu_kernels
 from engine.kernels import cpu_q4, q4_format, q4_rows
 from engine.loading.loader import compute_dtype, load_transformer
@@ -50,8 +51,9 @@ from engine.model.expert_stack import FORMATS as STACK_FORMATS, ExpertStack
 from engine.model.moe import DenseMoe, ExpertPredictors, Routing, experts_by_token, reglu
 from engine.hotcold.placement import COLD_INT4, COLD_INT8, INDEX_BYTES
 from engine.kernels.quantized import QuantMatrix, matrix_nbytes, quantize_matrix
-from engine.hotcold.sparse import SparseParts, SparseRuntime, _prepared_dense, _write_prepared_dense
+from engine.hotcold.sparse import SparseParts, SparseRuntime, _map_embeddings, _prepared_dense, _write_prepared_dense
 from engine.hotcold.sparse_moves import cold_rows_from_dense
+from engine.hotcold.neuron_cache import SlotRows
 from engine.hotcold.sparse_solve import default_budgets, pick_fast_device, problem_for_model
 from engine.loading.weights import WeightSource
 
@@ -181,6 +183,10 @@ class ColdExperts(_ExpertTier):
         for e in range(stack.num_experts):
             self.add_rows(e, torch.arange(n), stack.expert(e))
         self.stack = stack
+
+    def resident(self, e: int, pred_logits: torch.Tensor | None = None):
+        """Expert e's rows for the kernel (held here; the disk tier's reads them first)."""
+        return self.rows[e]
 
     def pop(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         self._changed()
@@ -314,7 +320,11 @@ def _sparse_ffn(x: torch.Tensor, rows, out_acts: torch.Tensor | None = None, act
     """One expert on one token with the CPU kernel of its row format (relu on the gate:
     the up and down rows of a neuron whose gate is 0 are not read). With `pred_logits`
     (the expert's predictor, fp32 [n]; `row_ids` the expert's neurons these rows hold, None
-    for all of them) only the predicted neurons' rows are read at all."""
+    for all of them) only the predicted neurons' rows are read at all. `rows` may be the
+    disk tier's SlotRows (engine.hotcold.moe_disk): the same kernel over the cache's slots."""
+    if isinstance(rows, SlotRows):
+        acts = torch.empty(rows.n_neurons, dtype=torch.float32) if out_acts is None else out_acts
+        return rows.ffn(x, acts, activation, pred_logits, ExpertPredictors.THRESHOLD)
     q4 = rows.quant == COLD_INT4
     if pred_logits is None:
         kernel = cpu_q4.sparse_ffn if q4 else cpu_kernels.sparse_ffn
@@ -365,7 +375,7 @@ class TieredMoe:
         prefetcher = self.runtime.prefetcher
         if prefetcher is None or routing.experts.shape[0] != 1:
             return
-        rows = [self.cold.rows[e] for e in routing.experts[0].tolist() if e in self.cold]
+        rows = [self.cold.rows[e] for e in routing.experts[0].tolist() if e in self.cold.rows]  # none on disk
         if rows:
             prefetcher.start(rows)
 
@@ -403,7 +413,7 @@ class TieredMoe:
         if self.runtime.prefetcher is not None:  # reads started before attention end first
             self.runtime.prefetcher.wait(counters)
         for e, w in zip(experts, weights):
-            parts = [(cold.rows[e], False)] if e in cold else []
+            parts = [(cold.resident(e, logits.get(e)), False)] if e in cold else []
             if e in hot and hot.on_cpu:
                 parts.append((hot.cpu_rows[e], True))
             for rows, is_hot in parts:
@@ -456,9 +466,10 @@ class TieredMoe:
             gate, up, down_t = self.hot.rows[e]
             return reglu(xs.to(gate.device, gate.dtype), gate, up, down_t, self.activation,
                          None if mask is None else mask.to(gate.device)).float().to(xs.device)
-        rows = self.hot.cpu_rows[e] if on_hot else self.cold.rows[e]
+        rows = self.hot.cpu_rows[e] if on_hot else self.cold.resident(e, logits)
         xc = xs.to("cpu", torch.float32)
-        if len(xs) <= _KERNEL_TOKENS and (rows.quant == COLD_INT4 or logits is not None):
+        on_disk = isinstance(rows, SlotRows)  # the cache's slots: the decode's kernel, token by token
+        if on_disk or (len(xs) <= _KERNEL_TOKENS and (rows.quant == COLD_INT4 or logits is not None)):
             # no batched 4-bit or predicted kernel: token by token
             y = torch.stack([_sparse_ffn(xc[t], rows, None, self.activation,
                                          None if logits is None else logits[t].to("cpu"), ids)
@@ -517,6 +528,32 @@ class MoeRuntime(SparseRuntime):
         """Stop the prefetch thread (the engine is closing)."""
         self.set_prefetch(False)
         super().close()
+
+    def reads_from_disk(self) -> bool:
+        """Whether this load can keep its experts' cold rows on disk: int8/int4 experts with a
+        MoE prepared file (once loaded, one it mapped or wrote)."""
+        from engine.loading import prepared
+
+        return (self.model_dir is not None and self.cpu_weights in prepared.FORMATS and prepared.enabled()
+                and not prepared.is_bundled(self.model_dir)
+                and (self.model is None or self.prepared_experts is not None))
+
+    def to_disk(self, plan) -> None:
+        """Cold experts onto the disk tier (at load, or a slider move below them between
+        tokens): the neuron cache over (layer, expert) groups (engine.hotcold.moe_disk)."""
+        from engine.hotcold import moe_disk
+
+        from engine.hotcold.sparse import _drop_file_pages
+        from engine.loading.prepared_moe import PreparedExperts
+
+        if self.prepared_experts is None:
+            raise BudgetError("the experts' prepared file could not be written: this RAM budget needs it; "
+                              "raise the RAM budget to hold every expert")
+        path = self.prepared_experts.path
+        self.prepared_experts = PreparedExperts(path)  # a fresh map: the old one goes with the cold tiers' views
+        moe_disk.attach(self, self.model, self.prepared_experts, plan)
+        gc.collect()
+        _drop_file_pages(path)  # the pages an in-RAM run read through the old map (charged to a cgroup)
 
     def begin_generation(self) -> None:
         self.counters = MoeCounters()
@@ -681,6 +718,10 @@ def load_moe(model_dir, config, mode: str, ctx: int, vram_budget: int | None, ra
     runtime.prepared_dense = dense_file
     if dense_file is None and runtime.prepared_experts is not None:
         _write_prepared_dense(model_dir, cpu_weights, runtime, progress)
+    if plan.disk_neurons:  # the experts' cold rows beyond the cache stay in the file (engine.hotcold.moe_disk)
+        runtime.to_disk(plan)
+    if plan.embed_on_disk:
+        _map_embeddings(runtime, Path(model_dir), cpu_weights)
     return SparseParts(model, runtime, layer_devices, [compute_dtype(d, storage) for d in layer_devices])
 
 
