@@ -36,7 +36,7 @@ from engine.kernels import cpu_q4, numba_pool, q4_format, q4_rows
 from engine.kernels import cpu as cpu_kernels
 from engine.kernels.quantized import Int8Matrix, Q4Matrix, Q4MinMatrix
 from engine.hotcold.hybrid_ffn import HybridFfn
-from engine.hotcold.moe_tiers import TieredMoe, row_bytes
+from engine.hotcold.moe_tiers import ColdExperts, TieredMoe, row_bytes
 from engine.loading.dense_quant import QuantDenseFfn
 from engine.model.layers import DenseFfn
 from engine.model.moe import ExpertPredictors
@@ -186,7 +186,8 @@ def _layer_key(model, index: int, layer, cache) -> tuple:
     hooks = getattr(getattr(ffn, "context", None), "_hooks", None)
     predictors = getattr(hooks, "predictors", None)
     fc = (predictors.fc1[index], predictors.fc2[index]) if predictors is not None else (None, None)
-    moe = (ffn.predictors, ffn.hot.epoch, ffn.cold.epoch, layer.router) if type(ffn) is TieredMoe else ()
+    moe = (ffn.predictors, getattr(ffn.hot, "epoch", None), getattr(ffn.cold, "epoch", None), layer.router) \
+        if type(ffn) is TieredMoe else ()
     return (layer.qkv, layer.out, layer.attn_norm.weight, layer.mlp_norm.weight if layer.mlp_norm else None,
             layer.device, ffn, getattr(ffn, "cold", None), getattr(ffn, "hot", None), predictors, *fc,
             cache.k[index], cache.v[index], hot_q4.TRITON_ON_CPU, *moe)
@@ -316,7 +317,7 @@ def _expert_table(dl, ffn: TieredMoe):
     tiers = ((ffn.cold, ffn.cold.rows), (ffn.hot, ffn.hot.cpu_rows))
     for t, (tier, rows_of) in enumerate(tiers):
         if len(rows_of) != len(tier):
-            return "hot experts on another device"
+            return "expert rows not held in RAM"
         kind = width = None
         for e, rows in rows_of.items():
             args = _rows(dl, rows, plain=False)
@@ -371,6 +372,8 @@ def moe_ffn_args(dl, ffn: TieredMoe, router, top_k: int, softmax: bool) -> tuple
         return "a router in a storage the kernel does not read"
     if len(ffn.hot) and not ffn.hot.on_cpu:
         return "hot experts on another device"
+    if type(ffn.cold) is not ColdExperts:
+        return "cold experts on the disk tier"  # their rows are read into the neuron cache per token
     experts = _expert_table(dl, ffn)
     if isinstance(experts, str):
         return experts
