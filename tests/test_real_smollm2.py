@@ -123,11 +123,19 @@ def exact_perplexity(dense) -> float:
 
 @pytest.mark.parametrize("fmt", sorted(PPL_GOALS))
 def test_int8_and_int4_weights_keep_the_perplexity_goal(smollm2, exact_perplexity, fmt):
-    from engine.kernels.quantized import Q4MinMatrix
+    from engine.kernels.quantized import Int8Matrix, Q4MinMatrix
+    from engine.runtime import fused_decode
 
     exact = exact_perplexity
     with Engine.load(smollm2, mode="dense", cpu_weights=fmt, ctx=1024) as quantized:
         layer = quantized.model.layers[0]
         assert isinstance(layer.qkv, Q4MinMatrix) and isinstance(layer.ffn.down, Q4MinMatrix)  # the file's blocks
+        assert isinstance(quantized.model.lm_head, Int8Matrix)  # the tied head's own int8 rows
         cost = _perplexity(quantized) / exact - 1
+        quantized.generate(FRANCE, SamplingParams(max_new_tokens=2, temperature=0.0))
+        if fused_decode.kernels() is not None:  # the decode ran fused: Q4_1 matrices and the int8 head
+            assert all(la.fused.calls > 0 for la in quantized.model.layers) and quantized.model.fused_head.calls > 0
     assert cost <= PPL_GOALS[fmt], f"{fmt}: perplexity {cost * 100:+.2f}% against fp32 ({exact:.3f})"
+    # the import made the sidecar, so the first load wrote the prepared file and this one maps it
+    with Engine.load(smollm2, mode="dense", cpu_weights=fmt, ctx=1024) as again:
+        assert again.dense_prepared is not None
