@@ -1,7 +1,7 @@
 """Times the kernel case table (tests/kernel_cases.py: every op's cases, one fp64 reference and one
 error measure, which tests/test_kernel_cases.py checks on every backend present): the median ms
-per case and backend, a sparse FFN case next to the dense torch FFN over the same rows measured
-in the same run.
+per case and backend, a sparse FFN case (one token, a few, a prefill) next to the dense torch
+FFN over the same rows and tokens measured in the same run.
 
     python -m bench.kernel_cases --json [--backends numba,torch,triton] [--repeats 5]
 """
@@ -20,7 +20,7 @@ import torch
 
 # The table lives with the tests (the suite checks it; this times it).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from kernel_cases import BACKENDS, CASES, _triton_device, build_layer, reference_of, relative_error
+from kernel_cases import BACKENDS, CASES, _triton_device, layer_of, reference_of, relative_error
 
 
 def _median_ms(fn, repeats: int, device: torch.device) -> float:
@@ -49,16 +49,16 @@ def main(argv: list[str] | None = None) -> int:
         backend = BACKENDS[name]
         if not backend.available():
             continue
-        device = _triton_device() if name == "triton" else torch.device("cpu")
+        device = _triton_device() if name.startswith("triton") else torch.device("cpu")
         for case in CASES:
             if not backend.supports(case):
                 continue
-            layer = build_layer(case) if case.op == "sparse_ffn" else None
+            layer = layer_of(case)
             with backend.context():
                 prepared = backend.prepare(case, layer)
                 ms = _median_ms(prepared.run, args.repeats, device)
                 err = relative_error(prepared.run(), *reference_of(case, layer, prepared))
-            if layer is None:  # matvec, attention: the kernel's own time and error
+            if layer is None:  # the products, attention, the predictor: the kernel's own time and error
                 rows.append({"case": case.id, "op": case.op, "backend": name, "ms": ms, "dense_torch_ms": None,
                              "ratio_vs_dense": None, "error": err, "tol": backend.bound(case)})
                 continue

@@ -5,8 +5,9 @@ import pytest
 
 from app.gui.chat_session import AnswerStats, ChatSession
 from app.storage import COMPLETE, FAILED, STREAMING, Storage
+from engine.runtime.chat_request import ChatRequest
 
-PARAMS = {"temperature": 0.0, "max_new_tokens": 12, "context_policy": "truncate"}
+PARAMS = {"sampling": {"temperature": 0.0, "max_new_tokens": 12}, "context_policy": "truncate"}
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ def test_an_answer_streams_to_disk_and_ends_complete_with_typed_stats(qtbot, cli
     session = ChatSession(storage, client)
     seen = record(session)
     conv = ask(session, storage)
-    session.start(conv.id, [{"role": "user", "content": "the fox"}], PARAMS)
+    session.start(conv.id, ChatRequest([{"role": "user", "content": "the fox"}], **PARAMS))
     answer_id = session.answer_id
     assert session.busy and storage.message(answer_id).status == STREAMING
     qtbot.waitUntil(lambda: not session.busy, timeout=60_000)
@@ -72,7 +73,7 @@ def test_stopped_before_any_text_leaves_no_empty_answer_and_restores_the_replace
     seen = record(session)
     conv = ask(session, storage)
     earlier = [{"content": "the first answer", "status": COMPLETE, "stats": {"new_tokens": 3}}]
-    session.start(conv.id, [{"role": "user", "content": "the fox"}], PARAMS, earlier)
+    session.start(conv.id, ChatRequest([{"role": "user", "content": "the fox"}], **PARAMS), earlier)
     assert session.stop() and not session.stop()  # the second press only repeats the request
     qtbot.waitUntil(lambda: not session.busy, timeout=60_000)
     (conv_id, stats), = seen["dropped"]
@@ -85,7 +86,7 @@ def test_no_model_fails_without_keeping_an_empty_answer(qtbot, client, storage):
     session = ChatSession(storage, client)
     seen = record(session)
     conv = ask(session, storage)
-    session.start(conv.id, [{"role": "user", "content": "hi"}], PARAMS)
+    session.start(conv.id, ChatRequest([{"role": "user", "content": "hi"}], **PARAMS))
     qtbot.waitUntil(lambda: not session.busy, timeout=30_000)
     assert seen["dropped"] == [(conv.id, None)] and seen["failed"][0][0] == "No model is loaded."
     assert [m.role for m in storage.messages(conv.id)] == ["user"]
@@ -95,7 +96,7 @@ def test_a_failure_after_text_keeps_the_text_marked_failed(qtbot, client, storag
     session = ChatSession(storage, client)
     seen = record(session)
     conv = ask(session, storage)
-    session.start(conv.id, [{"role": "user", "content": "hi"}], PARAMS)
+    session.start(conv.id, ChatRequest([{"role": "user", "content": "hi"}], **PARAMS))
     client.token.emit(session.request, "partial")  # a token relayed before the failure arrives
     qtbot.waitUntil(lambda: not session.busy, timeout=30_000)
     (answer_id, status, _stats), = seen["ended"]

@@ -129,6 +129,43 @@ def test_edit_and_resend_replaces_from_the_edited_message(qtbot, window):
     assert len(msgs) == 2
 
 
+def test_edit_keeps_the_unsent_draft(qtbot, window):
+    """Edit puts the message in the box; what the user had typed there and not sent comes back
+    when the edit is cancelled or sent, and is kept under its chat when the user leaves it."""
+    window.chat.new_conversation()
+    send(qtbot, window, "first question")
+    wait_idle(qtbot, window)
+    send(qtbot, window, "second question")
+    wait_idle(qtbot, window)
+    box = window.chat.input.edit
+    qtbot.keyClicks(box, "half a thought")
+    first, second = [m for m in window.chat.view.messages() if m.role == "user"]
+    first.edit_button.click()
+    assert box.toPlainText() == "first question"
+    window.chat.banner.action.click()  # Cancel edit
+    assert box.toPlainText() == "half a thought" and not window.chat.banner.isVisible()
+
+    first.edit_button.click()
+    qtbot.keyClick(box, Qt.Key.Key_End, Qt.KeyboardModifier.ControlModifier)
+    qtbot.keyClicks(box, ", reworded")
+    second.edit_button.click()  # the edit under way holds words of the user's too: refused
+    assert box.toPlainText() == "first question, reworded" and window.chat.banner.isVisible()
+    box.clear()
+    send(qtbot, window, "a better question")
+    assert box.toPlainText() == "half a thought"  # sent: the draft is back
+    wait_idle(qtbot, window)
+    msgs = window.storage.messages(window.chat.conversation.id)
+    assert [(m.role, m.content) for m in msgs][0] == ("user", "a better question") and len(msgs) == 2
+
+    chat = window.chat.conversation.id
+    [user] = [m for m in window.chat.view.messages() if m.role == "user"]
+    user.edit_button.click()
+    window.chat.new_conversation()  # leaving mid-edit: the edit goes, the draft stays with its chat
+    assert box.toPlainText() == ""
+    window.chat.open_conversation(chat)
+    assert box.toPlainText() == "half a thought"
+
+
 def test_per_conversation_settings_apply(qtbot, window):
     from PySide6.QtWidgets import QApplication
 

@@ -1,8 +1,7 @@
-"""CPU sparse FFN kernels against plain torch (llama.cpp test-backend-ops style).
-
-Every path (numba kernel over fp32 rows, over int8 rows, and the pure-torch fallback) is
-checked on random inputs of several shapes and sparsities against a dense float64 FFN
-computed independently with F.linear over the same (dequantised) rows.
+"""CPU sparse FFN kernels: what the kernel case table (tests/kernel_cases.py, which checks
+every path's numerics against an fp64 FFN) does not: the rows a kernel must not read, the row
+storage, refusals, threads, numba's cache, the prefill kernel against the decode kernel and the
+dispatch between them, the engine's first answer.
 """
 
 from __future__ import annotations
@@ -17,14 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine.kernels import cpu, numba_pool, reference
 from engine.kernels.cpu_quant import dequantize_rows_int8, quantize_rows_int8
+from kernel_cases import as_q8, ffn_reference, relative_error
 
 ACTS = ("relu", "fatrelu", "drelu", "relu2")
-# (n_neurons, dim): dims that are and are not multiples of the kernel's 256-element block.
-SHAPES = [(64, 256), (300, 200), (777, 1000)]
 FAT_THRESHOLD = 0.1
 
 needs_numba = pytest.mark.skipif(not cpu.available(), reason="numba missing or disabled")
@@ -40,47 +37,6 @@ def _rows(n, d, gated, seed):
     return x, gate, up, down_t, g
 
 
-def _nonlinearity(v, activation, thr):
-    """docs/ARCHITECTURE.md's activations, written out here independently of the code."""
-    if activation == "fatrelu":
-        return torch.where(v >= thr, v, torch.zeros_like(v))
-    r = v.clamp_min(0.0)
-    return r * r if activation == "relu2" else r
-
-
-def _dense_masked(x, gate, up, down_t, active, activation, thr):
-    """The plain FFN in float64 (F.linear chain), with neurons outside `active` zeroed."""
-    x64 = x.double()
-    u = F.linear(x64, up.double())
-    if gate is None:
-        a = _nonlinearity(u, activation, thr)
-    else:
-        g = F.linear(x64, gate.double())
-        u = torch.relu(u) if activation == "drelu" else u
-        a = _nonlinearity(g, activation, thr) * u
-    mask = torch.zeros_like(a)
-    mask[active if active is not None else slice(None)] = 1.0
-    return (a * mask) @ down_t.double(), a
-
-
-def _active_sets(n, g):
-    """None (all), empty, one neuron, 5% and 50% sorted, 20% unsorted int32."""
-    perm = torch.randperm(n, generator=g)
-    return {
-        "all": None,
-        "empty": torch.empty(0, dtype=torch.long),
-        "one": torch.tensor([n - 1]),
-        "5%": perm[: max(1, n // 20)].sort().values,
-        "50%": perm[: n // 2].sort().values,
-        "20%-unsorted-int32": perm[: n // 5].to(torch.int32),
-    }
-
-
-def _close(y, y_ref, scale):
-    err = (y.double() - y_ref).abs().max().item() if y.numel() else 0.0
-    assert err <= 1e-4 * scale + 1e-6, f"max error {err} (scale {scale})"
-
-
 def _same_rows_close(y, y_ref):
     """Two kernel results over the same rows, summed in another order (other chunking or
     vectorisation): equal up to fp32 rounding relative to the output's scale."""
@@ -88,122 +44,23 @@ def _same_rows_close(y, y_ref):
     torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4 * scale)
 
 
-def _check_against_dense(rows, x, active_sets, activation, thr):
-    gate, up, down_t = rows.dequantized()
-    for name, active in active_sets.items():
-        y_ref, a_all = _dense_masked(x, gate, up, down_t, active, activation, thr)
-        k = rows.n_neurons if active is None else active.numel()
-        acts = torch.full((k,), float("nan"))
-        y = cpu.sparse_ffn(x, rows, active, activation, thr, out_acts=acts)
-        assert y.dtype == torch.float32 and y.shape == (rows.dim,)
-        scale = ((a_all.abs() @ down_t.double().abs()).max().item())
-        _close(y, y_ref, scale)
-        a_ref = a_all if active is None else a_all[active.long()]
-        torch.testing.assert_close(acts.double(), a_ref, rtol=1e-4, atol=1e-5, msg=name)
-
-
-@needs_numba
-@pytest.mark.parametrize("quant", cpu.QUANTS)
-@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
-@pytest.mark.parametrize("activation", ACTS)
-def test_numba_kernel_matches_dense(quant, gated, activation):
-    for seed, (n, d) in enumerate(SHAPES):
-        x, gate, up, down_t, g = _rows(n, d, gated, seed)
-        rows = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant=quant)
-        _check_against_dense(rows, x, _active_sets(n, g), activation, FAT_THRESHOLD)
-
-
-@pytest.mark.parametrize("quant", cpu.QUANTS)
-@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
-@pytest.mark.parametrize("activation", ACTS)
-def test_torch_fallback_matches_dense(monkeypatch, quant, gated, activation):
-    monkeypatch.setattr(numba_pool, "_numba", False)
-    assert not cpu.available()
-    n, d = SHAPES[1]
-    x, gate, up, down_t, g = _rows(n, d, gated, 7)
-    rows = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant=quant)
-    _check_against_dense(rows, x, _active_sets(n, g), activation, FAT_THRESHOLD)
-
-
-@pytest.mark.parametrize("use_numba", [True, False], ids=["numba", "torch"])
-@pytest.mark.parametrize("quant", cpu.QUANTS)
-@pytest.mark.parametrize("activation", ["relu", "fatrelu", "drelu"])
-def test_predicted_selection_in_kernel(monkeypatch, use_numba, quant, activation):
-    """sparse_ffn_predicted == sparse_ffn over the ids whose logit >= threshold, for a whole
-    layer and for a subset of its rows addressed through row_ids (the cold partition)."""
-    if use_numba and not cpu.available():
-        pytest.skip("numba missing or disabled")
-    if not use_numba:
-        monkeypatch.setattr(numba_pool, "_numba", False)
-    n, d = 600, 384
-    x, gate, up, down_t, g = _rows(n, d, True, 21)
-    layer = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant=quant)
-    logits = torch.randn(n, generator=g)
-    for pthr in (0.5, -10.0, 10.0):  # ~30%, all, none
-        acts = torch.full((n,), float("nan"))
-        y = cpu.sparse_ffn_predicted(x, layer, logits, pthr, activation, FAT_THRESHOLD,
-                                     out_acts=acts)
-        active = torch.nonzero(logits >= pthr).squeeze(1)
-        acts_ref = torch.empty(active.numel())
-        y_ref = cpu.sparse_ffn(x, layer, active, activation, FAT_THRESHOLD, out_acts=acts_ref)
-        _same_rows_close(y, y_ref)
-        expect = torch.zeros(n).index_copy_(0, active, acts_ref)
-        torch.testing.assert_close(acts, expect, rtol=1e-4, atol=1e-5)
-    cold_ids = torch.randperm(n, generator=g)[:250].sort().values
-    cold = layer.select(cold_ids)
-    acts = torch.empty(250)
-    y = cpu.sparse_ffn_predicted(x, cold, logits, 0.5, activation, FAT_THRESHOLD,
-                                 out_acts=acts, row_ids=cold_ids.to(torch.int32))
-    active = cold_ids[logits[cold_ids] >= 0.5]
-    acts_ref = torch.empty(active.numel())
-    y_ref = cpu.sparse_ffn(x, layer, active, activation, FAT_THRESHOLD, out_acts=acts_ref)
-    _same_rows_close(y, y_ref)
-    torch.testing.assert_close(acts[logits[cold_ids] >= 0.5], acts_ref)
-    assert (acts[logits[cold_ids] < 0.5] == 0).all()
-    with pytest.raises(ValueError):
-        cpu.sparse_ffn_predicted(x, cold, logits, 0.5, activation)  # [n] logits, 250 rows
-
-
-@pytest.mark.parametrize("use_numba", [True, False], ids=["numba", "torch"])
-@pytest.mark.parametrize("quant", cpu.QUANTS)
-@pytest.mark.parametrize("gated,activation", [(True, "relu"), (True, "drelu"),
-                                              (True, "fatrelu"), (False, "relu2")])
-def test_batch_matches_per_token(monkeypatch, use_numba, quant, gated, activation):
-    """sparse_ffn_batch over T tokens == sparse_ffn token by token, same (union) set."""
-    if use_numba and not cpu.available():
-        pytest.skip("numba missing or disabled")
-    if not use_numba:
-        monkeypatch.setattr(numba_pool, "_numba", False)
-    n, d = 400, 300
-    x, gate, up, down_t, g = _rows(n, d, gated, 31)
-    rows = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant=quant)
-    for T in (1, 3, 8):
-        xs = torch.randn(T, d, generator=g)
-        for active in (None, torch.randperm(n, generator=g)[:90].sort().values,
-                       torch.empty(0, dtype=torch.long)):
-            k = n if active is None else active.numel()
-            acts = torch.full((T, k), float("nan"))
-            ys = cpu.sparse_ffn_batch(xs, rows, active, activation, FAT_THRESHOLD, out_acts=acts)
-            assert ys.shape == (T, d)
-            for s in range(T):
-                a_ref = torch.empty(k)
-                y_ref = cpu.sparse_ffn(xs[s], rows, active, activation, FAT_THRESHOLD,
-                                       out_acts=a_ref)
-                _same_rows_close(ys[s], y_ref)
-                torch.testing.assert_close(acts[s], a_ref, rtol=1e-4, atol=1e-5)
-
-
 @pytest.mark.parametrize("activation", ACTS)
 def test_reference_matches_dense(activation):
+    """engine.kernels.reference (the torch fallback's computation, the benchmarks' baseline)
+    against the kernel table's fp64 reference, under the table's measure and bound."""
     n, d = 200, 96
     x, gate, up, down_t, g = _rows(n, d, True, 3)
-    for active in _active_sets(n, g).values():
-        y_ref, a_all = _dense_masked(x, gate, up, down_t, active, activation, FAT_THRESHOLD)
+    perm = torch.randperm(n, generator=g)
+    for active in (None, torch.empty(0, dtype=torch.long), torch.tensor([n - 1]), perm[: n // 20].sort().values,
+                   perm[: n // 5].to(torch.int32)):
+        selected = torch.ones(n, dtype=torch.bool) if active is None else \
+            torch.zeros(n, dtype=torch.bool).index_fill_(0, active.long(), True)
+        ref = ffn_reference(x, gate, up, down_t, selected, activation, FAT_THRESHOLD)
         y = reference.sparse_ffn(x, gate, up, down_t, active, activation, FAT_THRESHOLD)
-        _close(y, y_ref, (a_all.abs() @ down_t.double().abs()).max().item())
+        assert relative_error(y, ref.y, ref.scale) <= 1e-4
+    ref = ffn_reference(x, gate, up, down_t, None, activation, FAT_THRESHOLD)
     dense = reference.dense_ffn(x, gate, up, down_t, activation, FAT_THRESHOLD)
-    _close(dense, _dense_masked(x, gate, up, down_t, None, activation, FAT_THRESHOLD)[0],
-           (a_all.abs() @ down_t.double().abs()).max().item())
+    assert relative_error(dense, ref.y, ref.scale) <= 1e-4
 
 
 @needs_numba
@@ -217,7 +74,7 @@ def test_kernel_reads_only_rows_it_needs(quant):
     active = torch.randperm(n, generator=g)[:150].sort().values
     rows = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant=quant)
     gate, up, down_t = (t.clone() for t in rows.dequantized())
-    _, a_all = _dense_masked(x, gate, up, down_t, None, "relu", 0.0)
+    a_all = ffn_reference(x, gate, up, down_t, None, "relu", 0.0).acts
     g_all = gate.double() @ x.double()
     inside = torch.zeros(n, dtype=torch.bool)
     inside[active] = True
@@ -308,6 +165,8 @@ def test_bad_inputs_are_refused():
         cpu.CpuFfnRows.from_dense(gate, up, down_t, quant="fp16")
     with pytest.raises(ValueError):  # int8 rows without scales
         cpu.CpuFfnRows(None, rows.up, rows.down_t, quant="int8")
+    with pytest.raises(ValueError):  # [n] logits for 25 rows, no row ids
+        cpu.sparse_ffn_predicted(x, rows.select(torch.arange(25)), torch.randn(n), 0.5, "relu")
 
 
 @needs_numba
@@ -456,6 +315,7 @@ _FIRST_ANSWER_PROBE = textwrap.dedent("""
     fns = (kern.matvec_rows, kern.combine_rows, kern.ffn_rows)
     for mode in ("dense", "hybrid"):
         eng = Engine.load(resolve_model("demo"), mode=mode)
+        eng.wait_kernels()  # the load's warm-up goes on on its thread: what it brings in is the load's
         before = [len(f.signatures) for f in fns]
         for _ in eng.stream("Mr. Darcy", SamplingParams(max_new_tokens=3)):
             pass
@@ -480,21 +340,6 @@ def test_engine_load_prepares_every_kernel_the_first_answer_runs():
 # ---- int8 x int8 products (int8 activations in blocks) -------------------------------------
 needs_q8 = pytest.mark.skipif(not cpu.int8_activations_available(128),
                               reason="no AVX2 host or numba: the int8-activation kernel does not run")
-
-
-def _q8_dequantized(x, block):
-    """x [T, d] quantized per block of `block` values as the kernels document (scale =
-    max|x| / 127, round half to even, clamp), back in float64."""
-    T, d = x.shape
-    xb = x.double().reshape(T, d // block, block)
-    s = xb.abs().amax(dim=2, keepdim=True) / 127.0
-    xq = torch.where(s > 0, torch.round(xb / torch.where(s > 0, s, torch.ones_like(s))), torch.zeros_like(xb))
-    return (xq.clamp(-127, 127) * s).reshape(T, d)
-
-
-def _q8_reference(x, q, scale, block):
-    """x quantized per block (`_q8_dequantized`), then the product in float64."""
-    return _q8_dequantized(x, block) @ (q.double() * scale.double()[:, None]).T
 
 
 # The product against fp64 of the quantized activations: rows `matmul-int8-*` of tests/kernel_cases.py.
@@ -533,52 +378,12 @@ def test_int8_matrix_linear_uses_int8_activations_for_any_token_count():
     many = m.linear(x)
     ones = torch.cat([m.linear(x[t : t + 1]) for t in range(37)])
     torch.testing.assert_close(many, ones, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(many.double(), _q8_reference(x, m.q, m.scale, 128), rtol=1e-5, atol=1e-4)
+    ref = as_q8(x, 128) @ (m.q.double() * m.scale.double()[:, None]).T
+    torch.testing.assert_close(many.double(), ref, rtol=1e-5, atol=1e-4)
 
 
-# ---- many tokens, each over its predicted rows (sparse prefill) ----------------------------
-@pytest.mark.parametrize("use_numba", [True, False], ids=["numba", "torch"])
-@pytest.mark.parametrize("quant", cpu.QUANTS)
-@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
-@pytest.mark.parametrize("activation", ACTS)
-@pytest.mark.parametrize("route", ["union", "per_token"])
-def test_sparse_ffn_tokens_matches_fp64_per_token(monkeypatch, use_numba, quant, gated, activation, route):
-    """Token t of the result == the dense float64 FFN over the rows its logits select, by
-    either route: one pass over the union of the tokens' rows, or the decode kernel per token."""
-    if use_numba and not cpu.available():
-        pytest.skip("numba missing or disabled")
-    if not use_numba:
-        if route == "per_token":
-            pytest.skip("without numba one torch path serves every route")
-        monkeypatch.setattr(numba_pool, "_numba", False)
-    monkeypatch.setattr(cpu, "_UNION_ROW_COST", 0.0 if route == "union" else 1e9)
-    # T <= 4 runs the decode kernel per token; int8 rows with d a multiple of 128 on an AVX2
-    # host run int8 x int8 with the tokens quantized in blocks (the reference does the same)
-    shapes = [(64, 256, 1), (300, 200, 5), (777, 1000, 19), (130, 384, 9), (513, 512, 33)] if use_numba \
-        else [(300, 200, 5)]
-    for seed, (n, d, T) in enumerate(shapes):
-        _, gate, up, down_t, g = _rows(n, d, gated, seed + 11)
-        rows = cpu.CpuFfnRows.from_dense(gate, up, down_t, quant=quant)
-        xs = torch.randn(T, d, generator=g)
-        logits = torch.randn(T, n, generator=g)
-        logits[0] = -5.0  # a token that selects nothing
-        for pred in (logits, None):
-            per_token = cpu.decode_each_token(T, n, pred, 0.8)
-            assert per_token == (T <= cpu._TOKENS_AS_DECODE or (route == "per_token" and pred is not None))
-            q8 = use_numba and quant == "int8" and not per_token and cpu.int8_activations_available(d)
-            xs_ref = _q8_dequantized(xs, 128) if q8 else xs.double()
-            ys = cpu.sparse_ffn_tokens(xs, rows, pred, 0.8, activation, FAT_THRESHOLD)
-            assert ys.dtype == torch.float32 and ys.shape == (T, d)
-            dg, du, dd = rows.dequantized()
-            for t in range(T):
-                active = None if pred is None else torch.nonzero(pred[t] >= 0.8).flatten()
-                y_ref, a_all = _dense_masked(xs_ref[t], dg, du, dd, active, activation, FAT_THRESHOLD)
-                scale = (a_all.abs() @ dd.double().abs()).max().item()
-                _close(ys[t], y_ref, scale)
-            if pred is not None:
-                assert not ys[0].any()
-
-
+# ---- many tokens, each over its predicted rows (sparse prefill): against fp64, rows
+# `tokens*` of tests/kernel_cases.py; here, against the decode kernel ---------------------
 @needs_numba
 @pytest.mark.parametrize("quant", cpu.QUANTS)
 @pytest.mark.parametrize("T", [3, 12])

@@ -260,3 +260,34 @@ def test_a_server_that_refuses_extensions_gets_openai_fields_only(capsys, failin
     assert code == 0, err
     assert json.loads(out)["text"] == "Hello" and json.loads(out)["finish_reason"] == "stop"
     assert [("top_k" in b) for b in seen] == [True, False]
+
+
+def test_an_answer_asks_for_no_more_tokens_than_the_servers_context(capsys, failing_server):
+    """vLLM answers max_tokens > max_model_len with a 400 ("max_tokens=512 cannot be greater
+    than max_model_len=256"), seen through `vllm serve` with the chat's default 512 tokens."""
+    seen: list[dict] = []
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": "short", "object": "model", "max_model_len": 256}]})
+
+    async def chat(request):
+        body = await request.json()
+        seen.append(body)
+        if body["max_tokens"] > 256:
+            return JSONResponse({"error": {"message": f"max_tokens={body['max_tokens']} cannot be greater than "
+                                                      "max_model_len=256."}}, status_code=400)
+
+        async def fine():
+            yield b"data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": "Hello"},
+                                                       "finish_reason": "stop"}]}).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(fine(), media_type="text/event-stream")
+
+    url = failing_server(Starlette(routes=[Route("/v1/models", models),
+                                           Route("/v1/chat/completions", chat, methods=["POST"])]))
+    run_cli(capsys, "models", "add-remote", "short", "--url", url)
+    code, out, err = run_cli(capsys, "generate", "--model", "remote/short", "--prompt", "hi", "--chat", "--json",
+                             "--max-new-tokens", "512")
+    assert code == 0, err
+    assert json.loads(out)["text"] == "Hello" and [b["max_tokens"] for b in seen] == [256]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QKeySequence, QShortcut
+from PySide6.QtGui import QKeySequence, QShortcut, QTextCursor
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QMenu, QMessageBox, QPushButton, QToolButton, QVBoxLayout, QWidget
 
 from app.server.tools import for_template
@@ -21,6 +21,7 @@ from . import formatting as fmt
 from .chat_session import AnswerStats, ChatSession
 from .chat_view import ChatView
 from .chat_widgets import Banner, ElidedLabel
+from engine.runtime.chat_request import ChatRequest
 from engine.runtime.context_policy import answer_room
 from .context_readout import ContextReadout
 from .dialogs import ConversationSettingsDialog, show_error
@@ -70,6 +71,8 @@ class ChatPage(QWidget):
         self.conversation: Conversation | None = None
         self.session = ChatSession(storage, client, self)
         self._editing_id: int | None = None
+        self._edit_original: str | None = None  # the edited message's text as it was
+        self._draft_before_edit = ""            # what the box held when the edit began
 
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -180,20 +183,20 @@ class ChatPage(QWidget):
         if self.conversation is not None and conversation_id == self.conversation.id:
             return
         self.stop()
-        editing = self._finish_edit()
+        self._finish_edit()  # an edit left by leaving is dropped; the draft it set aside is kept
         self.banner.hide()
         self.conversation = self.storage.conversation(conversation_id) if conversation_id else None
-        self.drafts.switch(self.conversation.id if self.conversation else None, keep=not editing)
+        self.drafts.switch(self.conversation.id if self.conversation else None)
         self._set_readout_idle()  # the figures of the previous chat do not belong to this one
         self._reload_view()
         self.settings["ui.last_conversation"] = self.conversation.id if self.conversation else None
 
     def new_conversation(self) -> None:
         self.stop()
-        editing = self._finish_edit()
+        self._finish_edit()
         self.banner.hide()
         self.conversation = None
-        self.drafts.switch(None, keep=not editing)
+        self.drafts.switch(None)
         self._set_readout_idle()
         self._reload_view()
         self.input.edit.setFocus()
@@ -276,13 +279,13 @@ class ChatPage(QWidget):
         conv = self._ensure_conversation(text)
         if self._editing_id is not None:
             self.storage.delete_messages_from(conv.id, self._editing_id)
-            self._finish_edit()
             self._reload_view()
         self.banner.hide()
         if conv.title == "New chat" and not self.storage.messages(conv.id):
             self.storage.rename_conversation(conv.id, title_from(text))
             self.refresh_title()
         msg = self.storage.add_message(conv.id, "user", text)
+        self._finish_edit()  # sent (a failed save above leaves the edit and its text to send again)
         self.view.add_message(msg.id, "user", text, created_at=msg.created_at)
         self.conversations_changed.emit(conv.id)
         self._start_answer()
@@ -379,11 +382,9 @@ class ChatPage(QWidget):
             return
         conv = self.conversation
         before = self._chat_messages()[:-1]  # the answer itself becomes the prompt's end
-        params = {**self._sampling(), "context_policy": self.settings["chat.context_policy"],
-                  "conversation_id": conv.id}
         self.banner.hide()
         try:
-            self.session.resume(conv.id, msg, before, params,
+            self.session.resume(conv.id, msg, self._request(before),
                                 model=(self.client.model_info or {}).get("model") or self.settings["model.active"])
         except WRITE_ERRORS as exc:
             self.session.save_failed(exc, "Nothing was changed. Free some disk space, then try again.")
@@ -396,7 +397,15 @@ class ChatPage(QWidget):
         msg = self.storage.message(message_id)
         if msg is None or msg.role != "user":
             return
-        self._editing_id = message_id
+        box = self.input.edit.toPlainText()
+        if self._editing_id is not None and box != self._edit_original:
+            # the edit under way holds the user's words too: it is sent or cancelled first
+            self.banner.show_message("You are editing another message: send it or cancel that edit first.",
+                                     "info", "Cancel edit", self._cancel_edit)
+            return
+        if self._editing_id is None:
+            self._draft_before_edit = box  # the unsent draft comes back when the edit ends
+        self._editing_id, self._edit_original = message_id, msg.content
         self.input.edit.setPlainText(msg.content)
         self.input.edit.setFocus()
         self.banner.show_message("Editing a message: sending replaces it and every message after it.",
@@ -404,13 +413,17 @@ class ChatPage(QWidget):
 
     def _cancel_edit(self) -> None:
         self._finish_edit()
-        self.input.edit.clear()
         self.banner.hide()
 
-    def _finish_edit(self) -> bool:
-        """Leave edit mode; whether an edit was under way."""
-        editing, self._editing_id = self._editing_id is not None, None
-        return editing
+    def _finish_edit(self) -> None:
+        """Leave edit mode with the draft the edit set aside back in the box (the edit's own text
+        goes: sent, or cancelled)."""
+        if self._editing_id is None:
+            return
+        self._editing_id = self._edit_original = None
+        self.input.edit.setPlainText(self._draft_before_edit)
+        self.input.edit.moveCursor(QTextCursor.MoveOperation.End)
+        self._draft_before_edit = ""
 
     def stop(self) -> None:
         if self.input.cancel_waiting():
@@ -459,11 +472,14 @@ class ChatPage(QWidget):
         params.update({k: v for k, v in (self.conversation.sampling or {}).items() if k in params})
         return params
 
+    def _request(self, messages: list[dict]) -> ChatRequest:
+        """One answer's request: the chat's sampling values that are set, its context policy."""
+        return ChatRequest(messages, {k: v for k, v in self._sampling().items() if v is not None},
+                           self.settings["chat.context_policy"], self.conversation.id)
+
     def _start_answer(self, earlier: list[dict] | None = None) -> None:
         conv = self.conversation
-        params = {**self._sampling(), "context_policy": self.settings["chat.context_policy"],
-                  "conversation_id": conv.id}
-        self.session.start(conv.id, self._chat_messages(), params, earlier,
+        self.session.start(conv.id, self._request(self._chat_messages()), earlier,
                            model=(self.client.model_info or {}).get("model") or self.settings["model.active"])
         self.readout.setText("● Reading the prompt…  (Esc stops)")
 

@@ -14,11 +14,12 @@ and `save_problem` is said once until saving works again.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from app.storage import COMPLETE, FAILED, INTERRUPTED, STOPPED, STREAMING, WRITE_ERRORS, Storage
+from engine.runtime.chat_request import ChatRequest
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +109,8 @@ class ChatSession(QObject):
         return self.request is not None
 
     # -- the answer's life -----------------------------------------------------------------
-    def start(self, conversation_id: int, messages: list[dict], params: dict,
-              earlier: list[dict] | None = None, model: str = "") -> None:
+    def start(self, conversation_id: int, request: ChatRequest, earlier: list[dict] | None = None,
+              model: str = "") -> None:
         """Add the streaming answer and ask for it; a failed write raises (nothing was asked).
         `model` (the one answering) is kept with the answer, so it keeps its writer's name."""
         self.earlier = list(earlier or [])
@@ -122,12 +123,12 @@ class ChatSession(QObject):
         self.conversation_id = conversation_id
         self.stopping = self.stopped_before_text = False
         self.answer_started.emit(answer)
-        self.request = self.client.generate(messages, params)
+        self.request = self.client.generate(request)
         self.busy_changed.emit(True)
 
-    def resume(self, conversation_id: int, message, messages: list[dict], params: dict, model: str = "") -> None:
+    def resume(self, conversation_id: int, message, request: ChatRequest, model: str = "") -> None:
         """Continue `message` (a stopped or cut-off answer, the last of its chat) where it ended:
-        the new text is appended to it; `messages` are the ones before it."""
+        the new text is appended to it; `request.messages` are the ones before it."""
         old = dict(message.stats or {})
         self.earlier = [v for v in old.get("versions") or [] if isinstance(v, dict)]
         self.model = old.get("model") or model
@@ -136,7 +137,7 @@ class ChatSession(QObject):
         self.storage.update_message(message.id, status=STREAMING)
         self.stopping = self.stopped_before_text = False
         self.answer_started.emit(message)
-        self.request = self.client.generate(messages, {**params, "continue_text": message.content})
+        self.request = self.client.generate(replace(request, continue_text=message.content))
         self.busy_changed.emit(True)
 
     def stop(self) -> bool:

@@ -490,12 +490,9 @@ class EngineClient(QObject):
         self._load.emit(spec, {"mode": mode, "ctx": ctx, "vram_budget": vram_budget, "ram_budget": ram_budget,
                                "cpu_weights": cpu_weights})
 
-    def generate(self, messages: list[dict], params: dict) -> int:
-        """Start an answer; `params` are the chat's options (sampling values, `context_policy`,
-        `conversation_id`, `continue_text`), sent to the worker as one typed ChatRequest."""
-        from engine.runtime.chat_request import ChatRequest
-
-        request = ChatRequest.from_options(messages, params)
+    def generate(self, request) -> int:
+        """Start an answer to `request` (engine.runtime.chat_request.ChatRequest, built by the
+        chat); its id, which the token, stats and end signals carry."""
         self._next_request += 1
         self.current_request = self._next_request
         self._cancel = threading.Event()

@@ -34,6 +34,35 @@ def check_ffn_call(x: torch.Tensor, rows, activation: str, out_acts: torch.Tenso
         raise ValueError(f"out_acts: expected contiguous CPU fp32 [{k}]")
 
 
+def check_predicted_call(x: torch.Tensor, rows, activation: str, out_acts: torch.Tensor | None,
+                         pred_logits: torch.Tensor, row_ids: torch.Tensor | None) -> np.ndarray | None:
+    """A selection-by-logits call's arguments (`sparse_ffn_predicted`): those of `check_ffn_call`
+    with out_acts [n], pred_logits [n] or, with row_ids [n], the layer's; the row ids as int64."""
+    n = rows.n_neurons
+    check_ffn_call(x, rows, activation, out_acts, n)
+    ids = id_array("row_ids", row_ids) if row_ids is not None else None
+    if ids is not None and ids.shape[0] != n:
+        raise ValueError(f"row_ids: expected [{n}], got [{ids.shape[0]}]")
+    if pred_logits.dim() != 1 or (ids is None and pred_logits.shape[0] != n):
+        raise ValueError(f"pred_logits: expected [{n}] (or the layer's with row_ids), got {tuple(pred_logits.shape)}")
+    return ids
+
+
+def predicted_in_torch(ffn, pred_logits: torch.Tensor, ids: np.ndarray | None, pred_threshold: float,
+                       out_acts: torch.Tensor | None) -> torch.Tensor:
+    """Selection by logits without the kernels: the ids whose logit >= pred_threshold, then
+    `ffn(active, acts)` over them (the fallback's FFN by ids); out_acts [n] gets 0 elsewhere."""
+    logits = pred_logits.detach().to(device="cpu", dtype=torch.float32)
+    if ids is not None:
+        logits = logits[torch.from_numpy(ids)]
+    active = torch.nonzero(logits >= pred_threshold).squeeze(1)
+    acts = torch.empty(active.numel())
+    y = ffn(active, acts)
+    if out_acts is not None:
+        out_acts.zero_().index_copy_(0, active, acts)
+    return y
+
+
 class FfnRowsShape:
     """What `cpu.CpuFfnRows` and `cpu_q4.Q4FfnRows` share: neurons are rows of `up`
     (`gate` None when the FFN is ungated)."""

@@ -20,7 +20,14 @@ import torch
 from engine.cpu_formats import predictor_cpu_format
 from engine.kernels import host_memory
 from engine.kernels import numba_pool, reference
-from engine.kernels.call_args import FfnRowsShape, as_numpy, check_ffn_call, id_array
+from engine.kernels.call_args import (
+    FfnRowsShape,
+    as_numpy,
+    check_ffn_call,
+    check_predicted_call,
+    id_array,
+    predicted_in_torch,
+)
 from engine.kernels.cpu_quant import dequantize_rows_int8, quantize_rows_int8
 
 QUANTS = ("int8", "fp32")
@@ -189,25 +196,12 @@ def sparse_ffn_predicted(x: torch.Tensor, rows: CpuFfnRows, pred_logits: torch.T
     [n_neurons]: the activation of each row, 0 for rows not selected or not firing.
     """
     n = rows.n_neurons
-    check_ffn_call(x, rows, activation, out_acts, n)
-    ids = id_array("row_ids", row_ids) if row_ids is not None else None
-    if ids is not None and ids.shape[0] != n:
-        raise ValueError(f"row_ids: expected [{n}], got [{ids.shape[0]}]")
-    if pred_logits.dim() != 1 or (ids is None and pred_logits.shape[0] != n):
-        raise ValueError(f"pred_logits: expected [{n}] (or the layer's with row_ids), "
-                         f"got {tuple(pred_logits.shape)}")
+    ids = check_predicted_call(x, rows, activation, out_acts, pred_logits, row_ids)
     kern = _kernels("ffn_rows")
     if kern is None:
-        logits = pred_logits.detach().to(device="cpu", dtype=torch.float32)
-        if ids is not None:
-            logits = logits[torch.from_numpy(ids)]
-        active = torch.nonzero(logits >= pred_threshold).squeeze(1)
-        acts = torch.empty(active.numel())
-        y = reference.sparse_ffn(x, rows.gate, rows.up, rows.down_t, active, activation,
-                                 act_threshold, acts, scales=rows._scales())
-        if out_acts is not None:
-            out_acts.zero_().index_copy_(0, active, acts)
-        return y
+        return predicted_in_torch(lambda active, acts: reference.sparse_ffn(
+            x, rows.gate, rows.up, rows.down_t, active, activation, act_threshold, acts, scales=rows._scales()),
+            pred_logits, ids, pred_threshold, out_acts)
     pred = as_numpy(pred_logits, torch.float32)
     acts = out_acts.numpy() if out_acts is not None else np.empty(n, dtype=np.float32)
     return _launch(kern, x, rows, None, pred, ids, pred_threshold, activation, act_threshold, acts)

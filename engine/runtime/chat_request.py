@@ -3,13 +3,14 @@ place of a dict of options). Torch-free, so the window builds it on its own thre
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from engine.runtime.context_policy import POLICIES
 
 
 @dataclass(frozen=True)
 class ChatRequest:
+    """What the window's chat (ChatPage, ChatSession) hands the engine client for one answer."""
     messages: list[dict]
     sampling: dict = field(default_factory=dict)  # SamplingParams' fields that are set (None: the default)
     context_policy: str = "truncate"              # engine.runtime.context_policy.POLICIES
@@ -19,14 +20,6 @@ class ChatRequest:
     def __post_init__(self):
         if self.context_policy not in POLICIES:
             raise ValueError(f"context_policy must be one of {', '.join(POLICIES)}, not {self.context_policy!r}")
-
-    @classmethod
-    def from_options(cls, messages: list[dict], options: dict) -> "ChatRequest":
-        """From the window's options: the request's own keys, the rest sampling values."""
-        own = {f.name for f in fields(cls)} - {"messages", "sampling"}
-        options = dict(options)
-        kept = {k: options.pop(k) for k in list(options) if k in own}
-        return cls(list(messages), {k: v for k, v in options.items() if v is not None}, **kept)
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -135,7 +135,10 @@ class RemoteEngine:
     # --------------------------------------------------------------- generation
     def _body(self, prompt, params: SamplingParams) -> tuple[str, dict]:
         body: dict = {"model": self.model_id, "stream": True, "stream_options": {"include_usage": True},
-                      "max_tokens": params.max_new_tokens, "temperature": params.temperature,
+                      # vLLM refuses max_tokens beyond its context (max_model_len) with a 400; it
+                      # shortens one that only overruns with the prompt, as the answer then ends there
+                      "max_tokens": min(params.max_new_tokens, self.ctx) if self.ctx else params.max_new_tokens,
+                      "temperature": params.temperature,
                       "top_p": params.top_p}
         if params.seed is not None:
             body["seed"] = params.seed
