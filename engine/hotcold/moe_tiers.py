@@ -83,10 +83,16 @@ class MoeCounters:
 
 class _ExpertTier:
     """What both tiers share: `rows` maps an expert id to its rows held here (all of the
-    expert's neurons, or some: `neuron_ids` maps it to their sorted ids in the expert)."""
+    expert's neurons, or some: `neuron_ids` maps it to their sorted ids in the expert).
+    `epoch` is a new object at every change of them (the fused decode's prepared call
+    holds the rows' addresses: it is rebuilt when the epoch it was built at is gone)."""
 
     rows: dict
     neuron_ids: dict
+    epoch: object = None
+
+    def _changed(self) -> None:
+        self.epoch = object()
 
     def __contains__(self, e: int) -> bool:
         return e in self.rows
@@ -124,6 +130,7 @@ class HotExperts(_ExpertTier):
         return self.device.type == "cpu" and self.dtype == torch.float32
 
     def add(self, e: int, ids: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down_t: torch.Tensor) -> None:
+        self._changed()
         self.neuron_ids[e] = ids
         if self.on_cpu:
             rows = cpu_kernels.CpuFfnRows.from_dense(gate, up, down_t, quant="fp32")
@@ -134,6 +141,7 @@ class HotExperts(_ExpertTier):
 
     def pop(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(neuron ids, gate, up, down_t fp32 on the CPU) of expert e's rows here, removed."""
+        self._changed()
         self.cpu_rows.pop(e, None)
         return (self.neuron_ids.pop(e), *(t.to("cpu", torch.float32) for t in self.rows.pop(e)))
 
@@ -165,6 +173,7 @@ class ColdExperts(_ExpertTier):
 
     def add_rows(self, e: int, ids: torch.Tensor, rows) -> None:
         """Rows already in the CPU format (a stack's expert, or a selection of its rows)."""
+        self._changed()
         self.neuron_ids[e] = ids
         self.rows[e] = rows
 
@@ -180,6 +189,7 @@ class ColdExperts(_ExpertTier):
         return self.rows[e]
 
     def pop(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        self._changed()
         self.stack = None  # it no longer describes this tier
         rows = self.rows.pop(e)
         g, u, d = rows.dequantized()
@@ -297,7 +307,7 @@ def _read_through(t: torch.Tensor) -> int:
 _KERNEL_TOKENS = 8
 
 
-def _row_bytes(rows) -> int:
+def row_bytes(rows) -> int:
     """Bytes of one neuron's row in one matrix (with its scale for int8; whole 18-byte
     blocks for 4-bit rows)."""
     if rows.quant == COLD_INT4:
@@ -417,7 +427,7 @@ class TieredMoe:
                 # the gate rows of every (predicted) neuron; up and down rows of those that fired only
                 selected = rows.n_neurons if pred is None else int(
                     torch.count_nonzero((pred if ids is None else pred[ids]) >= ExpertPredictors.THRESHOLD))
-                counters.expert_bytes += (selected + 2 * fired) * _row_bytes(rows)
+                counters.expert_bytes += (selected + 2 * fired) * row_bytes(rows)
         counters.considered += self.num_experts * self.n_ff
         counters.computed = counters.computed + gpu_fired + cpu_fired
         counters.computed_hot = counters.computed_hot + gpu_fired + cpu_hot_fired
@@ -426,6 +436,22 @@ class TieredMoe:
         if y_gpu is None:
             return y_cpu.to(x.device, x.dtype)[None]
         return (y_gpu.float() + y_cpu.to(y_gpu.device)).to(x.dtype)[None]
+
+    def count_fused(self, experts: list[int], stats: np.ndarray, row_bytes: tuple[int, int]) -> None:
+        """The counters of one decode step the fused call computed (engine.runtime.fused_decode),
+        as `__call__` counts its own: `stats` int64 [k, 2 tiers (cold, hot), (rows selected, fired)],
+        `row_bytes` one neuron's row in one matrix per tier."""
+        counters = self.runtime.counters
+        if self._predicting():
+            counters.expert_bytes += sum(matrix_nbytes(m[e]) for e in experts
+                                         for m in (self.predictors.fc1, self.predictors.fc2))
+        fired = int(stats[:, :, 1].sum())
+        counters.expert_bytes += int(sum((stats[:, t, 0] + 2 * stats[:, t, 1]).sum() * row_bytes[t] for t in (0, 1)))
+        counters.considered += self.num_experts * self.n_ff
+        counters.computed = counters.computed + fired
+        counters.computed_hot = counters.computed_hot + int(stats[:, 1, 1].sum())
+        counters.experts_chosen += len(experts)
+        counters.experts_hot += sum(self.hot.neurons(e) for e in experts) / self.n_ff
 
     # ------------------------------------------------------------- many tokens
     def _part(self, xs: torch.Tensor, e: int, on_hot: bool, logits: torch.Tensor | None = None) -> torch.Tensor:
