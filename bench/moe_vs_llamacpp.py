@@ -188,7 +188,36 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
-def worker_ours(root: Path, cpu_weights: str, threads: int, tokens: int, seed: int) -> dict:
+def fused_ab(model, cache, sparse, start: int, tokens: list[int], block: int = 4) -> dict:
+    """The same process and minute, the fused decode (one compiled call per layer) against the
+    unfused path (THERMOCLINE_FUSED_DECODE=0), alternating in blocks of `block` tokens: median
+    ms per token of each."""
+    import torch
+
+    from engine.runtime import fused_decode
+
+    times: dict[str, list[float]] = {"fused": [], "unfused": []}
+    before = os.environ.get(fused_decode.FUSED_ENV)
+    try:
+        for b in range(0, len(tokens), block):
+            side = "fused" if (b // block) % 2 == 0 else "unfused"
+            os.environ[fused_decode.FUSED_ENV] = "1" if side == "fused" else "0"
+            for i, tok in enumerate(tokens[b:b + block], start=start + b):
+                sparse.at_token_boundary()
+                t = time.perf_counter()
+                model.forward(torch.tensor([tok]), i, cache)
+                times[side].append(time.perf_counter() - t)
+    finally:
+        if before is None:
+            os.environ.pop(fused_decode.FUSED_ENV, None)
+        else:
+            os.environ[fused_decode.FUSED_ENV] = before
+    fused = sum(layer.fused is not None and layer.fused.moe is not None for layer in model.layers)
+    return {"fused_ms_per_token": 1e3 * statistics.median(times["fused"]),
+            "unfused_ms_per_token": 1e3 * statistics.median(times["unfused"]), "fused_moe_layers": fused}
+
+
+def worker_ours(root: Path, cpu_weights: str, threads: int, tokens: int, seed: int, ab_tokens: int = 0) -> dict:
     """The engine's decode step (engine.Engine._generate's loop body) over the forced tokens."""
     import torch
 
@@ -237,6 +266,9 @@ def worker_ours(root: Path, cpu_weights: str, threads: int, tokens: int, seed: i
                                                      * engine.config.intermediate_size)
         out["prefetched_MB_per_token"] = c.prefetched_bytes / steps / 1e6
         out["prefetch_wait_ms_per_token"] = 1e3 * c.prefetch_wait_s / steps
+        if ab_tokens:
+            more = forced_tokens(ab_tokens, engine.config.vocab_size, seed + 1)
+            out.update(fused_ab(model, cache, sparse, len(PROMPT) + len(forced), more))
     return out
 
 
@@ -273,6 +305,8 @@ def main(argv=None) -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--path", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks the benchmark runs (CI)")
+    parser.add_argument("--fused-ab", type=int, default=0, metavar="N",
+                        help="after the timed decode, N more tokens alternating fused and unfused decode (ours)")
     args = parser.parse_args(argv)
     if args.worker:
         kind, _, fmt = args.worker.partition(":")
@@ -287,7 +321,7 @@ def main(argv=None) -> int:
         if kind == "llama":
             out = worker_llama(args.path, args.threads, args.tokens, args.seed)
         else:
-            out = worker_ours(args.path, fmt, args.threads, args.tokens, args.seed)
+            out = worker_ours(args.path, fmt, args.threads, args.tokens, args.seed, args.fused_ab)
         print(json.dumps(out))
         return 0
 
@@ -301,7 +335,10 @@ def main(argv=None) -> int:
     files, cfg = build(workdir, args.layers, args.vocab, args.seed, args.smoke, quantize=llama_skipped is None)
     build_s = time.perf_counter() - t0
     pairs = [p.split(":") for p in args.pairs.split(",")]
-    common = ["--threads", str(args.threads), "--tokens", str(args.tokens), "--seed", str(args.seed)]
+    if args.smoke:
+        args.fused_ab = args.fused_ab and 8
+    common = ["--threads", str(args.threads), "--tokens", str(args.tokens), "--seed", str(args.seed),
+              "--fused-ab", str(args.fused_ab)]
     runs: dict[str, list[dict]] = {}
     for ours in sorted({p[0].partition("+")[0] for p in pairs} - {"dense"}):
         spawn(["--worker", f"prepare:{ours}", "--path", str(files["hf"]), *common])
@@ -337,6 +374,12 @@ def main(argv=None) -> int:
             result[f"{ours}_chosen_experts_whole_MB"] = round(whole / 1e6, 3)
             result[f"{ours}_second_level_saving"] = round(1 - read / whole, 4)
             result[f"{ours}_fired_share_in_chosen"] = round(med(a, "fired_share_in_chosen"), 4)
+            if args.fused_ab:
+                for key in ("fused_ms_per_token", "unfused_ms_per_token"):
+                    result[f"{ours}_{key}"] = round(med(a, key), 3)
+                result[f"{ours}_fused_speedup_in_process"] = round(med(a, "unfused_ms_per_token")
+                                                                   / med(a, "fused_ms_per_token"), 3)
+                result[f"{ours}_fused_moe_layers"] = runs[a][0]["fused_moe_layers"]
             if ours.endswith("+prefetch"):
                 result[f"{ours}_prefetched_MB_per_token"] = round(med(a, "prefetched_MB_per_token"), 3)
                 result[f"{ours}_prefetch_wait_ms_per_token"] = round(med(a, "prefetch_wait_ms_per_token"), 3)

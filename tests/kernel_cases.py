@@ -35,6 +35,11 @@ Ops:
 - `down_proj`: Triton's down projection alone (80% of the activations 0, `length` row splits,
   0: from the machine), which must also give the same bits on a second run (fixed-order sum).
 - `predictor`: fc2 @ relu(fc1 @ x) (`length` the rank).
+- `moe_ffn`: a mixture's FFN for one token (`decode_layer.moe_ffn`, the fused MoE decode's):
+  the router's top-k (`length`) of `kv_heads` experts, softmax or sigmoid weights, each chosen
+  expert's ReGLU or dReLU rows in a CPU format with some experts split (a third of their
+  neurons as fp32 hot rows), with per-expert predictors (`fraction` < 1) or without; the
+  reference routes, selects and sums in fp64 over the rows as held; a second run gives the same bits.
 Backends include Triton under each launch configuration the tests exercise (small tiles packed
 and masked, tiny tiles: the loops' bookkeeping), besides its defaults.
 
@@ -92,6 +97,8 @@ class KernelCase:
             return f"down-{self.weights}-{self.n}x{self.d}-splits{self.length or 'auto'}"
         if self.op == "predictor":
             return f"predictor-{self.weights}-{self.d}r{self.length}n{self.n}"
+        if self.op == "moe_ffn":
+            return f"moe-{self.activation}-{self.weights}-{self.kv_heads}x{self.n}x{self.d}-k{self.length}-{self.fraction:g}"
         op = {"sparse_ffn": "", "sparse_ffn_predicted": "predicted-", "sparse_ffn_batch": f"batch{self.length}-",
               "sparse_ffn_tokens": f"tokens{self.length}-"}[self.op]
         return (f"{op}{self.activation}-{'gated' if self.gated else 'ungated'}-{self.weights}-"
@@ -182,6 +189,12 @@ CASES = [
     # the predictor, fc2 @ relu(fc1 @ x)
     KernelCase("", False, weights, n, d, 1.0, 2e-5, op="predictor", length=rank)
     for (d, rank, n), weights in product(((64, 16, 128), (130, 48, 200)), ("fp16", "bf16"))
+] + [
+    # a mixture's FFN (n neurons an expert, d, kv_heads experts, top-`length`); fraction 0.5: predictors
+    KernelCase(act, True, weights, n, d, fraction, 1e-5, op="moe_ffn", kv_heads=experts, length=k)
+    for weights in ("fp32", "int8", "int4")
+    for act, n, d, experts, k, fraction in (("relu", 64, 256, 8, 2, 1.0), ("drelu", 48, 96, 4, 2, 0.5),
+                                            ("relu", 100, 130, 6, 3, 1.0), ("drelu", 96, 256, 8, 4, 0.5))
 ]
 
 
@@ -465,8 +478,76 @@ def _decode_linear_q4_1(case: KernelCase, numba: bool) -> Prepared:
     return Prepared(run, (), reference)
 
 
+def _moe_ffn(case: KernelCase, numba: bool) -> Prepared:
+    """A mixture's FFN for one token through the fused decode's kernel (`decode_layer.moe_ffn`),
+    its tiers built by the engine's own classes: odd experts split, every third neuron hot (fp32)."""
+    import numpy as np
+
+    from engine.hotcold.moe_tiers import ColdExperts, HotExperts, TieredMoe, split_expert
+    from engine.kernels import numba_pool
+    from engine.model.moe import ExpertPredictors
+    from engine.runtime import fused_decode
+
+    experts, n, d, k = case.kv_heads, case.n, case.d, case.length
+    softmax, predicted = case.activation == "drelu", case.fraction < 1  # Mixtral's softmax; SmallThinker's sigmoid
+    g = torch.Generator().manual_seed(experts * 100 + n + d)
+    gate, up = (torch.randn(experts, n, d, generator=g) * d ** -0.5 for _ in range(2))
+    down_t = torch.randn(experts, n, d, generator=g)
+    router = torch.randn(experts, d, generator=g) * d ** -0.5 * 3
+    route_x, hm = torch.randn(d, generator=g), torch.randn(d, generator=g)
+    rank = 16
+    fc1 = [torch.randn(rank, d, generator=g) * d ** -0.5 for _ in range(experts)]
+    fc2 = [torch.randn(n, rank, generator=g) * rank ** -0.5 for _ in range(experts)]
+    hot, cold = HotExperts(torch.device("cpu"), torch.float32), ColdExperts(case.weights)
+    for e in range(experts):
+        split_expert(e, np.arange(0, n, 3) if e % 2 else np.empty(0, dtype=np.int64), gate[e], up[e], down_t[e],
+                     hot, cold)
+
+    class _Runtime:  # what TieredMoe reads of its runtime here: the mode
+        mode, scoring_mode = "sparse", None
+
+    ffn = TieredMoe(0, experts, n, hot, cold, _Runtime(), case.activation,
+                    ExpertPredictors(fc1, fc2) if predicted else None)
+    dl = fused_decode.module()
+    args, out = fused_decode.moe_ffn_args(dl, ffn, router, k, softmax)
+
+    def run():
+        with numba_pool.lock:
+            y = dl.moe_ffn(route_x.numpy(), hm.numpy(), numba_pool.use_threads(numba_pool.module()), *args,
+                           out.chosen, out.weights, out.stats)
+        return torch.from_numpy(y)
+
+    def reference():
+        logits = router.double() @ route_x.double()
+        top, chosen = torch.topk(logits, k)
+        w = torch.softmax(top, 0) if softmax else torch.sigmoid(top) / torch.sigmoid(top).sum()
+        q8 = case.weights == "int4"  # the 4-bit rows' kernel rounds its input to Q8_0 blocks
+        y = torch.zeros(d, dtype=torch.float64)
+        scale = torch.zeros(d, dtype=torch.float64)
+        for e, we in zip(chosen.tolist(), w.tolist()):
+            for tier, on_hot in ((cold, False), (hot, True)):
+                if e not in tier:
+                    continue
+                ids = tier.neuron_ids[e]
+                g_, u_, dn = (t.double() for t in (hot.cpu_rows[e] if on_hot else cold.rows[e]).dequantized())
+                xs = hm.double() if on_hot or not q8 else as_q8(hm[None])[0]
+                u = F.linear(xs, u_)
+                if case.activation == "drelu":
+                    u = torch.relu(u)
+                a = torch.relu(F.linear(xs, g_)) * u
+                if predicted:
+                    sel = (fc2[e].double() @ torch.relu(fc1[e].double() @ hm.double()))[ids] >= 0.0
+                    a = torch.where(sel, a, torch.zeros_like(a))
+                y += we * (a @ dn)
+                scale += we * (a.abs() @ dn.abs())
+        assert out.chosen.tolist() == chosen.tolist()  # the same experts, best first
+        return y, float(scale.max()) + 1e-12
+
+    return Prepared(run, (), reference, repeat=True)
+
+
 _OPS = {"matvec": _matvec, "decode_attention": _decode_attention, "matmul_q4": _matmul_q4,
-        "matmul_int8": _matmul_int8, "decode_linear_q4_1": _decode_linear_q4_1}
+        "matmul_int8": _matmul_int8, "decode_linear_q4_1": _decode_linear_q4_1, "moe_ffn": _moe_ffn}
 
 
 def _cpu(case: KernelCase, layer: Layer) -> Prepared:
@@ -721,6 +802,12 @@ def dense_kernels_for_every_size():
         yield
 
 
+def _fused_available() -> bool:
+    from engine.runtime import fused_decode
+
+    return _int8_activations_available() and fused_decode.module() is not None
+
+
 def _triton_available() -> bool:
     try:
         from engine.kernels.triton_ffn import available
@@ -764,6 +851,8 @@ _CPU_FFN_OPS = tuple(_CPU_FFN)
 BACKENDS = {
     "numba": Backend("numba", ("fp32", "int8", "int4"), _numba_available, _cpu, dense_kernels_for_every_size,
                      ops={"matvec": None, "decode_attention": None}, ffn_ops=_CPU_FFN_OPS),
+    # the fused decode's kernels (AVX2: their int8 x 4-bit products), with int8 activations for 4-bit rows
+    "numba-fused": Backend("numba-fused", (), _fused_available, _cpu, ops={"moe_ffn": None}),
     "numba-int8act": Backend("numba-int8act", ("int4",), _int8_activations_available, _cpu,
                              ops={"matmul_q4": None, "matmul_int8": None, "matvec": ("int4",),
                                   "decode_linear_q4_1": None},

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from bench import llama_cpp_missing
+from engine.runtime import fused_decode
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,9 +73,13 @@ def test_smollm2_vs_llamacpp(tmp_path):
 
 
 def test_moe_vs_llamacpp(tmp_path):
-    report = run_bench("moe_vs_llamacpp", "--smoke", "--json", "--pairs", "int4:Q4_0", "--workdir", str(tmp_path))
+    report = run_bench("moe_vs_llamacpp", "--smoke", "--json", "--pairs", "int4:Q4_0", "--workdir", str(tmp_path),
+                       "--fused-ab", "8")
     assert report["llama_cpp_skipped"] == LLAMA_MISSING
     assert report["decode_tok_s"]["ours_int4"] > 0
+    # the in-process A/B ran both paths, every mixture layer fused (where the fused decode runs)
+    assert report["int4_fused_ms_per_token"] > 0 and report["int4_unfused_ms_per_token"] > 0
+    assert report["int4_fused_moe_layers"] == (2 if fused_decode.module() is not None else 0)
     assert 0 < report["int4_fired_share_in_chosen"] < 1
     # the measured loads are second loads: the experts mapped from the MoE prepared file
     assert report["int4_prepared"] and report["int4_ttft_s"] > 0 and report["int4_load_rss_over_placed"] > 0

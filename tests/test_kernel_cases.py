@@ -28,7 +28,7 @@ def test_the_table_covers_every_activation_format_and_a_real_selection():
     assert {c.weights for c in ffn} == {"fp32", "int8", "int4", "fp16", "bf16"}
     assert {c.op for c in CASES} == {"sparse_ffn", "sparse_ffn_predicted", "sparse_ffn_batch", "sparse_ffn_tokens",
                                      "matvec", "matmul_q4", "matmul_int8", "decode_attention", "down_proj",
-                                     "predictor", "decode_linear_q4_1"}
+                                     "predictor", "decode_linear_q4_1", "moe_ffn"}
     assert {c.route for c in CASES if c.op == "sparse_ffn_predicted"} == {"logits", "row-ids"}
     assert {c.route for c in CASES if c.op == "sparse_ffn_tokens"} == {"union", "per_token"}
     for name, backend in BACKENDS.items():
@@ -84,6 +84,26 @@ def test_an_exact_row_fails_on_a_difference_of_one_bit(monkeypatch):
     real = cpu_q4.matvec_q4
     monkeypatch.setattr(cpu_q4, "matvec_q4", lambda x, q, cols: torch.nextafter(real(x, q, cols), torch.tensor(1e9)))
     assert check(case, backend) > 0
+
+
+def test_a_mixture_missing_its_hot_rows_fails_the_check(monkeypatch):
+    """The mixture's check can fail: an expert table that leaves out the split experts' hot rows."""
+    from engine.runtime import fused_decode
+
+    if not BACKENDS["numba-fused"].available():
+        pytest.skip("the fused decode does not run here")
+    case = next(c for c in CASES if c.op == "moe_ffn" and c.weights == "int8")
+    real = fused_decode.moe_ffn_args
+
+    def without_hot_rows(*a, **k):
+        args, out = real(*a, **k)
+        table = args[-1].copy()
+        table[1] = 0
+        return (*args[:-1], table), out
+
+    assert check(case, BACKENDS["numba-fused"]) <= case.tol
+    monkeypatch.setattr(fused_decode, "moe_ffn_args", without_hot_rows)
+    assert check(case, BACKENDS["numba-fused"]) > case.tol
 
 
 def test_a_wrong_attention_result_fails_the_check(monkeypatch):

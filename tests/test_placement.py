@@ -94,7 +94,7 @@ def test_disk_tier_below_the_cpu_part():
     resident = full.resident_ram_bytes - p.embed_cpu
     slot = p.neuron_cpu - INDEX_BYTES + SLOT_META_BYTES
     assert p.read_buffers == buffer_bytes(bundle_size(slot - SLOT_META_BYTES), 688) > 0  # the reader's buffers count with the cache
-    maps = 6 * 688 * INDEX_BYTES + p.read_buffers
+    maps = (6 * 688 + 688) * INDEX_BYTES + p.read_buffers  # slot maps, and a layer's padded predictor ids
     least = resident + maps + min_cache_neurons(p) * slot
     assert solve(p, 0, least).verdict == "runs from disk"
     below = solve(p, 0, least - 1)
@@ -140,7 +140,7 @@ def test_a_mixture_runs_from_disk_by_expert_and_by_neuron():
         assert p.disk_tier and p.embed_disk  # a tied head gets its own 4-bit copy: the embeddings may go to disk
         full = solve(p, 0, 1 << 40)
         slot = p.neuron_cpu - INDEX_BYTES + SLOT_META_BYTES
-        least = full.resident_ram_bytes - p.embed_cpu + 2 * E * n * INDEX_BYTES + p.read_buffers + n * slot
+        least = full.resident_ram_bytes - p.embed_cpu + (2 * E * n + n) * INDEX_BYTES + p.read_buffers + n * slot
         assert min_cache_neurons(p) == n and solve(p, 0, least).verdict == "runs from disk"
         assert not solve(p, 0, least - 1).fits and solve(p, 0, least - 1).min_ram_bytes == least
         plan = solve(p, 0, least + 3 * n * slot)  # four experts' worth of slots

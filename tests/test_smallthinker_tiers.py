@@ -358,7 +358,7 @@ def test_decode_bytes_are_the_chosen_experts_fired_rows_and_no_more(model, quant
     layer's input), which is at most the k chosen experts whole; the dense parts read are
     attention, router and norms. Nothing else is read per layer."""
     from engine.kernels import cpu_q4, q4_format
-    from engine.hotcold.moe_tiers import _row_bytes
+    from engine.hotcold.moe_tiers import row_bytes
 
     # fp32 activations, so the neurons recounted here from x fire exactly where the kernel's do
     # (8-bit activation rounding can flip a gate that is within a rounding step of zero).
@@ -388,8 +388,8 @@ def test_decode_bytes_are_the_chosen_experts_fired_rows_and_no_more(model, quant
             if quant == "int4":  # the kernel reads x padded to whole blocks: same sums
                 xe = q4_format.padded(xe, rows.dim)[: rows.dim]
             fired = int(((torch.relu(g @ xe) * (u @ xe)) != 0).sum())
-            expected += (cfg.intermediate_size + 2 * fired) * _row_bytes(rows)
-            whole += 3 * cfg.intermediate_size * _row_bytes(rows)
+            expected += (cfg.intermediate_size + 2 * fired) * row_bytes(rows)
+            whole += 3 * cfg.intermediate_size * row_bytes(rows)
     assert read == expected
     assert 0 < read < whole  # ReGLU zeros cut the bytes below the chosen experts whole
 

@@ -28,6 +28,7 @@ the experts whose hot neurons change, at the next token boundary during a genera
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import queue
@@ -41,7 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.errors import UserError
+from engine.errors import BudgetError, UserError
 from engine.kernels import cpu as cpu_kernels
 from engine.kernels import cpu_q4, numba_pool, q4_format, q4_rows
 from engine.loading.loader import compute_dtype, load_transformer
@@ -50,8 +51,9 @@ from engine.model.expert_stack import FORMATS as STACK_FORMATS, ExpertStack
 from engine.model.moe import DenseMoe, ExpertPredictors, Routing, experts_by_token, reglu
 from engine.hotcold.placement import COLD_INT4, COLD_INT8, INDEX_BYTES
 from engine.kernels.quantized import QuantMatrix, matrix_nbytes, quantize_matrix
-from engine.hotcold.sparse import SparseParts, SparseRuntime, _prepared_dense, _write_prepared_dense
+from engine.hotcold.sparse import SparseParts, SparseRuntime, _map_embeddings, _prepared_dense, _write_prepared_dense
 from engine.hotcold.sparse_moves import cold_rows_from_dense
+from engine.hotcold.neuron_cache import SlotRows
 from engine.hotcold.sparse_solve import default_budgets, pick_fast_device, problem_for_model
 from engine.loading.weights import WeightSource
 
@@ -81,10 +83,16 @@ class MoeCounters:
 
 class _ExpertTier:
     """What both tiers share: `rows` maps an expert id to its rows held here (all of the
-    expert's neurons, or some: `neuron_ids` maps it to their sorted ids in the expert)."""
+    expert's neurons, or some: `neuron_ids` maps it to their sorted ids in the expert).
+    `epoch` is a new object at every change of them (the fused decode's prepared call
+    holds the rows' addresses: it is rebuilt when the epoch it was built at is gone)."""
 
     rows: dict
     neuron_ids: dict
+    epoch: object = None
+
+    def _changed(self) -> None:
+        self.epoch = object()
 
     def __contains__(self, e: int) -> bool:
         return e in self.rows
@@ -122,6 +130,7 @@ class HotExperts(_ExpertTier):
         return self.device.type == "cpu" and self.dtype == torch.float32
 
     def add(self, e: int, ids: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down_t: torch.Tensor) -> None:
+        self._changed()
         self.neuron_ids[e] = ids
         if self.on_cpu:
             rows = cpu_kernels.CpuFfnRows.from_dense(gate, up, down_t, quant="fp32")
@@ -132,6 +141,7 @@ class HotExperts(_ExpertTier):
 
     def pop(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(neuron ids, gate, up, down_t fp32 on the CPU) of expert e's rows here, removed."""
+        self._changed()
         self.cpu_rows.pop(e, None)
         return (self.neuron_ids.pop(e), *(t.to("cpu", torch.float32) for t in self.rows.pop(e)))
 
@@ -163,6 +173,7 @@ class ColdExperts(_ExpertTier):
 
     def add_rows(self, e: int, ids: torch.Tensor, rows) -> None:
         """Rows already in the CPU format (a stack's expert, or a selection of its rows)."""
+        self._changed()
         self.neuron_ids[e] = ids
         self.rows[e] = rows
 
@@ -173,7 +184,12 @@ class ColdExperts(_ExpertTier):
             self.add_rows(e, torch.arange(n), stack.expert(e))
         self.stack = stack
 
+    def resident(self, e: int, pred_logits: torch.Tensor | None = None):
+        """Expert e's rows for the kernel (held here; the disk tier's reads them first)."""
+        return self.rows[e]
+
     def pop(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        self._changed()
         self.stack = None  # it no longer describes this tier
         rows = self.rows.pop(e)
         g, u, d = rows.dequantized()
@@ -291,7 +307,7 @@ def _read_through(t: torch.Tensor) -> int:
 _KERNEL_TOKENS = 8
 
 
-def _row_bytes(rows) -> int:
+def row_bytes(rows) -> int:
     """Bytes of one neuron's row in one matrix (with its scale for int8; whole 18-byte
     blocks for 4-bit rows)."""
     if rows.quant == COLD_INT4:
@@ -304,7 +320,11 @@ def _sparse_ffn(x: torch.Tensor, rows, out_acts: torch.Tensor | None = None, act
     """One expert on one token with the CPU kernel of its row format (relu on the gate:
     the up and down rows of a neuron whose gate is 0 are not read). With `pred_logits`
     (the expert's predictor, fp32 [n]; `row_ids` the expert's neurons these rows hold, None
-    for all of them) only the predicted neurons' rows are read at all."""
+    for all of them) only the predicted neurons' rows are read at all. `rows` may be the
+    disk tier's SlotRows (engine.hotcold.moe_disk): the same kernel over the cache's slots."""
+    if isinstance(rows, SlotRows):
+        acts = torch.empty(rows.n_neurons, dtype=torch.float32) if out_acts is None else out_acts
+        return rows.ffn(x, acts, activation, pred_logits, ExpertPredictors.THRESHOLD)
     q4 = rows.quant == COLD_INT4
     if pred_logits is None:
         kernel = cpu_q4.sparse_ffn if q4 else cpu_kernels.sparse_ffn
@@ -355,7 +375,7 @@ class TieredMoe:
         prefetcher = self.runtime.prefetcher
         if prefetcher is None or routing.experts.shape[0] != 1:
             return
-        rows = [self.cold.rows[e] for e in routing.experts[0].tolist() if e in self.cold]
+        rows = [self.cold.rows[e] for e in routing.experts[0].tolist() if e in self.cold.rows]  # none on disk
         if rows:
             prefetcher.start(rows)
 
@@ -393,7 +413,7 @@ class TieredMoe:
         if self.runtime.prefetcher is not None:  # reads started before attention end first
             self.runtime.prefetcher.wait(counters)
         for e, w in zip(experts, weights):
-            parts = [(cold.rows[e], False)] if e in cold else []
+            parts = [(cold.resident(e, logits.get(e)), False)] if e in cold else []
             if e in hot and hot.on_cpu:
                 parts.append((hot.cpu_rows[e], True))
             for rows, is_hot in parts:
@@ -407,7 +427,7 @@ class TieredMoe:
                 # the gate rows of every (predicted) neuron; up and down rows of those that fired only
                 selected = rows.n_neurons if pred is None else int(
                     torch.count_nonzero((pred if ids is None else pred[ids]) >= ExpertPredictors.THRESHOLD))
-                counters.expert_bytes += (selected + 2 * fired) * _row_bytes(rows)
+                counters.expert_bytes += (selected + 2 * fired) * row_bytes(rows)
         counters.considered += self.num_experts * self.n_ff
         counters.computed = counters.computed + gpu_fired + cpu_fired
         counters.computed_hot = counters.computed_hot + gpu_fired + cpu_hot_fired
@@ -416,6 +436,22 @@ class TieredMoe:
         if y_gpu is None:
             return y_cpu.to(x.device, x.dtype)[None]
         return (y_gpu.float() + y_cpu.to(y_gpu.device)).to(x.dtype)[None]
+
+    def count_fused(self, experts: list[int], stats: np.ndarray, row_bytes: tuple[int, int]) -> None:
+        """The counters of one decode step the fused call computed (engine.runtime.fused_decode),
+        as `__call__` counts its own: `stats` int64 [k, 2 tiers (cold, hot), (rows selected, fired)],
+        `row_bytes` one neuron's row in one matrix per tier."""
+        counters = self.runtime.counters
+        if self._predicting():
+            counters.expert_bytes += sum(matrix_nbytes(m[e]) for e in experts
+                                         for m in (self.predictors.fc1, self.predictors.fc2))
+        fired = int(stats[:, :, 1].sum())
+        counters.expert_bytes += int(sum((stats[:, t, 0] + 2 * stats[:, t, 1]).sum() * row_bytes[t] for t in (0, 1)))
+        counters.considered += self.num_experts * self.n_ff
+        counters.computed = counters.computed + fired
+        counters.computed_hot = counters.computed_hot + int(stats[:, 1, 1].sum())
+        counters.experts_chosen += len(experts)
+        counters.experts_hot += sum(self.hot.neurons(e) for e in experts) / self.n_ff
 
     # ------------------------------------------------------------- many tokens
     def _part(self, xs: torch.Tensor, e: int, on_hot: bool, logits: torch.Tensor | None = None) -> torch.Tensor:
@@ -430,9 +466,10 @@ class TieredMoe:
             gate, up, down_t = self.hot.rows[e]
             return reglu(xs.to(gate.device, gate.dtype), gate, up, down_t, self.activation,
                          None if mask is None else mask.to(gate.device)).float().to(xs.device)
-        rows = self.hot.cpu_rows[e] if on_hot else self.cold.rows[e]
+        rows = self.hot.cpu_rows[e] if on_hot else self.cold.resident(e, logits)
         xc = xs.to("cpu", torch.float32)
-        if len(xs) <= _KERNEL_TOKENS and (rows.quant == COLD_INT4 or logits is not None):
+        on_disk = isinstance(rows, SlotRows)  # the cache's slots: the decode's kernel, token by token
+        if on_disk or (len(xs) <= _KERNEL_TOKENS and (rows.quant == COLD_INT4 or logits is not None)):
             # no batched 4-bit or predicted kernel: token by token
             y = torch.stack([_sparse_ffn(xc[t], rows, None, self.activation,
                                          None if logits is None else logits[t].to("cpu"), ids)
@@ -512,6 +549,32 @@ class MoeRuntime(SparseRuntime):
         """Stop the prefetch thread (the engine is closing)."""
         self.set_prefetch(False)
         super().close()
+
+    def reads_from_disk(self) -> bool:
+        """Whether this load can keep its experts' cold rows on disk: int8/int4 experts with a
+        MoE prepared file (once loaded, one it mapped or wrote)."""
+        from engine.loading import prepared
+
+        return (self.model_dir is not None and self.cpu_weights in prepared.FORMATS and prepared.enabled()
+                and not prepared.is_bundled(self.model_dir)
+                and (self.model is None or self.prepared_experts is not None))
+
+    def to_disk(self, plan) -> None:
+        """Cold experts onto the disk tier (at load, or a slider move below them between
+        tokens): the neuron cache over (layer, expert) groups (engine.hotcold.moe_disk)."""
+        from engine.hotcold import moe_disk
+
+        from engine.hotcold.sparse import _drop_file_pages
+        from engine.loading.prepared_moe import PreparedExperts
+
+        if self.prepared_experts is None:
+            raise BudgetError("the experts' prepared file could not be written: this RAM budget needs it; "
+                              "raise the RAM budget to hold every expert")
+        path = self.prepared_experts.path
+        self.prepared_experts = PreparedExperts(path)  # a fresh map: the old one goes with the cold tiers' views
+        moe_disk.attach(self, self.model, self.prepared_experts, plan)
+        gc.collect()
+        _drop_file_pages(path)  # the pages an in-RAM run read through the old map (charged to a cgroup)
 
     def begin_generation(self) -> None:
         self.counters = MoeCounters()
@@ -676,6 +739,10 @@ def load_moe(model_dir, config, mode: str, ctx: int, vram_budget: int | None, ra
     runtime.prepared_dense = dense_file
     if dense_file is None and runtime.prepared_experts is not None:
         _write_prepared_dense(model_dir, cpu_weights, runtime, progress)
+    if plan.disk_neurons:  # the experts' cold rows beyond the cache stay in the file (engine.hotcold.moe_disk)
+        runtime.to_disk(plan)
+    if plan.embed_on_disk:
+        _map_embeddings(runtime, Path(model_dir), cpu_weights)
     return SparseParts(model, runtime, layer_devices, [compute_dtype(d, storage) for d in layer_devices])
 
 

@@ -107,18 +107,22 @@ class BundleLayout:
 
 def layout_of(prepared, layers: int) -> BundleLayout:
     """The bundle layout of a prepared file's FFN rows: gate, up, down_t (and an int8 tier's
-    scales), in that order, as the file stores them per layer."""
-    names = ["gate", "up", "down_t"] if "layers.0.gate" in prepared.header else ["up", "down_t"]
+    scales), in that order, as the file stores them per layer. A mixture's file
+    (engine.loading.prepared_moe) stacks its experts' rows [E, n, ...]: its bundles are the
+    units e * n + j of the placement, neuron j of expert e."""
+    prefix = "experts." if "layers.0.experts.gate" in prepared.header else ""
+    names = ["gate", "up", "down_t"] if f"layers.0.{prefix}gate" in prepared.header else ["up", "down_t"]
     if prepared.fmt == "int8":
         names += [f"{n}_scale" for n in names]
     parts, n = [], None
     for name in names:
-        entry = prepared.header[f"layers.0.{name}"]
+        entry = prepared.header[f"layers.0.{prefix}{name}"]
         shape = entry["shape"]
-        width = shape[1] if len(shape) > 1 else 1
+        scale = entry["dtype"] == "F32"  # one per row: [n] or [E, n]
+        width = 1 if scale else shape[-1]
         size = {"U8": 1, "I8": 1, "F32": 4}[entry["dtype"]]
-        parts.append((name, width * size, entry["dtype"], width))
-        n = shape[0]
+        parts.append((prefix + name, width * size, entry["dtype"], width))
+        n = int(np.prod(shape if scale else shape[:-1]))
     return BundleLayout(parts, layers, n)
 
 

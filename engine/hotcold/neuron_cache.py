@@ -71,11 +71,19 @@ def min_cache_neurons_of(cold_ids: list[np.ndarray]) -> int:
 
 
 class NeuronCache:
-    """One pool of neuron slots for every layer's cold rows (see the module's docstring)."""
+    """One pool of neuron slots for every group's cold rows (see the module's docstring). A
+    group is a layer (a dense FFN), or one expert of a layer (a mixture: `group_layer` says
+    whose bundles its ids are, `working` is one expert); its `cold_ids` are the bundles'
+    ids in that layer (neurons, or a mixture's units e * n + j), sorted; a group's positions
+    index them."""
 
-    def __init__(self, fmt: str, reader: BundleReader, cold_ids: list[np.ndarray], capacity: int, d: int):
+    def __init__(self, fmt: str, reader: BundleReader, cold_ids: list[np.ndarray], capacity: int, d: int,
+                 group_layer: list[int] | None = None, working: int | None = None):
         self.fmt, self.reader, self.d = fmt, reader, d
         self.cold_ids = [np.asarray(ids, dtype=np.int64) for ids in cold_ids]
+        self.group_layer = list(range(len(cold_ids))) if group_layer is None else list(group_layer)
+        self.working = min_cache_neurons_of(self.cold_ids) if working is None else int(working)
+        self.largest = max((len(ids) for ids in self.cold_ids), default=0)
         self.slot_of = [np.full(len(ids), -1, dtype=np.int64) for ids in self.cold_ids]
         # layers computed chunk by chunk (the same bits), and rounds of a chunk beyond the cache (not)
         self.hits = self.misses = self.chunk_rounds = self.overflow_rounds = 0
@@ -116,14 +124,8 @@ class NeuronCache:
             gate, up, down = (q[0], q[1], q[2]) if k == 3 else (None, q[0], q[1])
             gs, us, ds = (s[0], s[1], s[2]) if k == 3 else (None, s[0], s[1])
             self.rows = cpu_kernels.CpuFfnRows(gate, up, down, gs, us, ds, quant="int8")
-        total = max(len(ids) for ids in self.cold_ids) if self.cold_ids else 0
-        self._pred_ids = [self._padded(ids, max(total, self.capacity)) for ids in self.cold_ids]
-
-    @staticmethod
-    def _padded(ids: np.ndarray, n: int) -> np.ndarray:
-        out = np.zeros(n, dtype=np.int64)  # the kernels check n predictor ids (n = the pool's rows)
-        out[:len(ids)] = ids
-        return out
+        # a call's predictor ids, padded: the kernels check as many as the pool has rows
+        self._pred_scratch = np.zeros(self.capacity + self.largest, dtype=np.int64)
 
     @property
     def slot_bytes(self) -> int:
@@ -134,15 +136,15 @@ class NeuronCache:
         """Bytes the cache holds: its slots (rows and bookkeeping), every cold neuron's slot map,
         and the most its reader's buffers hold."""
         return (sum(a.nbytes for a in self.pool) + self.slot_layer.nbytes + self.slot_pos.nbytes
-                + self.count.nbytes + self.pinned.nbytes + sum(m.nbytes for m in self.slot_of)
-                + self.reader.buffer_bytes)
+                + self.count.nbytes + self.pinned.nbytes + self._pred_scratch.nbytes
+                + sum(m.nbytes for m in self.slot_of) + self.reader.buffer_bytes)
 
     def used(self) -> int:
         return int((self.slot_layer >= 0).sum())
 
     # ------------------------------------------------------------------ filling
     def seed(self, frequencies: list[np.ndarray]) -> None:
-        """The most frequent cold neurons (frequencies per layer, aligned with cold_ids), the
+        """The most frequent cold neurons (frequencies per group, aligned with cold_ids), the
         ones firing on PIN_FREQUENCY of tokens pinned (at most half the slots)."""
         flat = np.concatenate(frequencies) if frequencies else np.empty(0)
         take = min(self.capacity, flat.size)
@@ -150,21 +152,21 @@ class NeuronCache:
             return
         order = np.argsort(-flat, kind="stable")[:take]
         bounds = np.cumsum([0] + [len(f) for f in frequencies])
-        working = min_cache_neurons_of(self.cold_ids)  # never pinned: a token's misses go there
-        pin_left = max(0, min(self.capacity // 2, self.capacity - working))
-        slot = 0
-        for layer in range(len(frequencies)):
-            pos = np.sort(order[(order >= bounds[layer]) & (order < bounds[layer + 1])] - bounds[layer])
-            if not len(pos):
-                continue
-            slots = np.arange(slot, slot + len(pos))
-            self._fill(layer, pos, slots)
-            hot = frequencies[layer][pos] >= PIN_FREQUENCY
+        group = np.searchsorted(bounds, order, side="right") - 1
+        order = order[np.lexsort((order, group))]  # by group, positions ascending
+        group = np.searchsorted(bounds, order, side="right") - 1
+        pin_left = max(0, min(self.capacity // 2, self.capacity - self.working))  # never the working set
+        starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+        for lo, hi in zip(starts, np.r_[starts[1:], len(order)]):
+            g = int(group[lo])
+            pos = order[lo:hi] - bounds[g]
+            slots = np.arange(lo, hi)
+            self._fill(g, pos, slots)
+            hot = frequencies[g][pos] >= PIN_FREQUENCY
             pin = slots[hot][:pin_left]
             self.pinned[pin] = True
             pin_left -= len(pin)
             self.count[slots] = MAX_COUNT
-            slot += len(pos)
 
     def _map(self, layer: int, positions: np.ndarray, slots: np.ndarray) -> None:
         self.slot_layer[slots] = layer
@@ -175,7 +177,7 @@ class NeuronCache:
     def _fill(self, layer: int, positions: np.ndarray, slots: np.ndarray) -> None:
         """Read cold positions (sorted) of a layer into slots, and map them."""
         start = time.perf_counter()
-        self.reader.read(layer, self.cold_ids[layer][positions], self.pool, slots, GAP_ROWS)
+        self.reader.read(self.group_layer[layer], self.cold_ids[layer][positions], self.pool, slots, GAP_ROWS)
         self.stall_s += time.perf_counter() - start
         self._map(layer, positions, slots)
 
@@ -206,7 +208,7 @@ class NeuronCache:
         self._map(layer, missing, victims)
         self.count[victims] = 0  # a guess: the first to go unless its layer computes it
         self.ahead_neurons += len(missing)
-        future = self._ahead.submit(self.reader.read, layer, ids, self.pool, victims, GAP_ROWS)
+        future = self._ahead.submit(self.reader.read, self.group_layer[layer], ids, self.pool, victims, GAP_ROWS)
         self._pending = (layer, future, missing)
 
     def wait(self) -> None:
@@ -304,8 +306,12 @@ class NeuronCache:
         """Per cold position its slot (0 for positions on disk: the kernel reads no row there)."""
         return np.maximum(self.slot_of[layer], 0)
 
-    def pred_ids(self, layer: int) -> np.ndarray:
-        return self._pred_ids[layer]
+    def pred_ids(self, ids: np.ndarray) -> np.ndarray:
+        """`ids` (each position's index into the predictor's logits) padded for the kernels."""
+        out = self._pred_scratch
+        out[:len(ids)] = ids
+        out[len(ids):] = 0
+        return out
 
     # ------------------------------------------------------------------ resizing
     def resize(self, capacity: int) -> None:
@@ -469,8 +475,8 @@ class DiskFfn(HybridFfn):
             sub = rows.select(torch.from_numpy(idx[active]))
             return module.sparse_ffn(x, sub, None, self.activation, self.threshold)
         acts = np.empty(k, dtype=np.float32)
-        return module._launch(kern, x, rows, idx, logits.numpy(), cache.pred_ids(layer), thr, self.activation,
-                              self.threshold, acts)
+        return module._launch(kern, x, rows, idx, logits.numpy(), cache.pred_ids(cache.cold_ids[layer]), thr,
+                              self.activation, self.threshold, acts)
 
     def _predicted_tokens(self, x: torch.Tensor, pred_input: torch.Tensor) -> torch.Tensor:
         """A prompt as decoding each token alone would compute it, token by token."""
@@ -496,3 +502,39 @@ class _NoRows:
 
     def __len__(self) -> int:
         return 0
+
+
+class SlotRows:
+    """A group's cold positions as the cache holds them, for one kernel call (a mixture's
+    expert, engine.hotcold.moe_disk): the pool's rows with each position's slot (`idx`) and
+    its index into the predictor's logits (`pred_index`). The kernel walks the same positions
+    in the same order as over the expert's own rows in RAM, each reading its slot's row: the
+    same bits. Positions not resident hold slot 0; the caller made every one it computes
+    resident."""
+
+    def __init__(self, cache: NeuronCache, idx: np.ndarray, pred_index: np.ndarray):
+        self.cache, self.idx, self.pred_index = cache, np.ascontiguousarray(idx), pred_index
+        rows = cache.rows
+        self.quant, self.dim, self.up = rows.quant, rows.dim, rows.up  # what a row's bytes are counted from
+        self.n_neurons = len(idx)
+
+    def ffn(self, x: torch.Tensor, out_acts: torch.Tensor, activation: str, pred_logits: torch.Tensor | None = None,
+            threshold: float = 0.0) -> torch.Tensor:
+        """`cpu.sparse_ffn` (pred_logits None: every position) or `cpu.sparse_ffn_predicted`
+        (the positions whose logit >= threshold) over these positions, relu's threshold 0."""
+        rows = self.cache.rows
+        q4 = self.quant == q4_format.QUANT
+        module = cpu_q4 if q4 else cpu_kernels
+        kern = module._kernels() if q4 else module._kernels("ffn_rows")
+        if kern is None:  # torch: the positions' rows gathered, as the in-RAM torch path computes them
+            sub = rows.select(torch.from_numpy(self.idx))
+            if pred_logits is None:
+                return module.sparse_ffn(x, sub, None, activation, 0.0, out_acts=out_acts)
+            return module.sparse_ffn_predicted(x, sub, pred_logits, threshold, activation, 0.0, out_acts=out_acts,
+                                               row_ids=torch.from_numpy(self.pred_index))
+        acts = out_acts.numpy()
+        if pred_logits is None:
+            return module._launch(kern, x, rows, self.idx, None, None, 0.0, activation, 0.0, acts)
+        pred = pred_logits.detach().to("cpu", torch.float32).numpy()
+        return module._launch(kern, x, rows, self.idx, pred, self.cache.pred_ids(self.pred_index), threshold,
+                              activation, 0.0, acts)

@@ -144,8 +144,10 @@ INDEX_BYTES = 8     # the int64 id kept with every hot and cold neuron
 WORKING_SHARE = 0.25
 DISK_FORMATS = (COLD_INT8, COLD_INT4)  # the prepared file holds rows in these formats
 # A cached neuron's bookkeeping beside its rows (owner layer and position, int32 each; its
-# CLOCK count and pinned flag); every cold neuron also has its slot (INDEX_BYTES, -1: on disk).
-SLOT_META_BYTES = 10
+# CLOCK count and pinned flag; a kernel call's padded predictor id, int64); every cold neuron
+# also has its slot (INDEX_BYTES, -1: on disk), and the padded ids take one more per neuron of
+# the largest group (a layer, or a mixture's expert).
+SLOT_META_BYTES = 18
 Q4_BLOCK, Q4_BLOCK_BYTES = Q4_0_BLOCK, Q4_0_BLOCK_BYTES  # ggml's block_q4_0 (tensor_kinds: torch-free)
 
 
@@ -392,8 +394,8 @@ def solve(problem: PlacementProblem, vram_budget: int, ram_budget: int) -> Place
             tiers["cpu_dense"] -= problem.embed_cpu
             disk["disk_bytes"] += problem.embed_cpu
             disk["disk_read_per_token"] += problem.embed_row
-        tiers["cpu_ffn"] = (disk["cache_neurons"] * (_row_bytes(problem) + SLOT_META_BYTES) + cold_count * INDEX_BYTES
-                            + problem.read_buffers)
+        tiers["cpu_ffn"] = (disk["cache_neurons"] * (_row_bytes(problem) + SLOT_META_BYTES)
+                            + (cold_count + largest_group(problem)) * INDEX_BYTES + problem.read_buffers)
         ram = resident + tiers["cpu_ffn"]
     else:
         # nothing runs from disk (the budget is below its minimum, or there is no disk tier):
@@ -460,6 +462,13 @@ def cold_frequencies(problem: PlacementProblem, hot_ids: list[np.ndarray], need:
     return out
 
 
+def largest_group(problem: PlacementProblem) -> int:
+    """Neurons of the largest group the cache computes at once: a layer, or one expert."""
+    if problem.unit == "experts":
+        return problem.expert_size
+    return max((len(f) for f in problem.frequencies), default=0)
+
+
 def min_cache_neurons(problem: PlacementProblem) -> int:
     """The disk tier's working set: slots for a share of the largest layer's neurons; a
     mixture's, one whole expert (its experts are computed one at a time, so a token never
@@ -475,7 +484,7 @@ def _disk_tier(problem: PlacementProblem, hot_ids, cold_count: int, resident: in
     (with the least RAM in `min_ram`) when the budget is below the resident parts plus the
     working set, or the problem has no disk tier."""
     slot = _row_bytes(problem) + SLOT_META_BYTES
-    maps = cold_count * INDEX_BYTES + problem.read_buffers
+    maps = (cold_count + largest_group(problem)) * INDEX_BYTES + problem.read_buffers
     working = min(cold_count, min_cache_neurons(problem))
     min_ram = resident + maps + working * slot
     if not problem.disk_tier:

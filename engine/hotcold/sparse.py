@@ -113,12 +113,12 @@ class SparseRuntime(TokenHooks, Solving, TierMoves, MemoryAccounting):
         if self.neuron_cache is None:
             super().apply(plan)
             if plan.disk_neurons:  # a load with every cold row in RAM, moved below them: onto the disk tier
-                self._to_disk(plan)
+                self.to_disk(plan)
             return
         self.neuron_cache.resize(cache_capacity(plan))  # between tokens: the only change a disk load allows
         self.plan = plan
 
-    def _to_disk(self, plan: Placement) -> None:
+    def to_disk(self, plan: Placement) -> None:
         """Cold rows in RAM handed to a neuron cache (seeded from the bundles, written from the
         prepared file the first time) and the prepared file: between tokens, as a load below
         the cold rows would have placed them. The rows in RAM (or the prepared file's pages

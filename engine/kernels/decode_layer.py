@@ -17,7 +17,13 @@ The layer function calls kernels defined in other files, whose code numba copies
 own; its disk cache is therefore stamped with all those files (`_DEPENDENCIES`), not only
 this one, or an edited kernel would keep running in its stale cached copy.
 
+A mixture-of-experts layer (`decode_moe_layer`) runs its router, top-k and chosen experts in
+the same call; its experts' rows stay where the tiers keep them (one tensor per expert, or
+views of a stacked or mapped layout) and arrive as a table of their addresses, so a layer
+of 32 experts is one argument, not 200, and no layout of ours is imposed on the stores.
+
     count, count_hot = decode_layer(x, pos, threads, cos, sin, pthr, *layer_args)   # x updated in place
+    decode_moe_layer(x, pos, threads, cos, sin, *moe_layer_args, chosen, weights, stats)   # a mixture's layer
     logits = decode_head(x, threads, *head_args)
 """
 
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import os
 
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -218,40 +225,42 @@ def _write_cache(cb, half, h, pos, vec):
 
 
 @_njit()
-def _ffn_rows(rkind, gb, gs, ub, us, db, ds, x, logits, row_ids, pthr, gated, code, thr, threads):
-    """The FFN rows whose logit (logits[row_ids[j]]) >= pthr: cpu.sparse_ffn_predicted's kernel call."""
+def _rows_call(rkind, gb, gs, ub, us, db, ds, x, pred, ids, use_pred, use_ids, pthr, gated, code, thr, acts, threads):
+    """y fp32 [d] of FFN rows (ub.shape[0] > 0) as cpu.sparse_ffn(_predicted) computes them: with
+    `use_pred`, the rows whose logit (pred[ids[j]] with `use_ids`, else pred[j]) >= pthr, else all;
+    acts fp32 [n] receives each row's activation (0: not selected or did not fire)."""
     n = ub.shape[0]
     d = x.shape[0]
-    if n == 0:  # a tier without rows (everything hot, or nothing)
-        return np.zeros(d, dtype=np.float32)
-    acts = np.empty(n, dtype=np.float32)
     no_ids = np.empty(0, dtype=np.int64)
     chunks = max(1, min(threads, n))
     if rkind == R_Q4:
         width = ub.shape[1] // 18 * 32
-        y = Q.ffn_rows_q4_act(_padded(x, width), gb, ub, db, no_ids, False, logits, row_ids, True, True, pthr,
+        y = Q.ffn_rows_q4_act(_padded(x, width), gb, ub, db, no_ids, False, pred, ids, use_pred, use_ids, pthr,
                               gated, code, thr, acts, chunks)
         return y[:d]
     if rkind == R_INT8:
         return K.ffn_rows(x, gb.view(np.int8), gs, ub.view(np.int8), us, db.view(np.int8), ds, no_ids, False,
-                          logits, row_ids, True, True, pthr, gated, True, code, thr, acts, chunks)
+                          pred, ids, use_pred, use_ids, pthr, gated, True, code, thr, acts, chunks)
     return K.ffn_rows(x, gb.view(np.float32), gs, ub.view(np.float32), us, db.view(np.float32), ds, no_ids, False,
-                      logits, row_ids, True, True, pthr, gated, False, code, thr, acts, chunks)
+                      pred, ids, use_pred, use_ids, pthr, gated, False, code, thr, acts, chunks)
 
 
 @_njit()
-def decode_layer(x, pos, threads, cos, sin, pthr,
-                 attn_w, mlp_w, eps, use_rope, n_heads, kv_heads, head_dim, attn_scale, res_scale, use_res_scale,
-                 qkv_kind, qkv_b, qkv_s, out_kind, out_b, out_s, k_cache, v_cache, kv_half,
-                 ffn_kind, n_ff, gated, code, act_thr,
-                 fc1_kind, fc1_b, fc1_s, fc2_kind, fc2_b, fc2_s,
-                 rows_kind, gate_b, gate_s, up_b, up_s, down_b, down_s, row_ids,
-                 hot_kind, hot_gate_b, hot_gate_s, hot_up_b, hot_up_s, hot_down_b, hot_down_s, hot_ids,
-                 gu_kind, gu_b, gu_s, dn_kind, dn_b, dn_s):
-    """One llama-family layer's decode step for the token at position `pos`; x fp32 [d] (the
-    residual stream) is updated in place. Returns the FFN neurons computed (predicted active;
-    every one in a dense FFN) and those of them among the hot rows (the CPU standing in for
-    the fast tier: rows `hot_*` of neurons hot_ids, summed before the cold rows' as HybridFfn does)."""
+def _ffn_rows(rkind, gb, gs, ub, us, db, ds, x, logits, row_ids, pthr, gated, code, thr, threads):
+    """The FFN rows whose logit (logits[row_ids[j]]) >= pthr: cpu.sparse_ffn_predicted's kernel call."""
+    n = ub.shape[0]
+    if n == 0:  # a tier without rows (everything hot, or nothing)
+        return np.zeros(x.shape[0], dtype=np.float32)
+    acts = np.empty(n, dtype=np.float32)
+    return _rows_call(rkind, gb, gs, ub, us, db, ds, x, logits, row_ids, True, True, pthr, gated, code, thr, acts,
+                      threads)
+
+
+@_njit()
+def _attend(x, pos, threads, cos, sin, attn_w, eps, use_rope, n_heads, kv_heads, head_dim, attn_scale, res_scale,
+            use_res_scale, qkv_kind, qkv_b, qkv_s, out_kind, out_b, out_s, k_cache, v_cache, kv_half):
+    """A layer's attention half: x += attention(norm(x)) (times muP's residual scale), the
+    token's K and V written to the cache at `pos`."""
     d = x.shape[0]
     q_size = n_heads * head_dim
     kv_size = kv_heads * head_dim
@@ -276,6 +285,25 @@ def decode_layer(x, pos, threads, cos, sin, pthr,
     rs = np.float32(res_scale)
     for j in range(d):
         x[j] = x[j] + (o[j] * rs if use_res_scale else o[j])
+
+
+@_njit()
+def decode_layer(x, pos, threads, cos, sin, pthr,
+                 attn_w, mlp_w, eps, use_rope, n_heads, kv_heads, head_dim, attn_scale, res_scale, use_res_scale,
+                 qkv_kind, qkv_b, qkv_s, out_kind, out_b, out_s, k_cache, v_cache, kv_half,
+                 ffn_kind, n_ff, gated, code, act_thr,
+                 fc1_kind, fc1_b, fc1_s, fc2_kind, fc2_b, fc2_s,
+                 rows_kind, gate_b, gate_s, up_b, up_s, down_b, down_s, row_ids,
+                 hot_kind, hot_gate_b, hot_gate_s, hot_up_b, hot_up_s, hot_down_b, hot_down_s, hot_ids,
+                 gu_kind, gu_b, gu_s, dn_kind, dn_b, dn_s):
+    """One llama-family layer's decode step for the token at position `pos`; x fp32 [d] (the
+    residual stream) is updated in place. Returns the FFN neurons computed (predicted active;
+    every one in a dense FFN) and those of them among the hot rows (the CPU standing in for
+    the fast tier: rows `hot_*` of neurons hot_ids, summed before the cold rows' as HybridFfn does)."""
+    d = x.shape[0]
+    _attend(x, pos, threads, cos, sin, attn_w, eps, use_rope, n_heads, kv_heads, head_dim, attn_scale, res_scale,
+            use_res_scale, qkv_kind, qkv_b, qkv_s, out_kind, out_b, out_s, k_cache, v_cache, kv_half)
+    rs = np.float32(res_scale)
     # FFN: norm, then the predicted rows (the predictor reads the residual stream) or all of them
     hm = _rms_norm(x, mlp_w, eps)
     count = 0
@@ -322,6 +350,173 @@ def decode_layer(x, pos, threads, cos, sin, pthr,
     return count, count_hot
 
 
+# A mixture's expert table (decode_moe_layer's `table`, int64 [2 tiers, E, 8]): per tier (0: the
+# CPU tier's rows, 1: the hot rows where the CPU stands in for the fast tier, fp32) and expert,
+# the rows held there and the addresses of their arrays: gate, its scales, up, its scales,
+# down_t, its scales, then the int64 neuron ids of the rows (0: all of the expert's neurons,
+# in order). 0 rows: the expert has none there. The arrays are wherever the tiers keep them
+# (one tensor per expert, or views of a stacked or mapped layout): no copy into a layout of ours.
+X_ROWS, X_GATE, X_GATE_S, X_UP, X_UP_S, X_DOWN, X_DOWN_S, X_IDS = range(8)
+# The experts' predictors (`preds`, int64 [E, 4]): fc1's bytes and scales, fc2's bytes and scales.
+P_FC1, P_FC1_S, P_FC2, P_FC2_S = range(4)
+
+
+def _pointer_to(ty):
+    """An intrinsic: an int64 address as a pointer to `ty` (numba.carray then views it)."""
+    @intrinsic
+    def at(typingctx, addr):
+        sig = types.CPointer(ty)(types.int64)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+        return sig, codegen
+
+    return at
+
+
+_u8_at, _f32_at, _i64_at = _pointer_to(types.uint8), _pointer_to(types.float32), _pointer_to(types.int64)
+
+
+@_njit()
+def _bytes_at(addr, rows, cols):
+    """uint8 [rows, cols] at `addr` (empty for 0 rows)."""
+    if rows == 0 or addr == 0:
+        return np.empty((0, cols), dtype=np.uint8)
+    return numba.carray(_u8_at(addr), (rows, cols))
+
+
+@_njit()
+def _f32s_at(addr, n):
+    if n == 0 or addr == 0:
+        return np.empty(0, dtype=np.float32)
+    return numba.carray(_f32_at(addr), n)
+
+
+@_njit()
+def _ids_at(addr, n):
+    if n == 0 or addr == 0:
+        return np.empty(0, dtype=np.int64)
+    return numba.carray(_i64_at(addr), n)
+
+
+@_njit()
+def _scaled(kind):
+    return kind == M_INT8_Q8 or kind == M_INT8
+
+
+@_njit()
+def _route(logits, top_k, softmax, experts, weights):
+    """The router's choice (engine.model.moe.route): experts int64 [k] = the top-k of logits fp32
+    [E], best first (ties to the lower id), weights fp32 [k] = softmax over those k, or their
+    sigmoids renormalised to sum 1."""
+    n = logits.shape[0]
+    taken = np.zeros(n, dtype=np.bool_)
+    for s in range(top_k):
+        best = -1
+        for e in range(n):
+            if not taken[e] and (best < 0 or logits[e] > logits[best]):
+                best = e
+        taken[best] = True
+        experts[s] = best
+        weights[s] = logits[best]
+    total = np.float32(0.0)
+    if softmax:
+        top = weights[0]
+        for s in range(top_k):
+            weights[s] = np.exp(weights[s] - top)
+            total += weights[s]
+    else:
+        for s in range(top_k):
+            weights[s] = np.float32(1.0) / (np.float32(1.0) + np.exp(-weights[s]))
+            total += weights[s]
+    for s in range(top_k):
+        weights[s] = weights[s] / total
+
+
+@_njit()
+def moe_ffn(route_x, hm, threads, router_kind, router_b, router_s, top_k, softmax,
+            n_ff, code, pthr, use_pred, fc1_kind, fc2_kind, rank, fc1_rb, fc2_rb, preds,
+            tier_kinds, tier_rb, table, chosen, weights, stats):
+    """A mixture's FFN for one token: y fp32 [d]. The router reads route_x fp32 [d] (`_route`);
+    each chosen expert reads hm fp32 [d] (the FFN's normed input): its rows in both tiers, the
+    CPU tier's part first, each part times the expert's weight, summed in that order (as
+    TieredMoe). Inside an expert the gate rows (with `use_pred`, only the neurons its predictor
+    selects) and the up and down rows of the neurons that fired. Fills chosen int64 [k],
+    weights fp32 [k] and stats int64 [k, 2 tiers, 2]: rows selected (gate rows read) and fired."""
+    d = hm.shape[0]
+    _route(linear(router_kind, router_b, router_s, route_x, threads), top_k, softmax, chosen, weights)
+    y = np.zeros(d, dtype=np.float32)
+    plog = np.empty(0, dtype=np.float32)
+    t = np.float32(pthr)
+    stats[:] = 0  # a tier without rows of an expert leaves its counts at 0
+    for s in range(top_k):
+        e = chosen[s]
+        w = weights[s]
+        if use_pred:  # the expert's predictor: logits fp32 [n_ff] of its neurons
+            p = preds[e]
+            hidden = linear(fc1_kind, _bytes_at(p[P_FC1], rank, fc1_rb),
+                            _f32s_at(p[P_FC1_S], rank if _scaled(fc1_kind) else 0), hm, threads)
+            for j in range(rank):
+                if hidden[j] < 0.0:
+                    hidden[j] = 0.0
+            plog = linear(fc2_kind, _bytes_at(p[P_FC2], n_ff, fc2_rb),
+                          _f32s_at(p[P_FC2_S], n_ff if _scaled(fc2_kind) else 0), hidden, threads)
+        for tier in range(2):
+            row = table[tier, e]
+            n = row[X_ROWS]
+            if n == 0:
+                continue
+            kind = tier_kinds[tier]
+            rb = tier_rb[tier]
+            ns = n if kind == R_INT8 else 0
+            use_ids = row[X_IDS] != 0
+            ids = _ids_at(row[X_IDS], n if use_ids else 0)
+            acts = np.empty(n, dtype=np.float32)
+            part = _rows_call(kind, _bytes_at(row[X_GATE], n, rb), _f32s_at(row[X_GATE_S], ns),
+                              _bytes_at(row[X_UP], n, rb), _f32s_at(row[X_UP_S], ns),
+                              _bytes_at(row[X_DOWN], n, rb), _f32s_at(row[X_DOWN_S], ns),
+                              hm, plog, ids, use_pred, use_ids, pthr, True, code, 0.0, acts, threads)
+            for j in range(d):
+                y[j] += part[j] * w
+            fired = 0
+            for j in range(n):
+                if acts[j] != 0.0:
+                    fired += 1
+            selected = n
+            if use_pred:
+                selected = 0
+                for j in range(n):
+                    if plog[ids[j] if use_ids else j] >= t:
+                        selected += 1
+            stats[s, tier, 0] = selected
+            stats[s, tier, 1] = fired
+    return y
+
+
+@_njit()
+def decode_moe_layer(x, pos, threads, cos, sin,
+                     attn_w, mlp_w, eps, use_rope, n_heads, kv_heads, head_dim, attn_scale, res_scale,
+                     use_res_scale, qkv_kind, qkv_b, qkv_s, out_kind, out_b, out_s, k_cache, v_cache, kv_half,
+                     route_first, router_kind, router_b, router_s, top_k, softmax,
+                     n_ff, code, pthr, use_pred, fc1_kind, fc2_kind, rank, fc1_rb, fc2_rb, preds,
+                     tier_kinds, tier_rb, table, chosen, weights, stats):
+    """One mixture-of-experts layer's decode step (engine.hotcold.moe_tiers.TieredMoe's), x updated
+    in place: attention, then `moe_ffn` with the router on the layer input before attention
+    (`route_first`, SmallThinker) or on the FFN's normed input (Mixtral)."""
+    d = x.shape[0]
+    x_in = x.copy()
+    _attend(x, pos, threads, cos, sin, attn_w, eps, use_rope, n_heads, kv_heads, head_dim, attn_scale, res_scale,
+            use_res_scale, qkv_kind, qkv_b, qkv_s, out_kind, out_b, out_s, k_cache, v_cache, kv_half)
+    hm = _rms_norm(x, mlp_w, eps)
+    y = moe_ffn(x_in if route_first else hm, hm, threads, router_kind, router_b, router_s, top_k, softmax,
+                n_ff, code, pthr, use_pred, fc1_kind, fc2_kind, rank, fc1_rb, fc2_rb, preds,
+                tier_kinds, tier_rb, table, chosen, weights, stats)
+    rs = np.float32(res_scale)
+    for j in range(d):
+        x[j] = x[j] + (y[j] * rs if use_res_scale else y[j])
+
+
 @_njit()
 def decode_head(x, threads, norm_w, eps, logit_scale, use_logit_scale, head_kind, head_b, head_s):
     """Logits fp32 [vocab] of the last token: the final RMSNorm, MiniCPM's logit scale, the head."""
@@ -334,11 +529,11 @@ def decode_head(x, threads, norm_w, eps, logit_scale, use_logit_scale, head_kind
 
 
 def loaded_from_cache() -> bool:
-    """Whether this process took both functions from numba's disk cache (none compiled)."""
+    """Whether this process took the layer and head functions from numba's disk cache (none compiled)."""
     fns = (decode_layer, decode_head)
     return all(sum(f.stats.cache_misses.values()) == 0 for f in fns)
 
 
-__all__ = ["decode_layer", "decode_head", "linear", "M_FP32", "M_INT8_Q8", "M_INT8", "M_Q4_TILES", "M_Q4", "M_Q4X8",
-           "M_Q4MIN_TILES", "M_Q4MIN", "M_Q4MIN_X8",
+__all__ = ["decode_layer", "decode_moe_layer", "moe_ffn", "decode_head", "linear", "M_FP32", "M_INT8_Q8", "M_INT8",
+           "M_Q4_TILES", "M_Q4", "M_Q4X8", "M_Q4MIN_TILES", "M_Q4MIN", "M_Q4MIN_X8",
            "R_FP32", "R_INT8", "R_Q4", "FFN_ROWS", "FFN_DENSE_LINEAR", "FFN_DENSE_COMBINE"]

@@ -6,10 +6,12 @@ The shape: a llama-family layer on the CPU in fp32 (RMSNorms, fused qkv without 
 or none, GQA, a plain (not rolling) KV cache in fp16 or fp32, the out projection, muP's
 residual scale) whose FFN is either the sparse modes' predicted rows (a predictor; cold rows,
 and hot rows where the CPU stands in for the fast tier; no oracle, no scoring, no benchmark
-masks) or a dense FFN without biases (fp32, int8 or int4); the final RMSNorm and the head on
-the CPU. Anything else (a GPU layer or hot rows on a GPU, Falcon's LayerNorm and parallel
-block, biases, a sliding window, MoE, an FFN observer, prefill) takes the unfused path for
-the whole token.
+masks) or a dense FFN without biases (fp32, int8 or int4), or a mixture's experts in tiers
+(engine.hotcold.moe_tiers.TieredMoe: router, top-k, the chosen experts' rows on the CPU tier
+and hot rows where the CPU stands in for the fast tier, their predictors where they have
+them; no prefetch thread); the final RMSNorm and the head on the CPU. Anything else (a GPU
+layer or hot rows on a GPU, Falcon's LayerNorm and parallel block, biases, a sliding window,
+a mixture's dense mode, an FFN observer, prefill) takes the unfused path for the whole token.
 
 Each layer's arguments (numpy views of its weights, kinds, sizes) are prepared once and kept
 on the layer with the objects they were built from; a re-placement that swaps any of them
@@ -34,8 +36,10 @@ from engine.kernels import cpu_q4, numba_pool, q4_format, q4_rows
 from engine.kernels import cpu as cpu_kernels
 from engine.kernels.quantized import Int8Matrix, Q4Matrix, Q4MinMatrix
 from engine.hotcold.hybrid_ffn import HybridFfn
+from engine.hotcold.moe_tiers import ColdExperts, TieredMoe, row_bytes
 from engine.loading.dense_quant import QuantDenseFfn
 from engine.model.layers import DenseFfn
+from engine.model.moe import ExpertPredictors
 
 FUSED_ENV = "THERMOCLINE_FUSED_DECODE"
 _SWITCH = {"": True, "1": True, "on": True, "true": True, "yes": True,
@@ -44,6 +48,9 @@ _EMPTY_BYTES = np.empty((0, 0), dtype=np.uint8)
 _EMPTY_F32 = np.empty(0, dtype=np.float32)
 _EMPTY_IDS = np.empty(0, dtype=np.int64)
 _checked: tuple[str, bool] | None = None  # (raw value, parsed): the environment is read per token
+# decode_layer's entry points a first start's background preparation does not wait for
+# (engine.runtime.kernel_preparation): a mixture's layer, which a dense model never runs.
+UNTRACKED = ("decode_moe_layer", "moe_ffn")
 
 
 def enabled(value: str | None = None) -> bool:
@@ -133,18 +140,20 @@ def _plain(*arrays: np.ndarray) -> bool:
     return all(a.flags.writeable and a.flags.aligned for a in arrays)
 
 
-def _rows(dl, rows) -> tuple | None:
-    """(kind, gate, gate_scale, up, up_scale, down, down_scale) of FFN rows in the CPU kernels' storage."""
+def _rows(dl, rows, plain: bool = True) -> tuple | None:
+    """(kind, gate, gate_scale, up, up_scale, down, down_scale) of FFN rows in the CPU kernels' storage.
+    `plain`: only arrays of the flags the layer function was compiled for (an expert table holds
+    addresses: any flags do)."""
     if isinstance(rows, q4_rows.Q4FfnRows):
         gate, up, down = (t.numpy() if t is not None else None for t in (rows.gate, rows.up, rows.down_t))
         out = dl.R_Q4, gate if gate is not None else up, _EMPTY_F32, up, _EMPTY_F32, down, _EMPTY_F32
-        return out if _plain(*out[1:]) else None
-    if isinstance(rows, cpu_kernels.CpuFfnRows):
+    elif isinstance(rows, cpu_kernels.CpuFfnRows):
         gate, gs, up, us, down, ds = rows._numpy_views()
         kind = dl.R_INT8 if rows.quant == "int8" else dl.R_FP32
         out = kind, gate.view(np.uint8), gs, up.view(np.uint8), us, down.view(np.uint8), ds
-        return out if _plain(*out[1:]) else None
-    return None
+    else:
+        return None
+    return out if not plain or _plain(*out[1:]) else None
 
 
 @dataclass
@@ -157,6 +166,19 @@ class FusedLayer:
     q4: bool = False         # 4-bit parts: the int8 x 4-bit kernels must be on (cpu_q4.USE_INT8_ACTIVATIONS)
     n_ff: int = 0
     calls: int = 0           # decode steps this layer ran fused (tests check the path is taken)
+    moe: "FusedMoe | None" = None  # a mixture's layer: decode_moe_layer, and what its counters need
+
+
+@dataclass
+class FusedMoe:
+    """What a mixture's fused step needs beside its arguments: the outputs it fills, the row
+    bytes per tier (the counters), and the arrays whose addresses the expert table holds."""
+    chosen: np.ndarray       # int64 [k]
+    weights: np.ndarray      # fp32 [k]
+    stats: np.ndarray        # int64 [k, 2, 2]
+    row_bytes: tuple[int, int]
+    keep: list
+    q4: bool = False         # 4-bit parts (the router, the rows, the predictors)
 
 
 def _layer_key(model, index: int, layer, cache) -> tuple:
@@ -164,9 +186,11 @@ def _layer_key(model, index: int, layer, cache) -> tuple:
     hooks = getattr(getattr(ffn, "context", None), "_hooks", None)
     predictors = getattr(hooks, "predictors", None)
     fc = (predictors.fc1[index], predictors.fc2[index]) if predictors is not None else (None, None)
+    moe = (ffn.predictors, getattr(ffn.hot, "epoch", None), getattr(ffn.cold, "epoch", None), layer.router) \
+        if type(ffn) is TieredMoe else ()
     return (layer.qkv, layer.out, layer.attn_norm.weight, layer.mlp_norm.weight if layer.mlp_norm else None,
             layer.device, ffn, getattr(ffn, "cold", None), getattr(ffn, "hot", None), predictors, *fc,
-            cache.k[index], cache.v[index], hot_q4.TRITON_ON_CPU)
+            cache.k[index], cache.v[index], hot_q4.TRITON_ON_CPU, *moe)
 
 
 def _hot_rows(dl, hot) -> tuple | None:
@@ -192,8 +216,8 @@ def _why_not_layer(model, index: int, layer, cache) -> str:
         return "LayerNorm"
     if layer.qkv_bias is not None or layer.out_bias is not None:
         return "attention biases"
-    if layer.router is not None:
-        return "a mixture of experts"
+    if layer.router is not None and type(layer.ffn) is not TieredMoe:
+        return "a mixture of experts not in tiers"
     if layer.window is not None or cache.rolling:  # (a window longer than the position: see decode_step)
         return "a sliding window"
     k, v = cache.k[index], cache.v[index]
@@ -211,11 +235,15 @@ def _build_layer(dl, model, index: int, layer, cache) -> FusedLayer:
     why = _why_not_layer(model, index, layer, cache)
     if why:
         return FusedLayer(key, None, why)
-    cfg = model.config
     qkv, out = _matrix(dl, layer.qkv), _matrix(dl, layer.out)
     if qkv is None or out is None:
         return FusedLayer(key, None, "attention weights in a storage the kernel does not read")
+    if not all(w.dtype == torch.float32 and w.is_contiguous() for w in (layer.attn_norm.weight,
+                                                                        layer.mlp_norm.weight)):
+        return FusedLayer(key, None, "norm weights not contiguous fp32")
     ffn = layer.ffn
+    if type(ffn) is TieredMoe:
+        return _build_moe(dl, model, layer, key, _attention_args(model, index, layer, cache, qkv, out))
     mats = [qkv, out]
     fc1 = fc2 = rows = hot = gate_up = down = None
     row_ids = _EMPTY_IDS
@@ -257,19 +285,127 @@ def _build_layer(dl, model, index: int, layer, cache) -> FusedLayer:
     no_rows = (dl.R_FP32, _EMPTY_BYTES, _EMPTY_F32, _EMPTY_BYTES, _EMPTY_F32, _EMPTY_BYTES, _EMPTY_F32)
     rows = rows or no_rows
     hot = hot or (*no_rows, _EMPTY_IDS)
-    res = model.residual_scale
-    k, v = cache.k[index], cache.v[index]
-    args = (layer.attn_norm.weight.numpy(), layer.mlp_norm.weight.numpy(), float(layer.attn_norm.eps),
-            bool(layer.rope), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, float(model.scale),
-            float(res if res is not None else 1.0), res is not None,
-            *qkv, *out, k.view(torch.uint8).numpy(), v.view(torch.uint8).numpy(), k.dtype == torch.float16,
+    args = (*_attention_args(model, index, layer, cache, qkv, out),
             ffn_kind, int(ffn.n_ff), gated, code, float(ffn.threshold),
             *fc1, *fc2, *rows, row_ids, *hot, *gate_up, *down)
     q4 = any(_four_bit(dl, m[0]) for m in mats) or dl.R_Q4 in (rows[0], hot[0])
-    if not all(w.dtype == torch.float32 and w.is_contiguous() for w in (layer.attn_norm.weight,
-                                                                        layer.mlp_norm.weight)):
-        return FusedLayer(key, None, "norm weights not contiguous fp32")
     return FusedLayer(key, args, sparse=ffn_kind == dl.FFN_ROWS, q4=q4, n_ff=int(ffn.n_ff))
+
+
+def _attention_args(model, index: int, layer, cache, qkv: tuple, out: tuple) -> tuple:
+    """The layer functions' first arguments: norms, attention shape, qkv and out, the KV cache."""
+    cfg = model.config
+    res = model.residual_scale
+    k, v = cache.k[index], cache.v[index]
+    return (layer.attn_norm.weight.numpy(), layer.mlp_norm.weight.numpy(), float(layer.attn_norm.eps),
+            bool(layer.rope), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, float(model.scale),
+            float(res if res is not None else 1.0), res is not None,
+            *qkv, *out, k.view(torch.uint8).numpy(), v.view(torch.uint8).numpy(), k.dtype == torch.float16)
+
+
+def _address(a: np.ndarray) -> int:
+    return int(a.ctypes.data) if a.size else 0
+
+
+def _expert_table(dl, ffn: TieredMoe):
+    """(tier kinds, row bytes, the table of decode_moe_layer, arrays it points into) or a reason
+    (str) why the kernel cannot read the experts' rows."""
+    table = np.zeros((2, ffn.num_experts, 8), dtype=np.int64)
+    kinds = np.array([dl.R_FP32, dl.R_FP32], dtype=np.int64)
+    widths = np.zeros(2, dtype=np.int64)
+    keep = []
+    tiers = ((ffn.cold, ffn.cold.rows), (ffn.hot, ffn.hot.cpu_rows))
+    for t, (tier, rows_of) in enumerate(tiers):
+        if len(rows_of) != len(tier):
+            return "expert rows not held in RAM"
+        kind = width = None
+        for e, rows in rows_of.items():
+            args = _rows(dl, rows, plain=False)
+            if args is None or any(not a.flags.c_contiguous for a in args[1:]) \
+                    or any(a.ndim != 2 for a in args[1::2]):
+                return "expert rows in a storage the kernel does not read"
+            ids = tier.neuron_ids[e]
+            whole = len(ids) == ffn.n_ff
+            if not whole and (ids.dtype != torch.int64 or not ids.is_contiguous()):
+                return "expert row ids"
+            k, g, gs, u, us, dn, ds = args
+            if (kind is not None and k != kind) or (width is not None and g.shape[1] != width) \
+                    or not g.shape[1] == u.shape[1] == dn.shape[1] or not g.shape[0] == u.shape[0] == dn.shape[0]:
+                return "experts in mixed storage"
+            kind, width = k, g.shape[1]
+            scaled = k == dl.R_INT8
+            ids_np = ids.numpy() if not whole else None
+            table[t, e] = (g.shape[0], _address(g), _address(gs) if scaled else 0, _address(u),
+                           _address(us) if scaled else 0, _address(dn), _address(ds) if scaled else 0,
+                           _address(ids_np) if ids_np is not None else 0)
+            keep += [g, gs, u, us, dn, ds, ids_np]
+        if kind is not None:
+            kinds[t], widths[t] = kind, width
+    return kinds, widths, table, keep
+
+
+def _predictor_table(dl, predictors, n_ff: int):
+    """(fc1 kind, fc2 kind, rank, fc1 row bytes, fc2 row bytes, table int64 [E, 4], kept arrays) or None."""
+    fc1 = [_matrix(dl, w) for w in predictors.fc1]
+    fc2 = [_matrix(dl, w) for w in predictors.fc2]
+    if any(m is None for m in fc1 + fc2):
+        return None
+    if len({(m[0], m[1].shape) for m in fc1}) != 1 or len({(m[0], m[1].shape) for m in fc2}) != 1:
+        return None
+    if any(m[0][0] >= dl.M_Q4MIN_TILES for m in (fc1, fc2)):  # the table holds one scale a row, no block offsets
+        return None
+    rank = fc1[0][1].shape[0]
+    if fc2[0][1].shape[0] != n_ff:
+        return None
+    table = np.zeros((len(fc1), 4), dtype=np.int64)
+    for e, (m1, m2) in enumerate(zip(fc1, fc2)):
+        table[e] = _address(m1[1]), _address(m1[2]), _address(m2[1]), _address(m2[2])
+    keep = [a for m in fc1 + fc2 for a in m[1:]]
+    return fc1[0][0], fc2[0][0], rank, fc1[0][1].shape[1], fc2[0][1].shape[1], table, keep
+
+
+def moe_ffn_args(dl, ffn: TieredMoe, router, top_k: int, softmax: bool) -> tuple[tuple, FusedMoe] | str:
+    """decode_layer.moe_ffn's arguments after (route_x, hm, threads), up to its outputs, and the
+    FusedMoe that holds those outputs; or why the kernel cannot run this mixture (a str)."""
+    router = _matrix(dl, router)
+    if router is None:
+        return "a router in a storage the kernel does not read"
+    if len(ffn.hot) and not ffn.hot.on_cpu:
+        return "hot experts on another device"
+    if type(ffn.cold) is not ColdExperts:
+        return "cold experts on the disk tier"  # their rows are read into the neuron cache per token
+    experts = _expert_table(dl, ffn)
+    if isinstance(experts, str):
+        return experts
+    kinds, widths, table, keep = experts
+    use_pred = ffn.predictors is not None and ffn.runtime.mode != "oracle"  # TieredMoe._predicting, not scoring
+    empty = (dl.M_FP32, dl.M_FP32, 0, 0, 0, np.zeros((ffn.num_experts, 4), dtype=np.int64), [])
+    preds = _predictor_table(dl, ffn.predictors, ffn.n_ff) if use_pred else empty
+    if preds is None:
+        return "expert predictors in a storage the kernel does not read"
+    *pred_args, pred_keep = preds
+    code = numba_pool.module().ACTIVATION_CODES[ffn.activation]
+    args = (*router, top_k, softmax, int(ffn.n_ff), code, float(ExpertPredictors.THRESHOLD), use_pred, *pred_args,
+            kinds, widths, table)
+    tier_bytes = tuple(row_bytes(next(iter(rows.values()))) if rows else 0
+                       for rows in (ffn.cold.rows, ffn.hot.cpu_rows))
+    q4 = _four_bit(dl, router[0]) or dl.R_Q4 in kinds.tolist() \
+        or (use_pred and any(_four_bit(dl, m) for m in pred_args[:2]))
+    moe = FusedMoe(np.zeros(top_k, dtype=np.int64), np.zeros(top_k, dtype=np.float32),
+                   np.zeros((top_k, 2, 2), dtype=np.int64), tier_bytes, keep + pred_keep, q4)
+    return args, moe
+
+
+def _build_moe(dl, model, layer, key: tuple, attention: tuple) -> FusedLayer:
+    """A mixture's layer (TieredMoe): decode_moe_layer's arguments."""
+    cfg = model.config
+    built = moe_ffn_args(dl, layer.ffn, layer.router, int(cfg.experts_per_token), bool(cfg.router_softmax))
+    if isinstance(built, str):
+        return FusedLayer(key, None, built)
+    args, moe = built
+    q4 = moe.q4 or any(_four_bit(dl, m[0]) for m in (attention[10:13], attention[13:16]))
+    return FusedLayer(key, (*attention, cfg.router_input == "layer", *args), q4=q4, n_ff=int(layer.ffn.n_ff),
+                      moe=moe)
 
 
 def _build_head(dl, model) -> FusedLayer:
@@ -318,6 +454,12 @@ def decode_step(model, ids: torch.Tensor, start: int, cache) -> torch.Tensor | N
             plan = layer.fused = _build_layer(dl, model, index, layer, cache)
         if plan.args is None:
             return None
+        if plan.moe is not None:
+            runtime = layer.ffn.runtime
+            if runtime.scoring_mode is not None or runtime.prefetcher is not None:
+                return None  # the prefetcher's reads start before attention, in the unfused path
+            if not numba_pool.usable(dl.decode_moe_layer):
+                return None  # a first start's preparation has not handed it over yet
         if plan.sparse:
             hooks = layer.ffn.context._hooks
             if hooks.scoring_mode is not None or hooks.override_masks is not None:
@@ -339,6 +481,14 @@ def decode_step(model, ids: torch.Tensor, start: int, cache) -> torch.Tensor | N
     x = x.to(cpu, torch.float32).contiguous().numpy().reshape(-1).copy()
     kern = numba_pool.module()
     for layer, plan in zip(model.layers, plans):
+        if plan.moe is not None:
+            m = plan.moe
+            with numba_pool.lock:
+                dl.decode_moe_layer(x, start, numba_pool.use_threads(kern), cos, sin, *plan.args, m.chosen, m.weights,
+                                    m.stats)
+            plan.calls += 1
+            layer.ffn.count_fused(m.chosen.tolist(), m.stats, m.row_bytes)
+            continue
         pthr = layer.ffn.context.threshold if plan.sparse else 0.0
         with numba_pool.lock:
             threads = numba_pool.use_threads(kern)
@@ -379,6 +529,11 @@ def warm(model, cache, keep: bool = True) -> bool:
     kern = numba_pool.module()
     with numba_pool.lock:
         threads = numba_pool.use_threads(kern)
-        dl.decode_layer(x, 0, threads, table.cos.numpy(), table.sin.numpy(), 0.0, *plan.args)
+        if plan.moe is not None:  # its counters untouched: the warm-up is no decoded token
+            m = plan.moe
+            dl.decode_moe_layer(x, 0, threads, table.cos.numpy(), table.sin.numpy(), *plan.args, m.chosen, m.weights,
+                                m.stats)
+        else:
+            dl.decode_layer(x, 0, threads, table.cos.numpy(), table.sin.numpy(), 0.0, *plan.args)
         dl.decode_head(x, threads, *head.args)
     return all(getattr(la, "device", torch.device("cpu")).type == "cpu" for la in model.layers)

@@ -97,8 +97,12 @@ def _dispatchers(cpu_weights: str) -> list:
     fused = fused_decode.module() if fused_decode.enabled() else None
     if fused is not None:
         modules.append(fused)
+    # A mixture's layer function compiles in fused_decode.warm on this thread where the model is
+    # one; the gate does not wait for it (a dense model never runs it): its decode stays unfused
+    # until the preparation ends.
     return [v for m in modules for name, v in vars(m).items()
-            if isinstance(v, Dispatcher) and not name.startswith("_") and v.py_func.__module__ == m.__name__]
+            if isinstance(v, Dispatcher) and not name.startswith("_") and v.py_func.__module__ == m.__name__
+            and name not in fused_decode.UNTRACKED]
 
 
 class KernelPreparation:
