@@ -16,7 +16,7 @@ import model_factory
 from engine import Engine, SamplingParams
 from engine.errors import UserError
 from engine.kernels.reference import activations
-from engine.kernels.quantized import Int8Matrix, Q4Matrix, QuantMatrix
+from engine.kernels.quantized import Int8Matrix, Q4Matrix
 from engine.loading.dense_quant import QuantDenseFfn
 from engine.model.layers import DenseFfn
 
@@ -126,13 +126,20 @@ def test_dense_engine_on_quantized_weights_against_the_fp32_engine(llama128, fmt
     assert len(out.token_ids) == 6
 
 
-def test_tied_head_stays_the_embeddings(tmp_path):
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_tied_head_gets_its_own_int8_rows(tmp_path, fmt):
+    """Every token reads the head whole: a tied one is read as int8 rows (a quarter of the fp32
+    embeddings' bytes), for int4 too (a GGUF's Q8_0 embeddings would be rounded again as 4-bit
+    rows); the lookups still read the fp32 embeddings."""
     path = model_factory.llama_relu(tmp_path / "tied", hidden=128, ff=256, tie=True)
-    engine = Engine.load(path, mode="dense", cpu_weights="int8")
-    assert engine.model.lm_head is engine.model.embed  # as the sparse modes' CPU tier keeps it
-    assert not isinstance(engine.model.lm_head, QuantMatrix)
+    engine = Engine.load(path, mode="dense", cpu_weights=fmt)
+    head, embed = engine.model.lm_head, engine.model.embed
+    assert isinstance(head, Int8Matrix) and embed.dtype == torch.float32
+    assert (head.dequantize() - embed).abs().max().item() <= embed.abs().max().item() / 254 * 1.001
+    assert engine.model.head_nbytes == head.nbytes  # counted in the engine's memory
     ref = Engine.load(path, mode="dense")
-    assert _rel(_logits(engine, PROMPT), _logits(ref, PROMPT)) < 0.03
+    assert ref.model.lm_head is ref.model.embed  # fp32: the exact mode keeps the embeddings
+    assert _rel(_logits(engine, PROMPT), _logits(ref, PROMPT)) < (0.03 if fmt == "int8" else 0.2)  # as the untied formats above
 
 
 def test_unknown_format_is_a_user_error(llama128):

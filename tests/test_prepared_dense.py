@@ -172,7 +172,7 @@ def test_a_damaged_prepared_file_is_rebuilt_never_trusted(tmp_path, monkeypatch,
 
 
 def test_tied_head_and_fp32_and_disabled_loads_write_nothing(tmp_path, monkeypatch):
-    """MiniCPM's tied head stays the mapped embeddings; the fp32 reference and
+    """MiniCPM's tied head is mapped as its own int8 rows beside the embeddings; the fp32 reference and
     THERMOCLINE_NO_PREPARED=1 neither read nor write a prepared file."""
     model = rc.minicpm(tmp_path / "minicpm")[0]
     ref_ids, ref_logits = _reference(model, "int8", monkeypatch)
@@ -184,7 +184,7 @@ def test_tied_head_and_fp32_and_disabled_loads_write_nothing(tmp_path, monkeypat
     assert not list(model.glob("thermocline/prepared-*"))
     _load(model, "int8")
     second = _load(model, "int8")
-    assert _mapped(second) and second.model.lm_head is second.model.embed
+    assert _mapped(second) and isinstance(second.model.lm_head, Int8Matrix)
     _decodes_as(second, ref_ids, ref_logits)
     monkeypatch.setenv(DISABLE_ENV, "1")
     assert _load(model, "int8").dense_prepared is None

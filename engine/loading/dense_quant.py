@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import ModelFormatError
-from engine.kernels.quantized import QuantMatrix, matrix_nbytes, quantize_matrix
+from engine.kernels.quantized import Int8Matrix, QuantMatrix, matrix_nbytes, quantize_matrix
 from engine.model.layers import DenseFfn, Layer, linear
 from engine.model.transformer import Transformer
 from engine.loading import prepared
@@ -118,12 +118,16 @@ def quantize_layer(index: int, layer: Layer, fmt: str) -> None:
 
 
 def quantize_head(model: Transformer, fmt: str) -> None:
-    """An untied output head on the CPU into `fmt`; a tied one stays the embeddings (as the
-    sparse modes' CPU tier keeps it, and the placement counts it)."""
+    """The output head on the CPU into `fmt`. A tied head (the embeddings) gets its own copy
+    in int8 rows for either format: every token reads the head whole, and as fp32 it was most
+    of a small model's bytes (SmolLM2-135M: 113 MB of a token's 190); int8 rows, not Q4_0,
+    because a GGUF's embeddings are mostly Q8_0 blocks, which 4-bit rows would round again."""
     head = model.lm_head
     if fmt == "fp32" or head.device.type != "cpu" or isinstance(head, QuantMatrix):
         return
     if head.data_ptr() == model.embed.data_ptr():
+        _check_finite(head, "the embeddings (the tied output head)")
+        model.lm_head = Int8Matrix.quantize(head)
         return
     model.lm_head = _quantized(head, fmt, "the output head")
 

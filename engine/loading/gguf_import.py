@@ -114,6 +114,8 @@ def import_gguf(path: str | Path, target: Path, *, activation: str | None = None
         finally:
             writer.close()
         threshold = m.fields.get("powerinfer.sparse_threshold")
+        # the sidecar: an imported model's loads may write their prepared files (prepared.may_write)
+        sidecar_dir(target).mkdir(exist_ok=True)
         if predictors:
             _write_predictors(target, predictors, config, threshold)
         if progress:

@@ -452,8 +452,9 @@ class PreparedDense(PreparedRows):
         if norm.bias is not None:
             norm.bias = self.matrix("final_norm.bias", tuple(norm.bias.shape))
         # A tied head is stored only where the CPU tier holds its own copy in the CPU format
-        # (a mixture's: engine.hotcold.moe_tiers.MoeRuntime._head_weights); else the
-        # embeddings are the head, read whole by every token.
+        # (a mixture's: engine.hotcold.moe_tiers.MoeRuntime._head_weights; the dense mode's
+        # int8 rows: dense_quant.quantize_head); else the embeddings are the head, read whole
+        # by every token.
         if not self.has("lm_head"):
             embed = self.matrix("embed", tuple(embed.shape), resident=True)
             head = embed
