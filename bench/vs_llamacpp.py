@@ -385,7 +385,7 @@ def worker_ours(root: Path, shape: Shape, mode: str, cpu_weights: str, threads: 
     ready_s = time.perf_counter() - t0
     import resource  # the peak resident set of this process so far: imports and the load (issue #14)
 
-    load_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    load_rss = _peak_rss() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     placed = engine.memory()["ram_bytes"] or None  # dense mode: all of it (weights and KV cache) on the CPU
     engine.eos_ids = set()
 
@@ -481,6 +481,24 @@ def machine() -> dict:
             "loadavg_before": os.getloadavg()}
 
 
+def _peak_rss() -> int | None:
+    """This process's peak resident set (VmHWM), bytes; None off Linux. Not ru_maxrss: on Linux it
+    keeps the parent's peak across the spawn's exec (the parent's bandwidth probe holds 2 GiB)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _spawn_bandwidth(threads: int, smoke: bool) -> float:
+    """`_read_bandwidth` in its own process, so no worker inherits the probe's memory peak."""
+    return spawn(["--worker", "bandwidth", "--threads", str(threads), *(["--smoke"] if smoke else [])])["read_gbps"]
+
+
 def _read_bandwidth(threads: int, nbytes: int) -> float:
     """The host's read bandwidth now, GB/s, on the runs' threads (bench.ffn's measure)."""
     import torch
@@ -516,6 +534,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     shape = SHAPES["smoke" if args.smoke else "7B"]
 
+    if args.worker == "bandwidth":
+        print(json.dumps({"read_gbps": _read_bandwidth(args.threads, 64 << 20 if args.smoke else 1 << 30)}))
+        return 0
     if args.worker == "llama":
         print(json.dumps(worker_llama(args.path, shape, args.threads, args.decode_tokens, args.seed)))
         return 0
@@ -542,7 +563,7 @@ def main(argv=None) -> int:
     common = ["--threads", str(args.threads), "--decode-tokens", str(args.decode_tokens), "--seed", str(args.seed),
               *(["--smoke"] if args.smoke else [])]
     info = machine()
-    bandwidth = [_read_bandwidth(args.threads, 64 << 20 if args.smoke else 1 << 30)]
+    bandwidth = [_spawn_bandwidth(args.threads, args.smoke)]
     # Each round runs every side once, llama.cpp's and ours alternating; each figure keeps its
     # best round: on a shared machine the load moves between processes, and one round leaves
     # one side measured in a quiet minute and the other in a busy one.
@@ -562,7 +583,7 @@ def main(argv=None) -> int:
                     got = spawn(["--worker", name, "--path", str(files["hf"]), *common])
                     ours[name] = _best(ours.get(name), got)
     info["loadavg_after"] = os.getloadavg()
-    bandwidth.append(_read_bandwidth(args.threads, 64 << 20 if args.smoke else 1 << 30))
+    bandwidth.append(_spawn_bandwidth(args.threads, args.smoke))
     read_gbps = sum(bandwidth) / len(bandwidth)
     for kind, v in llama.items():
         v["bytes_per_token"] = gguf_bytes_per_token(files[kind])
