@@ -178,7 +178,8 @@ def worker_ours(root: Path, budget: int | None, tokens: int, threads: int, seed:
                           "lookahead": engine.model.layers[0].ffn.lookahead,
                           "bundle_bytes": r.layout.bundle_bytes,
                           "read_threads": r.threads, "read_path": r.path_kind,
-                          "overflow_rounds": cache.overflow_rounds}})
+                          "chunk_rounds": cache.chunk_rounds, "overflow_rounds": cache.overflow_rounds,
+                          "pinned": int(cache.pinned.sum())}})
     else:
         out["cache_hit_share"] = 1.0
     return out

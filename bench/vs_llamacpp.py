@@ -385,7 +385,7 @@ def worker_ours(root: Path, shape: Shape, mode: str, cpu_weights: str, threads: 
     ready_s = time.perf_counter() - t0
     import resource  # the peak resident set of this process so far: imports and the load (issue #14)
 
-    load_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    load_rss = _peak_rss() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     placed = engine.memory()["ram_bytes"] or None  # dense mode: all of it (weights and KV cache) on the CPU
     engine.eos_ids = set()
 
@@ -403,11 +403,38 @@ def worker_ours(root: Path, shape: Shape, mode: str, cpu_weights: str, threads: 
         from engine.calibration.evaluation import selection_vs_original
 
         selection = {k: round(v, 4) for k, v in selection_vs_original(engine, long).items()}
-    return {**selection, "load_s": load_s, "kernels_ready_s": ready_s, "ttft_s": ttft, "prefill_s": pre, "decode_tok_s": stats.decode_tok_s,
+    read = bytes_per_token(engine, stats.ffn_active_fraction) if engine.sparse is not None else None
+    return {**selection, "bytes_per_token": read, "load_s": load_s, "kernels_ready_s": ready_s, "ttft_s": ttft, "prefill_s": pre, "decode_tok_s": stats.decode_tok_s,
             "ffn_active_fraction": round(stats.ffn_active_fraction, 4), "load_peak_rss": load_rss,
             "placed_ram": placed, "load_rss_over_placed": round(load_rss / placed, 3) if placed else None,
             "prepared": (getattr(engine.sparse, "prepared_dense", None) if engine.sparse is not None
                          else getattr(engine, "dense_prepared", None)) is not None}
+
+
+def bytes_per_token(engine, active: float) -> int:
+    """Bytes one decoded token reads of our placed weights: every attention matrix and the head
+    whole, the predictors whole, and the `active` share of the FFN's rows (gate, up, down of the
+    neurons computed). Excludes the KV cache and the embedding row (a few KB at these prompts)."""
+    from engine.kernels.quantized import matrix_nbytes
+
+    model = engine.model
+    total = 0 if model.lm_head is model.embed else matrix_nbytes(model.lm_head)
+    for i, layer in enumerate(model.layers):
+        total += matrix_nbytes(layer.qkv) + matrix_nbytes(layer.out)
+        ffn = layer.ffn
+        predictors = getattr(getattr(getattr(ffn, "context", None), "_hooks", None), "predictors", None)
+        if predictors is not None:
+            total += matrix_nbytes(predictors.fc1[i]) + matrix_nbytes(predictors.fc2[i])
+        total += int(active * ffn.nbytes)
+    return total
+
+
+def gguf_bytes_per_token(path: Path) -> int:
+    """Bytes one decoded token of llama.cpp reads: every tensor but the embeddings (one row of them)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    return sum(int(t.n_bytes) for t in reader.tensors if t.name != "token_embd.weight")
 
 
 def worker_env() -> dict:
@@ -454,6 +481,38 @@ def machine() -> dict:
             "loadavg_before": os.getloadavg()}
 
 
+def _peak_rss() -> int | None:
+    """This process's peak resident set (VmHWM), bytes; None off Linux. Not ru_maxrss: on Linux it
+    keeps the parent's peak across the spawn's exec (the parent's bandwidth probe holds 2 GiB)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _spawn_bandwidth(threads: int, smoke: bool) -> float:
+    """`_read_bandwidth` in its own process, so no worker inherits the probe's memory peak."""
+    return spawn(["--worker", "bandwidth", "--threads", str(threads), *(["--smoke"] if smoke else [])])["read_gbps"]
+
+
+def _read_bandwidth(threads: int, nbytes: int) -> float:
+    """The host's read bandwidth now, GB/s, on the runs' threads (bench.ffn's measure)."""
+    import torch
+
+    from bench.ffn import machine_bandwidth
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return machine_bandwidth("cpu", nbytes)["read_gbps"]
+    finally:
+        torch.set_num_threads(before)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", action="store_true")
@@ -475,6 +534,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     shape = SHAPES["smoke" if args.smoke else "7B"]
 
+    if args.worker == "bandwidth":
+        print(json.dumps({"read_gbps": _read_bandwidth(args.threads, 64 << 20 if args.smoke else 1 << 30)}))
+        return 0
     if args.worker == "llama":
         print(json.dumps(worker_llama(args.path, shape, args.threads, args.decode_tokens, args.seed)))
         return 0
@@ -501,6 +563,7 @@ def main(argv=None) -> int:
     common = ["--threads", str(args.threads), "--decode-tokens", str(args.decode_tokens), "--seed", str(args.seed),
               *(["--smoke"] if args.smoke else [])]
     info = machine()
+    bandwidth = [_spawn_bandwidth(args.threads, args.smoke)]
     # Each round runs every side once, llama.cpp's and ours alternating; each figure keeps its
     # best round: on a shared machine the load moves between processes, and one round leaves
     # one side measured in a quiet minute and the other in a busy one.
@@ -520,6 +583,14 @@ def main(argv=None) -> int:
                     got = spawn(["--worker", name, "--path", str(files["hf"]), *common])
                     ours[name] = _best(ours.get(name), got)
     info["loadavg_after"] = os.getloadavg()
+    bandwidth.append(_spawn_bandwidth(args.threads, args.smoke))
+    read_gbps = sum(bandwidth) / len(bandwidth)
+    for kind, v in llama.items():
+        v["bytes_per_token"] = gguf_bytes_per_token(files[kind])
+    for v in list(llama.values()) + list(ours.values()):
+        if v.get("bytes_per_token"):  # the share of the host's read bandwidth a token's bytes took
+            v["read_gbps"] = v["bytes_per_token"] * v["decode_tok_s"] / 1e9
+            v["bandwidth_share"] = round(v["read_gbps"] / read_gbps, 3)
     if tmp is not None:
         tmp.cleanup()
 
@@ -538,6 +609,7 @@ def main(argv=None) -> int:
         "shape": f"{args.layers} layers x ({shape.d} x {shape.n_ff}, {shape.heads} heads), vocab {shape.vocab}",
         "active_target": args.active, "gate_rank": args.rank, "threads": args.threads, "rounds": args.rounds,
         "machine": info, "build_s": round(build_s, 1),
+        "read_gbps": [round(b, 2) for b in bandwidth],  # torch sum over 1 GiB, before and after the runs
         "llama_cpp": {k: rounded(v) for k, v in llama.items()},
         "llama_cpp_skipped": llama_skipped,
         "ours": {k: rounded(v) for k, v in ours.items()},

@@ -147,3 +147,26 @@ def test_an_answer_that_ends_keeps_the_text_held_back_for_a_stop_string(demo_pat
     events, token = answer.take(forcing(eos))
     assert token is None and answer.finish_reason == "stop" and answer.emitted.endswith("E")
     assert events and events[-1].token_id == -1
+
+
+def test_each_decode_step_takes_the_way_measured_cheaper(demo_path):
+    engine = Engine.load(demo_path)
+    engine.eos_ids = set()
+    params = SamplingParams(max_new_tokens=10, temperature=0)
+    alone = [engine.generate(p, params).token_ids for p in PROMPTS[:3]]
+    batch, ways = Batch(engine), []
+    ended = {}
+    for i, p in enumerate(PROMPTS[:3]):
+        batch.start(Sequence(engine.encode_prompt(p), params, lambda ev: None,
+                             lambda stats, ids, i=i: ended.__setitem__(i, ids)))
+    batch.step()  # the prompts, together
+    while batch.active:
+        batch.step()
+        ways.append(batch.chooser.last)
+    assert {"batch", "alone"} <= set(ways)  # both tried
+    assert [ended[i] for i in range(3)] == alone  # the same tokens whichever way a step ran
+    chooser = batching.StepChooser()
+    chooser.record("batch", 2.0)
+    chooser.record("alone", 1.0)
+    picks = [chooser.choose() for _ in range(chooser.EXPLORE)]
+    assert picks.count("alone") == chooser.EXPLORE - 1 and picks[-1] == "batch"  # the other way, now and then

@@ -338,7 +338,7 @@ def test_moe_split_experts_on_the_cpu_stand_in_are_fused_and_moves_rebuild_the_c
     CPU tier's), then neurons moved, each placement's expert table rebuilt at the next token."""
     monkeypatch.setenv("THERMOCLINE_KV_CACHE", "fp32")  # fp32 hot rows: the exact cache (see above)
     hybrid = Engine.load(moe_models[family], mode="hybrid", vram_budget=0, ram_budget=RAM, cpu_weights=weights)
-    for fraction in (0.3, 0.55, 0.0):
+    for fraction in (0.3, 0.0):  # the second: every hot neuron moved back, the table rebuilt
         hybrid.set_budgets(vram=vram_for(hybrid, fraction))
         assert (_split_experts(hybrid) > 0) == (fraction > 0)
         _check_same(hybrid, monkeypatch, INT4_FLIP if weights == "int4" else 1e-5)

@@ -161,8 +161,13 @@ def test_a_cut_or_damaged_experts_file_is_rebuilt(built, tmp_path, monkeypatch, 
     ref_logits, ref_ids = _reference(model, "int8", monkeypatch)
     _load(model, "int8")
     path = moe_path(model, "int8")
+    # damaged in a copy renamed over it: the engine loaded above may still map the file (its
+    # kernel warm-up thread), and a mapped file cut in place faults its reader (SIGBUS)
+    copy = path.with_name("damaged")
+    shutil.copyfile(path, copy)
+    damage(copy)
+    os.replace(copy, path)
     before = path.stat().st_mtime_ns
-    damage(path)
     rebuilt = _load(model, "int8")
     assert path.stat().st_mtime_ns != before
     assert PreparedExperts.open_if_current(model, "int8", rebuilt.config, None) is not None
