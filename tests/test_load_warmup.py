@@ -112,3 +112,26 @@ def test_an_answer_right_after_the_load_is_the_one_after_its_warm_up(model, mode
         assert engine._warmup is None  # the first computation waited for it
         engine.close()
     assert answers[0] == answers[1]
+
+
+# Loads and ends at once, as a CLI command or a bench worker does; an exit handler registered
+# before the engine's runs after it and reports whether the warm-up thread was still running.
+EXITS_AT_ONCE = """
+import atexit, sys
+state = {}
+atexit.register(lambda: print("warm-up alive at exit:", state["warm"]._thread.is_alive(), flush=True))
+from engine import Engine
+engine = Engine.load(sys.argv[1], mode="sparse", cpu_weights="int4", ram_budget=1 << 30)
+state["warm"] = engine._warmup
+assert state["warm"] is not None
+"""
+
+
+def test_a_process_that_ends_right_after_a_load_waits_for_the_warm_up(model):
+    # a daemon thread cut off inside numba's compiler aborted the bench's worker at exit
+    # ("terminate called without an active exception")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", EXITS_AT_ONCE, str(model)], capture_output=True, text=True,
+                         cwd=root, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "warm-up alive at exit: False" in out.stdout, out.stdout + out.stderr[-2000:]

@@ -8,6 +8,7 @@ conversation only pays for its new tokens.
 
 from __future__ import annotations
 
+import atexit
 import json
 import threading
 import time
@@ -510,6 +511,18 @@ class Engine:
             return self.sparse.set_budgets(vram, ram)
 
 
+# Warm-ups still running. A process that ends right after a load (a CLI command, a bench
+# worker) waits for them at exit: a daemon thread cut off inside numba's compiler or its
+# thread pool aborted the interpreter ("terminate called without an active exception").
+_WARMUPS: set = set()
+
+
+@atexit.register
+def _finish_warmups() -> None:
+    for warm in list(_WARMUPS):
+        warm.join(raise_error=False)
+
+
 class _KernelWarmup:
     """The CPU kernels a prompt of the load's mode and weight format runs, loaded on a thread
     (numba's disk cache; a first compile takes minutes) while the weights load: numba's first
@@ -527,6 +540,7 @@ class _KernelWarmup:
         self._loaded = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(mode, cpu_weights),
                                         name="thermocline-kernel-warmup", daemon=True)
+        _WARMUPS.add(self)
         self._thread.start()
 
     def decode_over(self, model, cache=None) -> None:
@@ -544,6 +558,8 @@ class _KernelWarmup:
                 self.run_all(mode, cpu_weights)
         except BaseException as exc:  # noqa: BLE001 - handed to the loading thread
             self._error = exc
+        finally:
+            _WARMUPS.discard(self)
 
     @staticmethod
     def run_prompt(mode: str, cpu_weights: str) -> None:
