@@ -80,6 +80,25 @@ def test_a_sequence_that_does_not_fit_in_memory_is_refused_before_it_starts(demo
     assert batch.active == []
 
 
+def test_the_room_running_answers_will_write_is_not_offered_again(demo_path, monkeypatch):
+    # KV caches take no memory until written, so `available` does not see what the running
+    # answers will still write; a second request that fits only in that room is refused
+    from types import SimpleNamespace
+
+    engine = Engine.load(demo_path)
+    batch = Batch(engine)
+    params = SamplingParams(max_new_tokens=200)
+    first = Sequence(engine.encode_prompt("hi"), params, print, print)
+    slots = min(engine.ctx, len(first.ids) + params.max_new_tokens + 1)
+    room = int(batch.cache_bytes(slots) * 1.5)  # one such cache, not two; the machine's own figure moves
+    monkeypatch.setattr(batching.psutil, "virtual_memory", lambda: SimpleNamespace(available=room))
+    monkeypatch.setattr(batching, "MEMORY_RESERVE", 0)
+    batch.start(first)
+    with pytest.raises(BatchMemoryError, match="KV cache needs"):
+        batch.start(Sequence(engine.encode_prompt("hi"), params, print, print))
+    assert len(batch.active) == 1
+
+
 def test_prompts_that_arrive_together_are_read_in_one_pass(demo_path):
     engine = Engine.load(demo_path)
     engine.eos_ids = set()

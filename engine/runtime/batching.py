@@ -120,7 +120,10 @@ class Batch:
                                    "shorten it, start a new conversation or raise the context length")
         slots = min(engine.ctx, len(seq.ids) + params.max_new_tokens + 1)
         need = self.cache_bytes(slots)
-        left = psutil.virtual_memory().available - MEMORY_RESERVE
+        # The caches are untouched zero pages until written (host_memory.zeros): what the running
+        # answers have not yet written is not in `available`, so it is set aside here.
+        promised = sum(self.cache_bytes(s.cache.slots - s.cache.length) for s in self.active if s.cache is not None)
+        left = psutil.virtual_memory().available - MEMORY_RESERVE - promised
         if need > left:
             raise BatchMemoryError(f"this request's KV cache needs {need >> 20} MiB and {max(left, 0) >> 20} MiB "
                                    f"are left beside the {len(self.active)} answers running; retry later or ask "
