@@ -6,12 +6,12 @@ does (each pattern cuts the pieces the previous ones left, gaps kept as pieces).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 import regex
 
-from engine.errors import UserError
 from engine.loading.gguf_reader import GgufModel
 from engine.loading.gguf_tokenizer import tokenizer_json
 
@@ -100,6 +100,7 @@ def test_a_file_without_the_field_takes_llama_cpps_default_splitter():
     assert _pieces(None, TEXTS[0]) == _pieces("default", TEXTS[0])
 
 
-def test_an_unknown_splitter_is_refused_in_words():
-    with pytest.raises(UserError, match="'made-up-bpe' pre-tokenizer, which Thermocline does not know"):
-        tokenizer_json(_vocabulary("made-up-bpe"))
+def test_an_unknown_splitter_keeps_gpt2s_split_and_says_so(caplog):
+    caplog.set_level(logging.WARNING)
+    assert _pieces("made-up-bpe", TEXTS[1]) == _pieces("gpt-2", TEXTS[1])
+    assert "'made-up-bpe' pre-tokenizer, which Thermocline does not know" in caplog.text

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 from engine.errors import ModelFormatError, UserError
 from engine.loading.gguf_reader import GgufModel
+
+log = logging.getLogger(__name__)
 
 
 def tokenizer_json(m: GgufModel) -> dict:
@@ -114,13 +118,15 @@ PRE_NAMES = {
 
 def byte_level_pre_tokenizer(m: GgufModel) -> tuple[dict, bool]:
     """The tokenizer.json pre_tokenizer for the splitter the GGUF names, and whether whole words
-    skip the merges. A file without the field takes llama.cpp's default splitter; a name we do
-    not know is refused rather than split another way."""
+    skip the merges. A file without the field takes llama.cpp's default splitter. A name we do
+    not know keeps GPT-2's split, as every file had before the names were read (DeepSeek's and
+    BLOOM's files loaded that way), with a warning that some words may split differently."""
     name = m.fields.get("tokenizer.ggml.pre") or "default"
     if not isinstance(name, str) or name not in PRE_NAMES:
-        shown = repr(name)[:60]
-        raise UserError(f"{m.path.name} splits text with the {shown} pre-tokenizer, which Thermocline does not "
-                        "know (it knows GPT-2's, Llama 3's, Qwen2's, SmolLM's, Tekken's, GPT-4o's and Falcon's)")
+        log.warning("%s names the %s pre-tokenizer, which Thermocline does not know; splitting its text as "
+                    "GPT-2 does, so some words may take other tokens than the model was trained on",
+                    m.path.name, repr(name)[:60])
+        name = "gpt-2"
     patterns, ignore_merges = BYTE_LEVEL_SPLITS[PRE_NAMES[name]]
     if patterns == (_GPT2,):  # GPT-2's own split is ByteLevel's built-in one
         return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}, False
