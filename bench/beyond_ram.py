@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -49,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import emit, llama_cpp_missing
+from bench import emit, llama_cpp_missing, peak_rss
 from bench.vs_llamacpp import SHAPES, Shape, quantize_gguf, worker_env, write_gguf, write_hf
 
 CTX = 256
@@ -115,16 +114,6 @@ def read_bytes() -> int:
     return 0
 
 
-def peak_rss() -> int:
-    """This process's peak resident set: VmHWM (its own memory map's high-water mark;
-    getrusage's ru_maxrss would carry the parent's from before the exec)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # ----------------------------------------------------------------------- workers

@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench import emit
+from bench import emit, peak_rss
 
 
 def _child(model: str, fmt: str, mode: str, active: float, tokens: int, decode: bool) -> dict:
@@ -38,7 +37,7 @@ def _child(model: str, fmt: str, mode: str, active: float, tokens: int, decode: 
     t0 = time.perf_counter()
     engine = Engine.load(model, mode=mode, cpu_weights=fmt, ctx=64, ram_budget=None)
     load_s = time.perf_counter() - t0
-    out = {"load_s": load_s, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    out = {"load_s": load_s, "peak_rss": peak_rss(),
            "placed_ram": engine.memory()["ram_bytes"] if engine.sparse else None,
            "prepared": str(engine.sparse.prepared_path) if engine.sparse and engine.sparse.prepared_rows else None}
     if decode:

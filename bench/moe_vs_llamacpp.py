@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import emit, llama_cpp_missing
+from bench import add_placeholder_vocab, emit, llama_cpp_missing, peak_rss
 
 PROMPT = [1] + list(range(260, 275))  # ids that are ordinary pieces in both vocabularies
 
@@ -66,18 +66,7 @@ def write_gguf(path: Path, hf: Path, cfg: dict) -> None:
     w.add_expert_used_count(cfg["moe_num_active_primary_experts"])
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    # An SPM vocabulary llama.cpp loads; prompts are token ids, so the pieces are placeholders.
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
-    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
-    tokens += [f"\u2581t{i}" for i in range(vocab - len(tokens))]
-    types += [gguf.TokenType.NORMAL] * (vocab - len(types))
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([-float(i) for i in range(vocab)])
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
+    add_placeholder_vocab(w, vocab)
 
     def add(name, t):
         arr = t.float().numpy() if t.dim() == 1 else t.to(torch.float16).numpy()
@@ -144,7 +133,7 @@ def worker_llama(path: Path, threads: int, tokens: int, seed: int) -> dict:
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_threads=threads, n_threads_batch=threads,
                           verbose=False)
-    load = {"load_s": time.perf_counter() - t0, "load_peak_rss": _peak_rss()}
+    load = {"load_s": time.perf_counter() - t0, "load_peak_rss": peak_rss()}
     vocab = llm.n_vocab()
 
     def last_logits():  # llama-cpp-python keeps no scores without logits_all: read the context's
@@ -171,21 +160,6 @@ def worker_llama(path: Path, threads: int, tokens: int, seed: int) -> dict:
     return {"decode_tok_s": tokens / (time.perf_counter() - t), "top": top, **load}
 
 
-def _peak_rss() -> int:
-    """This process's peak resident set so far, bytes (imports and the load): /proc's VmHWM,
-    the high-water mark of this program's memory. Not getrusage's ru_maxrss, which on Linux
-    keeps the peak of the process before it exec'd: a worker forked by a parent that had just
-    built a 2.6 GB model reported 2.6 GB whatever it loaded."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource  # other systems: the best there is
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 def fused_ab(model, cache, sparse, start: int, tokens: list[int], block: int = 4) -> dict:
@@ -229,7 +203,7 @@ def worker_ours(root: Path, cpu_weights: str, threads: int, tokens: int, seed: i
     t0 = time.perf_counter()
     engine = Engine.load(root, ctx=256, threads=threads, **kwargs)
     # a second load where the model was prepared before (main runs one untimed load first)
-    load = {"load_s": time.perf_counter() - t0, "load_peak_rss": _peak_rss(),
+    load = {"load_s": time.perf_counter() - t0, "load_peak_rss": peak_rss(),
             "placed_ram": engine.memory()["ram_bytes"] if engine.sparse is not None else None,
             "prepared": getattr(engine.sparse, "prepared_experts", None) is not None}
     if engine.sparse is not None:  # "+prefetch": read the chosen cold experts while attention runs

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import emit, llama_cpp_missing
+from bench import add_placeholder_vocab, emit, llama_cpp_missing, peak_rss
 
 SHORT, LONG = 20, 200  # prompt lengths of the TTFT and prefill figures
 
@@ -217,17 +217,7 @@ class GgufStream:
         w.add_rope_dimension_count(D // HEADS)
         w.add_layer_norm_rms_eps(1e-6)
         w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-        tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
-        types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
-        tokens += [f"\u2581t{i}" for i in range(VOCAB - len(tokens))]
-        types += [gguf.TokenType.NORMAL] * (VOCAB - len(types))
-        w.add_tokenizer_model("llama")
-        w.add_token_list(tokens)
-        w.add_token_scores([-float(i) for i in range(VOCAB)])
-        w.add_token_types(types)
-        w.add_bos_token_id(1)
-        w.add_eos_token_id(2)
-        w.add_unk_token_id(0)
+        add_placeholder_vocab(w, VOCAB)
         self.order = _gguf_order(layers)
         for gg, hf in self.order:
             dims = _hf_shape(shape, hf)
@@ -383,9 +373,7 @@ def worker_ours(root: Path, shape: Shape, mode: str, cpu_weights: str, threads: 
     # the kernels the load left loading on its thread (the first computation waits for them)
     engine.wait_kernels()
     ready_s = time.perf_counter() - t0
-    import resource  # the peak resident set of this process so far: imports and the load (issue #14)
-
-    load_rss = _peak_rss() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    load_rss = peak_rss()  # this process's so far: imports and the load (issue #14)
     placed = engine.memory()["ram_bytes"] or None  # dense mode: all of it (weights and KV cache) on the CPU
     engine.eos_ids = set()
 
@@ -481,17 +469,6 @@ def machine() -> dict:
             "loadavg_before": os.getloadavg()}
 
 
-def _peak_rss() -> int | None:
-    """This process's peak resident set (VmHWM), bytes; None off Linux. Not ru_maxrss: on Linux it
-    keeps the parent's peak across the spawn's exec (the parent's bandwidth probe holds 2 GiB)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _spawn_bandwidth(threads: int, smoke: bool) -> float:
