@@ -216,6 +216,29 @@ def test_the_rows_writer_names_its_partial_file_by_pid_and_removes_a_killed_writ
     assert not writer.tmp.exists() and not target.exists()
 
 
+def test_a_writer_stopped_short_keeps_no_partial_and_a_misshapen_tensor_is_refused(tmp_path):
+    """Both prepared writers share one streamed writer: a file missing tensors is removed at
+    `finish` (the dense writer used to leave its model-sized partial until the process
+    ended), and a tensor of another shape than its header entry is refused before it is
+    written."""
+    import pytest
+    import torch
+
+    from engine.loading.prepared import PreparedWriter, prepared_path
+    from engine.loading.safetensors_out import StreamedSafetensors
+
+    writer = PreparedWriter(tmp_path, "int8", "k", 8, 16, True, 1)
+    with pytest.raises(RuntimeError, match="incomplete"):
+        writer.finish()
+    assert not writer.tmp.exists() and not prepared_path(tmp_path, "int8").exists()
+
+    out = StreamedSafetensors(tmp_path / "x.safetensors", [("a", "I8", (2, 3))], {"key": "k"})
+    with pytest.raises(RuntimeError, match="declared"):
+        out.write("a", torch.zeros(3, 2, dtype=torch.int8))
+    out.write("a", torch.zeros(2, 3, dtype=torch.int8))
+    assert out.finish().stat().st_size > 6 and not out.tmp.exists()
+
+
 def test_a_just_written_file_is_read_again_in_huge_pages_and_later_opens_map_it(tmp_path, monkeypatch):
     """The real kernel's answer: a file just written (small folios) gives its resident
     matrices either as views read again in 2 MB pages or as copies, the same bytes; where it

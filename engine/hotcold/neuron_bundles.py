@@ -160,9 +160,9 @@ def _drop_cache(fd: int, lo: int, hi: int) -> None:
 
 
 def _build(prepared, path: Path, layout: BundleLayout, key: str) -> None:
-    from engine.loading.prepared import _remove_abandoned_partials
+    from engine.loading.safetensors_out import remove_abandoned_partials
 
-    _remove_abandoned_partials(path)
+    remove_abandoned_partials(path)
     tmp = path.with_suffix(f".{os.getpid()}.partial")
     meta = json.dumps(layout.to_json(key)).encode()
     header = MAGIC + struct.pack("<Q", len(meta)) + meta

@@ -346,7 +346,7 @@ def load_sparse(model_dir: Path, config: ModelConfig, mode: str, ctx: int, vram_
     if writer is not None:
         try:
             runtime.prepared_path = writer.finish()
-        except OSError as exc:
+        except (OSError, RuntimeError) as exc:
             writer.abort()
             log.warning("could not write the prepared rows of %s: %s", model_dir, exc)
     for i, on_fast in enumerate(plan.layer_on_fast):

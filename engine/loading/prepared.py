@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import struct
 from pathlib import Path
@@ -32,6 +31,7 @@ from engine.kernels import q4_format, q4_rows
 from engine.kernels import host_memory
 from engine.loading.sidecar import sidecar_dir
 from engine.loading.predictors import FILENAME
+from engine.loading.safetensors_out import CODE_OF, CODES, NUMPY, StreamedSafetensors
 from engine.kernels.quantized import Int8Matrix, Q4Matrix, Q4MinMatrix
 from engine.model.layers import Norm
 
@@ -40,9 +40,6 @@ log = logging.getLogger(__name__)
 LAYOUT_VERSION = 1  # bump when the rows' layout or this file's names change
 FORMATS = ("int8", "int4")
 DISABLE_ENV = "THERMOCLINE_NO_PREPARED"  # 1: neither read nor write prepared files
-_DTYPES = {torch.uint8: ("U8", 1), torch.int8: ("I8", 1), torch.float32: ("F32", 4)}
-_NUMPY = {"U8": np.uint8, "I8": np.int8, "F32": np.float32}
-_TORCH = {code: dtype for dtype, (code, _) in _DTYPES.items()}
 
 
 def enabled() -> bool:
@@ -115,42 +112,21 @@ class PreparedWriter:
     into place (a half-written file is never taken for a prepared one)."""
 
     def __init__(self, model_dir: Path, fmt: str, key: str, n: int, d: int, gated: bool, layers: int):
-        self.path = prepared_path(model_dir, fmt)
-        _remove_abandoned_partials(self.path)
-        self.tmp = self.path.with_suffix(f".{os.getpid()}.partial")  # two first loads at once never share it
-        self.fmt, self.gated, self.layers = fmt, gated, layers
-        entries = _shapes(n, d, gated, fmt, layers)
-        header, offset = {"__metadata__": {"key": key, "format": fmt, "layout_version": str(LAYOUT_VERSION)}}, 0
-        for name, dtype, shape in entries:
-            size = math.prod(shape) * (4 if dtype == "F32" else 1)
-            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
-            offset += size
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)
-        self.order = [e[0] for e in sorted(entries, key=lambda e: header[e[0]]["data_offsets"][0])]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.f = open(self.tmp, "wb")
-        self.f.write(struct.pack("<Q", len(blob)) + blob)
-        self.next = 0
+        self.fmt, self.gated = fmt, gated
+        self.out = StreamedSafetensors(prepared_path(model_dir, fmt), _shapes(n, d, gated, fmt, layers),
+                                       {"key": key, "format": fmt, "layout_version": str(LAYOUT_VERSION)})
+        self.tmp = self.out.tmp
 
     def add_layer(self, i: int, rows) -> None:
         tensors = _layer_tensors(i, rows, self.fmt)
         for name in _names(i, self.gated, self.fmt):
-            if self.order[self.next] != name:
-                raise RuntimeError(f"prepared rows written out of order: {name}")
-            self.f.write(tensors[name].contiguous().numpy().tobytes())
-            self.next += 1
+            self.out.write(name, tensors[name])
 
     def finish(self) -> Path:
-        self.f.close()
-        if self.next != len(self.order):
-            raise RuntimeError("prepared file incomplete")
-        self.tmp.replace(self.path)
-        return self.path
+        return self.out.finish()
 
     def abort(self) -> None:
-        self.f.close()
-        self.tmp.unlink(missing_ok=True)
+        self.out.abort()
 
 
 class PreparedRows:
@@ -217,7 +193,7 @@ class PreparedRows:
             elif not self._file_huge and self._recached:
                 host_memory.recache_huge(array, self.path, check=False)  # the next ones go the same way
             if not self._file_huge and not self._recached:
-                out = host_memory.empty(array.shape, _TORCH[self.header[name]["dtype"]])
+                out = host_memory.empty(array.shape, CODES[self.header[name]["dtype"]][0])
                 host_memory.copy_out_of_map(array, out)
                 return out
         return torch.from_numpy(array)
@@ -225,7 +201,7 @@ class PreparedRows:
     def _view(self, name: str) -> np.ndarray:
         entry = self.header[name]
         lo, hi = entry["data_offsets"]
-        return self._map[self._base + lo:self._base + hi].view(_NUMPY[entry["dtype"]]).reshape(entry["shape"])
+        return self._map[self._base + lo:self._base + hi].view(NUMPY[entry["dtype"]]).reshape(entry["shape"])
 
     def _probe_name(self) -> str:
         """The largest head or attention matrix (read whole by the load anyway; never an FFN
@@ -320,52 +296,28 @@ def dense_tensors(model, predictors, cpu_layers: list[int], head_on_cpu: bool) -
     return out
 
 
-def _remove_abandoned_partials(path: Path) -> None:
-    """Delete the half-written files of `path` left by loads that were killed (their pid no
-    longer runs): each is as big as the model, and no other code would ever remove it."""
-    import psutil
-
-    for tmp in path.parent.glob(f"{path.stem}.*.partial"):
-        pid = tmp.suffixes[-2][1:] if len(tmp.suffixes) >= 2 else ""
-        if pid.isdigit() and int(pid) != os.getpid() and not psutil.pid_exists(int(pid)):
-            tmp.unlink(missing_ok=True)
-
-
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
                   progress=None) -> Path:
     """A safetensors file of CPU tensors, streamed tensor by tensor (no copy of the whole),
     written under a temporary name and renamed into place; `progress(fraction, text)` after
     each tensor when given."""
-    header, offset = {"__metadata__": metadata}, 0
-    arrays = {}
     for name, t in tensors.items():
-        if t.device.type != "cpu" or t.dtype not in _DTYPES:
+        if t.device.type != "cpu" or t.dtype not in CODE_OF:
             raise ValueError(f"{name}: cannot prepare a {t.dtype} tensor on {t.device}")
-        a = t.contiguous().numpy()
-        arrays[name] = a
-        header[name] = {"dtype": _DTYPES[t.dtype][0], "shape": list(a.shape),
-                        "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned_partials(path)
-    tmp = path.with_suffix(f".{os.getpid()}.partial")  # two loads at once never share a half-written file
+    out = StreamedSafetensors(path, [(name, CODE_OF[t.dtype], tuple(t.shape)) for name, t in tensors.items()],
+                              metadata)
     try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)) + blob)
-            done = 0
-            for a in arrays.values():
-                f.write(memoryview(a.reshape(-1).view(np.uint8)))
-                done += a.nbytes
-                if progress is not None:
-                    progress(done / max(offset, 1), f"writing the prepared layout (first load only): "
-                                                    f"{100 * done // max(offset, 1)}%")
-        tmp.replace(path)
+        done = 0
+        for name, t in tensors.items():
+            out.write(name, t)
+            done += t.numel() * t.element_size()
+            if progress is not None:
+                progress(done / max(out.size, 1), f"writing the prepared layout (first load only): "
+                                                  f"{100 * done // max(out.size, 1)}%")
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        out.abort()
         raise
-    return path
+    return out.finish()
 
 
 class PreparedDense(PreparedRows):

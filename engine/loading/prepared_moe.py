@@ -22,10 +22,8 @@ removes the partial of a pid that no longer runs).
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
-import os
 import struct
 from pathlib import Path
 
@@ -34,6 +32,7 @@ import torch
 from engine.kernels import q4_format
 from engine.kernels.quantized import Int8Matrix
 from engine.loading import prepared
+from engine.loading.safetensors_out import CODES, StreamedSafetensors
 from engine.loading.sidecar import sidecar_dir
 from engine.model.expert_stack import PARTS, ExpertStack
 from engine.model.moe import ExpertPredictors
@@ -41,7 +40,6 @@ from engine.model.moe import ExpertPredictors
 log = logging.getLogger(__name__)
 
 MOE_LAYOUT_VERSION = 1  # bump when the experts' layout or these names change
-_CODES = {"I8": (torch.int8, 1), "U8": (torch.uint8, 1), "F32": (torch.float32, 4)}
 
 
 def moe_path(model_dir: Path, fmt: str) -> Path:
@@ -93,44 +91,20 @@ class MoeWriter:
     `finish` renames it into place, `abort` deletes it."""
 
     def __init__(self, model_dir: Path, fmt: str, config, ranks: list[int] | None):
-        self.path = moe_path(model_dir, fmt)
-        entries = file_entries(config, fmt, ranks)
-        header, offset = {"__metadata__": {"key": moe_key(model_dir, fmt), "format": fmt,
-                                           "layout_version": str(MOE_LAYOUT_VERSION)}}, 0
-        for name, code, shape in entries:
-            size = math.prod(shape) * _CODES[code][1]
-            header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + size]}
-            offset += size
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)
-        self.entries, self.next = entries, 0
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        prepared._remove_abandoned_partials(self.path)
-        self.tmp = self.path.with_suffix(f".{os.getpid()}.partial")  # two first loads at once never share it
-        self.f = open(self.tmp, "wb")
-        self.f.write(struct.pack("<Q", len(blob)) + blob)
+        self.out = StreamedSafetensors(moe_path(model_dir, fmt), file_entries(config, fmt, ranks),
+                                       {"key": moe_key(model_dir, fmt), "format": fmt,
+                                        "layout_version": str(MOE_LAYOUT_VERSION)})
+        self.path, self.tmp = self.out.path, self.out.tmp
 
     def add_layer(self, i: int, stack: ExpertStack, predictors: ExpertPredictors | None) -> None:
-        tensors = layer_tensors(i, stack, predictors)
-        for name, t in tensors.items():
-            want_name, code, shape = self.entries[self.next]
-            if name != want_name or t.dtype != _CODES[code][0] or tuple(t.shape) != shape:
-                raise RuntimeError(f"prepared experts written out of order or shape: {name} {tuple(t.shape)}, "
-                                   f"expected {want_name} {shape}")
-            self.f.write(memoryview(t.contiguous().numpy().reshape(-1).view("uint8")))
-            self.next += 1
+        for name, t in layer_tensors(i, stack, predictors).items():
+            self.out.write(name, t)
 
     def finish(self) -> Path:
-        self.f.close()
-        if self.next != len(self.entries):
-            self.tmp.unlink(missing_ok=True)
-            raise RuntimeError("prepared experts incomplete")
-        self.tmp.replace(self.path)
-        return self.path
+        return self.out.finish()
 
     def abort(self) -> None:
-        self.f.close()
-        self.tmp.unlink(missing_ok=True)
+        self.out.abort()
 
 
 class PreparedExperts(prepared.PreparedRows):
@@ -153,7 +127,7 @@ class PreparedExperts(prepared.PreparedRows):
                 raise ValueError("its tensors are not this model's")
             for e in experts.header.values():  # offsets inside the file, sized as the shapes say
                 lo, hi = e["data_offsets"]
-                if not 0 <= lo <= hi or hi - lo != math.prod(e["shape"]) * _CODES[e["dtype"]][1]:
+                if not 0 <= lo <= hi or hi - lo != math.prod(e["shape"]) * CODES[e["dtype"]][1]:
                     raise ValueError("a tensor's offsets do not match its shape")
         except (OSError, ValueError, struct.error, KeyError, TypeError, AttributeError) as exc:
             log.warning("ignoring unreadable prepared experts %s (%s)", path, exc)
