@@ -358,7 +358,11 @@ class ModelsPage(QWidget):
         top.addWidget(self.open_dir_button)
         hl.addLayout(top)
         adds = QHBoxLayout()
-        adds.addWidget(QLabel("Add a model from:", header))
+        # It wraps beside the buttons in a narrow window: in one line it held the page at 517 px,
+        # which squeezed the budgets panel beside it until its Mode read "Hybrid (CPU".
+        add_label = QLabel("Add a model from:", header)
+        add_label.setWordWrap(True)
+        adds.addWidget(add_label)
         for b in (self.add_repo_button, self.add_folder_button, self.add_file_button, self.add_remote_button):
             adds.addWidget(b)
         adds.addStretch(1)
