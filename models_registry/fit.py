@@ -319,12 +319,11 @@ def place_bytes(shape: ModelShape, *, ctx: int, vram_budget: int, ram_budget: in
     est.words_per_s = round(words_per_second(plan), 1)
     est.min_ram_bytes = plan.min_ram_bytes
     if est.verdict == VERDICT_NO:
-        est.reason = (f"needs {format_size(plan.min_ram_bytes)} of RAM beside the GPU; the RAM budget is "
+        beside = " beside the GPU" if vram_budget > 0 else ""  # no GPU: "beside the GPU" misleads
+        est.reason = (f"needs {format_size(plan.min_ram_bytes)} of RAM{beside}; the RAM budget is "
                       f"{format_size(ram_budget)}")
     elif est.verdict == VERDICT_DISK:
-        est.reason = (f"{format_size(est.disk_bytes)} of cold FFN rows on disk, a neuron cache in RAM; reads "
-                      f"{format_size(int(est.disk_read_per_token))} from disk per token and runs from disk at "
-                      f"about {format_rate(est.words_per_s)} words a second")
+        est.reason = disk_reason(est, est.words_per_s)
     elif est.verdict == VERDICT_FITS:
         est.reason = "all layers and FFN neurons on the GPU (embeddings in RAM)"
     elif est.hot_neurons == 0 and est.gpu_layers == 0:
@@ -334,6 +333,16 @@ def place_bytes(shape: ModelShape, *, ctx: int, vram_budget: int, ram_budget: in
         est.reason = (f"{est.hot_fraction:.0%} of FFN neurons and {est.gpu_layers}/{shape.n_layers} layers' "
                       "attention on the GPU, the rest in RAM")
     return est
+
+
+def disk_reason(est: FitEstimate, words_s: float | None) -> str:
+    """What a "runs from disk" verdict rests on; with the speed the placement's fixed bandwidths
+    give, or without it where a speed measured on this machine is shown beside (one speed a card)."""
+    text = (f"{format_size(est.disk_bytes)} of cold FFN rows on disk, a neuron cache in RAM; reads "
+            f"{format_size(int(est.disk_read_per_token))} from disk per token")
+    if words_s is not None:
+        text += f" and runs from disk at about {format_rate(words_s)} words a second"
+    return text
 
 
 def gpu_bytes_for_everything(shape: ModelShape, ctx: int, predictor_params: list[int] | None = None,

@@ -23,7 +23,7 @@ from .arch import detect_architecture
 from .fit import BytesModel, estimate_fit
 from .hardware import probe_hardware
 from .hub import OfflineModeOn, hub_endpoint, hub_error, is_offline
-from .speed import read_bandwidth, speed_words, words_per_second
+from .speed import measured_reason, read_bandwidth, speed_words, words_per_second
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def search_hub(query: str, *, ctx: int = 2048, cpu_weights: str = "int8", token:
         except Exception as exc:  # noqa: BLE001 - a model we cannot size is still shown, said so
             verdict, reason, words_s, params = "unknown", str(exc), None, 0
         else:
-            verdict, reason, words_s, params = est.verdict, est.reason, words_per_second(est, bandwidth), \
+            verdict, reason, words_s, params = est.verdict, measured_reason(est), words_per_second(est, bandwidth), \
                 est.total_params
         size = _size_from_safetensors(info) or (params * 2 if params else None)  # 16-bit weights when unsaid
         rows.append({"repo": info.id, "catalogue_id": catalogued, "size": size, "verdict": verdict,

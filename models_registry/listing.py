@@ -20,7 +20,7 @@ from .catalogue import load_catalogue, recommended_entry
 from .fit import VERDICT_FITS, VERDICT_HYBRID, VERDICT_NO, BytesModel, estimate_fit
 from .hardware import cpu_feature_words, probe_hardware
 from .resolve import demo_model_dir, downloaded_model_dir, is_ready
-from .speed import READABLE_WORDS_PER_S, read_bandwidth, speed_words, words_per_second
+from .speed import READABLE_WORDS_PER_S, measured_reason, read_bandwidth, speed_words, words_per_second
 from .state import read_state
 
 
@@ -111,7 +111,7 @@ def scan_models(custom: list[str], ctx: int, active: str = "", cpu_weights: str 
             else:
                 formats = {f: {"memory": e.ram_bytes + e.vram_bytes, "words_s": words_per_second(e, bandwidth),
                                "verdict": e.verdict} for f, e in estimates.items()}
-                verdict, reason = est.verdict, est.reason
+                verdict, reason = est.verdict, measured_reason(est)
                 sparsity = entry.sparsity if entry else None
                 words_s = words_per_second(est, bandwidth)
                 shape = est.shape

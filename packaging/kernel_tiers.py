@@ -33,6 +33,7 @@ TIERS = {
 }
 MANIFEST = "tiers.json"
 SEED = "numba-cache"  # under the bundle's _internal folder
+STAMP_PREFIX = "thermocline-kernels-"  # a completed preparation's stamp (engine.runtime.kernel_preparation)
 
 
 def target_env(tier: str) -> dict[str, str]:
@@ -103,8 +104,23 @@ def seed_user_cache(internal: str, user_cache: str, features: dict[str, bool] | 
         src = os.path.join(seed, tier, source)
         dst = os.path.join(user_cache, cache_subpath(os.path.join(internal, source)))
         os.makedirs(dst, exist_ok=True)
-        for name in os.listdir(src):
+        names = os.listdir(src)
+        # The user's cache came from this build when its stamps are the seed's: keep its files
+        # (numba adds the kernels compiled since to their index files). Otherwise (the first
+        # start, or an upgrade: other kernel sources) every file is the seed's. File times say
+        # nothing here: dpkg and the Windows installer keep the build's, older than the user's.
+        same_build = all(_same_bytes(os.path.join(src, n), os.path.join(dst, n))
+                         for n in names if n.startswith(STAMP_PREFIX))
+        for name in names:
             target = os.path.join(dst, name)
-            if not os.path.exists(target) or os.path.getmtime(os.path.join(src, name)) > os.path.getmtime(target):
+            if not same_build or not os.path.exists(target):
                 shutil.copy2(os.path.join(src, name), target)
     return tier
+
+
+def _same_bytes(a: str, b: str) -> bool:
+    try:
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            return fa.read() == fb.read()
+    except OSError:
+        return False

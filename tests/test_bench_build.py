@@ -4,8 +4,8 @@ hold exactly the tensors `make_weights` draws all at once."""
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
-import pytest
 import torch
 
 from bench.vs_llamacpp import SHAPES, _gguf_order, build, make_weights
@@ -14,7 +14,6 @@ from engine.loading.weights import WeightSource
 
 
 def test_streamed_build_holds_make_weights_tensors(tmp_path):
-    gguf = pytest.importorskip("gguf")
     shape, layers = SHAPES["smoke"], 3
     files = build(tmp_path, shape, layers, 8, 0.1, 0, quantize=False)
     tensors, fc1s, fc2s = make_weights(shape, layers, 8, 0.1, 0)

@@ -158,9 +158,17 @@ def test_a_long_chat_keeps_going_by_forgetting_the_oldest_messages(qtbot, tmp_pa
     finals = []
     w.client.worker.finished.connect(lambda _r, stats: finals.append(stats))
     try:
+        first_banner = None  # the words when the first messages are forgotten, and how many
         for i in range(6):
             send(qtbot, w, f"tell me about the sea and the ships number {i}")
             wait_idle(qtbot, w)
+            qtbot.wait(50)
+            if first_banner is None and w.chat.banner.isVisible() and "forgotten" in w.chat.banner.label.text():
+                first_banner = (w.chat.banner.label.text(), w.chat.context.dropped)
+        assert first_banner is not None
+        text, dropped = first_banner  # issue 27: "the oldest 1 message are forgotten"
+        assert (("the oldest message is forgotten" if dropped == 1 else
+                 f"the oldest {dropped} messages are forgotten") in text), first_banner
         assert all(f["finish_reason"] != "context_full" for f in finals)
         assert finals[-1]["dropped_messages"] > 0
         assert finals[-1]["prompt_tokens"] <= 128 - 16  # room left for the answer

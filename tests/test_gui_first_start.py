@@ -4,6 +4,12 @@ and nothing says "loaded" before the model can answer."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from engine.kernels import cpu_numba
@@ -11,6 +17,7 @@ from engine.runtime import kernel_preparation as kp
 from gui_helpers import close_window, make_window, send, wait_idle
 from kernel_steps import HeldSteps, forget_preparation
 
+ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(not cpu_numba.HAS_AVX2, reason="the fused decode runs on AVX2 hosts")]
 
@@ -66,3 +73,28 @@ def test_no_kernel_item_on_a_start_whose_kernels_are_compiled(qtbot, tmp_path, l
         assert not w.kernel_status.isVisible() and w.client.engine.kernel_preparation is None
     finally:
         close_window(w)
+
+
+# A machine where a dense preparation completed (`generate`, a dense chat) and the window's own
+# (hybrid: sparse, int8) did not; what the splash compiled before the window showed.
+PRELOAD_CHILD = """
+import json
+from engine.runtime import kernel_preparation as kp
+kp.mark_cached(kp.kind_of("dense", "int8"))
+from app.gui.main import preload_engine
+preload_engine()
+from numba.core.dispatcher import Dispatcher
+from engine.kernels import cpu_numba
+print(json.dumps(sorted(n for n, v in vars(cpu_numba).items() if isinstance(v, Dispatcher) and v.overloads)))
+"""
+
+
+def test_the_splash_compiles_no_kernel_when_the_windows_kind_was_never_prepared(tmp_path):
+    """The splash loads the kernels only where the preparation of the kernels it loads (sparse
+    int8: `cpu.warmup`'s) completed; another kind's stamp is no reason to compile them there,
+    minutes before the window shows."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "THERMOCLINE_KERNELS": "background"}
+    out = subprocess.run([sys.executable, "-c", PRELOAD_CHILD], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []

@@ -94,6 +94,36 @@ def test_ctrl_n_type_enter_esc_ctrl_q_at_800x600(qtbot, first_start):
     qtbot.waitUntil(lambda: not w.isVisible(), timeout=10_000)
 
 
+def test_a_first_start_on_a_small_screen_fits_the_screen(qtbot, tmp_path, llama_dir, monkeypatch):
+    """No size set by the test: the window's own first-start size (1280x800) is cut to the
+    screen, so at 800x600 the conversation's right edge and the prompt box stay in sight."""
+    from app.gui.main import make_application
+    from app.gui.main_window import MainWindow
+    from app.settings import Settings
+    from app.storage import Storage
+
+    for name, sub in (("MODELS", "models"), ("CONFIG", "cfg"), ("DATA", "data")):
+        monkeypatch.setenv(f"THERMOCLINE_{name}_DIR", str(tmp_path / sub))
+    make_application()
+    room = QApplication.primaryScreen().availableGeometry()
+    if room.width() >= 1280 and room.height() >= 800:
+        pytest.skip(f"this screen ({room.width()}x{room.height()}) holds the first-start size")
+    settings = Settings(tmp_path / "cfg" / "settings.json")
+    settings["model.active"] = str(llama_dir)
+    storage = Storage(tmp_path / "data" / "conversations.db")
+    w = MainWindow(storage, settings, show_welcome=False)
+    qtbot.addWidget(w)
+    try:
+        w.show()
+        qtbot.waitExposed(w)
+        assert w.width() <= room.width() and w.height() <= room.height(), (w.size(), room)
+        for part in (w.chat.input.edit, w.chat.input.button, w.chat.title_label):
+            assert inside(part, w), part.objectName()
+    finally:
+        w.close()
+        storage.close()
+
+
 def test_enter_while_the_model_loads_sends_once_it_is_loaded_and_esc_keeps_it(qtbot, first_start):
     w = first_start
     qtbot.waitUntil(lambda: getattr(w, "welcome", None) is not None, timeout=10_000)

@@ -67,3 +67,26 @@ def test_long_streaming_answer_flushes_stay_cheap(qtbot):
             worst = max(worst, time.thread_time() - start)
     assert len(text) > 10_000 and len(msg.body._widgets) > 5
     assert worst < 0.050, f"worst flush {worst * 1000:.0f} ms"
+
+
+def test_a_code_blocks_last_line_is_shown_whole_with_and_without_a_scroll_bar(qtbot):
+    """The stylesheet pads the code 4 px above and below; the height left that out, so the
+    last line's descenders were cut ("Bingley" in the 800x600 screenshots), and the sideways
+    scroll bar sat over them when a line was too wide."""
+    from app.gui.main import make_application
+    from app.gui.markdown_view import CodeBlock
+
+    make_application()  # the app's style and stylesheet
+    code = 'suitors = {"Darcy": "proud, or only shy?",  # first ball\n           "Bingley": "all ease"}'
+    for width, bar in ((760, False), (260, True)):
+        block = CodeBlock()
+        qtbot.addWidget(block)
+        block.set_code(code, "python")
+        block.resize(width, 300)
+        block.show()
+        qtbot.waitExposed(block)
+        editor = block.editor
+        qtbot.waitUntil(lambda: editor.horizontalScrollBar().isVisible() == bar, timeout=3000)
+        qtbot.wait(20)
+        last = editor.blockBoundingGeometry(editor.document().lastBlock()).translated(editor.contentOffset())
+        assert last.bottom() <= editor.viewport().height(), (width, last.bottom(), editor.viewport().height())

@@ -134,6 +134,30 @@ def test_continue_writes_on_where_a_cut_off_answer_ended(qtbot, window):
     assert len(stored[-1].content) > len(before) and w.chat.view.last().text() == stored[-1].content
 
 
+def test_continue_writes_on_where_a_stopped_answer_ended(qtbot, window):
+    """Continue after Esc: the stopped answer is written on in place, from its own end."""
+    w = window
+    w.settings["chat.max_new_tokens"] = 4000  # long enough that Esc lands inside the answer
+    w.settings["chat.temperature"] = 1.0
+    send(qtbot, w, "tell me about the sea")
+    qtbot.waitUntil(lambda: w.chat.busy and len(w.chat.session.answer_text) > 20, timeout=60_000)
+    qtbot.keyClick(w.chat.input.edit, Qt.Key.Key_Escape)
+    wait_idle(qtbot, w)
+    answer = w.chat.view.last()
+    before = answer.text()
+    assert w.storage.message(answer.message_id).status == "stopped" and before
+    assert answer.continue_button.isVisible()
+    assert "Continue" in [a.text() for a in answer.context_menu().actions()]
+    answer.continue_button.click()
+    qtbot.waitUntil(lambda: w.chat.busy and len(w.chat.session.answer_text) > len(before) + 20, timeout=60_000)
+    qtbot.keyClick(w.chat.input.edit, Qt.Key.Key_Escape)
+    wait_idle(qtbot, w)
+    stored = w.storage.messages(w.chat.conversation.id)
+    assert [m.role for m in stored] == ["user", "assistant"] and stored[-1].id == answer.message_id
+    assert stored[-1].content.startswith(before) and len(stored[-1].content) > len(before)
+    assert w.chat.view.last().text() == stored[-1].content
+
+
 # -- the sampling panel ----------------------------------------------------------------------
 def test_min_p_seed_and_stop_strings_are_kept_and_used(qtbot, window):
     from app.gui.dialogs import ConversationSettingsDialog
@@ -244,6 +268,7 @@ def test_hub_search_shows_what_runs_with_size_and_fit_and_downloads_it(qtbot, wi
                     w.models.cards["acme/relu-tiny-plain"].confirm_button.isVisible(), timeout=60_000)
     card = w.models.cards["acme/relu-tiny-plain"]
     assert "Downloads" in card.progress_label.text()
+    assert "CPU weights: 8-bit" in card.progress_label.text()  # the format it will run in, named where it downloads
     card.confirm_button.click()
     qtbot.waitUntil(lambda: w.models.rows.get("acme/relu-tiny-plain", {}).get("status") == "ready", timeout=60_000)
     assert "acme/relu-tiny-plain" in w.settings["models.custom"]

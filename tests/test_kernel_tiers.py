@@ -119,3 +119,35 @@ def test_a_cpu_whose_best_tier_has_no_cache_takes_the_next_lower_one(tmp_path, m
     assert copied.read_bytes() == b"index"
     no_tier = {"avx": True}
     assert kernel_tiers.seed_user_cache(str(internal), str(tmp_path / "other"), no_tier) is None
+
+
+def test_an_upgrade_replaces_the_cache_an_older_build_seeded(tmp_path, monkeypatch):
+    """The installers keep the build's file times (dpkg, Inno Setup), older than the files the
+    user's starts wrote: a new build's seed still replaces an older build's cache, and the
+    kernels numba added to the user's index files since are kept while the build is the same."""
+    internal = tmp_path / "_internal"
+    shipped = internal / kernel_tiers.SEED / "avx2" / "engine" / "kernels"
+    shipped.mkdir(parents=True)
+    (internal / kernel_tiers.SEED / kernel_tiers.MANIFEST).write_text(
+        json.dumps({"tiers": {"avx2": {"folders": ["engine/kernels"]}}}))
+    index, stamp = "cpu_numba.ffn_rows-199.py311.nbi", f"{kernel_tiers.STAMP_PREFIX}sparse-int8.json"
+
+    def ship(build: str) -> None:  # a build's seed, with its build machine's (old) file times
+        (shipped / index).write_text(f"index of build {build}")
+        (shipped / stamp).write_text(json.dumps({"sources": build}))
+        for p in shipped.iterdir():
+            os.utime(p, (1_000_000_000, 1_000_000_000))
+
+    for k in kernel_tiers.target_env("avx2"):
+        monkeypatch.delenv(k, raising=False)
+    avx2_cpu = {f: True for f in kernel_tiers.TIERS["avx2"]["needs"]}
+    user = tmp_path / "user-cache"
+    mine = user / kernel_tiers.cache_subpath(str(internal / "engine" / "kernels"))
+    ship("1")
+    assert kernel_tiers.seed_user_cache(str(internal), str(user), avx2_cpu) == "avx2"
+    (mine / index).write_text("index of build 1 + an int4 kernel compiled since")  # numba, a later start
+    kernel_tiers.seed_user_cache(str(internal), str(user), avx2_cpu)
+    assert (mine / index).read_text() == "index of build 1 + an int4 kernel compiled since"
+    ship("2")  # the upgrade
+    kernel_tiers.seed_user_cache(str(internal), str(user), avx2_cpu)
+    assert (mine / index).read_text() == "index of build 2" and json.loads((mine / stamp).read_text()) == {"sources": "2"}

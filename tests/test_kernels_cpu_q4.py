@@ -68,10 +68,10 @@ def test_out_of_range_ids_raise():
         cpu_q4.sparse_ffn(x, rows, torch.tensor([8]), "relu")
 
 
-def test_matmul_q4_declines_without_int8_activations():
-    """Without the int8 x 4-bit kernel (no AVX2 host or no numba) the many-token product says
-    None and its caller takes another path; with it, its cases are rows `matmul-q4_rows-*` of
-    tests/kernel_cases.py (against fp64, and each token against the one-token kernel bit for bit)."""
-    if cpu_q4.int8_activations(cpu_q4._kernels()):
-        pytest.skip("the int8 x 4-bit kernel runs here: the table checks it")
+def test_matmul_q4_declines_without_int8_activations(monkeypatch):
+    """Without the int8 x 4-bit kernel (no AVX2 host or no numba, or turned off as here) the
+    many-token product says None and its caller takes another path; with it, its cases are rows
+    `matmul-q4_rows-*` of tests/kernel_cases.py (against fp64, and each token against the
+    one-token kernel bit for bit)."""
+    monkeypatch.setattr(cpu_q4, "USE_INT8_ACTIVATIONS", False)
     assert cpu_q4.matmul_q4(torch.zeros(1, 32), torch.zeros(3, q4_format.row_bytes(32), dtype=torch.uint8), 32) is None

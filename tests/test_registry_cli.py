@@ -28,7 +28,8 @@ def _predictor_files(config: dict, rank: int = 8) -> dict[str, bytes]:
     """Real PowerInfer-format predictor checkpoints (state dicts saved by torch)."""
     import io
 
-    torch = pytest.importorskip("torch")
+    import torch
+
     files = {}
     gen = torch.Generator().manual_seed(0)
     for layer in range(config["num_hidden_layers"]):

@@ -60,8 +60,9 @@ def test_parameter_counts_match_published_figures(config, expected):
                 "vocab_size": 100}),
 ])
 def test_parameter_counts_match_transformers_models(kind, config):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
+
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
            "falcon": transformers.FalconConfig}[kind]
     hf_config = cls(**{k: v for k, v in config.items() if k not in ("model_type",)})
@@ -196,10 +197,10 @@ def test_no_gpu_and_too_little_ram_is_does_not_fit():
 ])
 def test_estimate_matches_the_engine_placement_solver(config):
     """Same bytes per tier as engine.placement.solve over engine.hotcold.sparse_solve.placement_problem."""
-    torch = pytest.importorskip("torch")
-    sparse_solve = pytest.importorskip("engine.hotcold.sparse_solve")
-    placement = pytest.importorskip("engine.hotcold.placement")
+    import torch
+
     from engine.arch import parse_config
+    from engine.hotcold import placement, sparse_solve
 
     engine_config = parse_config(config)
     shape = shape_from_config(config)

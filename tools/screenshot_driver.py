@@ -72,8 +72,15 @@ def download_shot(window, model: str, pump, shot) -> None:
         files["model-extra.safetensors"] = bytes(400 * 1024**2)
         server.add_repo(HubRepo(repo, files))
         window.models._add_repo_id(repo)
-        pump(60, lambda: repo in window.models.cards and window.models.cards[repo].total_bar.value() >= 150
-             and "model-extra" in window.models.cards[repo].progress_label.text())
+        if not pump(180, lambda: repo in window.models.cards and window.models.cards[repo].total_bar.value() >= 150
+                    and "model-extra" in window.models.cards[repo].progress_label.text()):
+            # a busy machine: the other shots still come
+            print("the download did not get under way in time: no download screenshot", file=sys.stderr)
+            job = window.models.jobs.get(repo)
+            if job is not None:
+                job.cancel()
+                pump(10, lambda: repo not in window.models.jobs)
+            return
         card = window.models.cards[repo]
         window.models.list_widget.parentWidget().parentWidget().ensureWidgetVisible(card)
         shot("models-download")
@@ -171,6 +178,8 @@ def main() -> int:
 
     pump(60, lambda: window.client.model_info is not None or window.client.loading_model is None)
     pump(2, lambda: getattr(window, "welcome", None) is not None)
+    if getattr(window, "welcome", None) is not None:  # its recommendation, once the Models page has looked
+        pump(60, lambda: "For this machine" in window.welcome.recommendation.text())
     shot("welcome")
     if getattr(window, "welcome", None) is not None:
         window.welcome.accept()

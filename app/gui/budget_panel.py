@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import re
 
-from PySide6.QtCore import Qt, QTimer, Signal, Slot
+from PySide6.QtCore import QSize, Qt, QTimer, Signal, Slot
 from PySide6.QtWidgets import (QComboBox, QFrame, QGridLayout, QLabel, QProgressBar, QPushButton,
-                               QScrollArea, QSlider, QVBoxLayout, QWidget)
+                               QScrollArea, QSlider, QStyle, QStyleOptionComboBox, QVBoxLayout, QWidget)
 
 from app.settings import Settings
 
@@ -120,10 +120,27 @@ class Section(QFrame):
         self.body.addWidget(head)
 
 
+def whole_choice_width(combo: QComboBox) -> int:
+    """The width at which a combo box shows its longest choice whole."""
+    opt = QStyleOptionComboBox()
+    combo.initStyleOption(opt)
+    metrics = combo.fontMetrics()
+    text = max((metrics.horizontalAdvance(combo.itemText(i)) for i in range(combo.count())), default=0)
+    return combo.style().sizeFromContents(QStyle.ContentsType.CT_ComboBox, opt, QSize(text, metrics.height()),
+                                          combo).width()
+
+
 class BudgetPanel(QScrollArea):
     """Right-hand panel: budgets in, placement and live memory out."""
 
     reload_requested = Signal()  # context length changed: the model must be reloaded
+
+    def choices_extra_width(self) -> int:
+        """Width the panel needs beyond its minimum so that Context length and Mode show their
+        longest choices whole: they may shrink (a large text size in a narrow window) rather
+        than hold the panel wide, but where there is room they are not cut ("Dense (all
+        neuro…" lost 2 px at 800x600)."""
+        return max(0, *(whole_choice_width(c) - c.minimumSizeHint().width() for c in (self.ctx, self.mode)))
 
     def __init__(self, settings: Settings, client: EngineClient, parent: QWidget | None = None):
         super().__init__(parent)

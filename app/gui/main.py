@@ -84,17 +84,19 @@ def preload_engine() -> None:
     holding the GIL; done later in the worker thread, it would freeze the visible window for
     100-700 ms at a time. Before the window exists, nobody is waiting on the event loop.
 
-    On a first start (no CPU kernels compiled for this machine yet) the kernels are left to
-    the model's load, which compiles them in the background while the model already answers
+    The kernels `cpu.warmup` loads are a sparse int8 preparation's (the window's default), so
+    they load here only where that preparation completed; otherwise (a first start, or only
+    another kind prepared, as a dense `generate` leaves it) they are left to the model's load,
+    which compiles what it needs in the background while the model already answers
     (app.kernel_words): compiling them here took minutes behind the splash.
     """
     try:
         import engine  # noqa: F401
         from app.kernel_words import kernels_choice
         from engine.kernels import cpu
-        from engine.runtime import kernel_preparation
+        from engine.runtime import kernel_preparation as kp
 
-        if kernels_choice() == "background" and not kernel_preparation.any_cached():
+        if kernels_choice() == "background" and not kp.is_cached(kp.kind_of("sparse", "int8")):
             log.info("CPU kernels not compiled for this machine yet: they compile while the model answers")
             return
         info = cpu.warmup()  # imports numba and loads the CPU kernels from numba's cache once, here

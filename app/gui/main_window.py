@@ -412,7 +412,8 @@ class MainWindow(QMainWindow):
     def panel_width_needed(self) -> int:
         """The panel's width at which nothing in it is cut off (grows with the text size)."""
         inner = self.panel.widget()
-        return inner.minimumSizeHint().width() + self.panel.verticalScrollBar().sizeHint().width() + 2
+        return (inner.minimumSizeHint().width() + self.panel.choices_extra_width()
+                + self.panel.verticalScrollBar().sizeHint().width() + 2)
 
     def _fit_side_parts(self, refit: bool = False) -> None:
         """Show what the user asked for; when the chat would get too narrow for both the sidebar

@@ -310,7 +310,8 @@ class CodeBlock(QFrame):
         too_wide = widest + 16 > self.editor.viewport().width()
         bar = self.editor.horizontalScrollBar().sizeHint().height() if too_wide else 0
         margins = int(self.editor.document().documentMargin() * 2) + 2
-        self.editor.setFixedHeight(lines * metrics.lineSpacing() + margins + bar)
+        pad = self.editor.contentsMargins()  # the stylesheet's padding: without it the last line lost 6 px
+        self.editor.setFixedHeight(lines * metrics.lineSpacing() + margins + pad.top() + pad.bottom() + bar)
 
 
 class MarkdownView(QWidget):

@@ -358,7 +358,11 @@ class ModelsPage(QWidget):
         top.addWidget(self.open_dir_button)
         hl.addLayout(top)
         adds = QHBoxLayout()
-        adds.addWidget(QLabel("Add a model from:", header))
+        # Short: "Add a model from:" held the page at 517 px, which at 800x600 squeezed the budgets
+        # panel beside it until its Mode read "Hybrid (CPU" (wrapped, it took three lines).
+        add_label = QLabel("Add from:", header)
+        add_label.setToolTip("Add a model from the Hugging Face Hub, a folder, a GGUF file or another machine")
+        adds.addWidget(add_label)
         for b in (self.add_repo_button, self.add_folder_button, self.add_file_button, self.add_remote_button):
             adds.addWidget(b)
         adds.addStretch(1)

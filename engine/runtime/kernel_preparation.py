@@ -64,11 +64,6 @@ def is_cached(kind: str) -> bool:
         return False
 
 
-def any_cached() -> bool:
-    """Whether any preparation completed here for this CPU, numba and kernel sources."""
-    return any(is_cached(kind_of(mode, weights)) for mode in ("dense", "sparse") for weights in ("int8", "int4", "fp32"))
-
-
 def mark_cached(kind: str) -> None:
     stamp = _stamp(kind)
     if stamp is None:
