@@ -39,6 +39,23 @@ def scanned(qtbot, w) -> None:
 
 
 # -- 1. the offline download error -------------------------------------------------------
+def welcome_recommending(qtbot, w):
+    """The welcome, once it says which model it recommends for this machine: (dialog, model)."""
+    w.show_welcome()
+    dlg = w.welcome
+    qtbot.waitUntil(lambda: "For this machine" in dlg.recommendation.text(), timeout=60_000)
+    return dlg, w.models.recommended
+
+
+def accept_dns_failure_naming(qtbot, name: str) -> None:
+    """The one error dialog names `name` and the failed look-up, never the offline switch."""
+    qtbot.waitUntil(lambda: bool(error_dialogs()), timeout=60_000)
+    [box] = error_dialogs()
+    assert name in box.text() and "could not be looked up" in box.text(), box.text()
+    assert "HF_HUB_OFFLINE" not in box.text() + box.informativeText()
+    box.accept()
+
+
 def test_a_dns_failure_is_named_as_such_and_logs_no_traceback(qtbot, window, monkeypatch, caplog):
     monkeypatch.setenv("HF_ENDPOINT", UNRESOLVABLE)
     caplog.set_level(logging.INFO)
@@ -86,36 +103,22 @@ def test_the_welcome_and_a_typed_hub_id_name_the_dns_failure_too(qtbot, window, 
 
     monkeypatch.setenv("HF_ENDPOINT", UNRESOLVABLE)
     w = window
-    w.show_welcome()
-    dlg = w.welcome
-    qtbot.waitUntil(lambda: "For this machine" in dlg.recommendation.text(), timeout=60_000)
-    chosen = w.models.recommended
+    dlg, chosen = welcome_recommending(qtbot, w)
     dlg.download_button.click()
-    qtbot.waitUntil(lambda: bool(error_dialogs()), timeout=60_000)
-    [box] = error_dialogs()
-    assert chosen in box.text() and "could not be looked up" in box.text(), box.text()
-    assert "HF_HUB_OFFLINE" not in box.text() + box.informativeText()
-    box.accept()
+    accept_dns_failure_naming(qtbot, chosen)
     qtbot.waitUntil(lambda: not error_dialogs(), timeout=3000)
     w.models.add_repo()
     [ask] = [d for d in QApplication.topLevelWidgets() if isinstance(d, QInputDialog) and d.isVisible()]
     ask.setTextValue("acme/relu-tiny")
     ask.accept()
-    qtbot.waitUntil(lambda: bool(error_dialogs()), timeout=60_000)
-    [box] = error_dialogs()
-    assert "acme/relu-tiny" in box.text() and "could not be looked up" in box.text(), box.text()
-    assert "HF_HUB_OFFLINE" not in box.text() + box.informativeText()
-    box.accept()
+    accept_dns_failure_naming(qtbot, "acme/relu-tiny")
 
 
 # -- 2. one recommended model -------------------------------------------------------------
 def test_welcome_and_models_page_recommend_the_same_model(qtbot, window, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", UNRESOLVABLE)
     w = window
-    w.show_welcome()
-    dlg = w.welcome
-    qtbot.waitUntil(lambda: "For this machine" in dlg.recommendation.text(), timeout=60_000)
-    chosen = w.models.recommended
+    dlg, chosen = welcome_recommending(qtbot, w)
     assert chosen and f"<b>{chosen}</b>" in dlg.recommendation.text()
     assert "words a second on this machine" in dlg.recommendation.text()
     # The Models page builds its cards one per event-loop turn after the scan that chose the
