@@ -94,7 +94,6 @@ class MoeWriter:
         self.out = StreamedSafetensors(moe_path(model_dir, fmt), file_entries(config, fmt, ranks),
                                        {"key": moe_key(model_dir, fmt), "format": fmt,
                                         "layout_version": str(MOE_LAYOUT_VERSION)})
-        self.path, self.tmp = self.out.path, self.out.tmp
 
     def add_layer(self, i: int, stack: ExpertStack, predictors: ExpertPredictors | None) -> None:
         for name, t in layer_tensors(i, stack, predictors).items():

@@ -56,10 +56,6 @@ class StreamedSafetensors:
         self.f = open(self.tmp, "wb")
         self.f.write(struct.pack("<Q", len(blob)) + blob)
 
-    @property
-    def next_name(self) -> str | None:
-        return self.entries[self.next][0] if self.next < len(self.entries) else None
-
     def write(self, name: str, t: torch.Tensor) -> None:
         if self.next >= len(self.entries):
             raise RuntimeError(f"{self.path.name}: {name} is beyond the declared tensors")
