@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import model_factory
@@ -23,6 +26,39 @@ def pytest_configure(config):
     os.environ.setdefault("THERMOCLINE_KERNELS", "wait")
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+PREWARM_MIN_TESTS = 200  # a run of a few files compiles what it needs; only a whole suite gains
+_prewarm: subprocess.Popen | None = None
+
+
+def pytest_collection_finish(session):
+    """A large run starts tests/kernel_prewarm.py beside it: numba compiles the CPU kernels
+    there, on the core the suite leaves idle while it compiles or runs on one (see that file)."""
+    global _prewarm
+    if len(session.items) < PREWARM_MIN_TESTS or os.environ.get("THERMOCLINE_TEST_PREWARM", "1") == "0" \
+            or hasattr(session.config, "workerinput"):
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("numba") is None:
+        return
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")]))
+    log = Path(tempfile.gettempdir()) / f"thermocline-prewarm-{os.getpid()}.log"  # what it did, and why a step failed
+    with open(log, "wb") as out:
+        _prewarm = subprocess.Popen([sys.executable, str(root / "tests" / "kernel_prewarm.py")], cwd=root, env=env,
+                                    stdout=out, stderr=subprocess.STDOUT)
+
+
+def pytest_unconfigure(config):
+    if _prewarm is not None and _prewarm.poll() is None:
+        _prewarm.terminate()  # numba writes each cache file whole and renames it: nothing is left half written
+        try:
+            _prewarm.wait(30)
+        except subprocess.TimeoutExpired:
+            _prewarm.kill()
 
 
 @pytest.fixture(scope="session")
