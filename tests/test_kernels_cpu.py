@@ -242,16 +242,16 @@ def test_env_disables_numba():
     assert out.stdout.split() == ["False", "16.0"]
 
 
+# quantize_act_q8: the module's quickest kernel to compile (ffn_rows took about 40 s a compile
+# on a 2-core host, and the test compiles twice); any of its kernels shows the module's cache.
 _CACHE_PROBE = textwrap.dedent("""
     import numpy as np, cpu_numba
-    x = np.ones(8, np.float32); w = np.ones((4, 8), np.float32); e = np.empty(0, np.float32)
-    acts = np.empty(2, np.float32)
-    ids = np.array([0, 3])
-    y = cpu_numba.ffn_rows(x, w, e, w, e, w, e, ids, True, e, ids, False, False, 0.0,
-                           False, False, 0, 0.0, acts, 2)
-    assert y.tolist() == [16.0] * 8, y
-    s = cpu_numba.ffn_rows.stats
-    print(type(cpu_numba.ffn_rows._cache).__name__, sum(s.cache_hits.values()))
+    d = 4 * cpu_numba._ACT_BLOCK
+    x = np.full((1, d), 2.0, np.float32); xq = np.zeros((1, d), np.int8); xs = np.zeros((1, 4), np.float32)
+    cpu_numba.quantize_act_q8(x, xq, xs)
+    assert xq.tolist() == [[127] * d] and np.allclose(xs * 127, 2.0), (xq, xs)
+    s = cpu_numba.quantize_act_q8.stats
+    print(type(cpu_numba.quantize_act_q8._cache).__name__, sum(s.cache_hits.values()))
 """)
 
 
@@ -281,6 +281,39 @@ def test_numba_disk_cache_unwritable_and_reused(tmp_path):
     env["NUMBA_CACHE_DIR"] = str(tmp_path / "cache")
     assert probe(env)[1] == "0"  # compiled and saved
     assert probe(env) == ["FunctionCache", "1"]  # loaded from disk
+
+
+@needs_numba
+@pytest.mark.skipif(os.name == "nt", reason="the check takes a second lock with fcntl")
+def test_a_kernel_cache_save_holds_the_lock_beside_its_index(tmp_path, monkeypatch):
+    """numba_jit's saves take the lock file beside a function's cache index, so two processes
+    compiling one function at once cannot name the same data file for two signatures."""
+    import fcntl
+    import importlib.util
+
+    from numba.core import caching
+
+    (tmp_path / "lockprobe.py").write_text("from engine.kernels import numba_jit\n\n\n"
+                                           "@numba_jit.njit()\ndef plus_one(x):\n    return x + 1\n")
+    spec = importlib.util.spec_from_file_location("lockprobe", tmp_path / "lockprobe.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    held = []
+    save_index = caching.IndexDataCacheFile._save_index
+
+    def probe(self, overloads):
+        with open(f"{self._index_path}.lock", "a+b") as other:  # a second open: its own lock
+            try:
+                fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held.append(False)
+                fcntl.flock(other.fileno(), fcntl.LOCK_UN)
+            except BlockingIOError:
+                held.append(True)
+        return save_index(self, overloads)
+
+    monkeypatch.setattr(caching.IndexDataCacheFile, "_save_index", probe)
+    assert module.plus_one(1) == 2 and module.plus_one(1.5) == 2.5  # two signatures, two saves
+    assert held == [True, True]
 
 
 def test_bench_ffn_smoke():
