@@ -72,6 +72,18 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     }
 
 
+_NUMBA_TARGET = {k: v for k, v in os.environ.items() if k.startswith("NUMBA_CPU_")}  # as the suite started
+
+
+@pytest.fixture(autouse=True)
+def numba_target_kept():
+    """No test leaves a NUMBA_CPU_* variable behind: every later subprocess would compile all its
+    kernels again for that target (test_kernel_tiers once cost a cold run about 5 minutes so)."""
+    yield
+    now = {k: v for k, v in os.environ.items() if k.startswith("NUMBA_CPU_")}
+    assert now == _NUMBA_TARGET, f"the test left the numba target {now} in os.environ"
+
+
 @pytest.fixture(autouse=True, scope="session")
 def default_kv_cache():
     """The CPU KV cache's default format (fp16) whatever the developer's shell says."""

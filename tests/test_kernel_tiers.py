@@ -49,6 +49,16 @@ def test_cache_subpath_is_numbas():
     assert kernel_tiers.cache_subpath(os.path.dirname(here)) == _CacheLocator.get_suitable_cache_subpath(here)
 
 
+def unset_target(monkeypatch) -> None:
+    """No NUMBA_CPU_* in this process now, and none after the test. seed_user_cache sets them
+    in os.environ for the numba a start imports next; a bare delenv of a missing name records
+    nothing to undo, so they stayed set for the rest of the suite and every later subprocess
+    compiled all its kernels again for the tier's target (about 5 minutes of a cold run)."""
+    for k in kernel_tiers.target_env("avx2"):
+        monkeypatch.setenv(k, "")  # recorded as absent before: removed again at the test's end
+        monkeypatch.delenv(k)
+
+
 def _bundle(at: Path) -> Path:
     """The kernels' sources as a bundle holds them (`_internal/engine/...`)."""
     internal = at / "_internal"
@@ -86,8 +96,7 @@ def test_a_tier_cache_built_in_one_place_is_used_from_another_and_compiles_nothi
     internal = installed / "_internal"
     user = tmp_path / "user-cache"
     avx2_cpu = {f: True for f in kernel_tiers.TIERS["avx2"]["needs"]}
-    for k in tier_env:
-        monkeypatch.delenv(k, raising=False)  # seed_user_cache sets them; put back after the test
+    unset_target(monkeypatch)
     assert kernel_tiers.seed_user_cache(str(internal), str(user), avx2_cpu) == "avx2"
     assert {k: os.environ[k] for k in tier_env} == tier_env  # set for numba, before it is imported
     second = _run(internal, {**tier_env, "NUMBA_CACHE_DIR": str(user)})
@@ -109,8 +118,7 @@ def test_a_cpu_whose_best_tier_has_no_cache_takes_the_next_lower_one(tmp_path, m
     if missing == "folder missing":
         tiers["avx512"] = {"folders": ["engine/kernels"]}  # in the manifest, not on disk
     (seed / kernel_tiers.MANIFEST).write_text(json.dumps({"tiers": tiers}))
-    for k in kernel_tiers.target_env("avx2"):
-        monkeypatch.delenv(k, raising=False)
+    unset_target(monkeypatch)
     avx512_cpu = {f: True for f in kernel_tiers.TIERS["avx512"]["needs"]}
     user = tmp_path / "user-cache"
     assert kernel_tiers.seed_user_cache(str(internal), str(user), avx512_cpu) == "avx2"
@@ -138,8 +146,7 @@ def test_an_upgrade_replaces_the_cache_an_older_build_seeded(tmp_path, monkeypat
         for p in shipped.iterdir():
             os.utime(p, (1_000_000_000, 1_000_000_000))
 
-    for k in kernel_tiers.target_env("avx2"):
-        monkeypatch.delenv(k, raising=False)
+    unset_target(monkeypatch)
     avx2_cpu = {f: True for f in kernel_tiers.TIERS["avx2"]["needs"]}
     user = tmp_path / "user-cache"
     mine = user / kernel_tiers.cache_subpath(str(internal / "engine" / "kernels"))
