@@ -193,6 +193,7 @@ class FitEstimate:
     ram_read_per_token: float = 0.0
     words_per_s: float = 0.0
     min_ram_bytes: int = 0  # the least RAM budget that runs at this VRAM budget
+    dense: bool = False  # a SwiGLU model without CATS thresholds: no predictors, every neuron read
     suggested_vram_budget: int | None = None
     suggested_ram_budget: int | None = None
     shape: dict = field(default_factory=dict)
@@ -380,7 +381,10 @@ def estimate_fit(config: dict, *, ctx: int, vram_budget: int | None = None, ram_
     arch = detect_architecture(config, known_activation)
     shape = shape_from_config(config, arch)
     pred = None
-    if model_dir is not None:
+    dense = runs_dense(arch, model_dir)
+    if dense:
+        pred = [0] * shape.n_layers  # no predictors: every neuron is computed
+    elif model_dir is not None:
         pred = predictor_params_from_file(Path(model_dir) / "thermocline" / "predictors.safetensors")
     suggested = (None, None)
     if hardware is not None:
@@ -391,6 +395,15 @@ def estimate_fit(config: dict, *, ctx: int, vram_budget: int | None = None, ram_
     ram = ram_budget if ram_budget is not None else (suggested[1] or 0)
     est = place_bytes(shape, ctx=ctx, vram_budget=vram, ram_budget=ram, predictor_params=pred,
                       predictor_rank=predictor_rank, bytes_model=bytes_model,
-                      active_share=None if sparsity is None else 1.0 - sparsity)
+                      active_share=1.0 if dense else None if sparsity is None else 1.0 - sparsity)
     est.suggested_vram_budget, est.suggested_ram_budget = suggested
+    est.dense = dense
     return est
+
+
+def runs_dense(arch: ArchInfo, model_dir: Path | None) -> bool:
+    """A SwiGLU model runs dense (its SiLU is never zero: no predictors, every neuron read), unless
+    `thermocline profile --target-sparsity` calibrated CATS thresholds into its folder."""
+    from engine.config import CATS_RECORD
+
+    return arch.activation == "silu" and not (model_dir is not None and (Path(model_dir) / CATS_RECORD).is_file())

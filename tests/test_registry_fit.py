@@ -167,6 +167,20 @@ def _machine(vram_free, ram_available):
                         cpu_physical_cores=8, cpu_logical_cores=16, simd=["avx2"], gpus=gpus)
 
 
+def test_a_swiglu_model_is_sized_dense_unless_cats_calibrated_it(tmp_path):
+    """No predictor bytes and every neuron read for a SiLU model (it runs dense), until its folder
+    has CATS thresholds (`profile --target-sparsity`): then it is sized as the sparse modes run it."""
+    silu = tiny(hidden_act="silu")
+    dense = estimate_fit(silu, ctx=16, vram_budget=0, ram_budget=1 << 40, model_dir=tmp_path)
+    assert dense.dense and dense.predictor_cpu_bytes == dense.predictor_gpu_bytes == 0
+    relu = estimate_fit(tiny(), ctx=16, vram_budget=0, ram_budget=1 << 40)
+    assert not relu.dense and relu.predictor_cpu_bytes > 0
+    (tmp_path / "thermocline").mkdir()
+    (tmp_path / "thermocline" / "cats.json").write_text("{}")
+    cats = estimate_fit(silu, ctx=16, vram_budget=0, ram_budget=1 << 40, model_dir=tmp_path)
+    assert not cats.dense and cats.predictor_cpu_bytes == relu.predictor_cpu_bytes
+
+
 def test_suggested_budgets_for_a_small_gpu_and_for_a_large_one():
     shape = shape_from_config(LLAMA2_7B)
     vram, ram = suggest_budgets(shape, 2048, vram_free=8 * GiB, ram_available=32 * GiB)

@@ -328,4 +328,7 @@ def cmd_fit(args) -> int:
               f"cached in RAM; reads {format_size(int(est.disk_read_per_token))} from disk per token · runs from "
               f"disk at about {format_rate(est.words_per_s)} words a second")
     print(f"  least RAM budget at this VRAM budget: {format_size(est.min_ram_bytes)}")
+    if est.dense:
+        print("  dense: a SwiGLU model's neurons are never zero, so every one is computed (no predictors); "
+              "`thermocline profile --target-sparsity 0.5` calibrates an opt-in sparse mode at a perplexity cost")
     return 0
