@@ -1,5 +1,6 @@
 """Compiles the suite's CPU kernels into numba's disk cache in a process of its own, beside the
-suite (conftest starts it on a session's start; THERMOCLINE_TEST_PREWARM=0 turns it off).
+suite (conftest starts it when a run collects 200 tests or more, its log in the temp folder as
+thermocline-prewarm-<pytest's pid>.log; THERMOCLINE_TEST_PREWARM=0 turns it off).
 
 Why: on a fresh clone (CI) numba compiles every kernel at its first use, and that was about
 half of a cold suite's time on a 2-core host (2,628 s, its ten slowest tests mostly compiles).

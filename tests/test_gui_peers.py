@@ -150,7 +150,7 @@ def test_continue_writes_on_where_a_stopped_answer_ended(qtbot, window):
     assert answer.continue_button.isVisible()
     assert "Continue" in [a.text() for a in answer.context_menu().actions()]
     answer.continue_button.click()
-    # The continuation may also end by itself (the demo samples an end at temperature 1.0):
+    # The continuation may also end by itself (the tiny model samples an end at random):
     # wait for it to write on or to end, and stop it only if it still runs.
     qtbot.waitUntil(lambda: not w.chat.busy or len(w.chat.session.answer_text) > len(before) + 20, timeout=60_000)
     if w.chat.busy:
