@@ -402,8 +402,13 @@ def estimate_fit(config: dict, *, ctx: int, vram_budget: int | None = None, ram_
 
 
 def runs_dense(arch: ArchInfo, model_dir: Path | None) -> bool:
-    """A SwiGLU model runs dense (its SiLU is never zero: no predictors, every neuron read), unless
-    `thermocline profile --target-sparsity` calibrated CATS thresholds into its folder."""
-    from engine.config import CATS_RECORD
+    """Whether the engine runs this model dense (no predictors, every neuron read): the engine's
+    own rule (Engine.load: `is_sparse` over the config and the folder's CATS record), so a SwiGLU
+    model is dense until `thermocline profile --target-sparsity` calibrated its thresholds."""
+    from engine.activations import is_sparse
+    from engine.config import read_cats
 
-    return arch.activation == "silu" and not (model_dir is not None and (Path(model_dir) / CATS_RECORD).is_file())
+    cfg = arch.config
+    threshold = cfg.activation_threshold if cfg is not None else 0.0
+    cats = read_cats(model_dir, cfg.num_layers) if model_dir is not None and cfg is not None else None
+    return not is_sparse(arch.activation, threshold, cats["thresholds"] if cats else ())

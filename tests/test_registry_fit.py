@@ -176,7 +176,7 @@ def test_a_swiglu_model_is_sized_dense_unless_cats_calibrated_it(tmp_path):
     relu = estimate_fit(tiny(), ctx=16, vram_budget=0, ram_budget=1 << 40)
     assert not relu.dense and relu.predictor_cpu_bytes > 0
     (tmp_path / "thermocline").mkdir()
-    (tmp_path / "thermocline" / "cats.json").write_text("{}")
+    (tmp_path / "thermocline" / "cats.json").write_text(json.dumps({"thresholds": [0.1] * 3, "target_sparsity": 0.5}))
     cats = estimate_fit(silu, ctx=16, vram_budget=0, ram_budget=1 << 40, model_dir=tmp_path)
     assert not cats.dense and cats.predictor_cpu_bytes == relu.predictor_cpu_bytes
 
