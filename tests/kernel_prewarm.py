@@ -9,10 +9,12 @@ Here it compiles what the suite needs later: each kernel the suite reaches after
 cached it loads from the cache instead (numba checks its disk cache at every new signature),
 and a kernel both compile at once is compiled twice, which costs this process, not the suite.
 
-The order is the reverse of the suite's: its first files (test_batching, test_bench_smoke)
-compile the demo's int8 kernels themselves, so this process starts with the mixtures, the
-4-bit kernels and the exact KV cache that later files need. The answers are never checked
-here; every step stands alone, and one that fails is skipped.
+The suite's first files compile the demo's int8 kernels themselves, so this process starts
+with the 4-bit kernels, the mixtures, the batch steps and the exact KV cache that later files
+need. The files that compile most (conftest's COMPILE_HEAVY_MODULES: test_batching,
+test_bench_smoke) run last in a run that starts this process, by when it is done (5.5-7
+minutes on a 2-core host). The answers are never checked here; every step stands alone, and
+one that fails is skipped.
 """
 
 from __future__ import annotations
@@ -58,6 +60,17 @@ def _steps(root: Path) -> list:
         q4_tiles.warmup()
         cpu_q4x8.warmup()
 
+    def batch(mode):  # the batched decode's own kernels (engine.runtime.batching): test_batching
+        from engine.runtime.batching import Batch, Sequence
+
+        engine = Engine.load(demo, mode=mode, kernels="wait")
+        params = SamplingParams(max_new_tokens=3, temperature=0.0)
+        runs = Batch(engine)
+        for prompt in ("Mr. Darcy", "It is a truth universally"):
+            runs.start(Sequence(engine.encode_prompt(prompt), params, lambda _ev: None, lambda _stats, _ids: None))
+        while runs.active:
+            runs.step()
+
     def kernels_all():
         from engine.kernels import cpu
 
@@ -69,6 +82,7 @@ def _steps(root: Path) -> list:
               for mode in ("sparse", "dense")]
     steps += [(f"demo {mode} int4", lambda m=mode: answer("demo", m, "int4")) for mode in ("sparse", "dense", "hybrid")]
     steps.append(("every cpu kernel", kernels_all))
+    steps += [(f"demo {mode} int8, a batch of two", lambda m=mode: batch(m)) for mode in ("dense", "sparse")]
     steps += [(f"demo {mode} {weights}, fp32 cache", lambda m=mode, w=weights: answer("demo", m, w, kv="fp32"))
               for weights in ("int8", "fp32", "int4") for mode in ("sparse", "dense")]
     steps += [(f"demo {mode} {weights}", lambda m=mode, w=weights: answer("demo", m, w))
