@@ -189,3 +189,73 @@ def test_each_decode_step_takes_the_way_measured_cheaper(demo_path):
     chooser.record("alone", 1.0)
     picks = [chooser.choose() for _ in range(chooser.EXPLORE)]
     assert picks.count("alone") == chooser.EXPLORE - 1 and picks[-1] == "batch"  # the other way, now and then
+
+
+def _fused_batch_ready(engine) -> None:
+    from engine.runtime import fused_batch
+
+    Batch(engine)  # the first batch starts the batch kernels' warm-up thread
+    if not fused_batch.wait_ready(900):
+        pytest.skip("no fused decode here (numba or AVX2 missing)")
+
+
+@pytest.mark.parametrize("mode,weights,kv", [("dense", "int8", None), ("sparse", "int8", None),
+                                             ("hybrid", "int8", None), ("dense", "int4", None),
+                                             ("sparse", "int4", None), ("sparse", "fp32", "fp32"),
+                                             ("dense", "fp32", "fp32")])
+def test_the_fused_batched_step_gives_each_sequence_its_tokens_alone(demo_path, mode, weights, kv, monkeypatch):
+    """Every decode step of the batch through decode_batch (one compiled call per layer for all
+    rows): each sequence's greedy tokens are those it decodes alone, with late joiners."""
+    if kv is not None:
+        monkeypatch.setenv("THERMOCLINE_KV_CACHE", kv)
+    engine = Engine.load(demo_path, mode=mode, cpu_weights=weights)
+    engine.eos_ids = set()
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    alone = [engine.generate(p, params).token_ids for p in PROMPTS]
+    _fused_batch_ready(engine)
+    batch = Batch(engine)
+    batch.chooser.choose = lambda: "batch"  # every decode step batched, none through the one-token decode
+    ended, widest = _run(batch, engine, PROMPTS, params, join_late=(6, 7))
+    assert widest == len(PROMPTS)
+    assert [ended[i] for i in range(len(PROMPTS))] == alone
+    assert all(layer.fused_batch is not None and layer.fused_batch.calls >= 11 for layer in engine.model.layers)
+    if mode != "dense":  # the runtime counts the neurons the batched rows computed
+        assert 0 < engine.last_stats.ffn_active_fraction < 1
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_fused_batched_logits_match_the_unfused_batch_and_each_alone(demo_path, mode):
+    """Three sequences at different positions: the fused step's logits and the K/V it writes
+    equal each sequence's one-token fused decode, and are within float rounding of the unfused
+    batched layers."""
+    import torch
+
+    engine = Engine.load(demo_path, mode=mode)
+    _fused_batch_ready(engine)
+    model = engine.model
+    lengths = [3, 9, 17]
+    ids = torch.tensor([11, 22, 33])
+
+    def caches_with_prompts():
+        out = [engine.make_cache(engine.config, 32, [la.device for la in model.layers],
+                                 [la.dtype for la in model.layers]) for _ in lengths]
+        for cache, n in zip(out, lengths):
+            model.forward(torch.arange(5, 5 + n), 0, cache)
+        return out
+
+    def segments(caches):
+        return [(ids[b : b + 1], n, c) for b, (n, c) in enumerate(zip(lengths, caches))]
+
+    batched, one_by_one = caches_with_prompts(), caches_with_prompts()
+    fused = model.forward_batch(segments(batched))
+    assert all(layer.fused_batch.calls > 0 for layer in model.layers)
+    alone = torch.cat([model.forward(t, n, c) for t, n, c in segments(one_by_one)])
+    assert torch.equal(fused, alone)
+    for a, b, n in zip(batched, one_by_one, lengths):
+        assert all(torch.equal(x[:, : n + 1], y[:, : n + 1]) for x, y in zip(a.k + a.v, b.k + b.v))
+    decoder, model.batch_decoder = model.batch_decoder, None
+    try:
+        unfused = model.forward_batch(segments(caches_with_prompts()))
+    finally:
+        model.batch_decoder = decoder
+    assert torch.allclose(fused, unfused, atol=1e-3 * float(unfused.abs().max()), rtol=0)

@@ -14,7 +14,7 @@ viewed inside as fp32, int8 or 4-bit rows: one specialisation of the layer funct
 serves every storage (numba would compile one per combination of dtypes otherwise).
 
 The layer function calls kernels defined in other files, whose code numba copies into its
-own; its disk cache is therefore stamped with all those files (`_DEPENDENCIES`), not only
+own; its disk cache is therefore stamped with all those files (`DEPENDENCIES`), not only
 this one, or an edited kernel would keep running in its stale cached copy.
 
 A mixture-of-experts layer (`decode_moe_layer`) runs its router, top-k and chosen experts in
@@ -45,15 +45,22 @@ from engine.kernels import numba_jit
 from engine.kernels import q4_tiles as QT
 
 _HERE = os.path.abspath(__file__)
-_DEPENDENCIES = tuple(os.path.abspath(m.__file__) for m in (K, Q, QX, QT))
+DEPENDENCIES = tuple(os.path.abspath(m.__file__) for m in (K, Q, QX, QT))
+_STAMPED: dict[str, tuple[str, ...]] = {_HERE: DEPENDENCIES}  # a file: the kernel files its functions copy
+
+
+def stamp_with_kernels(path: str, dependencies: tuple[str, ...]) -> None:
+    """The jitted functions of file `path` are cached under its stamp and those of `dependencies`
+    (a file whose functions call kernels of other files: decode_batch)."""
+    _STAMPED[os.path.abspath(path)] = tuple(os.path.abspath(d) for d in dependencies)
 
 
 class _StampedWithKernels:
-    """A cache locator mixin: this file's functions are stamped with the kernel files too."""
+    """A cache locator mixin: a stamped file's functions are stamped with the kernel files too."""
 
     def get_source_stamp(self):
         stamps = [super().get_source_stamp()]  # this file's (or a frozen bundle's executable's)
-        for path in _DEPENDENCIES:
+        for path in _STAMPED.get(os.path.abspath(self._py_file), ()):
             try:
                 st = os.stat(path)
             except OSError:  # not shipped as a file: the bundle's own stamp above stands for it
@@ -64,7 +71,7 @@ class _StampedWithKernels:
 
     @classmethod
     def from_function(cls, py_func, py_file):
-        if os.path.abspath(py_file) != _HERE:
+        if os.path.abspath(py_file) not in _STAMPED:
             return None
         return super().from_function(py_func, py_file)
 

@@ -137,6 +137,7 @@ class Layer:
     rope: bool = True          # False: this layer's attention has no positions (NoPE)
     window: int | None = None  # attend over the last `window` positions only
     fused: object = None  # the decoder's prepared call for this layer (runtime.fused_decode), built on first use
+    fused_batch: object = None  # the batched decoder's (runtime.fused_batch)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -3,7 +3,8 @@
 Attention is dense on the device of its layer; each layer's FFN is whatever object the
 load put there (engine/model/layers.py). A one-token step may instead run through
 `Transformer.decoder`, a hook the engine supplies (engine.runtime.fused_decode: one
-compiled call per CPU layer); the layers below stay the reference and the fallback.
+compiled call per CPU layer), and a batch's decode step through `batch_decoder`
+(engine.runtime.fused_batch); the layers below stay the reference and the fallback.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from engine.model.rope import RotaryTable, apply_rotary
 # A one-token decode in place of the layers: (model, ids [1], position, cache) -> logits
 # [1, vocab], or None where it cannot run this step (the layers below then run).
 Decoder = Callable[["Transformer", torch.Tensor, int, KVCache], "torch.Tensor | None"]
+# A decode step of B sequences: (model, ids [B], positions, caches) -> logits [B, vocab], or None.
+BatchDecoder = Callable[["Transformer", torch.Tensor, list[int], list[KVCache]], "torch.Tensor | None"]
 
 
 class Transformer:
@@ -36,6 +39,7 @@ class Transformer:
         self.rotary = rotary
         self.ffn_observer: FfnObserver | None = None
         self.decoder: Decoder | None = None  # set by the engine (runtime.fused_decode.decode_step)
+        self.batch_decoder: BatchDecoder | None = None  # set by the engine (runtime.fused_batch.decode_batch_step)
         self.thread_tuner: ThreadTuner | None = None  # set by the engine (engine.kernels.thread_tuner)
         self.fused_head = None  # the decoder's prepared call of the final norm and the head
         self.scale = config.head_dim ** -0.5
@@ -114,6 +118,12 @@ class Transformer:
         logits [B, vocab] (fp32) of each segment's last token. Every weight matrix is read once
         for all the rows (the FFN's own many-token path: each row over the neurons its predictor
         selects, each neuron read once for all rows); attention reads each sequence's cache."""
+        if self.batch_decoder is not None and all(ids.shape[0] == 1 for ids, _, _ in segments):
+            # decode: one compiled call per layer for all the sequences, where it can
+            logits = self.batch_decoder(self, torch.cat([ids for ids, _, _ in segments]),
+                                        [start for _, start, _ in segments], [cache for _, _, cache in segments])
+            if logits is not None:
+                return logits
         spans, row = [], 0
         for ids, start, cache in segments:
             count = ids.shape[0]

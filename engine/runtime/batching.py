@@ -16,10 +16,13 @@ a whole prefill). A sequence whose cache would not fit in the memory left is ref
 it starts (`BatchMemoryError`).
 
 A batch of one decodes through `Transformer.forward` (the fused one-call-per-layer decode),
-so one request alone runs as fast as through `Engine.stream`. A decode step of many is timed
-both ways (`StepChooser`): batched, or each sequence through the fused decode in turn. On a
-small model the fused calls win (the demo, dense int8: 1.3 ms a token alone, 14 ms a batched
-step of 8), on a 7B shape the batch does; each step takes the way measured cheaper per token.
+so one request alone runs as fast as through `Engine.stream`. A decode step of many runs as one
+compiled call per layer for all of them (engine.runtime.fused_batch) once its kernels are in;
+they load on a thread the first batch starts, and until then the step takes the unfused
+batched path. A decode step of many is timed both ways (`StepChooser`): batched, or each
+sequence through the fused decode in turn, and takes the way measured cheaper per token. Before
+the fused batch, the unfused step lost on a small model (the demo, dense int8: 1.3 ms a token
+alone, 14 ms a batched step of 8).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import psutil
 import torch
 
 from engine.errors import ContextFullError, UserError
+from engine.runtime import fused_batch
 from engine.runtime.answer import Answer
 from engine.runtime.engine import PREFILL_CHUNK, GenerationStats, TokenEvent
 
@@ -91,6 +95,10 @@ class StepChooser:
             return "alone" if best == "batch" else "batch"
         return best
 
+    def forget(self, way: str) -> None:
+        """`way` changed (the fused batch came in): it is tried again at the next step."""
+        self.cost[way] = None
+
     def record(self, way: str, seconds_per_token: float) -> None:
         old = self.cost[way]
         self.cost[way] = seconds_per_token if old is None else 0.7 * old + 0.3 * seconds_per_token
@@ -104,6 +112,10 @@ class Batch:
         self.engine = engine
         self.active: list[Sequence] = []  # decoding, or reading their prompts
         self.chooser = StepChooser()
+        model = engine.model
+        self.fused = fused_batch.ready()  # whether batched decode steps were fused when last timed
+        fused_batch.prepare(model, lambda: engine.make_cache(engine.config, 2, [la.device for la in model.layers],
+                                                             [la.dtype for la in model.layers]))
 
     def cache_bytes(self, slots: int) -> int:
         """Bytes of a KV cache of `slots` positions, in the engine cache's formats."""
@@ -182,6 +194,9 @@ class Batch:
                     logits = model.forward(torch.tensor(tokens), start, seq.cache)
                 elif model.can_batch([s.cache for s, _, _ in work]):
                     decode = all(len(t) == 1 for _, t, _ in work)  # prompts are always read together
+                    if decode and self.fused != fused_batch.ready():
+                        self.fused = not self.fused
+                        self.chooser.forget("batch")
                     way = self.chooser.choose() if decode else "batch"
                     began = time.perf_counter()
                     if way == "batch":

@@ -28,7 +28,7 @@ from engine.hotcold.sparse import load_sparse
 from engine.loading.dense_quant import load_dense
 from engine.model.kv_cache import KVCache
 from engine.loading.loader import Progress, model_folder
-from engine.runtime import fused_decode
+from engine.runtime import fused_batch, fused_decode
 from engine.runtime.answer import Answer, TokenEvent
 from engine.runtime.context_policy import Fitted, fit_messages
 from engine.runtime.sampling import SamplingParams
@@ -180,6 +180,7 @@ class Engine:
                 preparing.model_loaded(None, None)
             raise
         model_obj.decoder = fused_decode.decode_step  # one compiled call per CPU layer where it can
+        model_obj.batch_decoder = fused_batch.decode_batch_step  # and for a batch of sequences (the server)
         model_obj.thread_tuner = thread_tuner.for_this_process()  # a thread count that holds up under load
         if preparing is not None:
             layers = model_obj.layers

@@ -182,6 +182,8 @@ class FusedMoe:
 
 
 def _layer_key(model, index: int, layer, cache) -> tuple:
+    """What a layer's prepared arguments were built from (cache None: all but the KV cache, the
+    batched decode's, whose sequences each bring their own)."""
     ffn = layer.ffn
     hooks = getattr(getattr(ffn, "context", None), "_hooks", None)
     predictors = getattr(hooks, "predictors", None)
@@ -190,7 +192,7 @@ def _layer_key(model, index: int, layer, cache) -> tuple:
         if type(ffn) is TieredMoe else ()
     return (layer.qkv, layer.out, layer.attn_norm.weight, layer.mlp_norm.weight if layer.mlp_norm else None,
             layer.device, ffn, getattr(ffn, "cold", None), getattr(ffn, "hot", None), predictors, *fc,
-            cache.k[index], cache.v[index], hot_q4.TRITON_ON_CPU, *moe)
+            *((cache.k[index], cache.v[index]) if cache is not None else ()), hot_q4.TRITON_ON_CPU, *moe)
 
 
 def _hot_rows(dl, hot) -> tuple | None:
@@ -290,6 +292,9 @@ def _build_layer(dl, model, index: int, layer, cache) -> FusedLayer:
             *fc1, *fc2, *rows, row_ids, *hot, *gate_up, *down)
     q4 = any(_four_bit(dl, m[0]) for m in mats) or dl.R_Q4 in (rows[0], hot[0])
     return FusedLayer(key, args, sparse=ffn_kind == dl.FFN_ROWS, q4=q4, n_ff=int(ffn.n_ff))
+
+
+ATTENTION_CACHE = 16  # a layer's arguments (_attention_args) hold the KV cache's two views here, then its fp16 flag
 
 
 def _attention_args(model, index: int, layer, cache, qkv: tuple, out: tuple) -> tuple:
@@ -431,6 +436,29 @@ def _current(plan: FusedLayer | None, key: tuple) -> bool:
     return plan is not None and len(plan.key) == len(key) and all(map(operator.is_, plan.key, key))
 
 
+def layer_plan(dl, model, index: int, layer, cache, batched: bool = False) -> FusedLayer:
+    """The layer's prepared arguments, rebuilt when what they were built from changed. `batched`:
+    the batched decode's (engine.runtime.fused_batch), kept apart and keyed without the KV cache:
+    its arguments' cache views are `cache`'s, which that decode replaces per sequence."""
+    key = _layer_key(model, index, layer, None if batched else cache)
+    plan = getattr(layer, "fused_batch" if batched else "fused", None)
+    if not _current(plan, key):
+        plan = _build_layer(dl, model, index, layer, cache)
+        plan.key = key
+        if batched and plan.args is not None and plan.moe is None:  # no hold on that sequence's cache
+            plan.args = (*plan.args[:ATTENTION_CACHE], None, None, *plan.args[ATTENTION_CACHE + 2:])
+        setattr(layer, "fused_batch" if batched else "fused", plan)
+    return plan
+
+
+def head_plan(dl, model) -> FusedLayer:
+    """The final norm's and the head's prepared arguments, rebuilt when either changed."""
+    head = getattr(model, "fused_head", None)
+    if not _current(head, (model.final_norm.weight, model.lm_head)):
+        head = model.fused_head = _build_head(dl, model)
+    return head
+
+
 # ------------------------------------------------------------------ the step
 def decode_step(model, ids: torch.Tensor, start: int, cache) -> torch.Tensor | None:
     """Logits [1, vocab] of the one token `ids` at position `start`, every layer in one compiled
@@ -448,10 +476,7 @@ def decode_step(model, ids: torch.Tensor, start: int, cache) -> torch.Tensor | N
         return None
     plans = []
     for index, layer in enumerate(model.layers):
-        key = _layer_key(model, index, layer, cache)
-        plan = getattr(layer, "fused", None)
-        if not _current(plan, key):
-            plan = layer.fused = _build_layer(dl, model, index, layer, cache)
+        plan = layer_plan(dl, model, index, layer, cache)
         if plan.args is None:
             return None
         if plan.moe is not None:
@@ -465,9 +490,7 @@ def decode_step(model, ids: torch.Tensor, start: int, cache) -> torch.Tensor | N
             if hooks.scoring_mode is not None or hooks.override_masks is not None:
                 return None
         plans.append(plan)
-    head = getattr(model, "fused_head", None)
-    if not _current(head, (model.final_norm.weight, model.lm_head)):
-        head = model.fused_head = _build_head(dl, model)
+    head = head_plan(dl, model)
     if head.args is None:
         return None
     if (head.q4 or any(p.q4 for p in plans)) and not cpu_q4.int8_activations(numba_pool.module()):

@@ -1,0 +1,187 @@
+"""A decode step of many sequences as one compiled call per CPU layer (engine.kernels.decode_batch)
+where every layer has the shape the one-token fused decode computes (engine.runtime.fused_decode)
+and every sequence's cache is a plain fp16 or fp32 CPU cache; otherwise `decode_batch_step`
+answers None and the batch takes `Transformer.forward_batch`'s unfused path.
+
+The batch kernels are compiled (or loaded from numba's disk cache) on a thread of their own,
+which the first `Batch` starts (`prepare`): until they are in, batched steps take the unfused
+path, so the first concurrent requests a server takes never wait for a compile. A first start's
+kernel preparation also compiles them (engine.runtime.kernel_preparation), without waiting.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import numpy as np
+import torch
+
+from engine.kernels import cpu_q4, numba_pool
+from engine.runtime import fused_decode
+
+_ready = threading.Event()  # the batch kernels are in this process
+_tried = threading.Event()  # the warm-up thread has ended (in, or not)
+_started = False
+_start_lock = threading.Lock()
+_module = None  # engine.kernels.decode_batch once imported
+
+
+def _kernels():
+    """(decode_layer, decode_batch) where the calling thread may launch the batch functions, else None."""
+    dl = fused_decode.kernels()
+    if dl is None or not _ready.is_set() or not numba_pool.usable(_module.decode_layer_batch,
+                                                                  _module.decode_head_batch):
+        return None
+    return dl, _module
+
+
+def ready() -> bool:
+    return _ready.is_set()
+
+
+def wait_ready(timeout: float | None = None) -> bool:
+    """Wait for the batch kernels (tests, the bench's warm-up); False when they did not come in."""
+    _tried.wait(timeout)
+    return _ready.is_set()
+
+
+def prepare(model, scratch_cache) -> bool:
+    """Start compiling (or loading) the batch kernels on a thread, once per process, over this
+    model's layer 0 and head (their argument types are those of every model the fused decode
+    runs) and `scratch_cache()`, a KV cache of 2 slots of the model's layer kinds that nothing
+    else reads. Returns whether they are in or coming; False where the model is not one the
+    fused decode runs (a later batch of another model may start them)."""
+    global _started
+    if not fused_decode.enabled() or fused_decode.kernels() is None or not model.layers:
+        return False
+    with _start_lock:
+        if _started:
+            return True
+        _started = True
+        _tried.clear()
+    thread = threading.Thread(target=_warm, args=(model, scratch_cache), name="thermocline-batch-kernels",
+                              daemon=True)
+    thread.start()
+    return True
+
+
+def warm_now(model, cache) -> bool:
+    """Compile (or load) the batch kernels on this thread over layer 0 and the head; position 0
+    of `cache` is written. Returns whether they are in."""
+    global _module
+    dl = fused_decode.module()
+    if dl is None:
+        return False
+    from engine.kernels import decode_batch  # numba at import: only where it runs
+
+    cpu = torch.device("cpu")
+    table = model.rotary.get(cpu)
+    plan = fused_decode._build_layer(dl, model, 0, model.layers[0], cache)
+    head = fused_decode._build_head(dl, model)
+    caches = _cache_arrays(model, [cache], 0)
+    if plan.args is None or plan.moe is not None or head.args is None or table is None or caches is None:
+        return False
+    a, c = plan.args, fused_decode.ATTENTION_CACHE
+    x = np.zeros((1, model.config.hidden_size), dtype=np.float32)
+    with numba_pool.lock:
+        threads = numba_pool.use_threads(numba_pool.module())
+        decode_batch.decode_layer_batch(x, np.zeros(1, dtype=np.int64), threads, table.cos.numpy(), table.sin.numpy(),
+                                        0.0, *a[:c], *caches, *a[c + 3:], np.zeros((1, 2), dtype=np.int64))
+        decode_batch.decode_head_batch(x, threads, *head.args)
+    _module = decode_batch
+    _ready.set()
+    return True
+
+
+def _warm(model, scratch_cache) -> None:
+    global _started
+    try:
+        if not warm_now(model, scratch_cache()):
+            _started = False  # not this model: a batch of another may start them
+    except Exception as e:  # noqa: BLE001 - the unfused batched path still runs
+        warnings.warn(f"batched fused decode unavailable ({e}); batches take the unfused path", RuntimeWarning,
+                      stacklevel=2)
+    finally:
+        _tried.set()
+
+
+def _cache_arrays(model, caches, index: int) -> tuple | None:
+    """(k addresses, v addresses, slots, fp16) of layer `index` in each cache, or None where one
+    is not a plain contiguous fp16 or fp32 CPU cache of the model's attention shape."""
+    cfg = model.config
+    n = len(caches)
+    k_addr, v_addr, slots = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    dtype = caches[0].k[index].dtype
+    for b, cache in enumerate(caches):
+        k, v = cache.k[index], cache.v[index]
+        if (cache.rolling or k.device.type != "cpu" or k.dtype != dtype or v.dtype != dtype
+                or dtype not in (torch.float16, torch.float32) or not k.is_contiguous() or not v.is_contiguous()
+                or k.shape != v.shape or (k.shape[0], k.shape[2]) != (cfg.num_kv_heads, cfg.head_dim)):
+            return None
+        k_addr[b], v_addr[b], slots[b] = k.data_ptr(), v.data_ptr(), k.shape[1]
+    return k_addr, v_addr, slots, dtype == torch.float16
+
+
+def decode_batch_step(model, ids: torch.Tensor, positions: list[int], caches: list) -> torch.Tensor | None:
+    """Logits [B, vocab] of B sequences' next tokens (ids [B], sequence b's token at positions[b]
+    of caches[b]), every layer in one compiled call for all of them; None (nothing done) where
+    the model, the switch, a cache or the kernels' readiness needs the unfused path."""
+    if model.ffn_observer is not None or not fused_decode.enabled():
+        return None
+    both = _kernels()
+    if both is None:
+        return None
+    dl, db = both
+    table = model.rotary.get(torch.device("cpu"))
+    if table is None or table.cos.dtype != torch.float32:
+        return None
+    plans, arrays = [], []
+    for index, layer in enumerate(model.layers):
+        plan = fused_decode.layer_plan(dl, model, index, layer, caches[0], batched=True)
+        if plan.args is None or plan.moe is not None:
+            return None
+        if plan.sparse:
+            hooks = layer.ffn.context._hooks
+            if hooks.scoring_mode is not None or hooks.override_masks is not None:
+                return None
+        cache_args = _cache_arrays(model, caches, index)
+        if cache_args is None:
+            return None
+        plans.append(plan)
+        arrays.append(cache_args)
+    head = fused_decode.head_plan(dl, model)
+    if head.args is None:
+        return None
+    if (head.q4 or any(p.q4 for p in plans)) and not cpu_q4.int8_activations(numba_pool.module()):
+        return None
+    for cache, pos in zip(caches, positions):
+        cache.prepare(pos, 1)
+    table.at(max(positions), 1)  # grows the table when a position is past it
+    cos, sin = table.cos.numpy(), table.sin.numpy()
+    x = model.embed[ids.to(model.embed.device)]
+    if model.embedding_scale is not None:
+        x = x * model.embedding_scale
+    X = np.ascontiguousarray(x.to(torch.device("cpu"), torch.float32).numpy()).copy()
+    pos = np.asarray(positions, dtype=np.int64)
+    counts = np.zeros((len(caches), 2), dtype=np.int64)
+    c = fused_decode.ATTENTION_CACHE
+    kern = numba_pool.module()
+    for layer, plan, cache_args in zip(model.layers, plans, arrays):
+        pthr = layer.ffn.context.threshold if plan.sparse else 0.0
+        a = plan.args
+        with numba_pool.lock:
+            db.decode_layer_batch(X, pos, numba_pool.use_threads(kern), cos, sin, float(pthr), *a[:c], *cache_args,
+                                  *a[c + 3:], counts)
+        plan.calls += 1
+        if plan.sparse:
+            counters = layer.ffn.context.counters
+            counters.considered += plan.n_ff * len(caches)
+            counters.computed = counters.computed + int(counts[:, 0].sum())
+            hot = int(counts[:, 1].sum())
+            if hot:
+                counters.computed_hot = counters.computed_hot + hot
+    with numba_pool.lock:
+        logits = db.decode_head_batch(X, numba_pool.use_threads(kern), *head.args)
+    head.calls += 1
+    return torch.from_numpy(logits)
