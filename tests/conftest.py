@@ -31,8 +31,9 @@ def pytest_configure(config):
 PREWARM_MIN_TESTS = 200  # a run of a few files compiles what it needs; only a whole suite gains
 # Files that compile most of what they run at their first test. They run last when the prewarm
 # runs, so that it has compiled their kernels by then: first, test_batching's first test took
-# 179 s of a cold run and test_bench_smoke 369 s.
-COMPILE_HEAVY_MODULES = ("test_batching.py", "test_bench_smoke.py")
+# 179 s of a cold run and test_bench_smoke 369 s; run after them, test_beyond_ram's 4-bit disk
+# test compiled the 4-bit kernels beside the prewarm compiling the same (157 s).
+COMPILE_HEAVY_MODULES = ("test_batching.py", "test_bench_smoke.py", "test_beyond_ram.py")
 _prewarm: subprocess.Popen | None = None
 
 

@@ -61,6 +61,7 @@ def _steps(root: Path) -> list:
         cpu_q4x8.warmup()
 
     def batch(mode):  # the batched decode's own kernels (engine.runtime.batching): test_batching
+        from engine.runtime import fused_batch
         from engine.runtime.batching import Batch, Sequence
 
         engine = Engine.load(demo, mode=mode, kernels="wait")
@@ -68,6 +69,7 @@ def _steps(root: Path) -> list:
         runs = Batch(engine)
         for prompt in ("Mr. Darcy", "It is a truth universally"):
             runs.start(Sequence(engine.encode_prompt(prompt), params, lambda _ev: None, lambda _stats, _ids: None))
+        fused_batch.wait_ready(1800)  # the batch kernels, on the thread the first batch starts
         while runs.active:
             runs.step()
 
