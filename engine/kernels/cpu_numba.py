@@ -881,40 +881,48 @@ def _kv_value_impl(v):
     return lambda v: np.float32(v)
 
 
+@_njit(fastmath=True)
+def _head_attention(q, kc, vc, g, length, scale, out):
+    """One query head q fp32 [hd] over kv head g of a layer's cache kc/vc [kv_heads, slots, hd]
+    (fp32, or int16 fp16 bits), positions 0..length-1 -> out fp32 [hd]: the scores, their
+    softmax (max-subtracted, fp32) and the weighted sum of values."""
+    hd = q.shape[0]
+    scale = np.float32(scale)
+    s = np.empty(length, dtype=np.float32)
+    m = np.float32(-np.inf)
+    for p in range(length):
+        a = np.float32(0.0)
+        for j in range(hd):
+            a += q[j] * _kv_value(kc[g, p, j])
+        a *= scale
+        s[p] = a
+        if a > m:
+            m = a
+    total = np.float32(0.0)
+    for p in range(length):
+        e = np.exp(s[p] - m)
+        s[p] = e
+        total += e
+    acc = np.zeros(hd, dtype=np.float32)
+    for p in range(length):
+        w = s[p]
+        for j in range(hd):
+            acc[j] += w * _kv_value(vc[g, p, j])
+    inv = np.float32(1.0) / total
+    for j in range(hd):
+        out[j] = acc[j] * inv
+
+
 @_njit(parallel=True, fastmath=True)
 def decode_attention_cache(q, kc, vc, length, scale, out):
     """One query token against positions 0..length-1 of a layer's cache: q fp32 [H, hd],
     kc/vc [kv_heads, slots, hd] fp32 or int16 (fp16 bits), out fp32 [H, hd]; query head h
-    reads kv head h // (H // kv_heads). Scores, softmax (max-subtracted, fp32) and the
-    weighted sum of values in one call, heads over the threads, no copies of the cache."""
-    H, hd = q.shape
+    reads kv head h // (H // kv_heads). `_head_attention` per head, heads over the threads, no
+    copies of the cache."""
+    H = q.shape[0]
     group = H // kc.shape[0]
-    scale = np.float32(scale)
     for h in prange(H):
-        g = h // group
-        s = np.empty(length, dtype=np.float32)
-        m = np.float32(-np.inf)
-        for p in range(length):
-            a = np.float32(0.0)
-            for j in range(hd):
-                a += q[h, j] * _kv_value(kc[g, p, j])
-            a *= scale
-            s[p] = a
-            if a > m:
-                m = a
-        total = np.float32(0.0)
-        for p in range(length):
-            e = np.exp(s[p] - m)
-            s[p] = e
-            total += e
-        acc = np.zeros(hd, dtype=np.float32)
-        for p in range(length):
-            w = s[p]
-            for j in range(hd):
-                acc[j] += w * _kv_value(vc[g, p, j])
-        inv = np.float32(1.0) / total
-        for j in range(hd):
-            out[h, j] = acc[j] * inv
+        _head_attention(q[h], kc, vc, h // group, length, scale, out[h])
 
 
 @_njit()

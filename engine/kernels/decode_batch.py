@@ -89,37 +89,6 @@ def linear_many(kind, wb, scale, X, threads):
     return Y
 
 
-@_njit()
-def _head_attention(q, kc, vc, g, length, scale, out):
-    """One query head q fp32 [hd] over kv head g of a cache (positions 0..length-1) -> out [hd]:
-    cpu_numba.decode_attention_cache's arithmetic for one head."""
-    hd = q.shape[0]
-    scale = np.float32(scale)
-    s = np.empty(length, dtype=np.float32)
-    m = np.float32(-np.inf)
-    for p in range(length):
-        a = np.float32(0.0)
-        for j in range(hd):
-            a += q[j] * K._kv_value(kc[g, p, j])
-        a *= scale
-        s[p] = a
-        if a > m:
-            m = a
-    total = np.float32(0.0)
-    for p in range(length):
-        e = np.exp(s[p] - m)
-        s[p] = e
-        total += e
-    acc = np.zeros(hd, dtype=np.float32)
-    for p in range(length):
-        w = s[p]
-        for j in range(hd):
-            acc[j] += w * K._kv_value(vc[g, p, j])
-    inv = np.float32(1.0) / total
-    for j in range(hd):
-        out[j] = acc[j] * inv
-
-
 @_njit(parallel=True, fastmath=True)
 def attend_rows(Q_, k_addr, v_addr, slots, kv_heads, pos, half, scale, out):
     """Every (sequence, query head) pair at once: Q_ fp32 [B, H, hd] over sequence b's cache at
@@ -132,11 +101,11 @@ def attend_rows(Q_, k_addr, v_addr, slots, kv_heads, pos, half, scale, out):
         if half:
             kc = numba.carray(_i16_at(k_addr[b]), (kv_heads, slots[b], hd))
             vc = numba.carray(_i16_at(v_addr[b]), (kv_heads, slots[b], hd))
-            _head_attention(Q_[b, h], kc, vc, h // group, pos[b] + 1, scale, out[b, h])
+            K._head_attention(Q_[b, h], kc, vc, h // group, pos[b] + 1, scale, out[b, h])
         else:
             kc32 = numba.carray(_f32_at(k_addr[b]), (kv_heads, slots[b], hd))
             vc32 = numba.carray(_f32_at(v_addr[b]), (kv_heads, slots[b], hd))
-            _head_attention(Q_[b, h], kc32, vc32, h // group, pos[b] + 1, scale, out[b, h])
+            K._head_attention(Q_[b, h], kc32, vc32, h // group, pos[b] + 1, scale, out[b, h])
 
 
 @_njit()
