@@ -156,7 +156,7 @@ def _attend_batch(X, pos, threads, cos, sin, attn_w, eps, use_rope, n_heads, kv_
             X[b, j] = X[b, j] + (o[b, j] * rs if use_res_scale else o[b, j])
 
 
-@_njit()
+@_njit(nogil=True)
 def decode_layer_batch(X, pos, threads, cos, sin, pthr,
                        attn_w, mlp_w, eps, use_rope, n_heads, kv_heads, head_dim, attn_scale, res_scale,
                        use_res_scale, qkv_kind, qkv_b, qkv_s, out_kind, out_b, out_s, k_addr, v_addr, slots, kv_half,
@@ -230,7 +230,7 @@ def decode_layer_batch(X, pos, threads, cos, sin, pthr,
             X[b, j] = X[b, j] + (Y[b, j] * rs if use_res_scale else Y[b, j])
 
 
-@_njit()
+@_njit(nogil=True)
 def decode_head_batch(X, threads, norm_w, eps, logit_scale, use_logit_scale, head_kind, head_b, head_s):
     """Logits fp32 [B, vocab] of each row: decode_layer.decode_head's arithmetic, the head's
     weights read once for all rows."""

@@ -90,6 +90,9 @@ _install_locators()
 
 
 _njit = numba_jit.njit
+# The entry points (decode_layer, decode_moe_layer, decode_head and decode_batch's two) run
+# without the GIL: every launch holds numba_pool.lock, and the GIL is then free for the
+# server's event loop and the disk tier's readers while a layer computes.
 
 
 # Kinds of a weight matrix (how its bytes are read, and which kernel the unfused path runs).
@@ -294,7 +297,7 @@ def _attend(x, pos, threads, cos, sin, attn_w, eps, use_rope, n_heads, kv_heads,
         x[j] = x[j] + (o[j] * rs if use_res_scale else o[j])
 
 
-@_njit()
+@_njit(nogil=True)
 def decode_layer(x, pos, threads, cos, sin, pthr,
                  attn_w, mlp_w, eps, use_rope, n_heads, kv_heads, head_dim, attn_scale, res_scale, use_res_scale,
                  qkv_kind, qkv_b, qkv_s, out_kind, out_b, out_s, k_cache, v_cache, kv_half,
@@ -501,7 +504,7 @@ def moe_ffn(route_x, hm, threads, router_kind, router_b, router_s, top_k, softma
     return y
 
 
-@_njit()
+@_njit(nogil=True)
 def decode_moe_layer(x, pos, threads, cos, sin,
                      attn_w, mlp_w, eps, use_rope, n_heads, kv_heads, head_dim, attn_scale, res_scale,
                      use_res_scale, qkv_kind, qkv_b, qkv_s, out_kind, out_b, out_s, k_cache, v_cache, kv_half,
@@ -524,7 +527,7 @@ def decode_moe_layer(x, pos, threads, cos, sin,
         x[j] = x[j] + (y[j] * rs if use_res_scale else y[j])
 
 
-@_njit()
+@_njit(nogil=True)
 def decode_head(x, threads, norm_w, eps, logit_scale, use_logit_scale, head_kind, head_b, head_s):
     """Logits fp32 [vocab] of the last token: the final RMSNorm, MiniCPM's logit scale, the head."""
     h = _rms_norm(x, norm_w, eps)
