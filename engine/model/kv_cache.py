@@ -81,6 +81,10 @@ class KVCache:
     def prepare(self, start: int, count: int) -> None:
         """Claim the slots of positions start .. start+count-1 before any layer writes them."""
         self.check_room(start, count)
+        if count == 1:  # a decoded token: one element, without building a range (a batch step prepares each cache)
+            self.slot_pos[start % self.slots] = start
+            self.length = max(self.length, start + 1)
+            return
         pos = torch.arange(start, start + count)
         self.slot_pos[pos % self.slots] = pos
         self.length = max(self.length, start + count)

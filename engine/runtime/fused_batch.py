@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 
 import numpy as np
 import torch
@@ -80,7 +81,7 @@ def warm_now(model, cache) -> bool:
     table = model.rotary.get(cpu)
     plan = fused_decode._build_layer(dl, model, 0, model.layers[0], cache)
     head = fused_decode._build_head(dl, model)
-    caches = _cache_arrays(model, [cache], 0)
+    caches = (_cache_arrays(model, [cache]) or [None])[0]
     if plan.args is None or plan.moe is not None or head.args is None or table is None or caches is None:
         return False
     a, c = plan.args, fused_decode.ATTENTION_CACHE
@@ -107,27 +108,56 @@ def _warm(model, scratch_cache) -> None:
         _tried.set()
 
 
-def _cache_arrays(model, caches, index: int) -> tuple | None:
-    """(k addresses, v addresses, slots, fp16) of layer `index` in each cache, or None where one
-    is not a plain contiguous fp16 or fp32 CPU cache of the model's attention shape."""
+_layouts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # KVCache -> (its tensors, _layout's answer)
+
+
+def _layout(model, cache) -> tuple | None:
+    """(k addresses [L], v addresses [L], fp16 [L], slots) of every layer's cache tensors, or None
+    where a layer's is not a plain contiguous fp16 or fp32 CPU cache of the model's attention shape.
+    Kept for the cache's life while its tensors are the same objects (a batch's caches never
+    move; the engine's own may, with its layers)."""
+    tensors = cache.k + cache.v
+    known = _layouts.get(cache)
+    if known is not None and all(a is b for a, b in zip(known[0], tensors)):
+        return known[1]
     cfg = model.config
-    n = len(caches)
-    k_addr, v_addr, slots = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
-    dtype = caches[0].k[index].dtype
-    for b, cache in enumerate(caches):
-        k, v = cache.k[index], cache.v[index]
-        if (cache.rolling or k.device.type != "cpu" or k.dtype != dtype or v.dtype != dtype
-                or dtype not in (torch.float16, torch.float32) or not k.is_contiguous() or not v.is_contiguous()
-                or k.shape != v.shape or (k.shape[0], k.shape[2]) != (cfg.num_kv_heads, cfg.head_dim)):
-            return None
-        k_addr[b], v_addr[b], slots[b] = k.data_ptr(), v.data_ptr(), k.shape[1]
-    return k_addr, v_addr, slots, dtype == torch.float16
+    n = len(cache.k)
+    k_addr, v_addr, half = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.empty(n, dtype=np.bool_)
+    slots = cache.k[0].shape[1] if n else 0
+    found = (k_addr, v_addr, half, slots)
+    for index, (k, v) in enumerate(zip(cache.k, cache.v)):
+        if (cache.rolling or k.device.type != "cpu" or k.dtype != v.dtype
+                or k.dtype not in (torch.float16, torch.float32) or not k.is_contiguous() or not v.is_contiguous()
+                or k.shape != v.shape or k.shape != (cfg.num_kv_heads, slots, cfg.head_dim)):
+            found = None
+            break
+        k_addr[index], v_addr[index], half[index] = k.data_ptr(), v.data_ptr(), k.dtype == torch.float16
+    _layouts[cache] = (tensors, found)
+    return found
 
 
-def decode_batch_step(model, ids: torch.Tensor, positions: list[int], caches: list) -> torch.Tensor | None:
-    """Logits [B, vocab] of B sequences' next tokens (ids [B], sequence b's token at positions[b]
-    of caches[b]), every layer in one compiled call for all of them; None (nothing done) where
-    the model, the switch, a cache or the kernels' readiness needs the unfused path."""
+def _cache_arrays(model, caches) -> list[tuple] | None:
+    """Per layer, (k addresses [B], v addresses [B], slots [B], fp16) of the caches, or None
+    where one is not a plain cache (`_layout`) or the caches' formats differ."""
+    layouts = [_layout(model, c) for c in caches]
+    if any(lay is None for lay in layouts):
+        return None
+    k_addr, v_addr, half = (np.stack([lay[i] for lay in layouts]) for i in range(3))
+    if not (half == half[:1]).all():
+        return None
+    slots = np.array([lay[3] for lay in layouts], dtype=np.int64)
+    return [(np.ascontiguousarray(k_addr[:, i]), np.ascontiguousarray(v_addr[:, i]), slots, bool(half[0, i]))
+            for i in range(k_addr.shape[1])]
+
+
+def decode_batch_step(model, ids: torch.Tensor, positions: list[int], caches: list,
+                      heads: list[int] | None = None) -> torch.Tensor | None:
+    """Logits [len(heads), vocab] of rows `heads` (None: all) of R tokens (ids [R], row b's token
+    at positions[b] of caches[b]), every layer in one compiled call for all of them; None
+    (nothing done) where the model, the switch, a cache or the kernels' readiness needs the
+    unfused path. Rows may share a cache (a prompt's piece: consecutive positions): a layer
+    writes every row's keys and values before any row attends, so each row sees the rows before
+    it, as a prompt's tokens decoded one by one."""
     if model.ffn_observer is not None or not fused_decode.enabled():
         return None
     both = _kernels()
@@ -137,7 +167,10 @@ def decode_batch_step(model, ids: torch.Tensor, positions: list[int], caches: li
     table = model.rotary.get(torch.device("cpu"))
     if table is None or table.cos.dtype != torch.float32:
         return None
-    plans, arrays = [], []
+    arrays = _cache_arrays(model, caches)
+    if arrays is None:
+        return None
+    plans = []
     for index, layer in enumerate(model.layers):
         plan = fused_decode.layer_plan(dl, model, index, layer, caches[0], batched=True)
         if plan.args is None or plan.moe is not None:
@@ -146,11 +179,7 @@ def decode_batch_step(model, ids: torch.Tensor, positions: list[int], caches: li
             hooks = layer.ffn.context._hooks
             if hooks.scoring_mode is not None or hooks.override_masks is not None:
                 return None
-        cache_args = _cache_arrays(model, caches, index)
-        if cache_args is None:
-            return None
         plans.append(plan)
-        arrays.append(cache_args)
     head = fused_decode.head_plan(dl, model)
     if head.args is None:
         return None
@@ -182,6 +211,8 @@ def decode_batch_step(model, ids: torch.Tensor, positions: list[int], caches: li
             hot = int(counts[:, 1].sum())
             if hot:
                 counters.computed_hot = counters.computed_hot + hot
+    if heads is not None:
+        X = np.ascontiguousarray(X[heads])
     with numba_pool.lock:
         logits = db.decode_head_batch(X, numba_pool.use_threads(kern), *head.args)
     head.calls += 1
