@@ -259,3 +259,42 @@ def test_fused_batched_logits_match_the_unfused_batch_and_each_alone(demo_path, 
     finally:
         model.batch_decoder = decoder
     assert torch.allclose(fused, unfused, atol=1e-3 * float(unfused.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_a_prompt_piece_fused_beside_a_decode_equals_its_tokens_decoded_one_by_one(demo_path, mode):
+    """A step of one decode and one prompt piece with `fuse_prompts`: every prompt token is a
+    row of the fused batch, attending the rows before it. The logits and the K/V written equal
+    the one-token fused decode of each token in turn, and are within float rounding of the
+    unfused prefill."""
+    import torch
+
+    engine = Engine.load(demo_path, mode=mode)
+    _fused_batch_ready(engine)
+    model = engine.model
+
+    def cache():
+        return engine.make_cache(engine.config, 32, [la.device for la in model.layers],
+                                 [la.dtype for la in model.layers])
+
+    prompt, history = torch.tensor([5, 9, 13, 17, 21, 25]), torch.arange(30, 34)
+    calls = [layer.fused_batch.calls if layer.fused_batch is not None else 0 for layer in model.layers]
+    a, b = cache(), cache()
+    model.forward(history, 0, a)
+    fused = model.forward_batch([(torch.tensor([11]), 4, a), (prompt, 0, b)], fuse_prompts=True)
+    assert fused.shape == (2, engine.config.vocab_size)
+    assert all(layer.fused_batch.calls == n + 1 for layer, n in zip(model.layers, calls))  # one call, all rows
+
+    a_ref, b_ref = cache(), cache()
+    model.forward(history, 0, a_ref)
+    last_a = model.forward(torch.tensor([11]), 4, a_ref)
+    for i in range(len(prompt)):
+        last_b = model.forward(prompt[i : i + 1], i, b_ref)
+    assert torch.equal(fused[0], last_a[0]) and torch.equal(fused[1], last_b[0])
+    for got, want, n in ((a, a_ref, 5), (b, b_ref, len(prompt))):
+        assert all(torch.equal(x[:, :n], y[:, :n]) for x, y in zip(got.k + got.v, want.k + want.v))
+    prefill = model.forward(prompt, 0, cache())[0]
+    # sparse: the many-token prefill and a token's decode may choose other neurons at the
+    # predictor's threshold (0.5% of the largest logit here)
+    tolerance = 1e-3 if mode == "dense" else 2e-2
+    assert torch.allclose(fused[1], prefill, atol=tolerance * float(prefill.abs().max()), rtol=0)

@@ -27,8 +27,11 @@ from engine.model.rope import RotaryTable, apply_rotary
 # A one-token decode in place of the layers: (model, ids [1], position, cache) -> logits
 # [1, vocab], or None where it cannot run this step (the layers below then run).
 Decoder = Callable[["Transformer", torch.Tensor, int, KVCache], "torch.Tensor | None"]
-# A decode step of B sequences: (model, ids [B], positions, caches) -> logits [B, vocab], or None.
-BatchDecoder = Callable[["Transformer", torch.Tensor, list[int], list[KVCache]], "torch.Tensor | None"]
+# A step of R rows (model, ids [R], positions, caches, heads) -> logits [len(heads), vocab] of the
+# rows `heads` (None: all), or None. Rows may share a cache: a prompt's piece is consecutive rows
+# of one cache at consecutive positions.
+BatchDecoder = Callable[["Transformer", torch.Tensor, list[int], list[KVCache], "list[int] | None"],
+                        "torch.Tensor | None"]
 
 
 class Transformer:
@@ -112,16 +115,25 @@ class Transformer:
                     for layer in self.layers) and not any(c.rolling for c in caches))
 
     @torch.inference_mode()
-    def forward_batch(self, segments: list[tuple[torch.Tensor, int, KVCache]]) -> torch.Tensor:
+    def forward_batch(self, segments: list[tuple[torch.Tensor, int, KVCache]], fuse_prompts: bool = False
+                      ) -> torch.Tensor:
         """One step of B sequences at once: segment b is token ids [T_b] at positions start_b..
         over its own cache (T_b = 1: a decode step; more: a piece of its prompt). Returns the
         logits [B, vocab] (fp32) of each segment's last token. Every weight matrix is read once
         for all the rows (the FFN's own many-token path: each row over the neurons its predictor
-        selects, each neuron read once for all rows); attention reads each sequence's cache."""
-        if self.batch_decoder is not None and all(ids.shape[0] == 1 for ids, _, _ in segments):
-            # decode: one compiled call per layer for all the sequences, where it can
-            logits = self.batch_decoder(self, torch.cat([ids for ids, _, _ in segments]),
-                                        [start for _, start, _ in segments], [cache for _, _, cache in segments])
+        selects, each neuron read once for all rows); attention reads each sequence's cache.
+        A decode step goes through `batch_decoder` where it can; with `fuse_prompts` a step with
+        prompt pieces does too, each prompt token a row (its FFN over its own neurons)."""
+        prompts = any(ids.shape[0] > 1 for ids, _, _ in segments)
+        if self.batch_decoder is not None and (fuse_prompts or not prompts):
+            # one compiled call per layer for all the rows, where it can
+            positions, caches, heads = [], [], []
+            for ids, start, cache in segments:
+                positions += range(start, start + ids.shape[0])
+                caches += [cache] * ids.shape[0]
+                heads.append(len(positions) - 1)
+            logits = self.batch_decoder(self, torch.cat([ids for ids, _, _ in segments]), positions, caches,
+                                        heads if prompts else None)
             if logits is not None:
                 return logits
         spans, row = [], 0

@@ -23,6 +23,15 @@ batched path. A decode step of many is timed both ways (`StepChooser`): batched,
 sequence through the fused decode in turn, and takes the way measured cheaper per token. Before
 the fused batch, the unfused step lost on a small model (the demo, dense int8: 1.3 ms a token
 alone, 14 ms a batched step of 8).
+
+A step that carries prompt pieces beside decodes is timed three ways, once the fused batch is
+in: "fused" (every row, each prompt token one, through the fused batch: a sparse FFN then
+computes each prompt token over its own neurons), "split" (the decodes through the fused
+batch, the prompt pieces through a pass of their own) or "joint" (one unfused pass for all the
+rows: each weight read once). On a small model the unfused per-layer Python costs more than
+reading the weights again (the demo, 8 streams: a third of the steps carried a joining prompt
+and took most of the engine's time); on a large one a second read, or a sparse prompt row by
+row, may cost more.
 """
 
 from __future__ import annotations
@@ -73,15 +82,15 @@ class Sequence:
 
 
 class StepChooser:
-    """Which way a decode step of many sequences runs: "batch" (one forward_batch) or "alone"
-    (the fused decode per sequence), from the seconds per token each took lately (an average
-    of the last few steps). Each way is tried first, and the other one again every
-    `EXPLORE` steps, so a change in load or batch width is noticed."""
+    """Which way a kind of step runs, from the seconds per token each took lately (an
+    average of the last few steps): for a decode step of many sequences "batch" (one
+    forward_batch) or "alone" (the fused decode per sequence). Each way is tried first, and
+    the others again in turn every `EXPLORE` steps, so a change in load or batch width is noticed."""
 
     EXPLORE = 16
 
-    def __init__(self):
-        self.cost: dict[str, float | None] = {"batch": None, "alone": None}
+    def __init__(self, ways: tuple[str, ...] = ("batch", "alone")):
+        self.cost: dict[str, float | None] = dict.fromkeys(ways)
         self.steps = 0
         self.last: str | None = None
 
@@ -91,8 +100,9 @@ class StepChooser:
         if untried:
             return untried[0]
         best = min(self.cost, key=lambda k: self.cost[k])
-        if self.steps % self.EXPLORE == 0:
-            return "alone" if best == "batch" else "batch"
+        if self.steps % self.EXPLORE == 0:  # the others in turn
+            others = [k for k in self.cost if k != best]
+            return others[(self.steps // self.EXPLORE) % len(others)]
         return best
 
     def forget(self, way: str) -> None:
@@ -112,6 +122,7 @@ class Batch:
         self.engine = engine
         self.active: list[Sequence] = []  # decoding, or reading their prompts
         self.chooser = StepChooser()
+        self.mixed = StepChooser(("fused", "split", "joint"))  # steps of decodes and prompt pieces together
         model = engine.model
         self.fused = fused_batch.ready()  # whether batched decode steps were fused when last timed
         fused_batch.prepare(model, lambda: engine.make_cache(engine.config, 2, [la.device for la in model.layers],
@@ -193,18 +204,28 @@ class Batch:
                     seq, tokens, start = work[0]
                     logits = model.forward(torch.tensor(tokens), start, seq.cache)
                 elif model.can_batch([s.cache for s, _, _ in work]):
-                    decode = all(len(t) == 1 for _, t, _ in work)  # prompts are always read together
-                    if decode and self.fused != fused_batch.ready():
+                    ones = sum(len(t) == 1 for _, t, _ in work)
+                    decode = ones == len(work)  # prompts are always read together
+                    if self.fused != fused_batch.ready():
                         self.fused = not self.fused
                         self.chooser.forget("batch")
-                    way = self.chooser.choose() if decode else "batch"
+                        self.mixed.forget("split")
+                    if decode:
+                        way, chooser = self.chooser.choose(), self.chooser
+                    elif ones and self.fused:
+                        way, chooser = self.mixed.choose(), self.mixed
+                    else:
+                        way, chooser = "batch", None
                     began = time.perf_counter()
-                    if way == "batch":
-                        logits = model.forward_batch([(torch.tensor(t), p, s.cache) for s, t, p in work])
+                    if way in ("batch", "joint", "fused"):
+                        logits = model.forward_batch([(torch.tensor(t), p, s.cache) for s, t, p in work],
+                                                     fuse_prompts=way == "fused")
+                    elif way == "split":
+                        logits = self._split(work)
                     else:
                         logits = torch.cat([model.forward(torch.tensor(t), p, s.cache) for s, t, p in work])
-                    if decode:
-                        self.chooser.record(way, (time.perf_counter() - began) / len(work))
+                    if chooser is not None:
+                        chooser.record(way, (time.perf_counter() - began) / sum(len(t) for _, t, _ in work))
                 else:  # experts or windows: one sequence at a time, interleaved
                     logits = torch.cat([model.forward(torch.tensor(t), p, s.cache) for s, t, p in work])
         now = time.perf_counter()
@@ -217,6 +238,21 @@ class Batch:
                     seq.prefill_done = now
                     seq.stats.ttft_s = now - seq.started
                     seq.stats.prefill_tok_s = len(seq.ids) / max(seq.stats.ttft_s, 1e-9)
+
+    def _split(self, work: list[tuple[Sequence, list[int], int]]) -> torch.Tensor:
+        """Logits of a step run as two passes: the one-token rows (through the fused batch),
+        then the prompt pieces."""
+        model, rows = self.engine.model, [None] * len(work)
+        for group in ([i for i, (_, t, _) in enumerate(work) if len(t) == 1],
+                      [i for i, (_, t, _) in enumerate(work) if len(t) > 1]):
+            segments = [(torch.tensor(work[i][1]), work[i][2], work[i][0].cache) for i in group]
+            if len(segments) == 1:
+                out = model.forward(*segments[0])
+            elif segments:
+                out = model.forward_batch(segments)
+            for row, i in enumerate(group):
+                rows[i] = out[row]
+        return torch.stack(rows)
 
     def _finish(self, seq: Sequence) -> None:
         stats, answer = seq.stats, seq.answer
