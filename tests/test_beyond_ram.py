@@ -93,7 +93,10 @@ def test_a_layer_beyond_the_cache_is_computed_chunk_by_chunk(tmp_path, wide_llam
     """At the least budget a layer whose predicted set (a third of its neurons here) exceeds
     the cache's working set (a quarter) is computed chunk by chunk as the kernel splits it
     over its 2 threads: the same bits as in RAM. With every neuron predicted, a chunk exceeds
-    it too and is computed in rounds: the same neurons summed in another order, close."""
+    it too and is computed in rounds: the same neurons summed in another order, close. How
+    close: a sum a few ulps off can round one 8-bit activation of a later product the other
+    way (int8 on an AVX-512 host: one logit 1.4e-3 off, 5% of the format's own error), so the
+    bound is a share of the format's error against the exact fp32 weights."""
     from engine.kernels import numba_pool
 
     monkeypatch.setenv("THERMOCLINE_FUSED_DECODE", "0")
@@ -111,8 +114,9 @@ def test_a_layer_beyond_the_cache_is_computed_chunk_by_chunk(tmp_path, wide_llam
         if exact:
             assert all(torch.equal(a, b) for a, b in zip(reference, got))
         else:
-            for a, b in zip(reference, got):
-                assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * a.abs().max().item())
+            exact_fp32 = _step_logits(Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights="fp32"), ids)
+            for a, b, e in zip(reference, got, exact_fp32):
+                assert (a - b).abs().max() <= 0.1 * (a - e).abs().max()
         assert disk.memory()["ram_bytes"] <= _budget(in_ram, 0.0)
         disk.close()
 
