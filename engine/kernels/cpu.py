@@ -356,13 +356,13 @@ def warmup(quants: tuple[str, ...] = QUANTS, batch: bool = False, dense: bool = 
             xq = np.zeros((1, 128), dtype=np.int8)
             xs = np.ones((1, 1), dtype=np.float32)
             kern.quantize_act_q8(np.zeros((1, 128), dtype=np.float32), xq, xs)
-            kern.matmul_q8_avx2(wq.numpy(), ws.numpy(), xq, xs, 1)
+            kern.matmul_q8(wq.numpy(), ws.numpy(), xq, xs, 1)
             kern.linear_q8(wq.numpy(), ws.numpy(), np.zeros((1, 128), dtype=np.float32), 1)
     fns = ((kern.ffn_rows, kern.quantize_rows_int8) + ((kern.ffn_rows_tokens,) if quants else ())
            + ((kern.ffn_rows_batch,) if batch else ())
            + ((kern.matvec_rows, kern.combine_rows, kern.matvec_rows_int8, kern.decode_attention_cache)
               if dense else ())
-           + ((kern.quantize_act_q8, kern.matmul_q8_avx2, kern.ffn_rows_tokens_q8, kern.linear_q8)
+           + ((kern.quantize_act_q8, kern.matmul_q8, kern.ffn_rows_tokens_q8, kern.linear_q8)
               if dense and int8_activations_available(128) else ()))
     return {"seconds": time.perf_counter() - t0,
             "cache_hits": sum(sum(f.stats.cache_hits.values()) for f in fns),

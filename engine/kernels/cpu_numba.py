@@ -22,6 +22,7 @@ tokens at once; `quantize_rows_int8` builds int8 rows.
 
 from __future__ import annotations
 
+import os
 import numba  # noqa: F401 - read as kern.numba (numba_pool: the thread count)
 import numpy as np
 from llvmlite import ir
@@ -474,11 +475,49 @@ def _host_has_avx2() -> bool:
 
 HAS_AVX2 = _host_has_avx2()
 
+# CPUs whose LLVM name implies 256-bit VNNI (AVX512-VNNI with VL, or AVX-VNNI): a target set by
+# NUMBA_CPU_NAME (an installer's tier, packaging/kernel_tiers.py) decides, not the host.
+_VNNI_CPUS = {"cascadelake", "cooperlake", "icelake-client", "icelake-server", "tigerlake", "rocketlake",
+              "sapphirerapids", "emeraldrapids", "graniterapids", "graniterapids-d", "diamondrapids",
+              "alderlake", "raptorlake", "meteorlake", "arrowlake", "arrowlake-s", "lunarlake", "pantherlake",
+              "gracemont", "sierraforest", "grandridge", "clearwaterforest", "znver4", "znver5"}
+
+
+def _target_has_vnni() -> bool:
+    """Whether the code numba generates may use vpdpbusd on 256-bit vectors."""
+    from llvmlite import binding as llvm
+
+    name = os.environ.get("NUMBA_CPU_NAME", "").strip()
+    features = os.environ.get("NUMBA_CPU_FEATURES", "")
+    if name and name != "host":
+        named = name in _VNNI_CPUS or "+avxvnni" in features or "+avx512vnni" in features
+        return named and "-avxvnni" not in features and "-avx512vnni" not in features
+    try:
+        host = llvm.get_host_cpu_features()
+    except RuntimeError:
+        return False
+    return bool(host.get("avxvnni") or (host.get("avx512vnni") and host.get("avx512vl")))
+
+
+HAS_VNNI = HAS_AVX2 and _target_has_vnni()  # matmul_q8_vnni below
+
 
 def _avx2_fn(builder, name, ret, *args):
     fnty = ir.FunctionType(ret, [a.type for a in args])
     fn = cgutils.get_or_insert_function(builder.module, fnty, name)
     return builder.call(fn, args)
+
+
+def _madd_bytes(builder, acc, u, s, ones):
+    """acc int32x8 + the sums of four products of u (unsigned bytes, <= 127 here) and s (signed
+    bytes), lane by lane: vpdpbusd where the target has VNNI, else vpmaddubsw, vpmaddwd, vpaddd
+    (no 16-bit saturation at |u| <= 127: the same integers)."""
+    v8i32 = ir.VectorType(ir.IntType(32), 8)
+    if HAS_VNNI:
+        return _avx2_fn(builder, "llvm.x86.avx512.vpdpbusd.256", v8i32, acc, builder.bitcast(u, v8i32),
+                        builder.bitcast(s, v8i32))
+    p16 = _avx2_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(ir.IntType(16), 16), u, s)
+    return builder.add(acc, _avx2_fn(builder, "llvm.x86.avx2.pmadd.wd", v8i32, p16, ones))
 
 
 @intrinsic
@@ -526,9 +565,7 @@ def _dot4_q8_avx2(typingctx, q, i, x, xs, t):
                 ax = _avx2_fn(builder, "llvm.x86.avx2.psign.b", v32i8, xv, xv)
                 for k in range(4):
                     sw = _avx2_fn(builder, "llvm.x86.avx2.psign.b", v32i8, load32(rptrs[k], off), xv)
-                    p16 = _avx2_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, ax, sw)
-                    p32 = _avx2_fn(builder, "llvm.x86.avx2.pmadd.wd", v8i32, p16, ones)
-                    builder.store(builder.add(builder.load(acci[k]), p32), acci[k])
+                    builder.store(_madd_bytes(builder, builder.load(acci[k]), ax, sw, ones), acci[k])
             scale = builder.load(builder.gep(xsptr, [blk.index]))
             splat = cgutils.alloca_once_value(builder, ir.Constant(v8f32, None))
             vs = builder.load(splat)
@@ -604,6 +641,123 @@ def matmul_q8_avx2(q, scale, xq, xs, nchunks):
                         for k in range(g * 4, min(n, g * 4 + 4)):
                             y[t, k] = s[k - i] * scale[k]
     return y
+
+
+# ---- the same product with VNNI (vpdpbusd) ---------------------------------------------------
+# vpdpbusd multiplies unsigned by signed bytes and sums them in fours into int32 lanes. With the
+# activation offset to unsigned (x + 128) one instruction does a row's 32 products for a token,
+# where AVX2 takes vpsignb, vpmaddubsw, vpmaddwd and vpaddd for each (row, token) pair; the offset
+# comes back out per block as 128 times the row's lane sums, one vpdpbusd per 32 weights for all
+# the tokens of a pass. A pass is four rows by two tokens. Each int32 lane holds the same four
+# products as the AVX2 kernel's lane, and the scaling and sums run in its order: the same bits.
+
+@intrinsic
+def _tile_q8_vnni(typingctx, q, i, xu, xs, t0, t1):
+    """(q[i+k] . x[t]) for k = 0..3 and t = t0, t1 (8 fp32, k-major): as `_dot4_q8_avx2` with
+    xu uint8 [T, d] = the quantized activations + 128."""
+    sig = types.UniTuple(types.float32, 8)(q, i, xu, xs, t0, t1)
+
+    def codegen(context, builder, signature, args):
+        qty, _, xty, xsty, _, _ = signature.args
+        qa = context.make_array(qty)(context, builder, args[0])
+        xa = context.make_array(xty)(context, builder, args[2])
+        xsa = context.make_array(xsty)(context, builder, args[3])
+        i64 = ir.IntType(64)
+        row = context.cast(builder, args[1], signature.args[1], types.int64)
+        toks = [context.cast(builder, args[4 + j], signature.args[4 + j], types.int64) for j in range(2)]
+        zero64 = i64(0)
+        v32i8 = ir.VectorType(ir.IntType(8), 32)
+        v8i32 = ir.VectorType(ir.IntType(32), 8)
+        v8f32 = ir.VectorType(ir.FloatType(), 8)
+        d = cgutils.unpack_tuple(builder, qa.shape)[1]
+        nb = builder.sdiv(d, i64(_ACT_BLOCK))
+        xptrs = [cgutils.get_item_pointer(context, builder, xty, xa, [t, zero64], wraparound=False) for t in toks]
+        xsptrs = [cgutils.get_item_pointer(context, builder, xsty, xsa, [t, zero64], wraparound=False)
+                  for t in toks]
+        rptrs = [cgutils.get_item_pointer(context, builder, qty, qa, [builder.add(row, i64(k)), zero64],
+                                          wraparound=False) for k in range(4)]
+        offset = builder.bitcast(ir.Constant(v32i8, [ir.Constant(ir.IntType(8), 128)] * 32), v8i32)
+        accf = [cgutils.alloca_once_value(builder, ir.Constant(v8f32, None)) for _ in range(8)]
+        acci = [cgutils.alloca_once_value(builder, ir.Constant(v8i32, None)) for _ in range(8)]
+        corr = [cgutils.alloca_once_value(builder, ir.Constant(v8i32, None)) for _ in range(4)]
+
+        def load32(ptr, off):
+            p = builder.bitcast(builder.gep(ptr, [off]), v32i8.as_pointer())
+            return builder.bitcast(builder.load(p, align=1), v8i32)
+
+        def dpbusd(acc, u, s):
+            return _avx2_fn(builder, "llvm.x86.avx512.vpdpbusd.256", v8i32, acc, u, s)
+
+        with cgutils.for_range(builder, nb) as blk:
+            base = builder.mul(blk.index, i64(_ACT_BLOCK))
+            for a in acci + corr:
+                builder.store(ir.Constant(v8i32, None), a)
+            for u in range(_ACT_BLOCK // 32):  # unrolled: a constant trip count
+                off = builder.add(base, i64(32 * u))
+                xv = [load32(p, off) for p in xptrs]
+                for k in range(4):
+                    w = load32(rptrs[k], off)
+                    builder.store(dpbusd(builder.load(corr[k]), offset, w), corr[k])
+                    for j in range(2):
+                        a = acci[2 * k + j]
+                        builder.store(dpbusd(builder.load(a), xv[j], w), a)
+            for j in range(2):
+                scale = builder.load(builder.gep(xsptrs[j], [blk.index]))
+                vs = ir.Constant(v8f32, None)
+                for lane in range(8):
+                    vs = builder.insert_element(vs, scale, ir.IntType(32)(lane))
+                for k in range(4):
+                    exact = builder.sub(builder.load(acci[2 * k + j]), builder.load(corr[k]))
+                    f = builder.sitofp(exact, v8f32)
+                    a = accf[2 * k + j]
+                    builder.store(builder.fadd(builder.load(a), builder.fmul(f, vs)), a)
+        sums = []
+        for a in accf:
+            v = builder.load(a)
+            s = builder.extract_element(v, ir.IntType(32)(0))
+            for lane in range(1, 8):
+                s = builder.fadd(s, builder.extract_element(v, ir.IntType(32)(lane)))
+            sums.append(s)
+        return context.make_tuple(builder, signature.return_type, sums)
+
+    return sig, codegen
+
+
+@_njit(parallel=True, fastmath=True)
+def matmul_q8_vnni(q, scale, xq, xs, nchunks):
+    """matmul_q8_avx2's product (the same bits) on VNNI hosts (HAS_VNNI), two tokens a pass."""
+    n = q.shape[0]
+    T, d = xq.shape
+    xu = np.empty((T, d), dtype=np.uint8)
+    for t in range(T):
+        for j in range(d):
+            xu[t, j] = np.uint8(np.int32(xq[t, j]) + 128)
+    y = np.empty((T, n), dtype=np.float32)
+    groups = (n + 3) // 4
+    per = (groups + nchunks - 1) // nchunks
+    tile = _TILE_ROWS // 4
+    for c in prange(nchunks):
+        g_hi = min(groups, (c + 1) * per)
+        for g_tile in range(c * per, g_hi, tile):
+            for t_lo in range(0, T, _TILE_TOKENS):
+                for g in range(g_tile, min(g_hi, g_tile + tile)):
+                    i = min(g * 4, n - 4)  # the last group reads rows n-4..n-1, as matmul_q8_avx2
+                    hi = min(T, t_lo + _TILE_TOKENS)
+                    for t in range(t_lo, hi - 1, 2):
+                        s = _tile_q8_vnni(q, i, xu, xs, t, t + 1)
+                        for k in range(g * 4, min(n, g * 4 + 4)):
+                            y[t, k] = s[2 * (k - i)] * scale[k]
+                            y[t + 1, k] = s[2 * (k - i) + 1] * scale[k]
+                    if (hi - t_lo) % 2:  # an odd last token (a decode's one) alone
+                        s4 = _dot4_q8_avx2(q, i, xq, xs, hi - 1)
+                        for k in range(g * 4, min(n, g * 4 + 4)):
+                            y[hi - 1, k] = s4[k - i] * scale[k]
+    return y
+
+
+# The many-token int8 product this host runs (a module constant: numba freezes the choice into
+# the kernels that call it, and its cache is keyed by the target CPU, which decides it).
+matmul_q8 = matmul_q8_vnni if HAS_VNNI else matmul_q8_avx2
 
 
 # ---- many tokens over the selected rows (a sparse prefill) ---------------------------------
@@ -713,9 +867,7 @@ def _dot_row_q8_codegen(ntok):
                 aw = _avx2_fn(builder, "llvm.x86.avx2.psign.b", v32i8, wv, wv)
                 for k in range(ntok):
                     sx = _avx2_fn(builder, "llvm.x86.avx2.psign.b", v32i8, load32(xptrs[k], off), wv)
-                    p16 = _avx2_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, aw, sx)
-                    p32 = _avx2_fn(builder, "llvm.x86.avx2.pmadd.wd", v8i32, p16, ones)
-                    builder.store(builder.add(builder.load(acci[k]), p32), acci[k])
+                    builder.store(_madd_bytes(builder, builder.load(acci[k]), aw, sx, ones), acci[k])
             for k in range(ntok):
                 scale = builder.load(builder.gep(xsptrs[k], [blk.index]))
                 vs = ir.Constant(v8f32, None)
@@ -927,10 +1079,10 @@ def decode_attention_cache(q, kc, vc, length, scale, out):
 
 @_njit()
 def linear_q8(q, scale, x, nchunks):
-    """matmul_q8_avx2 of x fp32 [T, d] quantized by quantize_act_q8, in one call from Python
+    """matmul_q8 of x fp32 [T, d] quantized by quantize_act_q8, in one call from Python
     (one transition per product instead of two, and no Python-side buffers)."""
     T, d = x.shape
     xq = np.empty((T, d), dtype=np.int8)
     xs = np.empty((T, d // _ACT_BLOCK), dtype=np.float32)
     quantize_act_q8(x, xq, xs)
-    return matmul_q8_avx2(q, scale, xq, xs, nchunks)
+    return matmul_q8(q, scale, xq, xs, nchunks)
