@@ -191,6 +191,31 @@ def test_each_decode_step_takes_the_way_measured_cheaper(demo_path):
     assert picks.count("alone") == chooser.EXPLORE - 1 and picks[-1] == "batch"  # the other way, now and then
 
 
+def test_a_way_that_loses_by_far_is_tried_less_and_less_often():
+    """Trying "alone" on 7B shapes costs a step five times a batched one: each time it loses
+    by more than FAR it waits twice as long (up to a bound), and one close result brings the
+    exploration back to every EXPLORE steps."""
+    chooser = batching.StepChooser()
+    chooser.record("batch", 1.0)
+    chooser.record("alone", 5.0)
+    tried = []
+    for step in range(1, 1100):
+        way = chooser.choose()
+        if way == "alone":
+            tried.append(step)
+            chooser.record("alone", 5.0)
+        else:
+            chooser.record("batch", 1.0)
+    gaps = [b - a for a, b in zip(tried, tried[1:])]
+    E = chooser.EXPLORE
+    assert gaps[:4] == [2 * E, 4 * E, 8 * E, 16 * E] and set(gaps[4:]) <= {16 * E}
+    chooser.forget("alone")
+    assert chooser.choose() == "alone"
+    chooser.record("alone", 1.1)  # close: tried every EXPLORE steps again, from the next exploration on
+    picks = [chooser.choose() for _ in range(2 * E)]
+    assert picks.count("alone") == 2
+
+
 def _fused_batch_ready(engine) -> None:
     from engine.runtime import fused_batch
 

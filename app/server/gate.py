@@ -75,7 +75,7 @@ class GenerationGate:
         self._count_lock = threading.Lock()
         self._outstanding = 0  # running + waiting
         self._batch = None  # engine.runtime.batching.Batch of the engine now served
-        self._outbox: list[tuple[Job, tuple]] = []  # events of this step, delivered at its end
+        self._outbox: list[tuple[Job, tuple]] = []  # events of this step, delivered once it sampled and at its end
         self._thread = threading.Thread(target=self._run, name="thermocline-serve-engine", daemon=True)
         self._thread.start()
 
@@ -148,10 +148,12 @@ class GenerationGate:
             return
         if self._batch is None or (self._batch.engine is not engine and not self._batch.active):
             self._batch = Batch(engine)
+            self._batch.on_sampled = self._flush
         elif self._batch.engine is not engine:  # the window swapped models mid-batch: the old one finishes first
             while self._batch.active:
                 self._step()
             self._batch = Batch(engine)
+            self._batch.on_sampled = self._flush
 
         def emit(event) -> None:
             if event.text:
