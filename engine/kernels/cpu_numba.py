@@ -23,6 +23,7 @@ tokens at once; `quantize_rows_int8` builds int8 rows.
 from __future__ import annotations
 
 import os
+
 import numba  # noqa: F401 - read as kern.numba (numba_pool: the thread count)
 import numpy as np
 from llvmlite import ir

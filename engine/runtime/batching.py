@@ -128,8 +128,8 @@ class StepChooser:
     def record(self, way: str, seconds_per_token: float) -> None:
         old = self.cost[way]
         self.cost[way] = seconds_per_token if old is None else 0.7 * old + 0.3 * seconds_per_token
-        best = min(v for v in self.cost.values() if v is not None)
-        if seconds_per_token > self.FAR * best:
+        rivals = [v for k, v in self.cost.items() if k != way and v is not None]
+        if rivals and seconds_per_token > self.FAR * min(rivals):
             self.backoff[way] = min(self.backoff[way] + 1, self.MAX_BACKOFF)
         else:
             if self.backoff[way] and self._due:  # it came close: explored again within EXPLORE steps
