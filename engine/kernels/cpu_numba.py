@@ -500,7 +500,7 @@ def _target_has_vnni() -> bool:
     return bool(host.get("avxvnni") or (host.get("avx512vnni") and host.get("avx512vl")))
 
 
-HAS_VNNI = HAS_AVX2 and _target_has_vnni()  # matmul_q8_vnni below
+HAS_VNNI = HAS_AVX2 and _target_has_vnni()  # matmul_q8's two-token pass below
 
 
 def _avx2_fn(builder, name, ret, *args):
@@ -620,30 +620,6 @@ _TILE_ROWS = 64
 _TILE_TOKENS = 8
 
 
-@_njit(parallel=True, fastmath=True)
-def matmul_q8_avx2(q, scale, xq, xs, nchunks):
-    """y[t, i] = scale[i] * (q[i] . dequant(xq[t])) for every row of q int8 [n, d] (n >= 4)
-    and every token of xq (see quantize_act_q8) -> fp32 [T, n]. Four rows per pass."""
-    n = q.shape[0]
-    T = xq.shape[0]
-    y = np.empty((T, n), dtype=np.float32)
-    groups = (n + 3) // 4
-    per = (groups + nchunks - 1) // nchunks
-    tile = _TILE_ROWS // 4
-    for c in prange(nchunks):
-        g_hi = min(groups, (c + 1) * per)
-        for g_tile in range(c * per, g_hi, tile):
-            for t_lo in range(0, T, _TILE_TOKENS):
-                for g in range(g_tile, min(g_hi, g_tile + tile)):
-                    # the last group reads rows n-4..n-1 and keeps the ones not done yet
-                    i = min(g * 4, n - 4)
-                    for t in range(t_lo, min(T, t_lo + _TILE_TOKENS)):
-                        s = _dot4_q8_avx2(q, i, xq, xs, t)
-                        for k in range(g * 4, min(n, g * 4 + 4)):
-                            y[t, k] = s[k - i] * scale[k]
-    return y
-
-
 # ---- the same product with VNNI (vpdpbusd) ---------------------------------------------------
 # vpdpbusd multiplies unsigned by signed bytes and sums them in fours into int32 lanes. With the
 # activation offset to unsigned (x + 128) one instruction does a row's 32 products for a token,
@@ -725,14 +701,18 @@ def _tile_q8_vnni(typingctx, q, i, xu, xs, t0, t1):
 
 
 @_njit(parallel=True, fastmath=True)
-def matmul_q8_vnni(q, scale, xq, xs, nchunks):
-    """matmul_q8_avx2's product (the same bits) on VNNI hosts (HAS_VNNI), two tokens a pass."""
+def matmul_q8(q, scale, xq, xs, nchunks):
+    """y[t, i] = scale[i] * (q[i] . dequant(xq[t])) for every row of q int8 [n, d] (n >= 4)
+    and every token of xq (see quantize_act_q8) -> fp32 [T, n]. Four rows per pass, with one
+    token (`_dot4_q8_avx2`), or two where the target has VNNI (`_tile_q8_vnni`): the same bits."""
     n = q.shape[0]
     T, d = xq.shape
-    xu = np.empty((T, d), dtype=np.uint8)
-    for t in range(T):
-        for j in range(d):
-            xu[t, j] = np.uint8(np.int32(xq[t, j]) + 128)
+    pairs = HAS_VNNI and T > 1  # a module constant: numba compiles only the branch it names
+    xu = np.empty((T if pairs else 0, d), dtype=np.uint8)
+    if pairs:
+        for t in range(T):
+            for j in range(d):
+                xu[t, j] = np.uint8(np.int32(xq[t, j]) + 128)
     y = np.empty((T, n), dtype=np.float32)
     groups = (n + 3) // 4
     per = (groups + nchunks - 1) // nchunks
@@ -741,24 +721,24 @@ def matmul_q8_vnni(q, scale, xq, xs, nchunks):
         g_hi = min(groups, (c + 1) * per)
         for g_tile in range(c * per, g_hi, tile):
             for t_lo in range(0, T, _TILE_TOKENS):
+                hi = min(T, t_lo + _TILE_TOKENS)
                 for g in range(g_tile, min(g_hi, g_tile + tile)):
-                    i = min(g * 4, n - 4)  # the last group reads rows n-4..n-1, as matmul_q8_avx2
-                    hi = min(T, t_lo + _TILE_TOKENS)
-                    for t in range(t_lo, hi - 1, 2):
-                        s = _tile_q8_vnni(q, i, xu, xs, t, t + 1)
+                    # the last group reads rows n-4..n-1 and keeps the ones not done yet
+                    i = min(g * 4, n - 4)
+                    t = t_lo
+                    if HAS_VNNI:
+                        while pairs and t + 1 < hi:
+                            s2 = _tile_q8_vnni(q, i, xu, xs, t, t + 1)
+                            for k in range(g * 4, min(n, g * 4 + 4)):
+                                y[t, k] = s2[2 * (k - i)] * scale[k]
+                                y[t + 1, k] = s2[2 * (k - i) + 1] * scale[k]
+                            t += 2
+                    while t < hi:  # one token at a time (a decode's one, an odd last one)
+                        s = _dot4_q8_avx2(q, i, xq, xs, t)
                         for k in range(g * 4, min(n, g * 4 + 4)):
-                            y[t, k] = s[2 * (k - i)] * scale[k]
-                            y[t + 1, k] = s[2 * (k - i) + 1] * scale[k]
-                    if (hi - t_lo) % 2:  # an odd last token (a decode's one) alone
-                        s4 = _dot4_q8_avx2(q, i, xq, xs, hi - 1)
-                        for k in range(g * 4, min(n, g * 4 + 4)):
-                            y[hi - 1, k] = s4[k - i] * scale[k]
+                            y[t, k] = s[k - i] * scale[k]
+                        t += 1
     return y
-
-
-# The many-token int8 product this host runs (a module constant: numba freezes the choice into
-# the kernels that call it, and its cache is keyed by the target CPU, which decides it).
-matmul_q8 = matmul_q8_vnni if HAS_VNNI else matmul_q8_avx2
 
 
 # ---- many tokens over the selected rows (a sparse prefill) ---------------------------------
@@ -825,7 +805,7 @@ def ffn_rows_tokens(xs, gate, gate_s, up, up_s, down, down_s, pred, pthr, use_pr
 # ---- many tokens over int8 rows, int8 x int8 (a sparse prefill on AVX2 hosts) --------------
 # `ffn_rows_tokens` converts every int8 weight to fp32 once per token that selects its row;
 # a 200-token prefill of one 7B layer spent about 1.3 s there. Here the tokens' activations
-# are quantized in blocks (as `matmul_q8_avx2` does) and each row runs against four tokens
+# are quantized in blocks (as `matmul_q8` does) and each row runs against four tokens
 # per pass in int8: |w| is taken once per 32 weights and shared by the four products.
 
 def _dot_row_q8_codegen(ntok):
