@@ -509,6 +509,18 @@ def _avx2_fn(builder, name, ret, *args):
     return builder.call(fn, args)
 
 
+def _lane_sums(builder, accs) -> list:
+    """Each fp32x8 accumulator (allocas) summed across its lanes in lane order: a kernel's results."""
+    sums = []
+    for a in accs:
+        v = builder.load(a)
+        s = builder.extract_element(v, ir.IntType(32)(0))
+        for lane in range(1, 8):
+            s = builder.fadd(s, builder.extract_element(v, ir.IntType(32)(lane)))
+        sums.append(s)
+    return sums
+
+
 def _madd_bytes(builder, acc, u, s, ones):
     """acc int32x8 + the sums of four products of u (unsigned bytes, <= 127 here) and s (signed
     bytes), lane by lane: vpdpbusd where the target has VNNI, else vpmaddubsw, vpmaddwd, vpaddd
@@ -575,14 +587,7 @@ def _dot4_q8_avx2(typingctx, q, i, x, xs, t):
             for k in range(4):
                 f = builder.sitofp(builder.load(acci[k]), v8f32)
                 builder.store(builder.fadd(builder.load(accf[k]), builder.fmul(f, vs)), accf[k])
-        sums = []
-        for k in range(4):
-            v = builder.load(accf[k])
-            s = builder.extract_element(v, ir.IntType(32)(0))
-            for lane in range(1, 8):
-                s = builder.fadd(s, builder.extract_element(v, ir.IntType(32)(lane)))
-            sums.append(s)
-        return context.make_tuple(builder, signature.return_type, sums)
+        return context.make_tuple(builder, signature.return_type, _lane_sums(builder, accf))
 
     return sig, codegen
 
@@ -688,14 +693,7 @@ def _tile_q8_vnni(typingctx, q, i, xu, xs, t0, t1):
                     f = builder.sitofp(exact, v8f32)
                     a = accf[2 * k + j]
                     builder.store(builder.fadd(builder.load(a), builder.fmul(f, vs)), a)
-        sums = []
-        for a in accf:
-            v = builder.load(a)
-            s = builder.extract_element(v, ir.IntType(32)(0))
-            for lane in range(1, 8):
-                s = builder.fadd(s, builder.extract_element(v, ir.IntType(32)(lane)))
-            sums.append(s)
-        return context.make_tuple(builder, signature.return_type, sums)
+        return context.make_tuple(builder, signature.return_type, _lane_sums(builder, accf))
 
     return sig, codegen
 
@@ -856,13 +854,7 @@ def _dot_row_q8_codegen(ntok):
                     vs = builder.insert_element(vs, scale, ir.IntType(32)(lane))
                 f = builder.sitofp(builder.load(acci[k]), v8f32)
                 builder.store(builder.fadd(builder.load(accf[k]), builder.fmul(f, vs)), accf[k])
-        sums = []
-        for k in range(ntok):
-            v = builder.load(accf[k])
-            s = builder.extract_element(v, ir.IntType(32)(0))
-            for lane in range(1, 8):
-                s = builder.fadd(s, builder.extract_element(v, ir.IntType(32)(lane)))
-            sums.append(s)
+        sums = _lane_sums(builder, accf)
         if ntok == 1:
             return sums[0]
         return context.make_tuple(builder, signature.return_type, sums)
