@@ -54,13 +54,16 @@ class Answer:
         self.pending = ""  # decoded but held back (it may become a stop string)
         self.finish_reason: str | None = None
 
-    def take(self, logits: torch.Tensor) -> tuple[list[TokenEvent], int | None]:
+    def take(self, logits: torch.Tensor, token: int | None = None) -> tuple[list[TokenEvent], int | None]:
+        """`token`: the sampler's choice made by the caller (a batch's argmax of its plain greedy
+        rows, `Sampler.plain_greedy`); None: sampled here."""
         params = self.params
         constraint = self.sampler.constraint
         if constraint is not None:  # the room left, so the grammar can close in time
             room = self.limit - len(self.history) if self.limit is not None else 1 << 30
             constraint.room = min(params.max_new_tokens - len(self.generated), room)
-        token = self.sampler(logits, self.history)
+        if token is None:
+            token = self.sampler(logits, self.history)
         if token in self.eos_ids:
             # The model ended its turn: text held back for a stop string that never came is its own.
             return self._end("stop", flush=True), None

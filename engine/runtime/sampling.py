@@ -60,6 +60,15 @@ class Sampler:
             self._bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
             self._bias = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that changes the logits first (no bias, penalty or grammar): the
+        token is the argmax of the logits within `vocab_limit`, which a batch takes for all such
+        rows in one call."""
+        p = self.params
+        return (p.temperature == 0 and not p.logit_bias and p.repetition_penalty == 1.0 and not p.presence_penalty
+                and not p.frequency_penalty and self.constraint is None)
+
     def accept(self, token: int) -> None:
         """The token chosen (by this sampler or not) joins the answer: the penalties count it."""
         self.counts[token] = self.counts.get(token, 0) + 1
