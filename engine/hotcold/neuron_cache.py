@@ -151,21 +151,23 @@ class NeuronCache:
         if not take:
             return
         order = np.argsort(-flat, kind="stable")[:take]
+        # Pinned: the most frequent of the hot ones across all groups (at most half the slots,
+        # never the working set). Taken group by group, the first layers' took every pin: at 90%
+        # of 4 layers of 7B rows on disk the cache served 65% of the firing neurons, 75% so.
+        pin = np.zeros(flat.size, dtype=bool)
+        hot = order[flat[order] >= PIN_FREQUENCY]
+        pin[hot[:max(0, min(self.capacity // 2, self.capacity - self.working))]] = True
         bounds = np.cumsum([0] + [len(f) for f in frequencies])
         group = np.searchsorted(bounds, order, side="right") - 1
         order = order[np.lexsort((order, group))]  # by group, positions ascending
         group = np.searchsorted(bounds, order, side="right") - 1
-        pin_left = max(0, min(self.capacity // 2, self.capacity - self.working))  # never the working set
         starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
         for lo, hi in zip(starts, np.r_[starts[1:], len(order)]):
             g = int(group[lo])
             pos = order[lo:hi] - bounds[g]
             slots = np.arange(lo, hi)
             self._fill(g, pos, slots)
-            hot = frequencies[g][pos] >= PIN_FREQUENCY
-            pin = slots[hot][:pin_left]
-            self.pinned[pin] = True
-            pin_left -= len(pin)
+            self.pinned[slots[pin[order[lo:hi]]]] = True
             self.count[slots] = MAX_COUNT
 
     def _map(self, layer: int, positions: np.ndarray, slots: np.ndarray) -> None:
