@@ -145,7 +145,8 @@ class NeuronCache:
     # ------------------------------------------------------------------ filling
     def seed(self, frequencies: list[np.ndarray]) -> None:
         """The most frequent cold neurons (frequencies per group, aligned with cold_ids), the
-        ones firing on PIN_FREQUENCY of tokens pinned (at most half the slots)."""
+        ones firing on PIN_FREQUENCY of tokens pinned (at most half the slots, the most frequent
+        first whatever their group)."""
         flat = np.concatenate(frequencies) if frequencies else np.empty(0)
         take = min(self.capacity, flat.size)
         if not take:
