@@ -153,7 +153,7 @@ class NeuronCache:
             return
         order = np.argsort(-flat, kind="stable")[:take]
         # Pinned: the most frequent of the hot ones across all groups (at most half the slots,
-        # never the working set). Taken group by group, the first layers' took every pin: at 90%
+        # never the working set). Taken group by group, the first layers took every pin: at 90%
         # of 4 layers of 7B rows on disk the cache served 65% of the firing neurons, 75% so.
         pin = np.zeros(flat.size, dtype=bool)
         hot = order[flat[order] >= PIN_FREQUENCY]
