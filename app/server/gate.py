@@ -147,13 +147,11 @@ class GenerationGate:
             self._release()
             return
         if self._batch is None or (self._batch.engine is not engine and not self._batch.active):
-            self._batch = Batch(engine)
-            self._batch.on_sampled = self._flush
+            self._batch = Batch(engine, on_sampled=self._flush)
         elif self._batch.engine is not engine:  # the window swapped models mid-batch: the old one finishes first
             while self._batch.active:
                 self._step()
-            self._batch = Batch(engine)
-            self._batch.on_sampled = self._flush
+            self._batch = Batch(engine, on_sampled=self._flush)
 
         def emit(event) -> None:
             if event.text:

@@ -705,7 +705,7 @@ def matmul_q8(q, scale, xq, xs, nchunks):
     token (`_dot4_q8_avx2`), or two where the target has VNNI (`_tile_q8_vnni`): the same bits."""
     n = q.shape[0]
     T, d = xq.shape
-    pairs = HAS_VNNI and T > 1  # a module constant: numba compiles only the branch it names
+    pairs = HAS_VNNI and T > 1  # tokens offset to unsigned bytes for the two-token pass
     xu = np.empty((T if pairs else 0, d), dtype=np.uint8)
     if pairs:
         for t in range(T):
@@ -724,7 +724,7 @@ def matmul_q8(q, scale, xq, xs, nchunks):
                     # the last group reads rows n-4..n-1 and keeps the ones not done yet
                     i = min(g * 4, n - 4)
                     t = t_lo
-                    if HAS_VNNI:
+                    if HAS_VNNI:  # a module constant: on other targets numba prunes the branch
                         while pairs and t + 1 < hi:
                             s2 = _tile_q8_vnni(q, i, xu, xs, t, t + 1)
                             for k in range(g * 4, min(n, g * 4 + 4)):

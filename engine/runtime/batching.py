@@ -142,14 +142,14 @@ class StepChooser:
 class Batch:
     """The sequences decoding together on one engine; `step` is called by one thread."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, on_sampled: Callable[[], None] | None = None):
         self.engine = engine
         self.active: list[Sequence] = []  # decoding, or reading their prompts
         self.chooser = StepChooser()
         self.mixed = StepChooser(("fused", "split", "joint"))  # steps of decodes and prompt pieces together
         # Called once a step's tokens are sampled and emitted, before its pass over the weights:
         # the server sends them then, not a whole pass later (a 7B step: 30-60 ms a token sooner).
-        self.on_sampled: Callable[[], None] | None = None
+        self.on_sampled = on_sampled
         self._logits: torch.Tensor | None = None  # the last step's, a row per sequence in it
         model = engine.model
         self.fused = fused_batch.ready()  # whether batched decode steps were fused when last timed
