@@ -19,8 +19,11 @@ platform has, and says which it took (`path_kind`):
 - "portable" (Windows, no os.pread): a handle per thread, seek and readinto on an
   unbuffered file object (the standby list keeps the pages, which Windows does not charge
   to the process).
-Runs larger than `MAX_READ` are split; the reads of one call go to `threads` threads
-(the reads release the GIL, so the device sees a queue of them).
+Runs larger than `MAX_READ` are split; the runs of one call go to `threads` threads, so the
+device sees a queue of them. On the "o_direct" path, where numba is here, a thread's share is
+one compiled call that holds no GIL (engine.kernels.direct_reads: libc's pread, then each
+bundle's parts copied into its slots); elsewhere each read and its copies are Python's, one
+future a read.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ MAX_READ = 256 << 10  # bytes of one read call (a run longer than this is split)
 PAGE = 4096  # the largest alignment a direct read takes (a buffer spans an aligned read's two ends)
 READ_THREADS_ENV = "THERMOCLINE_DISK_READ_THREADS"
 READ_PATH_ENV = "THERMOCLINE_DISK_READ_PATH"  # o_direct, pread+nocache or portable: the fastest the platform has
+RUNS_PER_SHARE = 8  # a call's runs are split over threads no finer than this (a share is one compiled call)
 WRITE_CHUNK = 8 << 20  # bytes written between a sync and a drop from the page cache
 VERSION = 1
 
@@ -219,18 +223,30 @@ def _pread_all(fd: int, size: int, offset: int) -> bytes:
 
 def runs(ids: np.ndarray, gap: int) -> list[tuple[int, int]]:
     """Sorted ids as (first, count) runs, neighbours within `gap` ids joined."""
+    firsts, counts = run_arrays(ids, gap)
+    return list(zip(firsts.tolist(), counts.tolist()))
+
+
+def run_arrays(ids: np.ndarray, gap: int, longest: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """`runs` as two int64 arrays (firsts, counts), a run longer than `longest` split."""
     if not len(ids):
-        return []
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+    ids = np.asarray(ids, dtype=np.int64)
     breaks = np.flatnonzero(np.diff(ids) > gap + 1)
-    starts = np.concatenate([[0], breaks + 1])
-    ends = np.concatenate([breaks, [len(ids) - 1]])
-    return [(int(ids[s]), int(ids[e] - ids[s] + 1)) for s, e in zip(starts, ends)]
+    firsts = ids[np.concatenate([[0], breaks + 1])]
+    counts = ids[np.concatenate([breaks, [len(ids) - 1]])] - firsts + 1
+    if longest is None or not len(counts) or counts.max() <= longest:
+        return firsts, counts
+    pieces = -(-counts // longest)
+    k = np.arange(pieces.sum()) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # a piece's place in its run
+    return np.repeat(firsts, pieces) + longest * k, np.minimum(longest, np.repeat(counts, pieces) - longest * k)
 
 
 class _Buffer(threading.local):
     """One page-aligned read buffer per reading thread, of the largest read call (counted by
     `buffer_bytes`: allocated once at that size, so it never grows past the count)."""
     buf: mmap.mmap | None = None
+    arr: np.ndarray | None = None
 
     def get(self, size: int, capacity: int) -> mmap.mmap:
         if self.buf is None:
@@ -238,6 +254,12 @@ class _Buffer(threading.local):
         if size > len(self.buf):
             raise ValueError(f"a read of {size} bytes exceeds the {len(self.buf)}-byte buffer")
         return self.buf
+
+    def array(self, capacity: int) -> np.ndarray:
+        """The buffer as bytes for compiled code (which checks its own sizes)."""
+        if self.arr is None:
+            self.arr = np.frombuffer(self.get(0, capacity), dtype=np.uint8)
+        return self.arr
 
 
 class BundleReader:
@@ -332,14 +354,9 @@ class BundleReader:
             return
         start = time.perf_counter()
         B = self.layout.bundle_bytes
-        per_read = bundles_per_read(B, self.layout.n)
-        jobs = []
-        for first, count in runs(ids, gap):
-            for lo in range(first, first + count, per_read):
-                jobs.append((lo, min(per_read, first + count - lo)))
+        firsts, counts = run_arrays(ids, gap, bundles_per_read(B, self.layout.n))
 
-        def one(job):
-            first, count = job
+        def one(first: int, count: int) -> None:
             data = self._read(count * B, self.layout.offset(layer, first))
             block = np.frombuffer(data, dtype=np.uint8).reshape(count, B)
             a, b = np.searchsorted(ids, [first, first + count])
@@ -347,13 +364,54 @@ class BundleReader:
             for target, (_, row_bytes, _, width), at in zip(dest, self.layout.parts, self.layout.offsets):
                 rows = block[want, at:at + row_bytes].view(target.dtype)
                 target[to] = rows.reshape((len(to),) + target.shape[1:])
-            return count * B
 
-        if self._pool is not None and len(jobs) > 1:
-            sizes = list(self._pool.map(one, jobs))
+        compiled = self._compiled()
+        if compiled is not None:
+            ids = np.ascontiguousarray(ids, dtype=np.int64)
+            slots = np.ascontiguousarray(slots, dtype=np.int64)
+            parts = tuple(d.view(np.uint8).reshape(d.shape[0], -1) for d in dest)
+            part_at = np.asarray(self.layout.offsets, dtype=np.int64)
+            part_bytes = np.asarray([p[1] for p in self.layout.parts], dtype=np.int64)
+            base = self.layout.offset(layer, 0)
+
+            def share(a: int, b: int) -> None:
+                """Runs a..b-1 in one compiled call (no GIL); a failed run and those after it
+                again through `one`, which sees the error (or a device's larger block)."""
+                fd, failed = self._direct, a  # None: a device refused direct reads (`one` reads cached)
+                if fd is not None:
+                    i, j = np.searchsorted(ids, [firsts[a], firsts[b - 1] + counts[b - 1]])
+                    r = compiled(fd, self.align, self._buffers.array(self._per_buffer), firsts[a:b], counts[a:b],
+                                 base, B, ids[i:j], slots[i:j], parts, part_at, part_bytes)
+                    failed = b if r < 0 else a + r
+                for r in range(failed, b):
+                    one(int(firsts[r]), int(counts[r]))
+
+            # a share a thread (the device sees their reads as one queue), the caller's among them
+            shares = min(self.threads, -(-len(firsts) // RUNS_PER_SHARE))
+            bounds = np.linspace(0, len(firsts), shares + 1).astype(int).tolist()
+            pending = [self._pool.submit(share, a, b) for a, b in zip(bounds[1:-1], bounds[2:])]
+            share(bounds[0], bounds[1])
+            for f in pending:
+                f.result()
+        elif self._pool is not None and len(firsts) > 1:
+            list(self._pool.map(one, firsts.tolist(), counts.tolist()))
         else:
-            sizes = [one(j) for j in jobs]
+            for first, count in zip(firsts.tolist(), counts.tolist()):
+                one(first, count)
         with self._lock:
-            self.bytes_read += sum(sizes)
-            self.calls += len(jobs)
+            self.bytes_read += int(counts.sum()) * B
+            self.calls += len(firsts)
             self.seconds += time.perf_counter() - start
+
+    def _compiled(self):
+        """engine.kernels.direct_reads.read_runs where the reads are direct (O_DIRECT) and
+        numba is here, else None (the reads and copies in Python, one future a read)."""
+        if self._direct is None or os.environ.get(READ_PATH_ENV, "").strip() in ("portable", "pread+nocache"):
+            return None
+        from engine.kernels import numba_pool
+
+        if numba_pool.module() is None:
+            return None
+        from engine.kernels import direct_reads
+
+        return direct_reads.read_runs
