@@ -192,13 +192,17 @@ def test_beyond_ram():
     runs = report["runs"]
     assert runs["in_ram"]["decode_tok_s"] > 0 and runs["in_ram"]["cache_hit_share"] == 1.0
     assert report["same_tokens_as_in_ram"]
-    for name in ("disk_50", "disk_90", "disk_50_lookahead", "disk_90_lookahead", "disk_min"):
+    for name in ("disk_50", "disk_90", "disk_50_lookahead", "disk_90_lookahead", "disk_50_no_lookahead",
+                 "disk_90_no_lookahead", "disk_min"):
         run = runs[name]
         assert run["verdict"] == "runs from disk" and run["decode_tok_s"] > 0
         assert run["engine_ram_bytes"] <= run["ram_budget"]
         assert 0 <= run["cache_hit_share"] <= 1 and run["engine_read_per_token"] >= 0
         assert (run["cgroup"] is not None) == (report["cgroup"] == "ok")
-    assert runs["disk_50_lookahead"]["breakdown"]["lookahead"] and not runs["disk_50"]["breakdown"]["lookahead"]
+    assert [runs[f"disk_50{k}"]["breakdown"]["lookahead"] for k in ("", "_lookahead", "_no_lookahead")] == \
+        ["auto", "always", "never"]
+    assert runs["disk_50_lookahead"]["breakdown"]["read_ahead_per_token"] > 0
+    assert runs["disk_50_no_lookahead"]["breakdown"]["read_ahead_per_token"] == 0
     assert report["ratios"]["disk_50_engine_bytes_within_budget"] and report["ratios"]["disk_90_engine_bytes_within_budget"]
     assert report["budgets"]["disk_90"] < report["budgets"]["disk_50"] < report["sizes"]["placed"]
     if LLAMA_MISSING is None:

@@ -18,6 +18,7 @@ from engine import BudgetError, Engine, SamplingParams
 from engine.hotcold.activation_stats import ActivationStats
 from engine.hotcold.placement import solve
 from engine.hotcold.neuron_bundles import bundles_path
+from engine.hotcold.neuron_cache import LOOKAHEAD_MISS_SHARE
 from engine.loading.prepared import prepared_path
 
 from test_prepared import FRESH
@@ -63,8 +64,9 @@ def test_disk_decodes_the_same_bits_as_ram(tmp_path, wide_llama_dir, fmt, monkey
     ids = PROMPT + in_ram.generate(PROMPT, GREEDY).token_ids
     reference = _step_logits(in_ram, ids)
     # half the cold rows cached: O_DIRECT reads (this test's folder is on a disk) and the next
-    # layer read ahead; none cached: Windows' portable reads, each layer's misses when it misses
-    for share, path, ahead in ((0.5, "o_direct", "1"), (0.0, "portable", "0")):
+    # layer read ahead; none cached: Windows' portable reads, each layer's misses when it misses,
+    # and the default, which reads ahead once the misses are many (none cached: every one)
+    for share, path, ahead in ((0.5, "o_direct", "1"), (0.0, "portable", "0"), (0.0, "o_direct", "auto")):
         monkeypatch.setenv("THERMOCLINE_DISK_READ_PATH", path)
         monkeypatch.setenv("THERMOCLINE_DISK_LOOKAHEAD", ahead)
         disk = Engine.load(model, mode="sparse", ram_budget=_budget(in_ram, share), cpu_weights=fmt)
@@ -75,7 +77,9 @@ def test_disk_decodes_the_same_bits_as_ram(tmp_path, wide_llama_dir, fmt, monkey
         got = _step_logits(disk, ids)
         assert all(torch.equal(a, b) for a, b in zip(reference, got))
         assert cache.reader.bytes_read > 0 and cache.misses > 0 and cache.overflow_rounds == 0
-        assert (cache.ahead_neurons > 0) == (ahead == "1")
+        assert (cache.ahead_neurons > 0) == (ahead != "0")
+        if ahead == "auto":
+            assert cache.miss_share >= LOOKAHEAD_MISS_SHARE
         # the embeddings stay in the prepared file too (a token reads one row): mapped, not in RAM
         plan = disk.sparse.plan
         assert plan.embed_on_disk and disk.sparse.embed_mapped and disk.sparse.prepared_dense.holds(disk.model.embed)

@@ -14,7 +14,8 @@ those that fire often, and a token reads the ones it needs and misses.
   `placement.WORKING_SHARE` of a layer that a token's misses are read into); the rest are kept by CLOCK with
   counts (recency by the sweeping hand, frequency by a count of up to 3 that each hit
   raises and each pass lowers). `resize` moves its capacity between tokens.
-- Overlap (`lookahead`, THERMOCLINE_DISK_LOOKAHEAD=1): while layer L's kernel runs, layer L+1's predictor is run on
+- Overlap (`lookahead`, while the misses are many; THERMOCLINE_DISK_LOOKAHEAD=1 always, 0
+  never): while layer L's kernel runs, layer L+1's predictor is run on
   layer L's input and the bundles it selects that are missing are read on a thread into
   slots layer L does not use; layer L+1 then reads only what that guess missed. The
   guess moves rows into the cache and nothing else: what a layer computes is unchanged.
@@ -49,14 +50,20 @@ from engine.kernels import cpu_q4, numba_pool, q4_format, q4_rows
 GAP_ROWS = 4  # neighbours this close are read in one call (the bundles between are dropped)
 PIN_FREQUENCY = 0.5  # seeded neurons firing this often are never evicted
 MAX_COUNT = 3
-# 1: read the next layer's guess ahead. Off by default: on a 2-core host (bench.beyond_ram, 7B
-# shapes) the guess's predictor pass and the reads' Python work on a thread cost more than the
-# overlap saved (0.81x at 50% on disk, 0.24x at 90%); the benchmark measures both.
+# Reading the next layer's guess ahead: "1" always, "0" never, else (the default) while the
+# layers' misses run at LOOKAHEAD_MISS_SHARE of their cold neurons or more. The guess costs a
+# predictor pass a layer whatever it saves. bench.beyond_ram's model (7B shapes, int4, 2
+# cores, sampled tokens): at 145 misses a layer-token (1.3% of 11,008) it was 0.93x of none, at
+# 294 (2.7%) 1.18x, at 600 (5%) 1.28x; at 44 (0.4%, half the rows on disk) 0.68x.
 LOOKAHEAD_ENV = "THERMOCLINE_DISK_LOOKAHEAD"
+LOOKAHEAD_MISS_SHARE = 0.02
+MISS_DECAY = 0.9  # the misses' running mean forgets a layer call's share this fast
 
 
-def lookahead_enabled() -> bool:
-    return os.environ.get(LOOKAHEAD_ENV, "0").strip() == "1"
+def lookahead_setting() -> bool | None:
+    """True (always), False (never) or None (while the misses are many: `NeuronCache.miss_share`)."""
+    value = os.environ.get(LOOKAHEAD_ENV, "").strip()
+    return True if value == "1" else False if value == "0" else None
 
 
 def open_reader(prepared, layers: int, threads: int | None = None) -> BundleReader:
@@ -92,6 +99,7 @@ class NeuronCache:
         self._pending: tuple[int, Future] | None = None
         self.ahead_neurons = self.ahead_used = 0  # read ahead, and of those the ones their layer computed
         self.stall_s = 0.0  # time a token waited for reads: its own misses and unfinished reads ahead
+        self.miss_share = 0.0  # a running mean of a layer call's misses over its cold neurons
         self._allocate(max(int(capacity), 1))
 
     def close(self) -> None:
@@ -276,7 +284,9 @@ class NeuronCache:
         slots = self.slot_of[layer][positions]
         hit = slots >= 0
         self.hits += int(hit.sum()) - read_ahead
-        self.misses += int((~hit).sum()) + read_ahead
+        missed = int((~hit).sum()) + read_ahead
+        self.misses += missed
+        self.miss_share = MISS_DECAY * self.miss_share + (1 - MISS_DECAY) * missed / max(len(self.cold_ids[layer]), 1)
         hit_slots = slots[hit]
         self.count[hit_slots] = np.minimum(self.count[hit_slots] + 1, MAX_COUNT)
         return self.make_resident(layer, positions)
@@ -379,7 +389,7 @@ class DiskFfn(HybridFfn):
                          DiskColdRows(cache, base.layer), base.context)
         self.cache = cache
         self.next: DiskFfn | None = None  # the next layer's, which `lookahead` reads ahead for
-        self.lookahead = lookahead_enabled()
+        self.lookahead = lookahead_setting()  # None: while the misses are many
         self._guess_input: torch.Tensor | None = None  # this token's predictor input, for the next layer's guess
 
     def __call__(self, x: torch.Tensor, pred_input: torch.Tensor, layer: int, observer=None) -> torch.Tensor:
@@ -390,7 +400,10 @@ class DiskFfn(HybridFfn):
         """The next layer's predictor on this layer's input: its guess's missing bundles are
         read while this layer computes (the residual stream changes little in one layer)."""
         nxt, guess_input = self.next, self._guess_input
-        if nxt is None or not self.lookahead or guess_input is None or self.context.mode == "oracle":
+        if nxt is None or guess_input is None or self.context.mode == "oracle":
+            return
+        wanted = self.lookahead if self.lookahead is not None else self.cache.miss_share >= LOOKAHEAD_MISS_SHARE
+        if not wanted:
             return
         guess = nxt.context.logits(guess_input).to("cpu", torch.float32).numpy()
         ids = self.cache.cold_ids[nxt.layer]
