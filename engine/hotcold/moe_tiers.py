@@ -303,8 +303,13 @@ def _read_through(t: torch.Tensor) -> int:
 
 
 # Up to this many tokens per expert, a prefill computes the expert with the CPU kernel
-# (rows read once, quiet neurons skipped); more, with a dense matmul over its rows.
-_KERNEL_TOKENS = 8
+# (rows read once, quiet neurons skipped); more, with a dense matmul over its dequantized rows.
+# 4-bit rows go token by token (no many-token 4-bit row kernel) up to _Q4_TOKENS. 8 layers of
+# SmallThinker-4B shapes (32 experts of 768, 4 chosen), TTFT of 16 / 128 / 250-token prompts at
+# 8 (the old bound) against no bound: int4 218 -> 107, 1469 -> 634, 2450 -> 1261 ms; int8 191 ->
+# 125, 1223 -> 841, 2383 -> 1777 ms (1656 at 128). The dequantized copy lost every time.
+_KERNEL_TOKENS = 128
+_Q4_TOKENS = 256
 
 
 def row_bytes(rows) -> int:
@@ -469,7 +474,8 @@ class TieredMoe:
         rows = self.hot.cpu_rows[e] if on_hot else self.cold.resident(e, logits)
         xc = xs.to("cpu", torch.float32)
         on_disk = isinstance(rows, SlotRows)  # the cache's slots: the decode's kernel, token by token
-        if on_disk or (len(xs) <= _KERNEL_TOKENS and (rows.quant == COLD_INT4 or logits is not None)):
+        if on_disk or (rows.quant == COLD_INT4 and len(xs) <= _Q4_TOKENS) or (
+                len(xs) <= _KERNEL_TOKENS and logits is not None):
             # no batched 4-bit or predicted kernel: token by token
             y = torch.stack([_sparse_ffn(xc[t], rows, None, self.activation,
                                          None if logits is None else logits[t].to("cpu"), ids)
