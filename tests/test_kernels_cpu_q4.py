@@ -75,3 +75,29 @@ def test_matmul_q4_declines_without_int8_activations(monkeypatch):
     one-token kernel bit for bit)."""
     monkeypatch.setattr(cpu_q4, "USE_INT8_ACTIVATIONS", False)
     assert cpu_q4.matmul_q4(torch.zeros(1, 32), torch.zeros(3, q4_format.row_bytes(32), dtype=torch.uint8), 32) is None
+
+
+@needs_numba
+@pytest.mark.parametrize("predicted", [False, True])
+def test_each_token_in_one_call_gives_each_tokens_own_bits(predicted, monkeypatch):
+    """`sparse_ffn_each` (a mixture's prompt, one expert's tokens in one kernel call) computes
+    each token exactly as its own `sparse_ffn` / `sparse_ffn_predicted` call; without the
+    int8-activation kernels it says None and the caller goes token by token."""
+    g = torch.Generator().manual_seed(3)
+    d, n, tokens = 96, 40, 5  # d not a multiple of 32: the padded input
+    w = torch.randn(3, n, d, generator=g)
+    rows = q4_rows.Q4FfnRows.from_dense(w[0], w[1], w[2])
+    xs = torch.randn(tokens, d, generator=g)
+    layer_logits = torch.randn(tokens, 3 * n, generator=g)  # the expert's neurons are some of these
+    row_ids = torch.randperm(3 * n, generator=g)[:n]
+    if predicted:
+        got = cpu_q4.sparse_ffn_each(xs, rows, "drelu", layer_logits, 0.3, row_ids)
+        want = [cpu_q4.sparse_ffn_predicted(xs[t], rows, layer_logits[t], 0.3, "drelu", row_ids=row_ids)
+                for t in range(tokens)]
+    else:
+        got = cpu_q4.sparse_ffn_each(xs, rows, "relu")
+        want = [cpu_q4.sparse_ffn(xs[t], rows, None, "relu") for t in range(tokens)]
+    assert got is not None and got.shape == (tokens, d)
+    assert all(torch.equal(got[t], want[t]) for t in range(tokens))
+    monkeypatch.setattr(cpu_q4, "USE_INT8_ACTIVATIONS", False)
+    assert cpu_q4.sparse_ffn_each(xs, rows, "relu") is None

@@ -476,10 +476,14 @@ class TieredMoe:
         on_disk = isinstance(rows, SlotRows)  # the cache's slots: the decode's kernel, token by token
         if on_disk or (rows.quant == COLD_INT4 and len(xs) <= _Q4_TOKENS) or (
                 len(xs) <= _KERNEL_TOKENS and logits is not None):
-            # no batched 4-bit or predicted kernel: token by token
-            y = torch.stack([_sparse_ffn(xc[t], rows, None, self.activation,
-                                         None if logits is None else logits[t].to("cpu"), ids)
-                             for t in range(xc.shape[0])])
+            # no batched 4-bit or predicted kernel: token by token (4-bit rows in one call)
+            y = None if on_disk or rows.quant != COLD_INT4 else cpu_q4.sparse_ffn_each(
+                xc, rows, self.activation, None if logits is None else logits.to("cpu"), ExpertPredictors.THRESHOLD,
+                ids)
+            if y is None:
+                y = torch.stack([_sparse_ffn(xc[t], rows, None, self.activation,
+                                             None if logits is None else logits[t].to("cpu"), ids)
+                                 for t in range(xc.shape[0])])
         elif len(xs) <= _KERNEL_TOKENS:
             # few tokens chose this expert: the CPU kernel reads each row once for all of
             # them (and skips quiet neurons' rows), no dequantized copy of the expert

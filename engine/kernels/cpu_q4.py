@@ -151,6 +151,35 @@ def sparse_ffn_predicted(x: torch.Tensor, rows: Q4FfnRows, pred_logits: torch.Te
     return _launch(kern, x, rows, None, pred, ids, pred_threshold, activation, act_threshold, acts)
 
 
+def sparse_ffn_each(xs: torch.Tensor, rows: Q4FfnRows, activation: str, pred_logits: torch.Tensor | None = None,
+                    pred_threshold: float = 0.0, row_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`sparse_ffn` over every row (with pred_logits [T, ...]: `sparse_ffn_predicted`) for each
+    token of xs fp32 [T, d] alone, in one kernel call: the same bits as a call per token. None
+    where the int8-activation kernels do not run (the caller goes token by token)."""
+    kern = _kernels()
+    if kern is None or not int8_activations(kern) or xs.dim() != 2 or not len(xs):
+        return None
+    n = rows.n_neurons
+    if pred_logits is None:
+        check_ffn_call(xs[0], rows, activation, None, n)
+        ids = None
+    else:
+        if pred_logits.dim() != 2 or pred_logits.shape[0] != xs.shape[0]:
+            raise ValueError(f"pred_logits: expected [{xs.shape[0]}, ...], got {tuple(pred_logits.shape)}")
+        ids = check_predicted_call(xs[0], rows, activation, None, pred_logits[0], row_ids)
+    xp = padded(xs, rows.dim).numpy()
+    gate, up, down = rows._numpy_views()
+    acts = np.empty((xs.shape[0], n), dtype=np.float32)
+    with numba_pool.lock:
+        nchunks = max(1, min(numba_pool.use_threads(kern), n))
+        ys = kern.ffn_rows_q4_act_each(xp, gate, up, down,
+                                       _EMPTY_F32[None] if pred_logits is None else as_numpy(pred_logits, torch.float32),
+                                       ids if ids is not None else _EMPTY_IDS, pred_logits is not None, ids is not None,
+                                       float(pred_threshold), rows.gated, ACTIVATION_CODES[activation], 0.0, acts,
+                                       nchunks)
+    return torch.from_numpy(ys[:, :rows.dim])
+
+
 def warmup(sparse: bool = True, decode: bool = True) -> None:
     """Compile (or load from the disk cache) the 4-bit kernels on tiny inputs: the many-token
     product, and with `sparse` the gathered rows', with `decode` the one-token product (which
@@ -164,6 +193,7 @@ def warmup(sparse: bool = True, decode: bool = True) -> None:
     if sparse:
         sparse_ffn(x, rows, torch.tensor([1, 5]), "relu")
         sparse_ffn_predicted(x, rows, torch.randn(8, generator=g), 0.0, "relu")
+        sparse_ffn_each(torch.randn(2, 32, generator=g), rows, "relu")  # a mixture's prompt, expert by expert
     if decode:
         matvec_q4(x, rows.up, 32)
     matmul_q4(x[None], rows.up, 32)

@@ -501,6 +501,22 @@ def ffn_rows_q4_act(x, gate, up, down, idx, use_idx, pred, pred_ids, use_pred, u
     return ffn_rows_q4_avx2(xq, xd, xm, gate, up, down, idx, use_idx, pred, pred_ids, use_pred, use_pred_ids,
                             pthr, gated, code, thr, acts, nchunks)
 
+@_njit()
+def ffn_rows_q4_act_each(xs, gate, up, down, pred, pred_ids, use_pred, use_pred_ids, pthr, gated, code, thr, acts,
+                         nchunks):
+    """`ffn_rows_q4_act` over every row for each token of xs fp32 [T, nb * 32] (padded) alone:
+    ys fp32 [T, nb * 32], acts fp32 [T, n]; with `use_pred`, token t's rows those pred[t]
+    selects (pred fp32 [T, m]). A prompt's tokens of one expert in one call from Python, the
+    same bits as a call per token."""
+    ys = np.empty_like(xs)
+    no_ids = np.empty(0, dtype=np.int64)
+    no_pred = np.empty(0, dtype=np.float32)
+    for t in range(xs.shape[0]):
+        ys[t] = ffn_rows_q4_act(xs[t], gate, up, down, no_ids, False, pred[t] if use_pred else no_pred, pred_ids,
+                                use_pred, use_pred_ids, pthr, gated, code, thr, acts[t], nchunks)
+    return ys
+
+
 @_njit(parallel=True, fastmath=True)
 def ffn_rows_q4_avx2(xq, xd, xm, gate, up, down, idx, use_idx, pred, pred_ids, use_pred, use_pred_ids,
                      pthr, gated, code, thr, acts, nchunks):
