@@ -289,6 +289,20 @@ def test_the_serve_command_serves_until_interrupted(tmp_path):
             proc.wait()
 
 
+def test_the_socket_takes_connections_before_the_server_runs():
+    """`serve` prints its address once the socket is bound, before uvicorn runs: a client
+    that connects at once waits in the backlog instead of being refused."""
+    import socket
+
+    from app.server.runner import bind_socket
+
+    sock = bind_socket("127.0.0.1", 0)
+    try:
+        socket.create_connection(sock.getsockname(), timeout=5).close()
+    finally:
+        sock.close()
+
+
 def test_api_key_required_when_set(engine):
     srv = ServerThread(lambda: engine, lambda: "demo", port=0, api_key="s3cret").start()
     lines: list[str] = []

@@ -51,6 +51,9 @@ def base_url(host: str, port: int) -> str:
     return f"http://{shown}:{port}/v1"
 
 
+BACKLOG = 2048  # uvicorn's own default
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening-ready socket on host:port (port 0: a free one); UserError when taken."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -61,6 +64,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another port") from None
+    # Listening now, not when uvicorn's startup gets to it: `thermocline serve` prints its
+    # address before the server runs, and a client that connected at once was refused
+    # (bench.serve's smoke test, twice in a row on one machine). Connections wait in the backlog.
+    sock.listen(BACKLOG)
     return sock
 
 
