@@ -5,6 +5,9 @@ threads included, and a cut file is an error, never stale bytes."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -85,3 +88,30 @@ def test_a_cut_bundles_file_is_an_error_not_stale_bytes(bundles, tmp_path):
     finally:
         reader.close()
     assert os.path.getsize(cut) < layout.file_bytes()
+
+
+def test_the_compiled_reads_are_ready_before_the_first_read(bundles):
+    """`warm` (at the load: neuron_cache.open_reader) compiles the very signature a read then
+    takes, so the first token's reads compile nothing (in a fresh process, where nothing else
+    compiled the reads before)."""
+    path, layout, _ = bundles
+    code = f"""
+import numpy as np
+from engine.hotcold.neuron_bundles import BundleLayout, BundleReader
+from engine.kernels import direct_reads
+layout = BundleLayout({PARTS!r}, {LAYERS}, {N})
+reader = BundleReader({str(path)!r}, layout, 4)
+if reader._compiled() is None:
+    print("no compiled reads")
+    raise SystemExit(0)
+reader.warm()
+warmed = len(direct_reads.read_runs.signatures)
+pool = [np.zeros((64, w) if w > 1 else 64, dtype=np.int8 if d == "I8" else np.float32) for _, _, d, w in layout.parts]
+reader.read(1, np.arange(0, 640, 10), pool, np.arange(64), 3)
+print(warmed, len(direct_reads.read_runs.signatures))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    if out.stdout.strip() != "no compiled reads":  # this filesystem took O_DIRECT: the compiled path
+        assert out.stdout.split() == ["1", "1"]

@@ -407,6 +407,18 @@ class BundleReader:
             self.calls += len(firsts)
             self.seconds += time.perf_counter() - start
 
+    def warm(self) -> None:
+        """Compile (or load from numba's disk cache) the compiled reads for this layout now, at
+        the load, not inside the first token's reads (about 1 s a layout the first time)."""
+        compiled = self._compiled()
+        if compiled is None:
+            return
+        none = np.empty(0, dtype=np.int64)  # no runs: nothing is read, the buffer is not touched
+        compiled(self._direct, self.align, np.empty(0, dtype=np.uint8), none, none, 0, self.layout.bundle_bytes,
+                 none, none, tuple(np.empty((0, p[1]), dtype=np.uint8) for p in self.layout.parts),
+                 np.asarray(self.layout.offsets, dtype=np.int64),
+                 np.asarray([p[1] for p in self.layout.parts], dtype=np.int64))
+
     def _compiled(self):
         """engine.kernels.direct_reads.read_runs where the reads are direct (O_DIRECT) and
         numba is here, else None (the reads and copies in Python, one future a read)."""

@@ -67,9 +67,12 @@ def lookahead_setting() -> bool | None:
 
 
 def open_reader(prepared, layers: int, threads: int | None = None) -> BundleReader:
-    """The bundles beside a prepared file (written from it the first time), opened for reads."""
+    """The bundles beside a prepared file (written from it the first time), opened for reads,
+    their compiled reads ready."""
     path, layout = open_or_build(prepared, layers)
-    return BundleReader(path, layout, threads or read_threads())
+    reader = BundleReader(path, layout, threads or read_threads())
+    reader.warm()
+    return reader
 
 
 def min_cache_neurons_of(cold_ids: list[np.ndarray]) -> int:
