@@ -225,14 +225,9 @@ def _pread_all(fd: int, size: int, offset: int) -> bytes:
     return data
 
 
-def runs(ids: np.ndarray, gap: int) -> list[tuple[int, int]]:
-    """Sorted ids as (first, count) runs, neighbours within `gap` ids joined."""
-    firsts, counts = run_arrays(ids, gap)
-    return list(zip(firsts.tolist(), counts.tolist()))
-
-
 def run_arrays(ids: np.ndarray, gap: int, longest: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """`runs` as two int64 arrays (firsts, counts), a run longer than `longest` split."""
+    """Sorted ids as runs (firsts, counts: int64 arrays), neighbours within `gap` ids joined and a
+    run longer than `longest` split."""
     if not len(ids):
         return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
     ids = np.asarray(ids, dtype=np.int64)
@@ -244,6 +239,17 @@ def run_arrays(ids: np.ndarray, gap: int, longest: int | None = None) -> tuple[n
     pieces = -(-counts // longest)
     k = np.arange(pieces.sum()) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # a piece's place in its run
     return np.repeat(firsts, pieces) + longest * k, np.minimum(longest, np.repeat(counts, pieces) - longest * k)
+
+
+def _compiled_reads():
+    """engine.kernels.direct_reads.read_runs, or None without numba (or with it turned off)."""
+    from engine.kernels import numba_pool
+
+    if numba_pool.module() is None:
+        return None
+    from engine.kernels import direct_reads
+
+    return direct_reads.read_runs
 
 
 class _Buffer(threading.local):
@@ -299,6 +305,10 @@ class BundleReader:
         self.seconds = 0.0
         self.buffer_bytes = buffer_bytes(layout.bundle_bytes, layout.n, threads)  # counted in the RAM budget
         self._per_buffer = self.buffer_bytes // (threads + 2)
+        # the compiled reads (O_DIRECT with numba here), else None: each read and its copies in Python
+        self._read_runs = _compiled_reads() if self._direct is not None else None
+        self._part_at = np.asarray(layout.offsets, dtype=np.int64)  # each part's bytes within a bundle
+        self._part_bytes = np.asarray([p[1] for p in layout.parts], dtype=np.int64)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -374,8 +384,6 @@ class BundleReader:
             ids = np.ascontiguousarray(ids, dtype=np.int64)
             slots = np.ascontiguousarray(slots, dtype=np.int64)
             parts = tuple(d.view(np.uint8).reshape(d.shape[0], -1) for d in dest)
-            part_at = np.asarray(self.layout.offsets, dtype=np.int64)
-            part_bytes = np.asarray([p[1] for p in self.layout.parts], dtype=np.int64)
             base = self.layout.offset(layer, 0)
 
             def share(a: int, b: int) -> None:
@@ -385,7 +393,7 @@ class BundleReader:
                 if fd is not None:
                     i, j = np.searchsorted(ids, [firsts[a], firsts[b - 1] + counts[b - 1]])
                     r = compiled(fd, self.align, self._buffers.array(self._per_buffer), firsts[a:b], counts[a:b],
-                                 base, B, ids[i:j], slots[i:j], parts, part_at, part_bytes)
+                                 base, B, ids[i:j], slots[i:j], parts, self._part_at, self._part_bytes)
                     failed = b if r < 0 else a + r
                 for r in range(failed, b):
                     one(int(firsts[r]), int(counts[r]))
@@ -416,18 +424,9 @@ class BundleReader:
         none = np.empty(0, dtype=np.int64)  # no runs: nothing is read, the buffer is not touched
         compiled(self._direct, self.align, np.empty(0, dtype=np.uint8), none, none, 0, self.layout.bundle_bytes,
                  none, none, tuple(np.empty((0, p[1]), dtype=np.uint8) for p in self.layout.parts),
-                 np.asarray(self.layout.offsets, dtype=np.int64),
-                 np.asarray([p[1] for p in self.layout.parts], dtype=np.int64))
+                 self._part_at, self._part_bytes)
 
     def _compiled(self):
-        """engine.kernels.direct_reads.read_runs where the reads are direct (O_DIRECT) and
-        numba is here, else None (the reads and copies in Python, one future a read)."""
-        if self._direct is None or os.environ.get(READ_PATH_ENV, "").strip() in ("portable", "pread+nocache"):
-            return None
-        from engine.kernels import numba_pool
-
-        if numba_pool.module() is None:
-            return None
-        from engine.kernels import direct_reads
-
-        return direct_reads.read_runs
+        """engine.kernels.direct_reads.read_runs while the reads are direct (O_DIRECT) and numba
+        is here, else None (the reads and copies in Python, one future a read)."""
+        return self._read_runs if self._direct is not None else None
