@@ -352,6 +352,49 @@ def test_moe_split_experts_on_the_cpu_stand_in_are_fused_and_moves_rebuild_the_c
         assert (hot_rows > 0) == (fraction > 0)
 
 
+def _prompt_logits(engine, fused: bool, monkeypatch) -> torch.Tensor:
+    """Logits of every position of PROMPT read as one prompt."""
+    monkeypatch.setenv(fused_decode.FUSED_ENV, "1" if fused else "0")
+    engine.reset()
+    return engine.model.forward(torch.tensor(PROMPT), 0, engine.cache, all_logits=True)
+
+
+def _prompt_calls(engine) -> list[int]:
+    return [getattr(getattr(layer.ffn, "fused_prompt", None), "calls", 0) for layer in engine.model.layers]
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("family", ["smallthinker", "turbosparse-mixtral"])
+def test_moe_prompt_experts_in_one_call_equal_the_unfused_path(moe_models, family, weights, monkeypatch,
+                                                               one_torch_thread):
+    """A prompt's experts in one compiled call (each token alone on a thread: fused_decode.moe_prompt)
+    against TieredMoe's expert-by-expert path: the same logits at every position, in the sparse
+    mode and with experts split between the tiers (the CPU standing in for the fast one); a
+    placement that moves neurons rebuilds the call's table."""
+    monkeypatch.setenv("THERMOCLINE_KV_CACHE", "fp32")  # fp32 hot rows: the exact cache (see above)
+    sparse = Engine.load(moe_models[family], mode="sparse", ram_budget=RAM, cpu_weights=weights)
+    hybrid = Engine.load(moe_models[family], mode="hybrid", vram_budget=0, ram_budget=RAM, cpu_weights=weights)
+    for engine, fractions in ((sparse, (None,)), (hybrid, (0.3, 0.0))):
+        engine.wait_kernels()  # a first start's preparation hands the mixture's kernels over at its end
+        for fraction in fractions:
+            if fraction is not None:
+                engine.set_budgets(vram=vram_for(engine, fraction))
+                assert (_split_experts(engine) > 0) == (fraction > 0)
+            for layer in engine.model.layers:  # (a placement that moved neurons builds new plans, at 0)
+                if getattr(layer.ffn, "fused_prompt", None) is not None:
+                    layer.ffn.fused_prompt.calls = 0
+            unfused = _prompt_logits(engine, False, monkeypatch)
+            assert _prompt_calls(engine) == [0, 0]  # the switch off: the expert-by-expert path
+            fused = _prompt_logits(engine, True, monkeypatch)
+            assert _prompt_calls(engine) == [1, 1]
+            scale = unfused.abs().max().item()
+            assert scale > 0.05 and unfused.shape[0] == len(PROMPT)
+            bound = INT4_FLIP if weights == "int4" else 1e-5
+            assert (fused - unfused).abs().max().item() <= bound * max(1.0, scale)
+    dl = fused_decode.kernels()
+    assert len(dl.moe_experts_tokens.signatures) == 1  # every storage and both families: one specialisation
+
+
 def test_moe_prefetch_and_oracle(moe_models, monkeypatch, one_torch_thread):
     """The prefetch thread's reads start before attention: unfused. The oracle computes every
     neuron of the chosen experts (no predictor) and is fused as such."""

@@ -495,6 +495,10 @@ class TieredMoe:
     def _batched(self, x: torch.Tensor, routing: Routing, observer) -> torch.Tensor:
         if observer is not None:
             observer(self.layer, routing.inputs, routing.scattered(self.num_experts))
+        elif self.runtime.prompt_kernel is not None:  # the engine's compiled call, where it reads these experts
+            y = self.runtime.prompt_kernel(self, x, routing)
+            if y is not None:
+                return y.to(x.dtype)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         predicting = self._predicting()
         for e, tokens, weights in experts_by_token(routing):
@@ -535,6 +539,9 @@ class MoeRuntime(SparseRuntime):
         self.counters = MoeCounters()
         self.prepared_experts = None  # engine.loading.prepared_moe.PreparedExperts: mapped or written at load
         self.prefetcher: ColdPrefetcher | None = None
+        # A prompt's experts in one compiled call: (TieredMoe, x [T, d], routing) -> fp32 [T, d] or
+        # None; set by the engine (engine.runtime.fused_decode.moe_prompt)
+        self.prompt_kernel = None
         self._prefetch_finalizer: weakref.finalize | None = None
         # Read the chosen cold experts ahead while attention runs: by default where a GPU
         # computes attention (the CPU idles then); THERMOCLINE_MOE_PREFETCH=1/0 forces it.

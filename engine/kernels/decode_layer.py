@@ -34,7 +34,7 @@ import os
 import numba
 import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import prange, types
 from numba.core import caching
 from numba.extending import intrinsic
 
@@ -448,19 +448,28 @@ def _route(logits, top_k, softmax, experts, weights):
 def moe_ffn(route_x, hm, threads, router_kind, router_b, router_s, top_k, softmax,
             n_ff, code, pthr, use_pred, fc1_kind, fc2_kind, rank, fc1_rb, fc2_rb, preds,
             tier_kinds, tier_rb, table, chosen, weights, stats):
-    """A mixture's FFN for one token: y fp32 [d]. The router reads route_x fp32 [d] (`_route`);
-    each chosen expert reads hm fp32 [d] (the FFN's normed input): its rows in both tiers, the
-    CPU tier's part first, each part times the expert's weight, summed in that order (as
-    TieredMoe). Inside an expert the gate rows (with `use_pred`, only the neurons its predictor
-    selects) and the up and down rows of the neurons that fired. Fills chosen int64 [k],
-    weights fp32 [k] and stats int64 [k, 2 tiers, 2]: rows selected (gate rows read) and fired."""
-    d = hm.shape[0]
+    """A mixture's FFN for one token: y fp32 [d]. The router reads route_x fp32 [d] (`_route`)
+    and fills chosen int64 [k] and weights fp32 [k]; then `moe_experts`."""
     _route(linear(router_kind, router_b, router_s, route_x, threads), top_k, softmax, chosen, weights)
+    return moe_experts(hm, threads, chosen, weights, n_ff, code, pthr, use_pred, fc1_kind, fc2_kind, rank, fc1_rb,
+                       fc2_rb, preds, tier_kinds, tier_rb, table, stats)
+
+
+@_njit()
+def moe_experts(hm, threads, chosen, weights, n_ff, code, pthr, use_pred, fc1_kind, fc2_kind, rank, fc1_rb, fc2_rb,
+                preds, tier_kinds, tier_rb, table, stats):
+    """The chosen experts (chosen int64 [k], weights fp32 [k]) of one token: y fp32 [d]. Each
+    reads hm fp32 [d] (the FFN's normed input): its rows in both tiers, the CPU tier's part
+    first, each part times the expert's weight, summed in that order (as TieredMoe). Inside an
+    expert the gate rows (with `use_pred`, only the neurons its predictor selects) and the up
+    and down rows of the neurons that fired. Fills stats int64 [k, 2 tiers, 2]: rows selected
+    (gate rows read) and fired."""
+    d = hm.shape[0]
     y = np.zeros(d, dtype=np.float32)
     plog = np.empty(0, dtype=np.float32)
     t = np.float32(pthr)
     stats[:] = 0  # a tier without rows of an expert leaves its counts at 0
-    for s in range(top_k):
+    for s in range(chosen.shape[0]):
         e = chosen[s]
         w = weights[s]
         if use_pred:  # the expert's predictor: logits fp32 [n_ff] of its neurons
@@ -504,6 +513,21 @@ def moe_ffn(route_x, hm, threads, router_kind, router_b, router_s, top_k, softma
     return y
 
 
+@_njit(parallel=True, nogil=True)
+def moe_experts_tokens(hms, chosen, weights, n_ff, code, pthr, use_pred, fc1_kind, fc2_kind, rank, fc1_rb, fc2_rb,
+                       preds, tier_kinds, tier_rb, table, stats):
+    """`moe_experts` for each token of a prompt: hms fp32 [T, d], chosen int64 [T, k], weights
+    fp32 [T, k], stats int64 [T, k, 2, 2] -> ys fp32 [T, d]. The tokens are split across the
+    threads, each token computed alone on one thread: an expert that a prompt's token chooses
+    is too small a piece to split (a 16-token prompt gives about 2 tokens an expert), so
+    split by tokens the threads work side by side instead of in turn."""
+    ys = np.empty_like(hms)
+    for t in prange(hms.shape[0]):
+        ys[t] = moe_experts(hms[t], 1, chosen[t], weights[t], n_ff, code, pthr, use_pred, fc1_kind, fc2_kind, rank,
+                            fc1_rb, fc2_rb, preds, tier_kinds, tier_rb, table, stats[t])
+    return ys
+
+
 @_njit(nogil=True)
 def decode_moe_layer(x, pos, threads, cos, sin,
                      attn_w, mlp_w, eps, use_rope, n_heads, kv_heads, head_dim, attn_scale, res_scale,
@@ -544,6 +568,6 @@ def loaded_from_cache() -> bool:
     return all(sum(f.stats.cache_misses.values()) == 0 for f in fns)
 
 
-__all__ = ["decode_layer", "decode_moe_layer", "moe_ffn", "decode_head", "linear", "M_FP32", "M_INT8_Q8", "M_INT8",
+__all__ = ["decode_layer", "decode_moe_layer", "moe_ffn", "moe_experts", "moe_experts_tokens", "decode_head", "linear", "M_FP32", "M_INT8_Q8", "M_INT8",
            "M_Q4_TILES", "M_Q4", "M_Q4X8", "M_Q4MIN_TILES", "M_Q4MIN", "M_Q4MIN_X8",
            "R_FP32", "R_INT8", "R_Q4", "FFN_ROWS", "FFN_DENSE_LINEAR", "FFN_DENSE_COMBINE"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import operator
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -50,7 +50,7 @@ _EMPTY_IDS = np.empty(0, dtype=np.int64)
 _checked: tuple[str, bool] | None = None  # (raw value, parsed): the environment is read per token
 # decode_layer's entry points a first start's background preparation does not wait for
 # (engine.runtime.kernel_preparation): a mixture's layer, which a dense model never runs.
-UNTRACKED = ("decode_moe_layer", "moe_ffn")
+UNTRACKED = ("decode_moe_layer", "moe_ffn", "moe_experts", "moe_experts_tokens")
 
 
 def enabled(value: str | None = None) -> bool:
@@ -369,12 +369,10 @@ def _predictor_table(dl, predictors, n_ff: int):
     return fc1[0][0], fc2[0][0], rank, fc1[0][1].shape[1], fc2[0][1].shape[1], table, keep
 
 
-def moe_ffn_args(dl, ffn: TieredMoe, router, top_k: int, softmax: bool) -> tuple[tuple, FusedMoe] | str:
-    """decode_layer.moe_ffn's arguments after (route_x, hm, threads), up to its outputs, and the
-    FusedMoe that holds those outputs; or why the kernel cannot run this mixture (a str)."""
-    router = _matrix(dl, router)
-    if router is None:
-        return "a router in a storage the kernel does not read"
+def moe_expert_args(dl, ffn: TieredMoe) -> tuple[tuple, list, bool] | str:
+    """decode_layer.moe_experts' arguments after (hm, threads, chosen, weights), up to stats; the
+    arrays the expert table points into; whether 4-bit parts are read. Or why the kernel cannot
+    run this mixture's experts (a str)."""
     if len(ffn.hot) and not ffn.hot.on_cpu:
         return "hot experts on another device"
     if type(ffn.cold) is not ColdExperts:
@@ -390,15 +388,26 @@ def moe_ffn_args(dl, ffn: TieredMoe, router, top_k: int, softmax: bool) -> tuple
         return "expert predictors in a storage the kernel does not read"
     *pred_args, pred_keep = preds
     code = numba_pool.module().ACTIVATION_CODES[ffn.activation]
-    args = (*router, top_k, softmax, int(ffn.n_ff), code, float(ExpertPredictors.THRESHOLD), use_pred, *pred_args,
-            kinds, widths, table)
+    args = (int(ffn.n_ff), code, float(ExpertPredictors.THRESHOLD), use_pred, *pred_args, kinds, widths, table)
+    q4 = dl.R_Q4 in kinds.tolist() or (use_pred and any(_four_bit(dl, m) for m in pred_args[:2]))
+    return args, keep + pred_keep, q4
+
+
+def moe_ffn_args(dl, ffn: TieredMoe, router, top_k: int, softmax: bool) -> tuple[tuple, FusedMoe] | str:
+    """decode_layer.moe_ffn's arguments after (route_x, hm, threads), up to its outputs, and the
+    FusedMoe that holds those outputs; or why the kernel cannot run this mixture (a str)."""
+    router = _matrix(dl, router)
+    if router is None:
+        return "a router in a storage the kernel does not read"
+    experts = moe_expert_args(dl, ffn)
+    if isinstance(experts, str):
+        return experts
+    args, keep, q4 = experts
     tier_bytes = tuple(row_bytes(next(iter(rows.values()))) if rows else 0
                        for rows in (ffn.cold.rows, ffn.hot.cpu_rows))
-    q4 = _four_bit(dl, router[0]) or dl.R_Q4 in kinds.tolist() \
-        or (use_pred and any(_four_bit(dl, m) for m in pred_args[:2]))
     moe = FusedMoe(np.zeros(top_k, dtype=np.int64), np.zeros(top_k, dtype=np.float32),
-                   np.zeros((top_k, 2, 2), dtype=np.int64), tier_bytes, keep + pred_keep, q4)
-    return args, moe
+                   np.zeros((top_k, 2, 2), dtype=np.int64), tier_bytes, keep, q4 or _four_bit(dl, router[0]))
+    return (*router, top_k, softmax, *args), moe
 
 
 def _build_moe(dl, model, layer, key: tuple, attention: tuple) -> FusedLayer:
@@ -529,6 +538,49 @@ def decode_step(model, ids: torch.Tensor, start: int, cache) -> torch.Tensor | N
     return torch.from_numpy(logits)[None]
 
 
+@dataclass
+class PromptExperts:
+    """A mixture's prepared arguments for a prompt's experts (decode_layer.moe_experts_tokens)."""
+    key: tuple
+    args: tuple | None       # None: the unfused path (why says why)
+    why: str = ""
+    keep: list = field(default_factory=list)
+    q4: bool = False
+    calls: int = 0           # prompts computed here (tests check the path is taken)
+
+
+def moe_prompt(ffn: TieredMoe, x: torch.Tensor, routing) -> torch.Tensor | None:
+    """A mixture's FFN over a prompt's tokens (x fp32 [T, d], routing's experts and weights) in
+    one compiled call, the tokens split across the threads: fp32 [T, d]; or None (nothing done)
+    where the kernel cannot read this mixture now (TieredMoe's own path then runs)."""
+    if x.device.type != "cpu" or x.dim() != 2 or not enabled():
+        return None
+    runtime = ffn.runtime
+    if runtime.scoring_mode is not None:
+        return None
+    dl = kernels()
+    if dl is None or not numba_pool.usable(dl.moe_experts_tokens):
+        return None
+    key = (ffn.predictors, ffn.hot, ffn.cold, getattr(ffn.hot, "epoch", None), getattr(ffn.cold, "epoch", None),
+           runtime.mode)
+    plan = getattr(ffn, "fused_prompt", None)
+    if plan is None or not all(a is b or (type(a) in (int, str) and a == b) for a, b in zip(plan.key, key)):
+        built = moe_expert_args(dl, ffn)
+        plan = ffn.fused_prompt = (PromptExperts(key, None, built) if isinstance(built, str)
+                                   else PromptExperts(key, built[0], keep=built[1], q4=built[2]))
+    if plan.args is None or (plan.q4 and not cpu_q4.int8_activations(numba_pool.module())):
+        return None
+    hms = x.to(torch.float32).contiguous().numpy()
+    chosen = routing.experts.to("cpu", torch.int64).contiguous().numpy()
+    weights = routing.weights.to("cpu", torch.float32).contiguous().numpy()
+    stats = np.empty((*chosen.shape, 2, 2), dtype=np.int64)
+    with numba_pool.lock:
+        numba_pool.use_threads(numba_pool.module())
+        ys = dl.moe_experts_tokens(hms, chosen, weights, *plan.args, stats)
+    plan.calls += 1
+    return torch.from_numpy(ys)
+
+
 def warm(model, cache, keep: bool = True) -> bool:
     """Load the compiled layer and head functions now (numba's disk cache; a first compile takes
     minutes) rather than in the first decoded token: one call of the first layer at position 0,
@@ -556,6 +608,9 @@ def warm(model, cache, keep: bool = True) -> bool:
             m = plan.moe
             dl.decode_moe_layer(x, 0, threads, table.cos.numpy(), table.sin.numpy(), *plan.args, m.chosen, m.weights,
                                 m.stats)
+            prompt = moe_expert_args(dl, layer.ffn)  # and a prompt's experts (moe_prompt), one token here
+            if not isinstance(prompt, str):
+                dl.moe_experts_tokens(x[None], m.chosen[None], m.weights[None], *prompt[0], m.stats[None].copy())
         else:
             dl.decode_layer(x, 0, threads, table.cos.numpy(), table.sin.numpy(), 0.0, *plan.args)
         dl.decode_head(x, threads, *head.args)
