@@ -53,11 +53,18 @@ def _step_logits(engine, ids: list[int]) -> list[torch.Tensor]:
     return [engine.model.forward(torch.tensor([t]), pos, engine.cache)[-1].clone() for pos, t in enumerate(ids)]
 
 
+def _disk_calls(engine) -> list[int]:
+    """Decode steps each layer ran as the fused decode's two calls around the cache's reads."""
+    return [layer.fused.calls if layer.fused is not None and layer.fused.disk is not None else 0
+            for layer in engine.model.layers]
+
+
+@pytest.mark.parametrize("fused", ["0", "1"])
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_disk_decodes_the_same_bits_as_ram(tmp_path, wide_llama_dir, fmt, monkeypatch):
-    # the same kernels: the unfused decode (a disk layer is not fused; the fused decode's own
-    # bits are its tests' business)
-    monkeypatch.setenv("THERMOCLINE_FUSED_DECODE", "0")
+def test_disk_decodes_the_same_bits_as_ram(tmp_path, wide_llama_dir, fmt, fused, monkeypatch):
+    # the same kernels on both sides: the unfused decode, or the fused one (a disk layer's two
+    # calls around its reads against the in-RAM layer's one)
+    monkeypatch.setenv("THERMOCLINE_FUSED_DECODE", fused)
     model = _model(tmp_path, wide_llama_dir)
     in_ram = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights=fmt)  # writes the prepared file
     in_ram.eos_ids = set()
@@ -76,6 +83,7 @@ def test_disk_decodes_the_same_bits_as_ram(tmp_path, wide_llama_dir, fmt, monkey
         assert cache.reader.path_kind in ((path, "pread+nocache") if path == "o_direct" else (path,))
         got = _step_logits(disk, ids)
         assert all(torch.equal(a, b) for a, b in zip(reference, got))
+        assert _disk_calls(disk) == [len(ids) if fused == "1" else 0] * disk.config.num_layers
         assert cache.reader.bytes_read > 0 and cache.misses > 0 and cache.overflow_rounds == 0
         assert (cache.ahead_neurons > 0) == (ahead != "0")
         if ahead == "auto":
@@ -92,8 +100,9 @@ def test_disk_decodes_the_same_bits_as_ram(tmp_path, wide_llama_dir, fmt, monkey
         disk.close()
 
 
+@pytest.mark.parametrize("fused", ["0", "1"])
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_a_layer_beyond_the_cache_is_computed_chunk_by_chunk(tmp_path, wide_llama_dir, fmt, monkeypatch):
+def test_a_layer_beyond_the_cache_is_computed_chunk_by_chunk(tmp_path, wide_llama_dir, fmt, fused, monkeypatch):
     """At the least budget a layer whose predicted set (a third of its neurons here) exceeds
     the cache's working set (a quarter) is computed chunk by chunk as the kernel splits it
     over its 2 threads: the same bits as in RAM. With every neuron predicted, a chunk exceeds
@@ -103,7 +112,7 @@ def test_a_layer_beyond_the_cache_is_computed_chunk_by_chunk(tmp_path, wide_llam
     bound is a share of the format's error against the exact fp32 weights."""
     from engine.kernels import numba_pool
 
-    monkeypatch.setenv("THERMOCLINE_FUSED_DECODE", "0")
+    monkeypatch.setenv("THERMOCLINE_FUSED_DECODE", fused)
     if numba_pool.num_threads() < 2:  # the split the chunks follow (CI has 2 cores)
         pytest.skip("one kernel thread: a layer is one chunk")
     ids = PROMPT + [3, 4, 5]
@@ -115,6 +124,7 @@ def test_a_layer_beyond_the_cache_is_computed_chunk_by_chunk(tmp_path, wide_llam
         got = _step_logits(disk, ids)
         cache = disk.sparse.neuron_cache
         assert cache.chunk_rounds > 0 and (cache.overflow_rounds == 0) == exact
+        assert all(c == (len(ids) if fused == "1" else 0) for c in _disk_calls(disk))
         if exact:
             assert all(torch.equal(a, b) for a, b in zip(reference, got))
         else:

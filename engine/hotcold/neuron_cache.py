@@ -384,6 +384,9 @@ class DiskColdRows:
         return 0  # the cache's bytes are counted once, by the runtime
 
 
+_NO_POSITIONS = np.empty(0, dtype=np.int64)
+
+
 class DiskFfn(HybridFfn):
     """A HybridFfn whose cold rows live in the neuron cache and the prepared file."""
 
@@ -412,6 +415,24 @@ class DiskFfn(HybridFfn):
         ids = self.cache.cold_ids[nxt.layer]
         self.cache.read_ahead(nxt.layer, np.flatnonzero(guess[ids] >= nxt.context.threshold), self.layer,
                               positions)
+
+    def fused_cold(self, pred_input: np.ndarray, x: np.ndarray, logits: np.ndarray
+                   ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+        """The fused decode's cold part of one token (engine.runtime.fused_decode): the predicted
+        cold positions made resident and the next layer's read ahead started, as `_from_cache`;
+        returns (slot index, predictor ids) for the rows kernel, or (None, None, the cold part
+        computed in rounds, fp32 [d]) where the cache holds the layer only in rounds.
+        pred_input fp32 [d]: the predictor's input (the next layer's guess reads it)."""
+        cache, layer, thr = self.cache, self.layer, self.context.threshold
+        self._guess_input = torch.from_numpy(pred_input.copy())
+        if not len(self.cold):
+            return _NO_POSITIONS, _NO_POSITIONS, None
+        positions = np.flatnonzero(logits[cache.cold_ids[layer]] >= thr)
+        if cache.ensure(layer, positions):
+            self._read_ahead(positions)  # overlaps with the rows kernel
+            return cache.slot_index(layer), cache.pred_ids(cache.cold_ids[layer]), None
+        y = self._in_rounds(torch.from_numpy(x), torch.from_numpy(logits), positions)
+        return None, None, y.numpy()
 
     def _cold_decode(self, x: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
         if not len(self.cold):

@@ -235,23 +235,25 @@ def _write_cache(cb, half, h, pos, vec):
 
 
 @_njit()
-def _rows_call(rkind, gb, gs, ub, us, db, ds, x, pred, ids, use_pred, use_ids, pthr, gated, code, thr, acts, threads):
-    """y fp32 [d] of FFN rows (ub.shape[0] > 0) as cpu.sparse_ffn(_predicted) computes them: with
-    `use_pred`, the rows whose logit (pred[ids[j]] with `use_ids`, else pred[j]) >= pthr, else all;
-    acts fp32 [n] receives each row's activation (0: not selected or did not fire)."""
-    n = ub.shape[0]
+def _rows_call(rkind, gb, gs, ub, us, db, ds, x, pred, ids, use_pred, use_ids, pthr, gated, code, thr, acts, threads,
+               idx, use_idx):
+    """y fp32 [d] of FFN rows (ub.shape[0] > 0) as cpu.sparse_ffn(_predicted) computes them: the
+    positions j < k (k = len(idx) with `use_idx`, each reading row idx[j]: the disk tier's cache
+    slots; else every row); with `use_pred`, those whose logit (pred[ids[j]] with `use_ids`, else
+    pred[j]) >= pthr, else all; acts fp32 [k] receives each one's activation (0: not selected or
+    did not fire)."""
+    k = idx.shape[0] if use_idx else ub.shape[0]
     d = x.shape[0]
-    no_ids = np.empty(0, dtype=np.int64)
-    chunks = max(1, min(threads, n))
+    chunks = max(1, min(threads, k))
     if rkind == R_Q4:
         width = ub.shape[1] // 18 * 32
-        y = Q.ffn_rows_q4_act(_padded(x, width), gb, ub, db, no_ids, False, pred, ids, use_pred, use_ids, pthr,
+        y = Q.ffn_rows_q4_act(_padded(x, width), gb, ub, db, idx, use_idx, pred, ids, use_pred, use_ids, pthr,
                               gated, code, thr, acts, chunks)
         return y[:d]
     if rkind == R_INT8:
-        return K.ffn_rows(x, gb.view(np.int8), gs, ub.view(np.int8), us, db.view(np.int8), ds, no_ids, False,
+        return K.ffn_rows(x, gb.view(np.int8), gs, ub.view(np.int8), us, db.view(np.int8), ds, idx, use_idx,
                           pred, ids, use_pred, use_ids, pthr, gated, True, code, thr, acts, chunks)
-    return K.ffn_rows(x, gb.view(np.float32), gs, ub.view(np.float32), us, db.view(np.float32), ds, no_ids, False,
+    return K.ffn_rows(x, gb.view(np.float32), gs, ub.view(np.float32), us, db.view(np.float32), ds, idx, use_idx,
                       pred, ids, use_pred, use_ids, pthr, gated, False, code, thr, acts, chunks)
 
 
@@ -263,7 +265,7 @@ def _ffn_rows(rkind, gb, gs, ub, us, db, ds, x, logits, row_ids, pthr, gated, co
         return np.zeros(x.shape[0], dtype=np.float32)
     acts = np.empty(n, dtype=np.float32)
     return _rows_call(rkind, gb, gs, ub, us, db, ds, x, logits, row_ids, True, True, pthr, gated, code, thr, acts,
-                      threads)
+                      threads, np.empty(0, dtype=np.int64), False)
 
 
 @_njit()
@@ -297,6 +299,38 @@ def _attend(x, pos, threads, cos, sin, attn_w, eps, use_rope, n_heads, kv_heads,
         x[j] = x[j] + (o[j] * rs if use_res_scale else o[j])
 
 
+@_njit()
+def _predict(x, fc1_kind, fc1_b, fc1_s, fc2_kind, fc2_b, fc2_s, threads):
+    """The layer's predictor on the residual stream x: logits fp32 [n_ff] = fc2 relu(fc1 x)."""
+    hidden = linear(fc1_kind, fc1_b, fc1_s, x, threads)
+    for j in range(hidden.shape[0]):
+        if hidden[j] < 0.0:
+            hidden[j] = 0.0
+    return linear(fc2_kind, fc2_b, fc2_s, hidden, threads)
+
+
+@_njit()
+def _hot_and_counts(y, hm, logits, pthr, gated, code, act_thr, threads, hot_kind, hot_gate_b, hot_gate_s, hot_up_b,
+                    hot_up_s, hot_down_b, hot_down_s, hot_ids):
+    """y (the cold rows' sum) += the hot rows' (summed before the cold rows', as HybridFfn does);
+    returns the neurons predicted active and those of them among the hot rows."""
+    t = np.float32(pthr)
+    count = 0
+    count_hot = 0
+    for j in range(logits.shape[0]):
+        if logits[j] >= t:
+            count += 1
+    if hot_ids.shape[0]:
+        for j in range(hot_ids.shape[0]):
+            if logits[hot_ids[j]] >= t:
+                count_hot += 1
+        y_hot = _ffn_rows(hot_kind, hot_gate_b, hot_gate_s, hot_up_b, hot_up_s, hot_down_b, hot_down_s, hm,
+                          logits, hot_ids, pthr, gated, code, act_thr, threads)
+        for j in range(y.shape[0]):
+            y[j] = y_hot[j] + y[j]
+    return count, count_hot
+
+
 @_njit(nogil=True)
 def decode_layer(x, pos, threads, cos, sin, pthr,
                  attn_w, mlp_w, eps, use_rope, n_heads, kv_heads, head_dim, attn_scale, res_scale, use_res_scale,
@@ -319,25 +353,11 @@ def decode_layer(x, pos, threads, cos, sin, pthr,
     count = 0
     count_hot = 0
     if ffn_kind == FFN_ROWS:
-        hidden = linear(fc1_kind, fc1_b, fc1_s, x, threads)
-        for j in range(hidden.shape[0]):
-            if hidden[j] < 0.0:
-                hidden[j] = 0.0
-        logits = linear(fc2_kind, fc2_b, fc2_s, hidden, threads)
-        t = np.float32(pthr)
-        for j in range(logits.shape[0]):
-            if logits[j] >= t:
-                count += 1
+        logits = _predict(x, fc1_kind, fc1_b, fc1_s, fc2_kind, fc2_b, fc2_s, threads)
         y = _ffn_rows(rows_kind, gate_b, gate_s, up_b, up_s, down_b, down_s, hm, logits, row_ids, pthr, gated,
                       code, act_thr, threads)
-        if hot_ids.shape[0]:
-            for j in range(hot_ids.shape[0]):
-                if logits[hot_ids[j]] >= t:
-                    count_hot += 1
-            y_hot = _ffn_rows(hot_kind, hot_gate_b, hot_gate_s, hot_up_b, hot_up_s, hot_down_b, hot_down_s, hm,
-                              logits, hot_ids, pthr, gated, code, act_thr, threads)
-            for j in range(d):
-                y[j] = y_hot[j] + y[j]
+        count, count_hot = _hot_and_counts(y, hm, logits, pthr, gated, code, act_thr, threads, hot_kind, hot_gate_b,
+                                           hot_gate_s, hot_up_b, hot_up_s, hot_down_b, hot_down_s, hot_ids)
     else:
         pre = linear(gu_kind, gu_b, gu_s, hm, threads)
         thr = np.float32(act_thr)
@@ -355,6 +375,47 @@ def decode_layer(x, pos, threads, cos, sin, pthr,
             y = linear(dn_kind, dn_b, dn_s, act, threads)
         else:
             y = K.combine_rows(act, dn_b.view(np.float32), _DENSE_CHUNKS_PER_THREAD * threads)
+    for j in range(d):
+        x[j] = x[j] + (y[j] * rs if use_res_scale else y[j])
+    return count, count_hot
+
+
+@_njit(nogil=True)
+def decode_layer_front(x, pos, threads, cos, sin,
+                       attn_w, mlp_w, eps, use_rope, n_heads, kv_heads, head_dim, attn_scale, res_scale,
+                       use_res_scale, qkv_kind, qkv_b, qkv_s, out_kind, out_b, out_s, k_cache, v_cache, kv_half,
+                       fc1_kind, fc1_b, fc1_s, fc2_kind, fc2_b, fc2_s):
+    """The first half of `decode_layer` for a layer whose cold rows the disk tier's cache holds:
+    attention (x updated in place), the FFN's norm and the predictor. Returns (hm, logits); the
+    caller makes the predicted rows resident, then `decode_layer_rows`."""
+    _attend(x, pos, threads, cos, sin, attn_w, eps, use_rope, n_heads, kv_heads, head_dim, attn_scale, res_scale,
+            use_res_scale, qkv_kind, qkv_b, qkv_s, out_kind, out_b, out_s, k_cache, v_cache, kv_half)
+    hm = _rms_norm(x, mlp_w, eps)
+    return hm, _predict(x, fc1_kind, fc1_b, fc1_s, fc2_kind, fc2_b, fc2_s, threads)
+
+
+@_njit(nogil=True)
+def decode_layer_rows(x, hm, logits, threads, pthr, res_scale, use_res_scale, gated, code, act_thr,
+                      rows_kind, gate_b, gate_s, up_b, up_s, down_b, down_s, slots, pred_ids,
+                      hot_kind, hot_gate_b, hot_gate_s, hot_up_b, hot_up_s, hot_down_b, hot_down_s, hot_ids,
+                      cold_y, use_cold_y):
+    """The second half: the cold positions' rows read through their cache slots (slots int64
+    [k], pred_ids their indices into logits, padded as the cache's kernels take them), or the
+    cold part the caller computed (`use_cold_y`: a layer the cache holds only in rounds); the
+    hot rows; the residual. The same positions in the same order and chunks as decode_layer's
+    rows in RAM: the same bits. Returns decode_layer's counts."""
+    d = x.shape[0]
+    if use_cold_y:
+        y = cold_y.copy()
+    elif slots.shape[0] == 0:
+        y = np.zeros(d, dtype=np.float32)
+    else:
+        acts = np.empty(slots.shape[0], dtype=np.float32)
+        y = _rows_call(rows_kind, gate_b, gate_s, up_b, up_s, down_b, down_s, hm, logits, pred_ids, True, True, pthr,
+                       gated, code, act_thr, acts, threads, slots, True)
+    count, count_hot = _hot_and_counts(y, hm, logits, pthr, gated, code, act_thr, threads, hot_kind, hot_gate_b,
+                                       hot_gate_s, hot_up_b, hot_up_s, hot_down_b, hot_down_s, hot_ids)
+    rs = np.float32(res_scale)
     for j in range(d):
         x[j] = x[j] + (y[j] * rs if use_res_scale else y[j])
     return count, count_hot
@@ -495,7 +556,8 @@ def moe_experts(hm, threads, chosen, weights, n_ff, code, pthr, use_pred, fc1_ki
             part = _rows_call(kind, _bytes_at(row[X_GATE], n, rb), _f32s_at(row[X_GATE_S], ns),
                               _bytes_at(row[X_UP], n, rb), _f32s_at(row[X_UP_S], ns),
                               _bytes_at(row[X_DOWN], n, rb), _f32s_at(row[X_DOWN_S], ns),
-                              hm, plog, ids, use_pred, use_ids, pthr, True, code, 0.0, acts, threads)
+                              hm, plog, ids, use_pred, use_ids, pthr, True, code, 0.0, acts, threads,
+                              np.empty(0, dtype=np.int64), False)
             for j in range(d):
                 y[j] += part[j] * w
             fired = 0
@@ -568,6 +630,6 @@ def loaded_from_cache() -> bool:
     return all(sum(f.stats.cache_misses.values()) == 0 for f in fns)
 
 
-__all__ = ["decode_layer", "decode_moe_layer", "moe_ffn", "moe_experts", "moe_experts_tokens", "decode_head", "linear", "M_FP32", "M_INT8_Q8", "M_INT8",
+__all__ = ["decode_layer", "decode_layer_front", "decode_layer_rows", "decode_moe_layer", "moe_ffn", "moe_experts", "moe_experts_tokens", "decode_head", "linear", "M_FP32", "M_INT8_Q8", "M_INT8",
            "M_Q4_TILES", "M_Q4", "M_Q4X8", "M_Q4MIN_TILES", "M_Q4MIN", "M_Q4MIN_X8",
            "R_FP32", "R_INT8", "R_Q4", "FFN_ROWS", "FFN_DENSE_LINEAR", "FFN_DENSE_COMBINE"]

@@ -37,6 +37,7 @@ from engine.kernels import cpu as cpu_kernels
 from engine.kernels.quantized import Int8Matrix, Q4Matrix, Q4MinMatrix
 from engine.hotcold.hybrid_ffn import HybridFfn
 from engine.hotcold.moe_tiers import ColdExperts, TieredMoe, row_bytes
+from engine.hotcold.neuron_cache import DiskFfn
 from engine.loading.dense_quant import QuantDenseFfn
 from engine.model.layers import DenseFfn
 from engine.model.moe import ExpertPredictors
@@ -49,8 +50,10 @@ _EMPTY_F32 = np.empty(0, dtype=np.float32)
 _EMPTY_IDS = np.empty(0, dtype=np.int64)
 _checked: tuple[str, bool] | None = None  # (raw value, parsed): the environment is read per token
 # decode_layer's entry points a first start's background preparation does not wait for
-# (engine.runtime.kernel_preparation): a mixture's layer, which a dense model never runs.
-UNTRACKED = ("decode_moe_layer", "moe_ffn", "moe_experts", "moe_experts_tokens")
+# (engine.runtime.kernel_preparation): a mixture's layer and a disk tier's, which a model in RAM
+# never runs (fused_decode.warm compiles them where the model has such layers).
+UNTRACKED = ("decode_moe_layer", "moe_ffn", "moe_experts", "moe_experts_tokens", "decode_layer_front",
+             "decode_layer_rows")
 
 
 def enabled(value: str | None = None) -> bool:
@@ -167,6 +170,9 @@ class FusedLayer:
     n_ff: int = 0
     calls: int = 0           # decode steps this layer ran fused (tests check the path is taken)
     moe: "FusedMoe | None" = None  # a mixture's layer: decode_moe_layer, and what its counters need
+    # a layer whose cold rows the disk tier's cache holds (args None): decode_layer_front's
+    # arguments, and decode_layer_rows' up to the cache's slots (the reads come in between)
+    disk: "tuple[tuple, tuple] | None" = None
 
 
 @dataclass
@@ -192,6 +198,7 @@ def _layer_key(model, index: int, layer, cache) -> tuple:
         if type(ffn) is TieredMoe else ()
     return (layer.qkv, layer.out, layer.attn_norm.weight, layer.mlp_norm.weight if layer.mlp_norm else None,
             layer.device, ffn, getattr(ffn, "cold", None), getattr(ffn, "hot", None), predictors, *fc,
+            getattr(getattr(ffn, "cache", None), "rows", None),  # the disk tier's pool (a resize makes a new one)
             *((cache.k[index], cache.v[index]) if cache is not None else ()), hot_q4.TRITON_ON_CPU, *moe)
 
 
@@ -249,6 +256,8 @@ def _build_layer(dl, model, index: int, layer, cache) -> FusedLayer:
     mats = [qkv, out]
     fc1 = fc2 = rows = hot = gate_up = down = None
     row_ids = _EMPTY_IDS
+    if type(ffn) is DiskFfn:
+        return _build_disk_layer(dl, model, index, layer, cache, key, qkv, out)
     if type(ffn) is HybridFfn:
         hooks = ffn.context._hooks
         hot = _hot_rows(dl, ffn.hot) if len(ffn.hot) else None
@@ -292,6 +301,32 @@ def _build_layer(dl, model, index: int, layer, cache) -> FusedLayer:
             *fc1, *fc2, *rows, row_ids, *hot, *gate_up, *down)
     q4 = any(_four_bit(dl, m[0]) for m in mats) or dl.R_Q4 in (rows[0], hot[0])
     return FusedLayer(key, args, sparse=ffn_kind == dl.FFN_ROWS, q4=q4, n_ff=int(ffn.n_ff))
+
+
+def _build_disk_layer(dl, model, index: int, layer, cache, key: tuple, qkv: tuple, out: tuple) -> FusedLayer:
+    """A layer whose cold rows the disk tier's cache holds (DiskFfn): two compiled calls around
+    the cache's reads, decode_layer_front and decode_layer_rows."""
+    ffn = layer.ffn
+    hooks = ffn.context._hooks
+    if ffn.context.mode == "oracle" or hooks.predictors is None:
+        return FusedLayer(key, None, "no predictor (oracle)")
+    hot = _hot_rows(dl, ffn.hot) if len(ffn.hot) else None
+    if len(ffn.hot) and hot is None:
+        return FusedLayer(key, None, "hot rows on another device")
+    fc1, fc2 = _matrix(dl, hooks.predictors.fc1[index]), _matrix(dl, hooks.predictors.fc2[index])
+    rows = _rows(dl, ffn.cache.rows)
+    if fc1 is None or fc2 is None or rows is None:
+        return FusedLayer(key, None, "predictor or cache rows in a storage the kernel does not read")
+    no_rows = (dl.R_FP32, _EMPTY_BYTES, _EMPTY_F32, _EMPTY_BYTES, _EMPTY_F32, _EMPTY_BYTES, _EMPTY_F32)
+    hot = hot or (*no_rows, _EMPTY_IDS)
+    attention = _attention_args(model, index, layer, cache, qkv, out)
+    code = numba_pool.module().ACTIVATION_CODES[ffn.activation]
+    res = model.residual_scale
+    back = (float(res if res is not None else 1.0), res is not None, bool(ffn.gated), code, float(ffn.threshold),
+            *rows)
+    q4 = any(_four_bit(dl, m[0]) for m in (qkv, out, fc1, fc2)) or dl.R_Q4 in (rows[0], hot[0])
+    return FusedLayer(key, None, "cold rows on the disk tier: two calls", sparse=True, q4=q4, n_ff=int(ffn.n_ff),
+                      disk=((*attention, *fc1, *fc2), (back, hot)))
 
 
 ATTENTION_CACHE = 16  # a layer's arguments (_attention_args) hold the KV cache's two views here, then its fp16 flag
@@ -486,8 +521,10 @@ def decode_step(model, ids: torch.Tensor, start: int, cache) -> torch.Tensor | N
     plans = []
     for index, layer in enumerate(model.layers):
         plan = layer_plan(dl, model, index, layer, cache)
-        if plan.args is None:
+        if plan.args is None and plan.disk is None:
             return None
+        if plan.disk is not None and not numba_pool.usable(dl.decode_layer_front, dl.decode_layer_rows):
+            return None  # a first start's preparation has not handed them over yet
         if plan.moe is not None:
             runtime = layer.ffn.runtime
             if runtime.scoring_mode is not None or runtime.prefetcher is not None:
@@ -522,9 +559,12 @@ def decode_step(model, ids: torch.Tensor, start: int, cache) -> torch.Tensor | N
             layer.ffn.count_fused(m.chosen.tolist(), m.stats, m.row_bytes)
             continue
         pthr = layer.ffn.context.threshold if plan.sparse else 0.0
-        with numba_pool.lock:
-            threads = numba_pool.use_threads(kern)
-            count, count_hot = dl.decode_layer(x, start, threads, cos, sin, float(pthr), *plan.args)
+        if plan.disk is not None:
+            count, count_hot = _disk_layer(dl, kern, layer.ffn, plan, x, start, cos, sin, float(pthr))
+        else:
+            with numba_pool.lock:
+                threads = numba_pool.use_threads(kern)
+                count, count_hot = dl.decode_layer(x, start, threads, cos, sin, float(pthr), *plan.args)
         plan.calls += 1
         if plan.sparse:
             counters = layer.ffn.context.counters
@@ -581,6 +621,21 @@ def moe_prompt(ffn: TieredMoe, x: torch.Tensor, routing) -> torch.Tensor | None:
     return torch.from_numpy(ys)
 
 
+def _disk_layer(dl, kern, ffn: DiskFfn, plan: FusedLayer, x: np.ndarray, start: int, cos, sin,
+                pthr: float) -> tuple[int, int]:
+    """A disk tier's layer: attention and the predictor, the predicted cold rows made resident
+    (the reads; the next layer's read ahead started), then the rows and the residual."""
+    front, (back, hot) = plan.disk
+    with numba_pool.lock:
+        hm, logits = dl.decode_layer_front(x, start, numba_pool.use_threads(kern), cos, sin, *front)
+    slots, pred_ids, cold_y = ffn.fused_cold(x, hm, logits)
+    use_cold_y = cold_y is not None
+    with numba_pool.lock:
+        return dl.decode_layer_rows(x, hm, logits, numba_pool.use_threads(kern), pthr, *back,
+                                    _EMPTY_IDS if use_cold_y else slots, _EMPTY_IDS if use_cold_y else pred_ids,
+                                    *hot, cold_y if use_cold_y else _EMPTY_F32, use_cold_y)
+
+
 def warm(model, cache, keep: bool = True) -> bool:
     """Load the compiled layer and head functions now (numba's disk cache; a first compile takes
     minutes) rather than in the first decoded token: one call of the first layer at position 0,
@@ -598,13 +653,21 @@ def warm(model, cache, keep: bool = True) -> bool:
     if keep:
         layer.fused, model.fused_head = plan, head
     table = model.rotary.get(torch.device("cpu"))
-    if plan.args is None or head.args is None or table is None or table.cos.dtype != torch.float32:
+    if (plan.args is None and plan.disk is None) or head.args is None or table is None \
+            or table.cos.dtype != torch.float32:
         return False
     x = np.zeros(model.config.hidden_size, dtype=np.float32)
     kern = numba_pool.module()
     with numba_pool.lock:
         threads = numba_pool.use_threads(kern)
-        if plan.moe is not None:  # its counters untouched: the warm-up is no decoded token
+        if plan.disk is not None:  # every position through slot 0: no read, no cache counter moves
+            front, (back, hot) = plan.disk
+            hm, logits = dl.decode_layer_front(x, 0, threads, table.cos.numpy(), table.sin.numpy(), *front)
+            neuron_cache = layer.ffn.cache
+            ids = neuron_cache.cold_ids[layer.ffn.layer]
+            dl.decode_layer_rows(x, hm, logits, threads, 0.0, *back, np.zeros(len(ids), dtype=np.int64),
+                                 neuron_cache.pred_ids(ids), *hot, _EMPTY_F32, False)
+        elif plan.moe is not None:  # its counters untouched: the warm-up is no decoded token
             m = plan.moe
             dl.decode_moe_layer(x, 0, threads, table.cos.numpy(), table.sin.numpy(), *plan.args, m.chosen, m.weights,
                                 m.stats)
