@@ -112,3 +112,49 @@ def test_answer_stats_read_live_and_final_names_once():
     final = AnswerStats.from_dict({"device": "cpu", "ram_bytes": 5, "finish_reason": "length"})
     assert (final.device, final.ram_bytes, final.vram_bytes, final.finish_reason) == ("cpu", 5, None, "length")
     assert AnswerStats.from_dict(None).finish_reason == "stop" and AnswerStats.from_dict(None).raw == {}
+
+
+PARKED_CHILD = r"""
+import gc, os, threading, time
+os.environ["QT_QPA_PLATFORM"] = "offscreen"
+from PySide6.QtCore import QCoreApplication
+from app import open_model
+from app.gui import worker
+
+entered, release = threading.Event(), threading.Event()
+
+def slow_open(spec, **options):  # a model load, which cannot be cut short
+    entered.set()
+    release.wait(60)
+    raise OSError("no model here")
+
+open_model.open_engine = slow_open
+app = QCoreApplication([])
+client = worker.EngineClient()
+client.load("a model", mode="dense", ctx=64, vram_budget=None, ram_budget=None)
+assert entered.wait(30)
+assert client.shutdown(timeout_ms=100) is False
+del client
+gc.collect()  # the client is gone while its thread still loads
+release.set()
+for _ in range(300):  # the thread ends once the load does; then the next sweep lets it go
+    worker._sweep_parked()
+    if not worker._PARKED:
+        break
+    time.sleep(0.1)
+print("parked", len(worker._PARKED))
+"""
+
+
+def test_a_client_shut_down_mid_load_keeps_its_thread_until_it_ends():
+    """A window closed while its model loads: the client goes, its engine thread runs on. Qt
+    aborts the process where a running QThread is destroyed (a later test's window crashed
+    that way when the collector freed such a client), so the thread is kept until it ends."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", PARKED_CHILD], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["parked", "0"]

@@ -18,6 +18,7 @@ worker drains it from the queued call. Either way the answer keeps streaming.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import threading
@@ -419,6 +420,33 @@ class EngineWorker(QObject):
         return out
 
 
+# Engine threads still running when their client shut down (a model load cannot be cut short):
+# Qt aborts the process where a running QThread is destroyed, and the client that held it may be
+# collected at any time once its window is gone. Kept here until the thread has ended; then its
+# engine is closed. The next shutdown or client sweeps them, and the process waits at exit.
+_PARKED: list[tuple[QThread, EngineWorker]] = []
+
+
+def _park(thread: QThread, worker: EngineWorker) -> None:
+    _sweep_parked()
+    _PARKED.append((thread, worker))
+
+
+def _sweep_parked() -> None:
+    for entry in list(_PARKED):
+        thread, worker = entry
+        if thread.isFinished():
+            _PARKED.remove(entry)
+            worker.close_engine()  # its thread has ended: nothing else touches the engine now
+
+
+@atexit.register
+def _wait_parked() -> None:
+    for thread, _worker in list(_PARKED):
+        thread.wait()
+    _sweep_parked()
+
+
 class EngineClient(QObject):
     """The GUI thread's handle on the worker: starts the thread, forwards calls as signals, and
     re-emits the worker's signals on the GUI thread (widgets connect here, never to the worker),
@@ -445,6 +473,7 @@ class EngineClient(QObject):
 
     def __init__(self, parent: QObject | None = None):
         super().__init__(parent)
+        _sweep_parked()
         self.thread = QThread()
         self.thread.setObjectName("thermocline-engine")
         self.worker = EngineWorker()
@@ -519,6 +548,7 @@ class EngineClient(QObject):
         self.thread.quit()
         if not self.thread.wait(timeout_ms):
             log.warning("engine thread did not stop within %d ms", timeout_ms)
+            _park(self.thread, self.worker)
             return False
         self.worker.close_engine()  # its thread has ended: nothing else touches the engine now
         return True
