@@ -8,6 +8,7 @@ import hashlib
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -97,6 +98,48 @@ def test_disk_decodes_the_same_bits_as_ram(tmp_path, wide_llama_dir, fmt, fused,
         hit, read = result.stats.cache_hit_fraction, result.stats.disk_read_bytes_per_token
         assert 0.0 < hit <= 1.0 and (hit < 1.0) == (read > 0)  # misses are read, hits are not
         assert disk.memory()["ram_bytes"] <= _budget(in_ram, share)
+        disk.close()
+
+
+def test_disk_calls_not_in_the_kernel_cache_compile_behind_the_decode(tmp_path, wide_llama_dir, monkeypatch):
+    """A first run from disk where the in-RAM kernels are cached: the load's warm-up, which every
+    computation waits for, does not compile the disk layer's two calls (minutes the first time
+    on 2 cores: the window's placement waited for them). They compile on a thread of their own;
+    the decode runs unfused meanwhile, takes them at a token's start once they are in, and
+    decodes the same tokens."""
+    from engine.kernels import numba_pool
+    from engine.runtime import fused_decode
+
+    model = _model(tmp_path, wide_llama_dir)
+    in_ram = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights="int8")  # writes the prepared file
+    budget = _budget(in_ram, 0.5)
+    in_ram.close()
+    release = threading.Event()
+    run_calls = fused_decode._run_calls
+
+    def held(calls):  # the compile behind, held until the first answer is in
+        if threading.current_thread().name == "thermocline-kernel-compile-behind":
+            assert release.wait(120)
+        run_calls(calls)
+
+    monkeypatch.setattr(fused_decode, "_run_calls", held)
+    monkeypatch.setattr(numba_pool, "loads_without_compiling", lambda *_args: False)  # not in numba's cache
+    disk = Engine.load(model, mode="sparse", ram_budget=budget, cpu_weights="int8")
+    disk.eos_ids = set()
+    dl = fused_decode.kernels()
+    try:
+        first = disk.generate(PROMPT, GREEDY)  # waits for the load's warm-up, not for the compile behind
+        assert _disk_calls(disk) == [0] * disk.config.num_layers
+        assert not numba_pool.usable(dl.decode_layer_front, dl.decode_layer_rows)
+        release.set()
+        for thread in list(fused_decode._BEHIND):
+            thread.join(120)
+        assert numba_pool.usable(dl.decode_layer_front, dl.decode_layer_rows)
+        second = disk.generate(PROMPT, GREEDY)
+        assert second.token_ids == first.token_ids
+        assert all(calls > 0 for calls in _disk_calls(disk))
+    finally:
+        release.set()
         disk.close()
 
 

@@ -112,3 +112,39 @@ def test_a_completed_preparation_loads_the_kernels_with_the_weights():
     assert engine.kernel_preparation is None and engine._kernel_gate is None
     engine.generate("It is a truth", PARAMS)
     assert fused_calls(engine) > 0
+
+
+PROBE_CHILD = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from engine.kernels import numba_pool
+import probed
+if sys.argv[2] == "call":
+    probed.twice(2.0)  # compiles, and numba's cache keeps it
+print(numba_pool.loads_without_compiling(probed.twice, 3.0), len(probed.twice.signatures),
+      sum(probed.twice.stats.cache_misses.values()), sum(probed.twice.stats.cache_hits.values()))
+"""
+
+
+def test_loads_without_compiling_loads_from_the_cache_and_never_compiles(tmp_path):
+    """The warm-up asks it before a disk tier's or a mixture's layer calls: True where they run
+    without numba compiling (in this process already, or loaded from numba's disk cache now),
+    False where they would compile, and then nothing is compiled."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "probed.py").write_text("import numba\n\n\n@numba.njit(cache=True)\ndef twice(x):\n    return 2 * x\n")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    root = Path(__file__).resolve().parents[1]
+
+    def probe(step: str) -> list[str]:
+        out = subprocess.run([sys.executable, "-c", PROBE_CHILD, str(tmp_path), step], cwd=root, env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.split()
+
+    assert probe("ask") == ["False", "0", "0", "0"]  # not compiled, not cached: refused, nothing compiled
+    assert probe("call") == ["True", "1", "1", "0"]  # compiled in this process (and cached on disk)
+    assert probe("ask") == ["True", "1", "0", "1"]  # a new process: loaded from the cache, no compile

@@ -143,9 +143,51 @@ def kernels(*names: str):
 
 def usable(*dispatchers) -> bool:
     """Whether the calling thread may launch these jitted functions (no gate, or its gate took
-    them in); none named: whether it may launch every kernel."""
+    them in, and none of them compiles behind: `compiling_behind`); none named: whether it may
+    launch every kernel."""
+    if any(d in compiling_behind for d in dispatchers):
+        return False
     gate = getattr(_local, "gate", None)
     return gate is None or gate.allows(dispatchers)
+
+
+# Jitted functions a thread compiles that no computation waits for (engine.runtime.fused_decode:
+# a disk tier's or a mixture's layer calls, whose first compile takes minutes): `usable` says
+# no for them until that thread ends, and the callers take their unfused paths meanwhile.
+compiling_behind: set = set()
+
+
+class _WouldCompile(Exception):
+    pass
+
+
+def loads_without_compiling(dispatcher, *args) -> bool:
+    """Whether `dispatcher(*args)` runs without numba compiling it: compiled in this process
+    already, or in numba's disk cache, which this loads now (numba's own first step in
+    `Dispatcher.compile`; only its compiler is refused here)."""
+    from numba.core.compiler_lock import global_compiler_lock
+
+    sig = tuple(dispatcher.typeof_pyval(a) for a in args)
+    if sig in dispatcher.overloads:
+        return True
+
+    def refuse(*_args, **_kws):
+        raise _WouldCompile
+
+    compiler = dispatcher._compiler
+    with global_compiler_lock:  # no other thread compiles this function meanwhile
+        compiler.compile = refuse
+        try:
+            dispatcher.compile(sig)
+            return True
+        except _WouldCompile:
+            misses = dispatcher._cache_misses  # counted before the compiler was asked: no compile ran
+            misses[sig] -= 1
+            if misses[sig] <= 0:
+                del misses[sig]
+            return False
+        finally:
+            del compiler.compile
 
 
 def module():

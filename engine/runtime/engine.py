@@ -557,7 +557,7 @@ class _KernelWarmup:
             self.run_prompt(mode, cpu_weights)
             self._loaded.wait()
             model, cache = self._decode
-            if model is not None and not fused_decode.warm(model, cache, keep=False):
+            if model is not None and not fused_decode.warm(model, cache, keep=False, behind=True):
                 self.run_all(mode, cpu_weights)
         except BaseException as exc:  # noqa: BLE001 - handed to the loading thread
             self._error = exc

@@ -22,8 +22,10 @@ on the layer with the objects they were built from; a re-placement that swaps an
 
 from __future__ import annotations
 
+import atexit
 import operator
 import os
+import threading
 import warnings
 from dataclasses import dataclass, field
 
@@ -636,12 +638,15 @@ def _disk_layer(dl, kern, ffn: DiskFfn, plan: FusedLayer, x: np.ndarray, start: 
                                     *hot, cold_y if use_cold_y else _EMPTY_F32, use_cold_y)
 
 
-def warm(model, cache, keep: bool = True) -> bool:
+def warm(model, cache, keep: bool = True, behind: bool = False) -> bool:
     """Load the compiled layer and head functions now (numba's disk cache; a first compile takes
     minutes) rather than in the first decoded token: one call of the first layer at position 0,
     whose cache slot the prompt overwrites before anything reads it, and one of the head.
     `keep`: the prepared arguments stay on the model for the first token; False (a background
     warm-up beside a running engine, over a scratch cache) leaves the model untouched.
+    `behind` (the load's warm-up, which the engine's computations wait for): a disk tier's or a
+    mixture's layer calls that numba's cache does not hold compile on a thread nobody waits for
+    (`_compile_behind`), and the decode stays unfused until they are in.
     Returns whether the decode is fused: every layer on the CPU, the first layer's and the
     head's calls prepared."""
     if not enabled() or kernels() is None or not model.layers:
@@ -656,25 +661,86 @@ def warm(model, cache, keep: bool = True) -> bool:
     if (plan.args is None and plan.disk is None) or head.args is None or table is None \
             or table.cos.dtype != torch.float32:
         return False
+    calls = _warm_calls(dl, model, layer, plan, head, table)
+    untracked = [(f, args) for f, args, _ in calls if f.__name__ in UNTRACKED]
+    if behind and untracked and not all(numba_pool.loads_without_compiling(f, *args) for f, args in untracked):
+        _compile_behind([f for f, _ in untracked], calls)
+        return False
+    _run_calls(calls)
+    return all(getattr(la, "device", torch.device("cpu")).type == "cpu" for la in model.layers)
+
+
+def _warm_calls(dl, model, layer, plan: FusedLayer, head: FusedLayer, table) -> list[tuple]:
+    """The warm-up's calls as (function, arguments, slots): `_run_calls` puts the thread count
+    in the first slot and the previous call's results in the rest (a disk layer's second call
+    reads the first's hm and logits); stand-ins of the same types hold them here."""
     x = np.zeros(model.config.hidden_size, dtype=np.float32)
+    cos, sin = table.cos.numpy(), table.sin.numpy()
+    if plan.disk is not None:  # every position through slot 0: no read, no cache counter moves
+        front, (back, hot) = plan.disk
+        neuron_cache = layer.ffn.cache
+        ids = neuron_cache.cold_ids[layer.ffn.layer]
+        vector = np.zeros(1, dtype=np.float32)  # hm and logits
+        calls = [(dl.decode_layer_front, (x, 0, 1, cos, sin, *front), (2,)),
+                 (dl.decode_layer_rows, (x, vector, vector, 1, 0.0, *back, np.zeros(len(ids), dtype=np.int64),
+                                         neuron_cache.pred_ids(ids), *hot, _EMPTY_F32, False), (3, 1, 2))]
+    elif plan.moe is not None:  # its counters untouched: the warm-up is no decoded token
+        m = plan.moe
+        calls = [(dl.decode_moe_layer, (x, 0, 1, cos, sin, *plan.args, m.chosen, m.weights, m.stats), (2,))]
+        prompt = moe_expert_args(dl, layer.ffn)  # and a prompt's experts (moe_prompt), one token here
+        if not isinstance(prompt, str):
+            calls.append((dl.moe_experts_tokens,
+                          (x[None], m.chosen[None], m.weights[None], *prompt[0], m.stats[None].copy()), ()))
+    else:
+        calls = [(dl.decode_layer, (x, 0, 1, cos, sin, 0.0, *plan.args), (2,))]
+    return calls + [(dl.decode_head, (x, 1, *head.args), (1,))]
+
+
+def _run_calls(calls: list[tuple]) -> None:
     kern = numba_pool.module()
     with numba_pool.lock:
         threads = numba_pool.use_threads(kern)
-        if plan.disk is not None:  # every position through slot 0: no read, no cache counter moves
-            front, (back, hot) = plan.disk
-            hm, logits = dl.decode_layer_front(x, 0, threads, table.cos.numpy(), table.sin.numpy(), *front)
-            neuron_cache = layer.ffn.cache
-            ids = neuron_cache.cold_ids[layer.ffn.layer]
-            dl.decode_layer_rows(x, hm, logits, threads, 0.0, *back, np.zeros(len(ids), dtype=np.int64),
-                                 neuron_cache.pred_ids(ids), *hot, _EMPTY_F32, False)
-        elif plan.moe is not None:  # its counters untouched: the warm-up is no decoded token
-            m = plan.moe
-            dl.decode_moe_layer(x, 0, threads, table.cos.numpy(), table.sin.numpy(), *plan.args, m.chosen, m.weights,
-                                m.stats)
-            prompt = moe_expert_args(dl, layer.ffn)  # and a prompt's experts (moe_prompt), one token here
-            if not isinstance(prompt, str):
-                dl.moe_experts_tokens(x[None], m.chosen[None], m.weights[None], *prompt[0], m.stats[None].copy())
+        out = ()
+        for f, args, slots in calls:
+            args = list(args)
+            for slot, value in zip(slots, (threads, *out)):
+                args[slot] = value
+            out = f(*args)
+            out = out if isinstance(out, tuple) else ()
+
+
+# Threads compiling a disk tier's or a mixture's layer calls that nobody waits for
+# (`_compile_behind`); the process waits for them at exit: a thread cut off inside numba's
+# compiler aborts the interpreter.
+_BEHIND: set = set()
+
+
+def _compile_behind(functions: list, calls: list[tuple]) -> None:
+    """Compile (and run once) `calls` on a thread of their own; `functions` stay unusable
+    (numba_pool.compiling_behind) until it ends, so a decode takes the unfused path meanwhile
+    and comes to the fused one at a token's start. Where that thread fails they stay unusable:
+    the unfused path is the reference."""
+    if any(f in numba_pool.compiling_behind for f in functions):
+        return  # another load's thread compiles them
+    numba_pool.compiling_behind.update(functions)
+
+    def compile_calls():
+        try:
+            _run_calls(calls)
+        except Exception as exc:  # noqa: BLE001 - the decode stays on the unfused path
+            warnings.warn(f"the fused decode's {', '.join(f.__name__ for f in functions)} could not be compiled "
+                          f"({exc}); decoding on the unfused path", RuntimeWarning, stacklevel=1)
         else:
-            dl.decode_layer(x, 0, threads, table.cos.numpy(), table.sin.numpy(), 0.0, *plan.args)
-        dl.decode_head(x, threads, *head.args)
-    return all(getattr(la, "device", torch.device("cpu")).type == "cpu" for la in model.layers)
+            numba_pool.compiling_behind.difference_update(functions)
+        finally:
+            _BEHIND.discard(thread)
+
+    thread = threading.Thread(target=compile_calls, name="thermocline-kernel-compile-behind", daemon=True)
+    _BEHIND.add(thread)
+    thread.start()
+
+
+@atexit.register
+def _finish_behind() -> None:
+    for thread in list(_BEHIND):
+        thread.join()
