@@ -104,10 +104,15 @@ def test_disk_decodes_the_same_bits_as_ram(tmp_path, wide_llama_dir, fmt, fused,
 def test_disk_calls_not_in_the_kernel_cache_compile_behind_the_decode(tmp_path, wide_llama_dir, monkeypatch):
     """A first run from disk where the in-RAM kernels are cached: the load's warm-up, which every
     computation waits for, does not compile the disk layer's two calls (minutes the first time
-    on 2 cores: the window's placement waited for them). They compile on a thread of their own;
-    the decode runs unfused meanwhile, takes them at a token's start once they are in, and
-    decodes the same tokens."""
+    on 2 cores: the window's placement waited for them). They compile on a thread of their own,
+    once the unfused decode's kernels are loaded (a compile holds numba's compiler lock, which
+    loading a kernel takes: a fresh process's first answer waited for the whole compile); the
+    decode runs unfused meanwhile, takes them at a token's start once they are in, and decodes
+    the same tokens."""
+    from numba.core.compiler_lock import global_compiler_lock
+
     from engine.kernels import numba_pool
+    from engine.runtime import engine as engine_module
     from engine.runtime import fused_decode
 
     model = _model(tmp_path, wide_llama_dir)
@@ -115,20 +120,29 @@ def test_disk_calls_not_in_the_kernel_cache_compile_behind_the_decode(tmp_path, 
     budget = _budget(in_ram, 0.5)
     in_ram.close()
     release = threading.Event()
-    run_calls = fused_decode._run_calls
+    run_calls, run_all = fused_decode._run_calls, engine_module._KernelWarmup.run_all
+    order = []
 
-    def held(calls):  # the compile behind, held until the first answer is in
+    def held(calls):  # the compile behind, held (with numba's compiler lock, as a compile) until the answer is in
         if threading.current_thread().name == "thermocline-kernel-compile-behind":
-            assert release.wait(120)
+            order.append("compile behind")
+            with global_compiler_lock:
+                assert release.wait(60)
         run_calls(calls)
 
+    def loading_all(*args):
+        order.append("unfused kernels")
+        run_all(*args)
+
     monkeypatch.setattr(fused_decode, "_run_calls", held)
+    monkeypatch.setattr(engine_module._KernelWarmup, "run_all", staticmethod(loading_all))
     monkeypatch.setattr(numba_pool, "loads_without_compiling", lambda *_args: False)  # not in numba's cache
     disk = Engine.load(model, mode="sparse", ram_budget=budget, cpu_weights="int8")
     disk.eos_ids = set()
     dl = fused_decode.kernels()
     try:
         first = disk.generate(PROMPT, GREEDY)  # waits for the load's warm-up, not for the compile behind
+        assert order == ["unfused kernels", "compile behind"]
         assert _disk_calls(disk) == [0] * disk.config.num_layers
         assert not numba_pool.usable(dl.decode_layer_front, dl.decode_layer_rows)
         release.set()

@@ -630,6 +630,7 @@ def loaded_from_cache() -> bool:
     return all(sum(f.stats.cache_misses.values()) == 0 for f in fns)
 
 
-__all__ = ["decode_layer", "decode_layer_front", "decode_layer_rows", "decode_moe_layer", "moe_ffn", "moe_experts", "moe_experts_tokens", "decode_head", "linear", "M_FP32", "M_INT8_Q8", "M_INT8",
+__all__ = ["decode_layer", "decode_layer_front", "decode_layer_rows", "decode_moe_layer", "moe_ffn", "moe_experts",
+           "moe_experts_tokens", "decode_head", "linear", "M_FP32", "M_INT8_Q8", "M_INT8",
            "M_Q4_TILES", "M_Q4", "M_Q4X8", "M_Q4MIN_TILES", "M_Q4MIN", "M_Q4MIN_X8",
            "R_FP32", "R_INT8", "R_Q4", "FFN_ROWS", "FFN_DENSE_LINEAR", "FFN_DENSE_COMBINE"]

@@ -557,8 +557,11 @@ class _KernelWarmup:
             self.run_prompt(mode, cpu_weights)
             self._loaded.wait()
             model, cache = self._decode
-            if model is not None and not fused_decode.warm(model, cache, keep=False, behind=True):
+            behind: list = []
+            if model is not None and not fused_decode.warm(model, cache, keep=False, behind=behind):
                 self.run_all(mode, cpu_weights)
+            for functions, calls in behind:  # after run_all: numba loads no kernel while it compiles
+                fused_decode.compile_behind(functions, calls)
         except BaseException as exc:  # noqa: BLE001 - handed to the loading thread
             self._error = exc
         finally:

@@ -638,15 +638,17 @@ def _disk_layer(dl, kern, ffn: DiskFfn, plan: FusedLayer, x: np.ndarray, start: 
                                     *hot, cold_y if use_cold_y else _EMPTY_F32, use_cold_y)
 
 
-def warm(model, cache, keep: bool = True, behind: bool = False) -> bool:
+def warm(model, cache, keep: bool = True, behind: list | None = None) -> bool:
     """Load the compiled layer and head functions now (numba's disk cache; a first compile takes
     minutes) rather than in the first decoded token: one call of the first layer at position 0,
     whose cache slot the prompt overwrites before anything reads it, and one of the head.
     `keep`: the prepared arguments stay on the model for the first token; False (a background
     warm-up beside a running engine, over a scratch cache) leaves the model untouched.
     `behind` (the load's warm-up, which the engine's computations wait for): a disk tier's or a
-    mixture's layer calls that numba's cache does not hold compile on a thread nobody waits for
-    (`_compile_behind`), and the decode stays unfused until they are in.
+    mixture's layer calls that numba's cache does not hold are not run but added to this list,
+    for `compile_behind` once the unfused decode's kernels are loaded (a compile holds numba's
+    compiler lock, which loading a kernel from its cache takes too); they stay unusable
+    (numba_pool.compiling_behind) and the decode unfused until they are in.
     Returns whether the decode is fused: every layer on the CPU, the first layer's and the
     head's calls prepared."""
     if not enabled() or kernels() is None or not model.layers:
@@ -663,8 +665,12 @@ def warm(model, cache, keep: bool = True, behind: bool = False) -> bool:
         return False
     calls = _warm_calls(dl, model, layer, plan, head, table)
     untracked = [(f, args) for f, args, _ in calls if f.__name__ in UNTRACKED]
-    if behind and untracked and not all(numba_pool.loads_without_compiling(f, *args) for f, args in untracked):
-        _compile_behind([f for f, _ in untracked], calls)
+    if behind is not None and untracked \
+            and not all(numba_pool.loads_without_compiling(f, *args) for f, args in untracked):
+        functions = [f for f, _ in untracked]
+        if not any(f in numba_pool.compiling_behind for f in functions):  # else another load compiles them
+            numba_pool.compiling_behind.update(functions)
+            behind.append((functions, calls))
         return False
     _run_calls(calls)
     return all(getattr(la, "device", torch.device("cpu")).type == "cpu" for la in model.layers)
@@ -710,20 +716,16 @@ def _run_calls(calls: list[tuple]) -> None:
 
 
 # Threads compiling a disk tier's or a mixture's layer calls that nobody waits for
-# (`_compile_behind`); the process waits for them at exit: a thread cut off inside numba's
+# (`compile_behind`); the process waits for them at exit: a thread cut off inside numba's
 # compiler aborts the interpreter.
 _BEHIND: set = set()
 
 
-def _compile_behind(functions: list, calls: list[tuple]) -> None:
-    """Compile (and run once) `calls` on a thread of their own; `functions` stay unusable
-    (numba_pool.compiling_behind) until it ends, so a decode takes the unfused path meanwhile
-    and comes to the fused one at a token's start. Where that thread fails they stay unusable:
-    the unfused path is the reference."""
-    if any(f in numba_pool.compiling_behind for f in functions):
-        return  # another load's thread compiles them
-    numba_pool.compiling_behind.update(functions)
-
+def compile_behind(functions: list, calls: list[tuple]) -> None:
+    """Compile (and run once) `calls` on a thread of their own, what `warm` set aside;
+    `functions` stay unusable (numba_pool.compiling_behind) until it ends, so a decode takes
+    the unfused path meanwhile and comes to the fused one at a token's start. Where that thread
+    fails they stay unusable: the unfused path is the reference."""
     def compile_calls():
         try:
             _run_calls(calls)
