@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from bench import emit
 
 from engine import Engine, SamplingParams
+from engine.runtime import fused_decode
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 REAL = TESTS / "data" / "real_configs" / "smallthinker-4b" / "config.json"
@@ -127,6 +128,7 @@ def main(argv=None) -> int:
         for engine in (dense, sparse):
             engine.eos_ids = set()
             decode(engine, prompt, 2)  # warm-up: kernels compiled or read from numba's cache
+        fused_decode.wait_compiled_behind()  # the mixture's layer calls, where numba's cache lacked them
         runs = {"dense": [], "sparse": []}
         for _ in range(args.repeats):  # interleaved, so load changes hit both alike
             for name, engine in (("dense", dense), ("sparse", sparse)):

@@ -196,6 +196,7 @@ def worker_ours(root: Path, cpu_weights: str, threads: int, tokens: int, seed: i
     import torch
 
     from engine import Engine, SamplingParams
+    from engine.runtime import fused_decode
 
     torch.set_num_threads(threads)
     cpu_weights, _, option = cpu_weights.partition("+")
@@ -210,6 +211,7 @@ def worker_ours(root: Path, cpu_weights: str, threads: int, tokens: int, seed: i
         engine.sparse.set_prefetch(option == "prefetch")
     engine.eos_ids = set()
     engine.generate(PROMPT[:4], SamplingParams(max_new_tokens=2, temperature=0))  # warm-up: kernels compiled
+    fused_decode.wait_compiled_behind()  # and the mixture's layer calls, where numba's cache lacked them
 
     def prefill() -> float:  # time to first token: the prompt's prefill and its first token
         engine.reset()

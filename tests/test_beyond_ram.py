@@ -48,7 +48,12 @@ def _budget(engine, share: float) -> int:
 
 
 def _step_logits(engine, ids: list[int]) -> list[torch.Tensor]:
-    """Logits of each token fed alone (the decode path), from an empty cache."""
+    """Logits of each token fed alone (the decode path), from an empty cache; with the disk
+    layer's calls in where numba compiles them (they compile behind the first decode)."""
+    from engine.runtime import fused_decode
+
+    engine.wait_kernels()
+    fused_decode.wait_compiled_behind()
     engine.reset()
     engine.sparse.begin_generation()
     return [engine.model.forward(torch.tensor([t]), pos, engine.cache)[-1].clone() for pos, t in enumerate(ids)]
@@ -146,8 +151,7 @@ def test_disk_calls_not_in_the_kernel_cache_compile_behind_the_decode(tmp_path, 
         assert _disk_calls(disk) == [0] * disk.config.num_layers
         assert not numba_pool.usable(dl.decode_layer_front, dl.decode_layer_rows)
         release.set()
-        for thread in list(fused_decode._BEHIND):
-            thread.join(120)
+        fused_decode.wait_compiled_behind()
         assert numba_pool.usable(dl.decode_layer_front, dl.decode_layer_rows)
         second = disk.generate(PROMPT, GREEDY)
         assert second.token_ids == first.token_ids

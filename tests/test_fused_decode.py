@@ -74,6 +74,8 @@ def _calls(engine) -> list[int]:
 
 def _check_same(engine, monkeypatch, bound: float = 1e-5):
     engine.eos_ids = set()
+    engine.wait_kernels()
+    fused_decode.wait_compiled_behind()  # a mixture's calls compile behind the first decode
     for plan in [layer.fused for layer in engine.model.layers] + [engine.model.fused_head]:
         if plan is not None:
             plan.calls = 0
@@ -376,6 +378,7 @@ def test_moe_prompt_experts_in_one_call_equal_the_unfused_path(moe_models, famil
     hybrid = Engine.load(moe_models[family], mode="hybrid", vram_budget=0, ram_budget=RAM, cpu_weights=weights)
     for engine, fractions in ((sparse, (None,)), (hybrid, (0.3, 0.0))):
         engine.wait_kernels()  # a first start's preparation hands the mixture's kernels over at its end
+        fused_decode.wait_compiled_behind()  # and where numba's cache lacks them they compile behind the decode
         for fraction in fractions:
             if fraction is not None:
                 engine.set_budgets(vram=vram_for(engine, fraction))

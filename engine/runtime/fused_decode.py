@@ -743,6 +743,8 @@ def compile_behind(functions: list, calls: list[tuple]) -> None:
 
 
 @atexit.register
-def _finish_behind() -> None:
+def wait_compiled_behind() -> None:
+    """Wait for what `compile_behind` compiles (a caller that needs the fused decode now: the
+    tests of its mixture's and disk tier's calls; the process at exit)."""
     for thread in list(_BEHIND):
         thread.join()
