@@ -126,3 +126,61 @@ def test_one_engines_reduced_count_stays_in_its_own_step(tmp_path):
         t.start()
         t.join()
     assert other == [2]
+
+
+@pytest.mark.skipif(not numba_pool.available() or numba_pool.configured_threads() < 2,
+                    reason="the numba kernels on 2 threads")
+def test_a_batched_step_runs_on_its_own_tuners_count_and_the_same_numbers(tmp_path, one_torch_thread):
+    """A server's batched decode step collapsed under load as a one-token step did (the demo,
+    one core busy: a step of 8 took 4.87 ms on two threads, 1.09 on one): it runs on its own
+    tuner's count, which learns from its decode steps' time per row (a step with prompt pieces
+    runs on it unrecorded), and computes the same logits on one thread as on two."""
+    import model_factory as mf
+
+    from engine import Engine
+    from engine.runtime import fused_batch
+
+    kern = numba_pool.module()
+    engine = Engine.load(mf.llama_relu(tmp_path / "m", hidden=128, ff=512, layers=2), cpu_weights="int8")
+    model = engine.model
+
+    def caches():
+        made = [engine.make_cache(engine.config, 16, [la.device for la in model.layers],
+                                  [la.dtype for la in model.layers]) for _ in range(3)]
+        for i, c in enumerate(made):  # a prompt each (the one-token path: no tuner of batches involved)
+            model.forward(torch.tensor([1 + i, 5, 9]), 0, c)
+        return made
+
+    assert fused_batch.warm_now(model, caches()[0])
+    tuner = ThreadTuner(2, trial=1)
+    run(tuner, lambda c, s: {1: 0.01, 2: 0.5}[c], 2)
+    assert tuner.best == 1 and not tuner.probing
+    recorded, seen = [], []
+    record = tuner.record
+    tuner.record = lambda seconds: (recorded.append(seconds), record(seconds))
+    fused = model.batch_decoder
+
+    def probe(*args, **kws):  # the batch decoder, noting the count its kernels run on
+        numba_pool.use_threads(kern)
+        seen.append(kern.numba.get_num_threads())
+        return fused(*args, **kws)
+
+    model.batch_decoder = probe
+    try:
+        steps = []
+        for tuning in (tuner, None):
+            model.batch_thread_tuner = tuning
+            if tuning is None:
+                numba_pool.set_running_threads(2)
+            made = caches()
+            steps.append(model.forward_batch([(torch.tensor([20 + i]), 3, c) for i, c in enumerate(made)]))
+        assert seen == [1, 2] and len(recorded) == 1
+        assert torch.equal(steps[0], steps[1])
+        model.batch_thread_tuner = tuner
+        made = caches()
+        model.forward_batch([(torch.tensor([7, 8]), 3, made[0]), (torch.tensor([9]), 3, made[1])], fuse_prompts=True)
+        assert seen[-1] == 1 and len(recorded) == 1  # a step with a prompt piece: on the count, not recorded
+    finally:
+        numba_pool.set_running_threads(None)
+        model.batch_thread_tuner = None
+        model.batch_decoder = fused
