@@ -125,7 +125,6 @@ def read_bytes() -> int:
 # ----------------------------------------------------------------------- workers
 def worker_ours(root: Path, budget: int | None, tokens: int, threads: int, seed: int, vocab: int) -> dict:
     from engine import Engine, SamplingParams
-
     from engine.runtime import fused_decode
 
     short, dprompt = prompts(seed, vocab)
