@@ -8,8 +8,7 @@ steps at each candidate count (one thread first, then half, then all) and keeps 
 fastest by median until the next probe; a step slower than `slack` times that median
 starts a probe early. A candidate whose step takes `2 * slack` times one thread's median
 is dropped from the probe at once, so a probe costs at most one collapsed step.
-A server's batched steps have a tuner of their own (Transformer.batch_thread_tuner), fed
-their time per row. The kernels split their work as for all threads whatever runs it
+The kernels split their work as for all threads whatever runs it
 (numba_pool.set_running_threads), so the numbers never depend on the choice.
 THERMOCLINE_THREAD_TUNING=0 keeps every thread.
 """

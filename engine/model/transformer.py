@@ -44,7 +44,6 @@ class Transformer:
         self.decoder: Decoder | None = None  # set by the engine (runtime.fused_decode.decode_step)
         self.batch_decoder: BatchDecoder | None = None  # set by the engine (runtime.fused_batch.decode_batch_step)
         self.thread_tuner: ThreadTuner | None = None  # set by the engine (engine.kernels.thread_tuner)
-        self.batch_thread_tuner: ThreadTuner | None = None  # the same for batched steps (their own times)
         self.fused_head = None  # the decoder's prepared call of the final norm and the head
         self.scale = config.head_dim ** -0.5
         self.q_size = config.num_heads * config.head_dim
@@ -125,22 +124,6 @@ class Transformer:
         selects, each neuron read once for all rows); attention reads each sequence's cache.
         A decode step goes through `batch_decoder` where it can; with `fuse_prompts` a step with
         prompt pieces does too, each prompt token a row (its FFN over its own neurons)."""
-        tuner = self.batch_thread_tuner
-        if tuner is None:
-            return self._forward_batch(segments, fuse_prompts)
-        # A batched step on a count that holds up under load (the server's clients share the
-        # cores), chosen from its decode steps' times per row; a step with prompt pieces runs
-        # on that count too, unrecorded (its rows cost otherwise).
-        decoding = all(ids.shape[0] == 1 for ids, _, _ in segments)
-        with tuner.apply():
-            began = time.perf_counter()
-            try:
-                return self._forward_batch(segments, fuse_prompts)
-            finally:
-                if decoding:
-                    tuner.record((time.perf_counter() - began) / len(segments))
-
-    def _forward_batch(self, segments: list[tuple[torch.Tensor, int, KVCache]], fuse_prompts: bool) -> torch.Tensor:
         prompts = any(ids.shape[0] > 1 for ids, _, _ in segments)
         if self.batch_decoder is not None and (fuse_prompts or not prompts):
             # one compiled call per layer for all the rows, where it can

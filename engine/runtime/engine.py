@@ -182,7 +182,6 @@ class Engine:
         model_obj.decoder = fused_decode.decode_step  # one compiled call per CPU layer where it can
         model_obj.batch_decoder = fused_batch.decode_batch_step  # and for a batch of sequences (the server)
         model_obj.thread_tuner = thread_tuner.for_this_process()  # a thread count that holds up under load
-        model_obj.batch_thread_tuner = thread_tuner.for_this_process()  # and one for batched steps (the server)
         if hasattr(runtime, "prompt_kernel"):  # a mixture's prompt: its experts in one compiled call
             runtime.prompt_kernel = fused_decode.moe_prompt
         if preparing is not None:
