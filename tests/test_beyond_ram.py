@@ -161,6 +161,47 @@ def test_disk_calls_not_in_the_kernel_cache_compile_behind_the_decode(tmp_path, 
         disk.close()
 
 
+def test_a_failed_warm_up_leaves_no_call_set_aside(tmp_path, wide_llama_dir, monkeypatch):
+    """The disk layer's calls set aside for the compile behind are given back when the load's
+    warm-up fails after setting them aside: the load reports the failure, and a later load in
+    the same process (the window loads again) sets them aside and compiles them afresh, where
+    they would otherwise stay unusable, the decode unfused, for the rest of the process."""
+    from engine.kernels import numba_pool
+    from engine.runtime import engine as engine_module
+    from engine.runtime import fused_decode
+
+    model = _model(tmp_path, wide_llama_dir)
+    in_ram = Engine.load(model, mode="sparse", ram_budget=RAM, cpu_weights="int8")
+    budget = _budget(in_ram, 0.5)
+    in_ram.close()
+
+    def failing_all(*_args):
+        raise RuntimeError("the unfused kernels failed to load")
+
+    monkeypatch.setattr(engine_module._KernelWarmup, "run_all", staticmethod(failing_all))
+    monkeypatch.setattr(numba_pool, "loads_without_compiling", lambda *_args: False)  # not in numba's cache
+    dl = fused_decode.kernels()
+    disk = Engine.load(model, mode="sparse", ram_budget=budget, cpu_weights="int8")
+    try:
+        with pytest.raises(RuntimeError, match="unfused kernels failed"):
+            disk.generate(PROMPT, GREEDY)
+        assert numba_pool.usable(dl.decode_layer_front, dl.decode_layer_rows)
+    finally:
+        disk.close()
+    monkeypatch.undo()
+    monkeypatch.setattr(numba_pool, "loads_without_compiling", lambda *_args: False)
+    again = Engine.load(model, mode="sparse", ram_budget=budget, cpu_weights="int8")
+    try:
+        again.eos_ids = set()
+        again.wait_kernels()
+        fused_decode.wait_compiled_behind()  # set aside again and compiled behind
+        assert numba_pool.usable(dl.decode_layer_front, dl.decode_layer_rows)
+        again.generate(PROMPT, GREEDY)
+        assert all(calls > 0 for calls in _disk_calls(again))
+    finally:
+        again.close()
+
+
 @pytest.mark.parametrize("fused", ["0", "1"])
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_a_layer_beyond_the_cache_is_computed_chunk_by_chunk(tmp_path, wide_llama_dir, fmt, fused, monkeypatch):

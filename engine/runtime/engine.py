@@ -553,18 +553,21 @@ class _KernelWarmup:
         self._loaded.set()
 
     def _run(self, mode: str, cpu_weights: str) -> None:
+        behind: list = []  # set aside by fused_decode.warm, for compile_behind
         try:
             self.run_prompt(mode, cpu_weights)
             self._loaded.wait()
             model, cache = self._decode
-            behind: list = []
             if model is not None and not fused_decode.warm(model, cache, keep=False, behind=behind):
                 self.run_all(mode, cpu_weights)
             for functions, calls in behind:  # after run_all: numba loads no kernel while it compiles
                 fused_decode.compile_behind(functions, calls)
+            behind.clear()
         except BaseException as exc:  # noqa: BLE001 - handed to the loading thread
             self._error = exc
         finally:
+            for functions, _ in behind:  # this load failed: the next one sets them aside again
+                numba_pool.compiling_behind.difference_update(functions)
             _WARMUPS.discard(self)
 
     @staticmethod
