@@ -144,11 +144,12 @@ CASES = [
     for n, d, tokens in [((64, 256, 1), (300, 200, 5), (130, 384, 9), (200, 512, 33))[i % 4]]
 ] + [
     # a decode step's dense products: x times rows of fp32, int8 or Q4_0 (one row, rows of any
-    # length), and `combine` (sum_i a_i w_i)
+    # length: fp32 and int8 rows longer than cpu_numba.SHORT_ROW_COLS go four at a time), and
+    # `combine` (sum_i a_i w_i)
     KernelCase("", False, weights, n, d, 1.0, 1e-5, op="matvec") for weights, shapes in (
-        ("int8", ((1, 8), (300, 1000), (2500, 257))),
+        ("int8", ((1, 8), (300, 1000), (2500, 257), (45, 2700))),
         ("int4", ((1, 32), (7, 96), (1000, 256), (301, 1000), (4099, 64), (65, 96), (200, 130))),
-        ("fp32", ((1, 1), (7, 33), (300, 256), (2048, 130))),
+        ("fp32", ((1, 1), (7, 33), (300, 256), (2048, 130), (37, 2600))),
         ("combine", ((1, 1), (7, 33), (300, 256), (2048, 130))))
     for n, d in shapes
 ] + [
