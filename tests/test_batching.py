@@ -286,6 +286,45 @@ def test_fused_batched_logits_match_the_unfused_batch_and_each_alone(demo_path, 
     assert torch.allclose(fused, unfused, atol=1e-3 * float(unfused.abs().max()), rtol=0)
 
 
+def test_a_small_models_batched_step_runs_on_one_thread_with_the_same_logits(demo_path, monkeypatch):
+    """A step reading fewer than ONE_THREAD_STEP_BYTES (the demo's 20 MB) runs its kernels on
+    one thread: on two, a descheduled thread costs it a scheduler's time slice while a server's
+    clients take a core. The kernels split the work as for every thread, so the logits are
+    the bits of a step on all of them; a larger model's step runs on all."""
+    import torch
+
+    from engine.kernels import numba_pool
+    from engine.runtime import fused_batch
+
+    if numba_pool.configured_threads() < 2:
+        pytest.skip("the kernels run on one thread here")
+    engine = Engine.load(demo_path, mode="dense")
+    _fused_batch_ready(engine)
+    model, kern = engine.model, numba_pool.module()
+    seen = []
+    layer_batch = fused_batch._module.decode_layer_batch
+
+    def noting_threads(*args):  # after decode_batch_step applied its count to this thread
+        seen.append(kern.numba.get_num_threads())
+        return layer_batch(*args)
+
+    monkeypatch.setattr(fused_batch._module, "decode_layer_batch", noting_threads)
+
+    def step():
+        caches = [engine.make_cache(engine.config, 16, [la.device for la in model.layers],
+                                    [la.dtype for la in model.layers]) for _ in range(3)]
+        for i, cache in enumerate(caches):
+            model.forward(torch.tensor([1 + i, 5, 9]), 0, cache)
+        return model.forward_batch([(torch.tensor([20 + i]), 3, c) for i, c in enumerate(caches)])
+
+    small = step()
+    assert seen and set(seen) == {1}
+    seen.clear()
+    monkeypatch.setattr(fused_batch, "ONE_THREAD_STEP_BYTES", 0)  # as a model of more bytes
+    assert torch.equal(step(), small)
+    assert set(seen) == {numba_pool.configured_threads()}
+
+
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_a_prompt_piece_fused_beside_a_decode_equals_its_tokens_decoded_one_by_one(demo_path, mode):
     """A step of one decode and one prompt piece with `fuse_prompts`: every prompt token is a

@@ -12,6 +12,7 @@ kernel preparation (engine.runtime.kernel_preparation) does not compile them: a 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 import weakref
@@ -21,6 +22,16 @@ import torch
 
 from engine.kernels import cpu_q4, numba_pool
 from engine.runtime import fused_decode
+
+# A step whose layers and head hold fewer bytes than this runs its kernels on one thread. It
+# takes a few milliseconds at most on one (the demo's 20 MB, a step of 8: 1.09 ms; 0.83 on
+# two free cores), about a scheduler's time slice: on two threads a descheduled one costs it
+# that slice (4.87 ms with one core busy), and a server's clients and event loop keep taking
+# a core. bench.serve on the demo, 8 streams, alternating (2-core AMD EPYC): 1,412-1,592
+# tok/s on one thread against 947-1,432 on two (six pairs), then, the host quieter,
+# 1,656-1,944 against 1,299-1,934 (four pairs, mean +7%); one stream unchanged. A 7B-shaped
+# step (about 0.5 GB, 60 ms) is bound by memory and gains from every thread.
+ONE_THREAD_STEP_BYTES = 32 << 20
 
 _ready = threading.Event()  # the batch kernels are in this process
 _tried = threading.Event()  # the warm-up thread has ended (in, or not)
@@ -193,8 +204,21 @@ def decode_batch_step(model, ids: torch.Tensor, positions: list[int], caches: li
     if model.embedding_scale is not None:
         x = x * model.embedding_scale
     X = np.ascontiguousarray(x.to(torch.device("cpu"), torch.float32).numpy()).copy()
+    small = sum(_weight_bytes(p) for p in (*plans, head)) < ONE_THREAD_STEP_BYTES
+    with numba_pool.running_threads(1) if small else contextlib.nullcontext():
+        return _run_layers_and_head(db, model, plans, head, arrays, X, positions, heads, cos, sin)
+
+
+def _weight_bytes(plan: fused_decode.FusedLayer) -> int:
+    """Bytes of a layer's or the head's arrays (a batched plan holds no KV cache), once a plan."""
+    if plan.weight_bytes is None:
+        plan.weight_bytes = sum(a.nbytes for a in plan.args if isinstance(a, np.ndarray))
+    return plan.weight_bytes
+
+
+def _run_layers_and_head(db, model, plans, head, arrays, X, positions, heads, cos, sin) -> torch.Tensor:
     pos = np.asarray(positions, dtype=np.int64)
-    counts = np.zeros((len(caches), 2), dtype=np.int64)
+    counts = np.zeros((len(positions), 2), dtype=np.int64)
     c = fused_decode.ATTENTION_CACHE
     kern = numba_pool.module()
     for layer, plan, cache_args in zip(model.layers, plans, arrays):
@@ -206,7 +230,7 @@ def decode_batch_step(model, ids: torch.Tensor, positions: list[int], caches: li
         plan.calls += 1
         if plan.sparse:
             counters = layer.ffn.context.counters
-            counters.considered += plan.n_ff * len(caches)
+            counters.considered += plan.n_ff * len(positions)
             counters.computed = counters.computed + int(counts[:, 0].sum())
             hot = int(counts[:, 1].sum())
             if hot:

@@ -175,6 +175,7 @@ class FusedLayer:
     # a layer whose cold rows the disk tier's cache holds (args None): decode_layer_front's
     # arguments, and decode_layer_rows' up to the cache's slots (the reads come in between)
     disk: "tuple[tuple, tuple] | None" = None
+    weight_bytes: int | None = None  # its arrays' bytes (fused_batch's thread count)
 
 
 @dataclass
