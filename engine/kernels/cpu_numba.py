@@ -759,7 +759,7 @@ def matmul_q8(q, scale, xq, xs, nchunks):
                                 y[t, k] = s2[2 * (k - i)] * scale[k]
                                 y[t + 1, k] = s2[2 * (k - i) + 1] * scale[k]
                             t += 2
-                    while t < hi:  # one token at a time (a decode's one, an odd last one)
+                    while t < hi:  # one token at a time (an odd last one; every one without VNNI)
                         s = _dot4_q8_avx2(q, i, xq, xs, t)
                         for k in range(g * 4, min(n, g * 4 + 4)):
                             y[t, k] = s[k - i] * scale[k]
