@@ -733,7 +733,7 @@ def matmul_q8(q, scale, xq, xs, nchunks):
             for i in range(c * per1, min(n, (c + 1) * per1)):
                 y1[0, i] = _dot1_q8_avx2(q, i, xq, xs, 0) * scale[i]
         return y1
-    pairs = HAS_VNNI and T > 1  # tokens offset to unsigned bytes for the two-token pass
+    pairs = HAS_VNNI  # (T > 1 here) tokens offset to unsigned bytes for the two-token pass
     xu = np.empty((T if pairs else 0, d), dtype=np.uint8)
     if pairs:
         for t in range(T):
