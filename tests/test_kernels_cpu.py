@@ -420,15 +420,15 @@ def test_int8_matrix_linear_uses_int8_activations_for_any_token_count():
 @needs_q8
 @pytest.mark.parametrize("n", [4, 7, 70])
 def test_many_token_int8_product_gives_each_tokens_own_bits(n):
-    """matmul_q8 over many tokens (on a VNNI target two a pass, the activations offset to
+    """matmul_q8 over many tokens (on a VNNI target four and two a pass, the activations offset to
     unsigned bytes and the offset taken back per block) equals each token's product alone (the
-    four-rows-one-token pass) bit for bit: the same integer lanes summed in the same order. Even
-    and odd token counts, past a tile of tokens, and a last group of rows overlapping the one
-    before it (n not a multiple of 4)."""
+    row-by-row pass) bit for bit: the same integer lanes summed in the same order. Token counts
+    that take each pass (four, two, one) and run past a tile of tokens, and a last group of
+    rows overlapping the one before it (n not a multiple of 4)."""
     kern = numba_pool.module()
     g = torch.Generator().manual_seed(n)
     q, scale = cpu.quantize_rows_int8(torch.randn(n, 384, generator=g))
-    for tokens in (2, 3, 8, 9, 17):
+    for tokens in (2, 3, 4, 6, 7, 8, 9, 14, 17):
         x = (torch.randn(tokens, 384, generator=g) * torch.rand(tokens, 384, generator=g) * 8).numpy()
         xq = np.empty(x.shape, dtype=np.int8)
         xs = np.empty((tokens, 3), dtype=np.float32)
