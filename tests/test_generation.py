@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import ContextFullError, Engine, SamplingParams, UserError
-from engine.runtime.sampling import Sampler
+from engine.runtime.sampling import Sampler, first_maxima
 from engine.runtime.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -107,6 +107,23 @@ def test_sampler_filters():
     assert picks == {0, 1}
     # A repeated token with a positive logit is pushed down below its rival.
     assert Sampler(SamplingParams(temperature=0, repetition_penalty=2.0))(logits, [0]) == 1
+
+
+def test_greedy_picks_what_torch_argmax_picks():
+    """first_maxima (numpy's argmax on CPU fp32) picks torch.argmax's index: the first of tied
+    maxima, a NaN as the maximum, -inf rows, one row or many, a view of a wider tensor, and
+    other dtypes through torch."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 300, generator=g)
+    logits[1, 5] = logits[1, 250] = 50.0   # a tie: the first wins
+    logits[2, 17] = float("nan")           # NaN counts as the maximum
+    logits[3] = float("-inf")
+    logits[4, 299] = float("inf")
+    for view in (logits, logits[:, :200], logits[[5, 0, 2]]):
+        assert first_maxima(view).tolist() == view.argmax(dim=-1).tolist()
+        for row in view:
+            assert int(first_maxima(row)) == int(torch.argmax(row))
+    assert first_maxima(logits.to(torch.bfloat16)).tolist() == logits.to(torch.bfloat16).argmax(-1).tolist()
 
 
 def test_openai_penalties_and_logit_bias_follow_their_definitions():

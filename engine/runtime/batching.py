@@ -48,6 +48,7 @@ from engine.errors import ContextFullError, UserError
 from engine.runtime import fused_batch
 from engine.runtime.answer import Answer
 from engine.runtime.engine import PREFILL_CHUNK, GenerationStats, TokenEvent
+from engine.runtime.sampling import first_maxima
 
 MEMORY_RESERVE = 256 << 20  # RAM left to everything else when a sequence's cache is counted
 PREFILL_BUDGET = PREFILL_CHUNK  # prompt tokens a step reads, over all the prompts waiting
@@ -284,8 +285,8 @@ class Batch:
             return {}
         chosen = {}
         for limit, seqs in rows.items():
-            picked = self._logits[[s.row for s in seqs], :limit].argmax(dim=-1).tolist()
-            chosen.update((id(s), t) for s, t in zip(seqs, picked))
+            picked = first_maxima(self._logits[:, :limit])  # every row of the step: a view, no copy
+            chosen.update((id(s), int(picked[s.row])) for s in seqs)
         return chosen
 
     def _split(self, work: list[tuple[Sequence, list[int], int]]) -> torch.Tensor:
