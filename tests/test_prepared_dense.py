@@ -97,7 +97,7 @@ def test_prepared_dense_model_decodes_identically_maps_and_is_rebuilt_on_change(
 
     steps = []
     first = _load(model, fmt, progress=lambda f, text: steps.append((f, text)))
-    assert first.dense_prepared is None and path.is_file()  # computed, then written
+    assert _mapped(first) and path.is_file()  # computed, written, then mapped as later loads map it
     assert any("writing the prepared layout" in text for _, text in steps) and steps[-1][0] == 1.0
     assert not list(path.parent.glob("*.partial"))
     for layer in first.model.layers:
@@ -125,8 +125,9 @@ def test_prepared_dense_model_decodes_identically_maps_and_is_rebuilt_on_change(
     save_file(original, str(model / "model.safetensors"), metadata={"format": "pt"})
     new_ids, new_logits = _reference(model, fmt, monkeypatch)
     assert not torch.equal(new_logits, ref_logits)
-    rebuilt = _load(model, fmt)
-    assert rebuilt.dense_prepared is None
+    steps.clear()
+    rebuilt = _load(model, fmt, progress=lambda f, text: steps.append((f, text)))
+    assert any("writing the prepared layout" in text for _, text in steps) and _mapped(rebuilt)
     _decodes_as(rebuilt, new_ids, new_logits)
     again = _load(model, fmt)
     assert _mapped(again)
@@ -159,12 +160,13 @@ def _empty(path: Path) -> None:
 def test_a_damaged_prepared_file_is_rebuilt_never_trusted(tmp_path, monkeypatch, fmt, damage):
     model = _managed(rc.relullama(tmp_path / "relullama")[0])
     ref_ids, ref_logits = _reference(model, fmt, monkeypatch)
-    _load(model, fmt)
+    _load(model, fmt).wait_kernels()  # its warm-up reads the mapped file: done before the damage
     path = dense_mode_path(model, fmt)
     mtime = path.stat().st_mtime_ns
     damage(path)
-    engine = _load(model, fmt)
-    assert engine.dense_prepared is None  # read from the checkpoint
+    steps = []
+    engine = _load(model, fmt, progress=lambda f, text: steps.append(text))
+    assert any("writing the prepared layout" in text for text in steps)  # read from the checkpoint again
     _decodes_as(engine, ref_ids, ref_logits)
     assert path.stat().st_mtime_ns != mtime and PreparedDenseMode(path).complete(engine.config.num_layers)
     assert _mapped(again := _load(model, fmt))

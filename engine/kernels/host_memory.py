@@ -67,6 +67,22 @@ def zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tens
     return torch.from_numpy(np.frombuffer(region, dtype=np.uint8)).view(dtype).view(shape)
 
 
+def return_freed_memory() -> None:
+    """Collect the reference cycles a dropped model leaves and hand the C heap's free pages back
+    to the kernel (glibc's malloc_trim; where the C library has none, the collection alone).
+    After a first load dropped its converted copies (8 layers of 7B shapes): 1.8 GB of
+    anonymous memory left without either, 0.49 GB with the collection, 0.22 GB with both."""
+    import gc
+
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: Windows, macOS, musl
+        pass
+
+
 def map_file(path) -> np.ndarray:
     """The whole file as a uint8 array over a copy-on-write mapping (numpy's memmap mode "c"),
     advised for huge pages. Where the page cache holds the file in 2 MB folios (ext4 and

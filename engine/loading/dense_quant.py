@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from engine.errors import ModelFormatError
+from engine.kernels import host_memory
 from engine.kernels.quantized import Int8Matrix, QuantMatrix, matrix_nbytes, quantize_matrix
 from engine.model.layers import DenseFfn, Layer, linear
 from engine.model.transformer import Transformer
@@ -136,8 +137,8 @@ def load_dense(model_dir: Path, config, device: torch.device, ctx: int, progress
     """The dense mode's model with `fmt` CPU weights, and the prepared file it mapped (None
     when it read the checkpoint). int8/int4 on the CPU: a current prepared file is mapped;
     else the checkpoint is read and quantized layer by layer, and the result written into
-    the sidecar for the next load where one may be written (`prepared.may_write`; a failure
-    to write only logs)."""
+    the sidecar where one may be written (`prepared.may_write`; a failure to write only logs),
+    then mapped from there as later loads map it."""
 
     devices = [device] * config.num_layers
     preparable = (fmt in prepared.FORMATS and device.type == "cpu" and not config.is_moe
@@ -145,10 +146,7 @@ def load_dense(model_dir: Path, config, device: torch.device, ctx: int, progress
     file = prepared.PreparedDenseMode.open_if_current(model_dir, fmt) if preparable else None
     if file is not None and file.complete(config.num_layers):
         try:
-            return load_transformer(
-                model_dir, config, devices, device, ctx, progress, read_ffn=lambda i: False,
-                on_layer=lambda i, layer: setattr(layer, "ffn", QuantDenseFfn.from_prepared(file, i, config)),
-                prepared=file, from_prepared=lambda i: True, globals_from_prepared=True), file
+            return _load_mapped(model_dir, config, devices, device, ctx, progress, file), file
         except (KeyError, ValueError) as exc:  # a header that lies about its tensors: rebuilt below
             if isinstance(exc, ModelFormatError):  # the checkpoint's own shapes disagree with config.json
                 raise
@@ -166,4 +164,25 @@ def load_dense(model_dir: Path, config, device: torch.device, ctx: int, progress
                                     "layout_version": str(prepared.DENSE_MODE_LAYOUT_VERSION)}, progress)
         except (OSError, ValueError) as exc:
             log.warning("could not write the prepared layout of %s: %s", model_dir, exc)
+            return model, None
+        # the file just written, mapped as every later load maps it, in place of the converted
+        # copies (see engine.hotcold.sparse.load_sparse)
+        file = prepared.PreparedDenseMode.open_if_current(model_dir, fmt)
+        if file is not None and file.complete(config.num_layers):
+            try:
+                mapped = _load_mapped(model_dir, config, devices, device, ctx, None, file)
+            except (KeyError, ValueError, OSError) as exc:
+                log.warning("could not map the prepared layout just written for %s: %s", model_dir, exc)
+            else:
+                del model
+                host_memory.return_freed_memory()
+                return mapped, file
     return model, None
+
+
+def _load_mapped(model_dir: Path, config, devices, device: torch.device, ctx: int, progress, file):
+    """The dense mode's model from its prepared file: everything mapped, the checkpoint's headers read."""
+    return load_transformer(
+        model_dir, config, devices, device, ctx, progress, read_ffn=lambda i: False,
+        on_layer=lambda i, layer: setattr(layer, "ffn", QuantDenseFfn.from_prepared(file, i, config)),
+        prepared=file, from_prepared=lambda i: True, globals_from_prepared=True)
