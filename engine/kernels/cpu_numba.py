@@ -751,10 +751,9 @@ def matmul_q8(q, scale, xq, xs, nchunks):
     """y[t, i] = scale[i] * (q[i] . dequant(xq[t])) for every row of q int8 [n, d] (n >= 4)
     and every token of xq (see quantize_act_q8) -> fp32 [T, n]. Four rows per pass, with one
     token (`_dot4_q8_avx2`), or four and two where the target has VNNI (`_tile4_q8_vnni`,
-    `_tile_q8_vnni`); a single token row by row (`_dot1_q8_avx2`): the same bits. Row by
-    row, one token read int8
-    [11008, 512] (a predictor's second matrix) at 20-25 GB/s against 10-14 four rows a pass,
-    and [11008, 4096] at 34.6 against 27.5 (2-core AVX-512 EPYC, 2 threads)."""
+    `_tile_q8_vnni`); a single token row by row (`_dot1_q8_avx2`): the same bits. Row by row,
+    one token read int8 [11008, 512] (a predictor's second matrix) at 20-25 GB/s against 10-14
+    four rows a pass, and [11008, 4096] at 34.6 against 27.5 (2-core AVX-512 EPYC, 2 threads)."""
     n = q.shape[0]
     T, d = xq.shape
     if T == 1:  # a decode's token: row by row

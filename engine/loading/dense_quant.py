@@ -134,8 +134,8 @@ def quantize_head(model: Transformer, fmt: str) -> None:
 
 
 def load_dense(model_dir: Path, config, device: torch.device, ctx: int, progress, fmt: str):
-    """The dense mode's model with `fmt` CPU weights, and the prepared file it mapped (None
-    when it read the checkpoint). int8/int4 on the CPU: a current prepared file is mapped;
+    """The dense mode's model with `fmt` CPU weights, and the prepared file it maps (None
+    when its weights are its own). int8/int4 on the CPU: a current prepared file is mapped;
     else the checkpoint is read and quantized layer by layer, and the result written into
     the sidecar where one may be written (`prepared.may_write`; a failure to write only logs),
     then mapped from there as later loads map it."""
