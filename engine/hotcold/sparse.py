@@ -295,8 +295,9 @@ def load_sparse(model_dir: Path, config: ModelConfig, mode: str, ctx: int, vram_
         return parts
     if mapped.runtime.prepared_rows is None or mapped.runtime.prepared_dense is None:
         return parts  # it did not map (the files were replaced meanwhile): keep what this load converted
-    del parts
-    host_memory.return_freed_memory()
+    parts.runtime.model = None  # the one cycle (model -> layers' FFN contexts -> runtime -> model)
+    del parts  # so reference counting frees the copies now: a collection would hold the GIL (a GUI stall)
+    host_memory.return_free_heap()
     return mapped
 
 

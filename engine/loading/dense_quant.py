@@ -175,7 +175,7 @@ def load_dense(model_dir: Path, config, device: torch.device, ctx: int, progress
                 log.warning("could not map the prepared layout just written for %s: %s", model_dir, exc)
             else:
                 del model
-                host_memory.return_freed_memory()
+                host_memory.return_free_heap()
                 return mapped, file
     return model, None
 
