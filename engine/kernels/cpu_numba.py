@@ -67,13 +67,13 @@ def _prefetch_row(typingctx, rows, i, j):
         arr = context.make_array(arrty)(context, builder, args[0])
         ptr = cgutils.get_item_pointer(context, builder, arrty, arr, [args[1], args[2]],
                                        wraparound=False)
-        _prefetch_ir(builder, ptr, locality=2)
+        prefetch_line(builder, ptr, locality=2)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
-def _prefetch_ir(builder, ptr, locality: int) -> None:
+def prefetch_line(builder, ptr, locality: int) -> None:
     """A read prefetch of the line at ptr (a hint: never faults); locality 3 into L1, 2 into L2."""
     i8p = ir.IntType(8).as_pointer()
     i32 = ir.IntType(32)
@@ -708,7 +708,7 @@ def _tile_q8_codegen(tokens: int):
                 off = builder.add(base, i64(32 * u))
                 if u % 2 == 0:  # one 64-byte line a row
                     for k in range(4):
-                        _prefetch_ir(builder, builder.gep(rptrs[k], [builder.add(off, ahead)]), locality=2)
+                        prefetch_line(builder, builder.gep(rptrs[k], [builder.add(off, ahead)]), locality=2)
                 xv = [load32(p, off) for p in xptrs]
                 for k in range(4):
                     w = load32(rptrs[k], off)
@@ -763,9 +763,8 @@ def matmul_q8(q, scale, xq, xs, nchunks):
             for i in range(c * per1, min(n, (c + 1) * per1)):
                 y1[0, i] = _dot1_q8_avx2(q, i, xq, xs, 0) * scale[i]
         return y1
-    pairs = HAS_VNNI  # (T > 1 here) tokens offset to unsigned bytes for the VNNI passes
-    xu = np.empty((T if pairs else 0, d), dtype=np.uint8)
-    if pairs:
+    xu = np.empty((T if HAS_VNNI else 0, d), dtype=np.uint8)  # tokens offset to unsigned bytes for the VNNI passes
+    if HAS_VNNI:
         for t in range(T):
             for j in range(d):
                 xu[t, j] = np.uint8(np.int32(xq[t, j]) + 128)
@@ -783,13 +782,13 @@ def matmul_q8(q, scale, xq, xs, nchunks):
                     i = min(g * 4, n - 4)
                     t = t_lo
                     if HAS_VNNI:  # a module constant: on other targets numba prunes the branch
-                        while pairs and t + 3 < hi:
+                        while t + 3 < hi:
                             s4 = _tile4_q8_vnni(q, i, xu, xs, t, t + 1, t + 2, t + 3)
                             for k in range(g * 4, min(n, g * 4 + 4)):
                                 for j in range(4):
                                     y[t + j, k] = s4[4 * (k - i) + j] * scale[k]
                             t += 4
-                        while pairs and t + 1 < hi:
+                        while t + 1 < hi:
                             s2 = _tile_q8_vnni(q, i, xu, xs, t, t + 1)
                             for k in range(g * 4, min(n, g * 4 + 4)):
                                 y[t, k] = s2[2 * (k - i)] * scale[k]

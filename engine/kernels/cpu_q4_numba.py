@@ -20,6 +20,7 @@ from numba.extending import intrinsic
 
 from engine.kernels import numba_jit
 from engine.kernels.cpu_numba import HAS_AVX2  # noqa: F401 - read as kern.HAS_AVX2 (the host's, one home)
+from engine.kernels.cpu_numba import prefetch_line
 
 _njit = numba_jit.njit
 
@@ -240,11 +241,7 @@ def _call(builder, name, ret, *args):
 # product waiting on memory (32000 x 4096 head, one thread: 8.3 vs 14.2 ms of CPU).
 
 def _prefetch(builder, ptr):
-    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-    suffix = "p0" if str(i8p) == "ptr" else "p0i8"
-    fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch." + suffix)
-    builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(2), i32(1)])
+    prefetch_line(builder, ptr, locality=2)
 
 @intrinsic
 def dot4_q4_avx2(typingctx, w, i0, i1, i2, i3, xq, xd, xm, n0, n1, n2, n3):

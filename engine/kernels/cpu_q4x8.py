@@ -104,6 +104,8 @@ except Exception:  # noqa: BLE001 - no numba: torch computes from the unpacked r
 
 
 if numba is not None:
+    from engine.kernels.cpu_numba import prefetch_line
+
     def _call(builder, name, ret, *args):
         fnty = ir.FunctionType(ret, [a.type for a in args])
         return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), args)
@@ -114,11 +116,7 @@ if numba is not None:
                                       ir.Constant(ir.VectorType(ir.IntType(32), vty.count), [0] * vty.count))
 
     def _prefetch(builder, ptr):
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        suffix = "p0" if str(i8p) == "ptr" else "p0i8"
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch." + suffix)
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        prefetch_line(builder, ptr, locality=3)
 
     def _group_tokens(tokens: int, ahead: int = PREFETCH_AHEAD):
         @intrinsic
