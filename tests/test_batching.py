@@ -216,6 +216,34 @@ def test_a_way_that_loses_by_far_is_tried_less_and_less_often():
     assert picks.count("alone") == 2
 
 
+def test_one_slowed_step_does_not_turn_the_choice():
+    """A step slowed by another process (a quarter of the demo's batched steps, when its 8
+    clients share the host) counts for nothing while a recent one was fast: the cost is the
+    least of the last WINDOW steps."""
+    chooser = batching.StepChooser()
+    chooser.record("batch", 1.0)
+    chooser.record("alone", 3.0)
+    chooser.record("batch", 10.0)  # slowed
+    assert chooser.cost["batch"] == 1.0 and chooser.choose() == "batch"
+    for _ in range(chooser.WINDOW):  # but a way that became slower is seen within WINDOW steps
+        chooser.record("batch", 4.0)
+    assert chooser.cost["batch"] == 4.0 and chooser.choose() == "alone"
+
+
+def test_each_width_of_step_has_its_own_choice():
+    """A way measured at one width says nothing of another: steps of 2 that go better alone
+    leave steps of 8 batched."""
+    chooser = batching.ChooserByWidth()
+    for width, batched, alone in ((2, 3.0, 1.0), (8, 1.0, 3.0)):
+        assert chooser.choose(width) == "batch"
+        chooser.record(width, "batch", batched)
+        assert chooser.choose(width) == "alone"
+        chooser.record(width, "alone", alone)
+    assert chooser.choose(2) == "alone" and chooser.choose(8) == "batch" and chooser.last == "alone"
+    chooser.forget("batch")
+    assert chooser.choose(2) == "batch" and chooser.choose(8) == "batch"
+
+
 def _fused_batch_ready(engine) -> None:
     from engine.runtime import fused_batch
 
@@ -239,7 +267,7 @@ def test_the_fused_batched_step_gives_each_sequence_its_tokens_alone(demo_path, 
     alone = [engine.generate(p, params).token_ids for p in PROMPTS]
     _fused_batch_ready(engine)
     batch = Batch(engine)
-    batch.chooser.choose = lambda: "batch"  # every decode step batched, none through the one-token decode
+    batch.chooser.choose = lambda width: "batch"  # every decode step batched, none through the one-token decode
     ended, widest = _run(batch, engine, PROMPTS, params, join_late=(6, 7))
     assert widest == len(PROMPTS)
     assert [ended[i] for i in range(len(PROMPTS))] == alone

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -84,8 +85,11 @@ class Sequence:
 
 
 class StepChooser:
-    """Which way a kind of step runs, from the seconds per token each took lately (an
-    average of the last few steps): for a decode step of many sequences "batch" (one
+    """Which way a kind of step runs, from the seconds per token each took lately (the least
+    of its last `WINDOW` steps: another process taking the core only ever adds time, and on a
+    host shared with busy clients one slowed step in four or five is usual; an average made
+    the demo's 8 streams decode "alone", at 3.6 times a batched step's cost, for dozens of
+    steps after one batched step was slowed): for a decode step of many sequences "batch" (one
     forward_batch) or "alone" (the fused decode per sequence). Each way is tried first; then
     the best runs, and every `EXPLORE` steps the next of the others is tried again, so a
     change in load or batch width is noticed. A way that lost by more than `FAR` is tried
@@ -96,9 +100,11 @@ class StepChooser:
     EXPLORE = 16
     FAR = 1.5
     MAX_BACKOFF = 4
+    WINDOW = 4
 
     def __init__(self, ways: tuple[str, ...] = ("batch", "alone")):
         self.cost: dict[str, float | None] = dict.fromkeys(ways)
+        self.recent: dict[str, deque[float]] = {way: deque(maxlen=self.WINDOW) for way in ways}
         self.backoff = dict.fromkeys(ways, 0)  # how many times in a row each lost by more than FAR
         self.steps = 0
         self.last: str | None = None
@@ -126,10 +132,11 @@ class StepChooser:
     def forget(self, way: str) -> None:
         """`way` changed (the fused batch came in): it is tried again at the next step."""
         self.cost[way] = None
+        self.recent[way].clear()
 
     def record(self, way: str, seconds_per_token: float) -> None:
-        old = self.cost[way]
-        self.cost[way] = seconds_per_token if old is None else 0.7 * old + 0.3 * seconds_per_token
+        self.recent[way].append(seconds_per_token)
+        self.cost[way] = min(self.recent[way])
         rivals = [v for k, v in self.cost.items() if k != way and v is not None]
         if rivals and seconds_per_token > self.FAR * min(rivals):
             self.backoff[way] = min(self.backoff[way] + 1, self.MAX_BACKOFF)
@@ -140,13 +147,42 @@ class StepChooser:
         self.last = way
 
 
+class ChooserByWidth:
+    """A StepChooser for each width of decode step (the sequences in it): a way's cost per
+    token changes with the width (the demo's batched step costs 0.24 ms a token at 2 rows and
+    0.15 at 8; "alone" about 0.4 at both), and a cost measured at one width made another
+    width's choice (a batched step of 2, slowed, sent steps of 8 "alone")."""
+
+    def __init__(self, ways: tuple[str, ...] = ("batch", "alone")):
+        self.ways = ways
+        self.by_width: dict[int, StepChooser] = {}
+        self.last: str | None = None
+
+    def at(self, width: int) -> StepChooser:
+        chooser = self.by_width.get(width)
+        if chooser is None:
+            chooser = self.by_width[width] = StepChooser(self.ways)
+        return chooser
+
+    def choose(self, width: int) -> str:
+        return self.at(width).choose()
+
+    def record(self, width: int, way: str, seconds_per_token: float) -> None:
+        self.at(width).record(way, seconds_per_token)
+        self.last = way
+
+    def forget(self, way: str) -> None:
+        for chooser in self.by_width.values():
+            chooser.forget(way)
+
+
 class Batch:
     """The sequences decoding together on one engine; `step` is called by one thread."""
 
     def __init__(self, engine, on_sampled: Callable[[], None] | None = None):
         self.engine = engine
         self.active: list[Sequence] = []  # decoding, or reading their prompts
-        self.chooser = StepChooser()
+        self.chooser = ChooserByWidth()  # decode steps of many sequences
         self.mixed = StepChooser(("fused", "split", "joint"))  # steps of decodes and prompt pieces together
         # Called once a step's tokens are sampled and emitted, before its pass over the weights:
         # the server sends them then, not a whole pass later (a 7B step: 30-60 ms a token sooner).
@@ -243,11 +279,11 @@ class Batch:
                         self.chooser.forget("batch")
                         self.mixed.forget("split")
                     if decode:
-                        way, chooser = self.chooser.choose(), self.chooser
+                        way = self.chooser.choose(len(work))
                     elif ones and self.fused:
-                        way, chooser = self.mixed.choose(), self.mixed
+                        way = self.mixed.choose()
                     else:
-                        way, chooser = "batch", None
+                        way = "batch"
                     began = time.perf_counter()
                     if way in ("batch", "joint", "fused"):
                         logits = model.forward_batch([(torch.tensor(t), p, s.cache) for s, t, p in work],
@@ -256,8 +292,11 @@ class Batch:
                         logits = self._split(work)
                     else:
                         logits = torch.cat([model.forward(torch.tensor(t), p, s.cache) for s, t, p in work])
-                    if chooser is not None:
-                        chooser.record(way, (time.perf_counter() - began) / sum(len(t) for _, t, _ in work))
+                    per_token = (time.perf_counter() - began) / sum(len(t) for _, t, _ in work)
+                    if decode:
+                        self.chooser.record(len(work), way, per_token)
+                    elif ones and self.fused:
+                        self.mixed.record(way, per_token)
                 else:  # experts or windows: one sequence at a time, interleaved
                     logits = torch.cat([model.forward(torch.tensor(t), p, s.cache) for s, t, p in work])
         now = time.perf_counter()
