@@ -276,6 +276,40 @@ def test_the_fused_batched_step_gives_each_sequence_its_tokens_alone(demo_path, 
         assert 0 < engine.last_stats.ffn_active_fraction < 1
 
 
+def test_a_fused_decode_step_makes_as_many_torch_calls_for_8_sequences_as_for_2(demo_path):
+    """Each torch op hands the GIL to a thread waiting for it (the server's event loop), and the
+    engine then waits out that thread's turn: a step made 67 torch calls for 8 sequences, 8 of
+    them per sequence, and under 8 streams of the demo took twice its time alone. The step's
+    torch calls no longer grow with its sequences."""
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    engine = Engine.load(demo_path, mode="dense")
+    engine.eos_ids = set()
+    _fused_batch_ready(engine)
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    calls = {}
+    for width in (2, 8):
+        batch = Batch(engine)
+        batch.chooser.choose = lambda width: "batch"
+        for p in PROMPTS[:width]:
+            batch.start(Sequence(engine.encode_prompt(p), params, lambda ev: None, lambda stats, ids: None))
+        for _ in range(3):  # the prompts, then decode steps
+            batch.step()
+        Count.calls = 0
+        with Count():
+            batch.step()
+        calls[width] = Count.calls
+        assert all(layer.fused_batch is not None and layer.fused_batch.calls for layer in engine.model.layers)
+    assert 0 < calls[8] == calls[2]
+
+
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_fused_batched_logits_match_the_unfused_batch_and_each_alone(demo_path, mode):
     """Three sequences at different positions: the fused step's logits and the K/V it writes

@@ -51,6 +51,8 @@ class KVCache:
         self.v = [_zeros(k.shape, k.dtype, k.device) for k in self.k]
         # Bookkeeping stays on the CPU; masks are moved to a layer's device when used.
         self.slot_pos = torch.full((slots,), -1, dtype=torch.long)
+        self._slot_pos = self.slot_pos.numpy()  # the same memory: a decoded token's one element is set
+        # through numpy, which keeps the GIL (a torch op hands it to any thread waiting for it)
         self.length = 0  # positions 0 .. length-1 have been written
 
     def storage_dtype(self, device: torch.device | str, dtype: torch.dtype) -> torch.dtype:
@@ -82,7 +84,7 @@ class KVCache:
         """Claim the slots of positions start .. start+count-1 before any layer writes them."""
         self.check_room(start, count)
         if count == 1:  # a decoded token: one element, without building a range (a batch step prepares each cache)
-            self.slot_pos[start % self.slots] = start
+            self._slot_pos[start % self.slots] = start
             self.length = max(self.length, start + 1)
             return
         pos = torch.arange(start, start + count)

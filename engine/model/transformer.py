@@ -115,34 +115,36 @@ class Transformer:
                     for layer in self.layers) and not any(c.rolling for c in caches))
 
     @torch.inference_mode()
-    def forward_batch(self, segments: list[tuple[torch.Tensor, int, KVCache]], fuse_prompts: bool = False
-                      ) -> torch.Tensor:
-        """One step of B sequences at once: segment b is token ids [T_b] at positions start_b..
+    def forward_batch(self, segments: list[tuple[torch.Tensor | list[int], int, KVCache]],
+                      fuse_prompts: bool = False) -> torch.Tensor:
+        """One step of B sequences at once: segment b is token ids [T_b] (a tensor or a list) at positions start_b..
         over its own cache (T_b = 1: a decode step; more: a piece of its prompt). Returns the
         logits [B, vocab] (fp32) of each segment's last token. Every weight matrix is read once
         for all the rows (the FFN's own many-token path: each row over the neurons its predictor
         selects, each neuron read once for all rows); attention reads each sequence's cache.
         A decode step goes through `batch_decoder` where it can; with `fuse_prompts` a step with
         prompt pieces does too, each prompt token a row (its FFN over its own neurons)."""
-        prompts = any(ids.shape[0] > 1 for ids, _, _ in segments)
+        prompts = any(len(ids) > 1 for ids, _, _ in segments)
+        # One tensor for the step's ids: a torch op hands the GIL to any thread waiting for it (the
+        # server's event loop), and one op per sequence made the engine wait out its turn each time.
+        ids = torch.tensor([t for part, _, _ in segments
+                            for t in (part.tolist() if isinstance(part, torch.Tensor) else part)], dtype=torch.long)
         if self.batch_decoder is not None and (fuse_prompts or not prompts):
             # one compiled call per layer for all the rows, where it can
             positions, caches, heads = [], [], []
-            for ids, start, cache in segments:
-                positions += range(start, start + ids.shape[0])
-                caches += [cache] * ids.shape[0]
+            for part, start, cache in segments:
+                positions += range(start, start + len(part))
+                caches += [cache] * len(part)
                 heads.append(len(positions) - 1)
-            logits = self.batch_decoder(self, torch.cat([ids for ids, _, _ in segments]), positions, caches,
-                                        heads if prompts else None)
+            logits = self.batch_decoder(self, ids, positions, caches, heads if prompts else None)
             if logits is not None:
                 return logits
         spans, row = [], 0
-        for ids, start, cache in segments:
-            count = ids.shape[0]
+        for part, start, cache in segments:
+            count = len(part)
             cache.prepare(start, count)
             spans.append((row, row + count, start, cache, cache.mask(start, count)))
             row += count
-        ids = torch.cat([ids for ids, _, _ in segments])
         x = self.embed[ids.to(self.embed.device)]
         if self.embedding_scale is not None:
             x = x * self.embedding_scale

@@ -54,9 +54,9 @@ class Answer:
         self.pending = ""  # decoded but held back (it may become a stop string)
         self.finish_reason: str | None = None
 
-    def take(self, logits: torch.Tensor, token: int | None = None) -> tuple[list[TokenEvent], int | None]:
+    def take(self, logits: torch.Tensor | None, token: int | None = None) -> tuple[list[TokenEvent], int | None]:
         """`token`: the sampler's choice made by the caller (a batch's argmax of its plain greedy
-        rows, `Sampler.plain_greedy`); None: sampled here."""
+        rows, `Sampler.plain_greedy`; `logits` may then be None); None: sampled here from `logits`."""
         params = self.params
         constraint = self.sampler.constraint
         if constraint is not None:  # the room left, so the grammar can close in time

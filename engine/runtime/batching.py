@@ -69,8 +69,7 @@ class Sequence:
     cancel: threading.Event | None = None
     cache: object = None
     answer: Answer | None = None
-    logits: torch.Tensor | None = None  # the next token's, once its prompt is read
-    row: int = -1  # its row in the batch's last logits
+    row: int = -1  # its row in the batch's last logits (its next token's, once its prompt is read)
     read: int = 0  # prompt tokens in its cache
     stats: GenerationStats | None = None
     started: float = 0.0
@@ -233,7 +232,10 @@ class Batch:
         for seq in self.active:
             if seq.reading:
                 continue
-            events, token = seq.answer.take(seq.logits, greedy.get(id(seq)))
+            token = greedy.get(id(seq))
+            # A row is taken only where it is sampled from: indexing is a torch op, which hands the
+            # GIL to the event loop, and the engine then waits out the loop's turn (8 a step).
+            events, token = seq.answer.take(self._logits[seq.row] if token is None else None, token)
             for event in events:
                 seq.emit(event)
             if token is None:
@@ -286,7 +288,7 @@ class Batch:
                         way = "batch"
                     began = time.perf_counter()
                     if way in ("batch", "joint", "fused"):
-                        logits = model.forward_batch([(torch.tensor(t), p, s.cache) for s, t, p in work],
+                        logits = model.forward_batch([(t, p, s.cache) for s, t, p in work],
                                                      fuse_prompts=way == "fused")
                     elif way == "split":
                         logits = self._split(work)
@@ -302,11 +304,11 @@ class Batch:
         now = time.perf_counter()
         self._logits = logits
         for row, (seq, tokens, start) in enumerate(work):
-            seq.logits, seq.row = logits[row], row
+            seq.row = row
             if seq.reading:
                 seq.read = start + len(tokens)
                 if not seq.reading:  # its prompt is read: its first token comes at the next step
-                    engine._check_finite(seq.logits)
+                    engine._check_finite(logits[row])
                     seq.prefill_done = now
                     seq.stats.ttft_s = now - seq.started
                     seq.stats.prefill_tok_s = len(seq.ids) / max(seq.stats.ttft_s, 1e-9)
@@ -334,9 +336,10 @@ class Batch:
         model, rows = self.engine.model, [None] * len(work)
         for group in ([i for i, (_, t, _) in enumerate(work) if len(t) == 1],
                       [i for i, (_, t, _) in enumerate(work) if len(t) > 1]):
-            segments = [(torch.tensor(work[i][1]), work[i][2], work[i][0].cache) for i in group]
+            segments = [(work[i][1], work[i][2], work[i][0].cache) for i in group]
             if len(segments) == 1:
-                out = model.forward(*segments[0])
+                ids, start, cache = segments[0]
+                out = model.forward(torch.tensor(ids), start, cache)
             elif segments:
                 out = model.forward_batch(segments)
             for row, i in enumerate(group):
