@@ -168,11 +168,18 @@ def test_an_answer_that_ends_keeps_the_text_held_back_for_a_stop_string(demo_pat
     assert events and events[-1].token_id == -1
 
 
-def test_each_decode_step_takes_the_way_measured_cheaper(demo_path):
+@pytest.mark.parametrize("fused", [False, True])
+def test_each_decode_step_takes_the_way_measured_cheaper(demo_path, fused):
+    """Unfused, a batched decode step is timed against each sequence through the fused decode
+    and both ways are tried; through the fused batch it is always batched."""
     engine = Engine.load(demo_path)
     engine.eos_ids = set()
     params = SamplingParams(max_new_tokens=10, temperature=0)
     alone = [engine.generate(p, params).token_ids for p in PROMPTS[:3]]
+    if fused:
+        _fused_batch_ready(engine)
+    else:
+        engine.model.batch_decoder = None
     batch, ways = Batch(engine), []
     ended = {}
     for i, p in enumerate(PROMPTS[:3]):
@@ -182,7 +189,10 @@ def test_each_decode_step_takes_the_way_measured_cheaper(demo_path):
     while batch.active:
         batch.step()
         ways.append(batch.chooser.last)
-    assert {"batch", "alone"} <= set(ways)  # both tried
+    if fused:
+        assert engine.model.batch_fused and set(ways) == {"batch"}
+    else:
+        assert {"batch", "alone"} <= set(ways)  # both tried
     assert [ended[i] for i in range(3)] == alone  # the same tokens whichever way a step ran
     chooser = batching.StepChooser()
     chooser.record("batch", 2.0)

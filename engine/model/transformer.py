@@ -43,6 +43,7 @@ class Transformer:
         self.ffn_observer: FfnObserver | None = None
         self.decoder: Decoder | None = None  # set by the engine (runtime.fused_decode.decode_step)
         self.batch_decoder: BatchDecoder | None = None  # set by the engine (runtime.fused_batch.decode_batch_step)
+        self.batch_fused = False  # whether batch_decoder ran the last forward_batch that tried it
         self.thread_tuner: ThreadTuner | None = None  # set by the engine (engine.kernels.thread_tuner)
         self.fused_head = None  # the decoder's prepared call of the final norm and the head
         self.scale = config.head_dim ** -0.5
@@ -137,6 +138,7 @@ class Transformer:
                 caches += [cache] * len(part)
                 heads.append(len(positions) - 1)
             logits = self.batch_decoder(self, ids, positions, caches, heads if prompts else None)
+            self.batch_fused = logits is not None
             if logits is not None:
                 return logits
         spans, row = [], 0

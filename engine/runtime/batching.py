@@ -19,10 +19,11 @@ A batch of one decodes through `Transformer.forward` (the fused one-call-per-lay
 so one request alone runs as fast as through `Engine.stream`. A decode step of many runs as one
 compiled call per layer for all of them (engine.runtime.fused_batch) once its kernels are in;
 they load on a thread the first batch starts, and until then the step takes the unfused
-batched path. A decode step of many is timed both ways (`StepChooser`): batched, or each
-sequence through the fused decode in turn, and takes the way measured cheaper per token. Before
-the fused batch, the unfused step lost on a small model (the demo, dense int8: 1.3 ms a token
-alone, 14 ms a batched step of 8).
+batched path. While a batched decode step takes the unfused path (before the fused batch is in,
+or where it does not cover the model) it is timed both ways (`StepChooser`): batched, or each
+sequence through the fused decode in turn, and takes the way measured cheaper per token: the
+unfused step lost on a small model (the demo, dense int8: 1.3 ms a token alone, 14 ms a
+batched step of 8). Through the fused batch a decode step is always batched.
 
 A step that carries prompt pieces beside decodes is timed three ways, once the fused batch is
 in: "fused" (every row, each prompt token one, through the fused batch: a sparse FFN then
@@ -280,7 +281,13 @@ class Batch:
                         self.fused = not self.fused
                         self.chooser.forget("batch")
                         self.mixed.forget("split")
-                    if decode:
+                    if decode and model.batch_fused:
+                        # Through the fused batch "alone" cannot win: the same work a row, each weight
+                        # read once a step instead of once a sequence (the demo: 0.15 against 0.40 ms a
+                        # token at 8 rows, 0.24 against 0.39 at 2; 7B shapes: a fifth). Trying it cost
+                        # 7% of the demo's 8 streams.
+                        way = "batch"
+                    elif decode:
                         way = self.chooser.choose(len(work))
                     elif ones and self.fused:
                         way = self.mixed.choose()
