@@ -147,18 +147,29 @@ def _layout(model, cache) -> tuple | None:
     return found
 
 
+_last_arrays: tuple[list, list[tuple] | None] | None = None  # the last step's layouts and _cache_arrays' answer
+
+
 def _cache_arrays(model, caches) -> list[tuple] | None:
     """Per layer, (k addresses [B], v addresses [B], slots [B], fp16) of the caches, or None
-    where one is not a plain cache (`_layout`) or the caches' formats differ."""
+    where one is not a plain cache (`_layout`) or the caches' formats differ. The last answer
+    is kept while the step's caches keep their layouts (a batch's sequences change only when
+    one joins or ends): restacking them took a tenth of the engine's Python under 8 streams."""
+    global _last_arrays
     layouts = [_layout(model, c) for c in caches]
     if any(lay is None for lay in layouts):
         return None
+    last = _last_arrays
+    if last is not None and len(last[0]) == len(layouts) and all(a is b for a, b in zip(last[0], layouts)):
+        return last[1]
     k_addr, v_addr, half = (np.stack([lay[i] for lay in layouts]) for i in range(3))
-    if not (half == half[:1]).all():
-        return None
-    slots = np.array([lay[3] for lay in layouts], dtype=np.int64)
-    return [(np.ascontiguousarray(k_addr[:, i]), np.ascontiguousarray(v_addr[:, i]), slots, bool(half[0, i]))
-            for i in range(k_addr.shape[1])]
+    arrays = None
+    if (half == half[:1]).all():
+        slots = np.array([lay[3] for lay in layouts], dtype=np.int64)
+        arrays = [(np.ascontiguousarray(k_addr[:, i]), np.ascontiguousarray(v_addr[:, i]), slots, bool(half[0, i]))
+                  for i in range(k_addr.shape[1])]
+    _last_arrays = (layouts, arrays)
+    return arrays
 
 
 def decode_batch_step(model, ids: torch.Tensor, positions: list[int], caches: list,
