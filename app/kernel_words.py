@@ -12,7 +12,7 @@ import os
 
 
 def kernels_choice() -> str:
-    """`Engine.load`'s `kernels` for the terminal chat, `generate` and the window."""
+    """`Engine.load`'s `kernels` for the terminal chat, `generate`, `serve` and the window."""
     value = os.environ.get("THERMOCLINE_KERNELS", "").strip().lower()
     return "wait" if value == "wait" else "background"
 

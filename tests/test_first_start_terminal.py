@@ -95,3 +95,45 @@ def test_terminal_chat_says_how_far_the_kernels_are_and_when_they_are_in(tmp_pat
     assert len(answers) == 2 and first < answers[0]
     assert lines[answers[0] + 1] == f"({preparing_line(0, total)})"  # the first answer came meanwhile
     assert lines[answers[1] + 1] == f"({READY_LINE})"
+
+
+def test_serve_answers_on_a_first_start_and_says_when_the_kernels_are_in():
+    """`thermocline serve` on a first start answers while the kernels are prepared, and says so
+    in its log. It used to wait for them at the first request: the demo's first 8 streamed
+    requests got their first token after 100 s on a 2-core host, with nothing said."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import openai
+
+    compiled_once("dense")  # in numba's cache: the preparation loads them, in seconds
+    kind = kp.kind_of("dense", "int8")
+    forget_preparation(kind)
+    env = {**os.environ, "THERMOCLINE_API_KEY": "", "THERMOCLINE_KERNELS": "background"}
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--model", "demo", "--port", "0"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+    try:
+        first = proc.stderr.readline()
+        assert " at http://127.0.0.1:" in first, first
+        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+        reader.start()
+        client = openai.OpenAI(base_url=first.split(" at ")[1].split()[0], api_key="unused", max_retries=0,
+                               timeout=120)
+        resp = client.completions.create(model="demo", prompt="It is a truth", max_tokens=3, temperature=0)
+        assert resp.usage.completion_tokens >= 1
+        deadline = time.monotonic() + 60
+        while len(lines) < 2 and time.monotonic() < deadline:  # the note, and the request's log line
+            time.sleep(0.1)
+        assert lines and lines[0].startswith("preparing fast CPU kernels for this machine, first start only: ")
+        assert lines[0].endswith("; requests are answered meanwhile, more slowly\n")
+        deadline = time.monotonic() + 600
+        while READY_LINE + "\n" not in lines and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert READY_LINE + "\n" in lines
+    wait_prepared(kind)

@@ -35,9 +35,30 @@ def allowed_origins_setting() -> list[str]:
     return Settings()["server.allowed_origins"]
 
 
+def _tell_kernels(engine, log_line) -> None:
+    """On a first start: a line now that the kernels compile (requests are answered meanwhile),
+    and one when they are in."""
+    import threading
+
+    from app.kernel_words import READY_LINE, preparing_line
+
+    prep = getattr(engine, "kernel_preparation", None)
+    if prep is None:
+        return
+    log_line(f"{preparing_line(prep.compiled(), prep.total)}; requests are answered meanwhile, more slowly")
+
+    def when_ready() -> None:
+        prep.wait()
+        if prep.error is None:
+            log_line(READY_LINE)
+
+    threading.Thread(target=when_ready, name="thermocline-kernels-note", daemon=True).start()
+
+
 def run(args) -> int:
     import uvicorn
 
+    from app.kernel_words import kernels_choice
     from app.server.api import build_app
     from app.server.guard import check_origins
     from app.server.runner import base_url, bind_socket, check_bind, make_config
@@ -49,7 +70,10 @@ def run(args) -> int:
     if args.queue < 0:
         raise UserError("--queue must be 0 or more")
     origins = check_origins([*allowed_origins_setting(), *args.allow_origin])
-    engine = load_engine(args)
+    # A first start answers on slower paths while the fast kernels compile, as the chat does:
+    # waiting for them held every request of a fresh install for minutes (the demo's first 8
+    # streamed requests: 100 s to their first token on a 2-core host).
+    engine = load_engine(args, kernels_choice())
     model_id = args.model
 
     def log_line(line: str) -> None:
@@ -64,6 +88,7 @@ def run(args) -> int:
     sys.stderr.write(f"serving {model_id} ({engine.mode} mode, context {engine.ctx}) at "
                      f"{base_url(args.host, port)}{' (API key required)' if api_key else ''}\n")
     sys.stderr.flush()
+    _tell_kernels(engine, log_line)
     try:
         server.run(sockets=[sock])
     finally:
