@@ -51,6 +51,9 @@ def _tell_kernels(engine, log_line) -> None:
         prep.wait()
         if prep.error is None:
             log_line(READY_LINE)
+        else:  # those compiled are in; the rest stay on the torch paths
+            log_line(f"warning: some fast CPU kernels could not be prepared ({prep.error}); "
+                     "requests stay on slower paths")
 
     threading.Thread(target=when_ready, name="thermocline-kernels-note", daemon=True).start()
 
