@@ -4,9 +4,13 @@ Tiny models are built from the published configs (tests/data/real_configs) under
 names each family publishes (tests/real_config_models.py, the builders the main suite uses),
 loaded by vLLM through the plugin's entry point, and decoded greedily; the tokens must equal
 those of the fp32 transformers reference with the family's FFN (ReLU, FATReLU, dReLU,
-TurboSparse's predictor mask). Each family runs at tensor_parallel_size 1, and TurboSparse,
-whose sharding has the most to get wrong (GQA with one KV head a rank, dReLU, the predictor cut
-by rows, a vocabulary that is no multiple of 64), at 2 as well. A tensor-parallel start costs
+TurboSparse's predictor mask). TurboSparse-Mixtral, which transformers has no class for, is
+checked against the plain fp64 reference written from its published equations
+(tests/turbosparse_mixtral_factory.py, the one the main suite's engine tests use). Each family
+runs at tensor_parallel_size 1; TurboSparse, whose sharding has the most to get wrong (GQA
+with one KV head a rank, dReLU, the predictor cut by rows, a vocabulary that is no multiple of
+64), and TurboSparse-Mixtral (a router whole on each rank, every expert and its predictor cut)
+at 2 as well. A tensor-parallel start costs
 2-3 minutes of this 2-core host (two workers, each importing torch and vLLM); ProSparse at 2
 passed too when run by hand (`tests_vllm/run -k prosparse` after adding it below).
 
@@ -23,6 +27,7 @@ import os
 import pytest
 import real_config_models as rc
 import torch
+import turbosparse_mixtral_factory as tsm
 
 # head_dim 32: the smallest vLLM's CPU attention takes; 4 heads split over 2 ranks
 VLLM_TINY = {"hidden_size": 128, "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4}
@@ -37,6 +42,10 @@ BUILDERS = {
     # argmax (a test of our sampler), and vLLM samples over the config's whole vocabulary
     "turbosparse": lambda out: rc.turbosparse(out, padding=0),
 }
+# TurboSparse-Mixtral: head_dim 32 as above, 2 KV heads (one a rank at TP 2), 4 experts of which
+# 2 are chosen, predictors of rank 8 and 12
+MIXTRAL_TINY = {"layers": 2, "hidden": 128, "heads": 4, "kv_heads": 2, "experts": 4, "active": 2, "ff": 96,
+                "vocab": 300}
 # ReluLLaMA checkpoints name LlamaForCausalLM, vLLM's own; the recipe names the plugin's class
 OVERRIDES = {"relullama": {"architectures": ["ReluLlamaForCausalLM"]}}
 
@@ -50,16 +59,22 @@ def models(tmp_path_factory):
         mp.setattr(rc, "TINY", VLLM_TINY)
         for name, build in BUILDERS.items():
             path, ref, _ = build(root / name)
-            out[name] = (path, [reference_greedy(ref, prompt) for prompt in PROMPTS])
+            out[name] = (path, [reference_greedy(lambda ids: ref(torch.tensor([ids])).logits[0, -1], prompt)
+                                for prompt in PROMPTS])
+    path = tsm.turbosparse_mixtral(root / "turbosparse-mixtral", **MIXTRAL_TINY)
+    ref = tsm.Reference(path)
+    out["turbosparse-mixtral"] = (path, [reference_greedy(lambda ids: ref.forward(ids)[-1], prompt)
+                                         for prompt in PROMPTS])
     return out
 
 
 @torch.no_grad()
-def reference_greedy(ref, prompt: list[int]) -> list[int]:
-    """Greedy tokens, each step over the whole sequence (no cache: the reference as written)."""
+def reference_greedy(last_logits, prompt: list[int]) -> list[int]:
+    """Greedy tokens, each step over the whole sequence (no cache: the reference as written);
+    `last_logits(ids)` is the reference's logits at the last position."""
     ids = list(prompt)
     for _ in range(STEPS):
-        logits = ref(torch.tensor([ids])).logits[0, -1]
+        logits = last_logits(ids)
         top = torch.topk(logits, 2).values
         assert top[0] - top[1] > 1e-4, "a near tie: the comparison would hang on rounding"
         ids.append(int(logits.argmax()))
@@ -97,6 +112,7 @@ def vllm_greedy(path, tp: int, overrides: dict | None) -> list[list[int]]:
 
 @pytest.mark.parametrize("family,tp", [
     ("relullama", 1), ("prosparse", 1), ("bamboo", 1), ("turbosparse", 1), ("turbosparse", 2),
+    ("turbosparse-mixtral", 1), ("turbosparse-mixtral", 2),
 ])
 def test_greedy_tokens_match_the_reference(models, family, tp, monkeypatch):
     path, expected = models[family]
@@ -112,7 +128,7 @@ def test_the_plugin_is_vllms_through_its_entry_point():
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
-    mine = {"SparseLlamaForCausalLM", "BambooForCausalLM", "ReluLlamaForCausalLM"}
+    mine = {"SparseLlamaForCausalLM", "BambooForCausalLM", "ReluLlamaForCausalLM", "TurboSparseMixtralForCausalLM"}
     assert mine <= set(ModelRegistry.get_supported_archs())
     for arch in mine:
         assert ModelRegistry.models[arch].module_name == "thermocline_vllm.models"

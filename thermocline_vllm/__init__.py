@@ -11,6 +11,7 @@ by string and loaded only when vLLM builds one of these models.
 | `SparseLlamaForCausalLM` (`model_type: sparsellama`) | ProSparse-Llama-2 | down(fatrelu(gate) * up) |
 | `BambooForCausalLM` (`model_type: bamboo`) | Bamboo, TurboSparse-Mistral | down(relu(gate) * relu(up)), predictor mask when the checkpoint has one |
 | `ReluLlamaForCausalLM` (via `--hf-overrides`) | ReluLLaMA (`LlamaForCausalLM`, `hidden_act: relu`) | down(relu(gate) * up) |
+| `TurboSparseMixtralForCausalLM` (`model_type: turbosparsemixtral`) | TurboSparse-Mixtral | top-k of 8 dReLU experts, each masked by its predictor |
 
 ReluLLaMA's checkpoints name vLLM's own `LlamaForCausalLM`, whose MLP refuses ReLU. The plugin
 does not replace vLLM's Llama (every SiLU Llama would run on it); the recipe names ours:
@@ -24,6 +25,7 @@ ARCHITECTURES = {
     "SparseLlamaForCausalLM": "SparseLlamaForCausalLM",
     "BambooForCausalLM": "BambooForCausalLM",
     "ReluLlamaForCausalLM": "ReluLlamaForCausalLM",
+    "TurboSparseMixtralForCausalLM": "TurboSparseMixtralForCausalLM",
 }
 
 

@@ -1,11 +1,11 @@
 """Config classes for the families whose repositories ship their own (`auto_map` to
-configuration_sparsellama.py / configuration_bamboo.py). Their keys are Llama's and
-Mistral's; registering them with transformers lets vLLM read the published config.json
+configuration_sparsellama.py / configuration_bamboo.py / configuration_turbosparsemixtral.py).
+Their keys are Llama's, Mistral's and Mixtral's; registering them with transformers lets vLLM read the published config.json
 without running the repository's code."""
 
 from __future__ import annotations
 
-from transformers import AutoConfig, LlamaConfig, MistralConfig
+from transformers import AutoConfig, LlamaConfig, MistralConfig, MixtralConfig
 
 
 class SparseLlamaConfig(LlamaConfig):
@@ -26,6 +26,14 @@ class BambooConfig(MistralConfig):
     model_type = "bamboo"
 
 
+class TurboSparseMixtralConfig(MixtralConfig):
+    """TurboSparse-Mixtral: Mixtral's keys (experts, top k, router); `hidden_act: relu` on both
+    halves of each expert (dReLU). The predictors' ranks are not in the config: the
+    checkpoint's shapes give them."""
+
+    model_type = "turbosparsemixtral"
+
+
 def register_configs() -> None:
-    for config in (SparseLlamaConfig, BambooConfig):
+    for config in (SparseLlamaConfig, BambooConfig, TurboSparseMixtralConfig):
         AutoConfig.register(config.model_type, config, exist_ok=True)

@@ -8,12 +8,17 @@ is the family's:
 - Bamboo / TurboSparse:     down(relu(gate(x)) * relu(up(x))), times TurboSparse's predictor mask
                             [fc2(relu(fc1(h))) > 0] where h is the residual stream before the
                             FFN's norm (the published code rounds a sigmoid of the same logits)
+- TurboSparse-Mixtral:      a mixture of such dReLU experts (w1 gate, w3 up, w2 down), each with
+                            its own predictor reading the expert's input x; the router softmaxes
+                            all experts' logits and renormalises the top k (Mixtral's routing)
 
 Tensor parallelism: q/k/v and gate/up are column-parallel (each rank holds whole heads and a
 slice of the FFN neurons), o_proj and down_proj row-parallel (one all-reduce each), the
-embeddings and head vocabulary-parallel. The predictor's fc1 is whole on every rank and its
-fc2 cut by rows as gate_up_proj is cut, so each rank predicts exactly its own neurons. Pipeline parallelism
-splits the layers (make_layers). Checkpoint tensors keep the families' published names
+embeddings and head vocabulary-parallel. A mixture's router is whole on every rank (each rank
+routes every token alike) and each expert is cut as a dense FFN is, its down projection left
+unreduced: the weighted sum of the chosen experts takes one all-reduce. The predictor's fc1 is
+whole on every rank and its fc2 cut by rows as gate_up_proj is cut, so each rank predicts
+exactly its own neurons. Pipeline parallelism splits the layers (make_layers). Checkpoint tensors keep the families' published names
 (`model.layers.N.mlp.gate_proj.weight`, `...mlp.predictor.fc1.weight`).
 """
 
@@ -28,6 +33,7 @@ from vllm.distributed import (
     get_pp_group,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
 )
 from vllm.model_executor.layers.activation import FatreluAndMul
 from vllm.model_executor.layers.attention import Attention
@@ -35,6 +41,7 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -58,6 +65,10 @@ STACKED = (
     (".v_proj.", ".qkv_proj.", "v"),
     (".gate_proj.", ".gate_up_proj.", 0),
     (".up_proj.", ".gate_up_proj.", 1),
+    # a Mixtral expert's gate, up and down (block_sparse_moe.experts.E.w1/w3/w2)
+    (".w1.", ".gate_up_proj.", 0),
+    (".w3.", ".gate_up_proj.", 1),
+    (".w2.", ".down_proj.", None),
 )
 
 
@@ -65,13 +76,14 @@ class GatedFFN(nn.Module):
     """gate/up fused into one column-parallel matrix, down row-parallel; `kind` is the
     family's activation: "relu" and "fatrelu" act on the gate only, "drelu" on both halves."""
 
-    def __init__(self, config, kind: str, quant_config, prefix: str):
+    def __init__(self, config, kind: str, quant_config, prefix: str, reduce_results: bool = True):
         super().__init__()
         d, n = config.hidden_size, config.intermediate_size
         self.kind = kind
         self.gate_up_proj = MergedColumnParallelLinear(d, [n] * 2, bias=False, quant_config=quant_config,
                                                        prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(n, d, bias=False, quant_config=quant_config, prefix=f"{prefix}.down_proj")
+        self.down_proj = RowParallelLinear(n, d, bias=False, quant_config=quant_config, reduce_results=reduce_results,
+                                           prefix=f"{prefix}.down_proj")
         if kind == "fatrelu":
             self.fatrelu = FatreluAndMul(threshold=float(config.hidden_act_param))
         self.predictor: Predictor | None = None  # set while loading a checkpoint that has one
@@ -87,6 +99,35 @@ class GatedFFN(nn.Module):
             h = h * self.predictor(before_norm)
         out, _ = self.down_proj(h)
         return out
+
+
+class DreluMoe(nn.Module):
+    """TurboSparse-Mixtral's block_sparse_moe: a router whole on every rank, then each
+    expert (a dReLU GatedFFN with its predictor, cut over the ranks) on the tokens routed to
+    it, weighted; one all-reduce for the sum of all of them."""
+
+    def __init__(self, config, quant_config, prefix: str):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.gate = ReplicatedLinear(config.hidden_size, config.num_local_experts, bias=False, quant_config=None,
+                                     prefix=f"{prefix}.gate")
+        self.experts = nn.ModuleList(
+            GatedFFN(config, "drelu", quant_config, f"{prefix}.experts.{e}", reduce_results=False)
+            for e in range(config.num_local_experts))
+
+    def forward(self, x: torch.Tensor, before_norm: torch.Tensor) -> torch.Tensor:
+        logits, _ = self.gate(x)
+        # softmax over all experts, the top k renormalised: a softmax over the top k's logits
+        top, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        weights = (top / top.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            tokens, slot = torch.where(chosen == e)
+            if tokens.numel():  # every rank routes alike, and an expert has no collective of its own
+                picked = x[tokens]
+                # the expert's predictor reads the expert's own input
+                out.index_add_(0, tokens, expert(picked, picked) * weights[tokens, slot, None])
+        return tensor_model_parallel_all_reduce(out) if get_tensor_model_parallel_world_size() > 1 else out
 
 
 class Predictor(nn.Module):
@@ -148,7 +189,13 @@ class DecoderLayer(nn.Module):
         config = vllm_config.model_config.hf_config
         quant = vllm_config.quant_config
         self.self_attn = SelfAttention(config, vllm_config.cache_config, quant, f"{prefix}.self_attn")
-        self.mlp = GatedFFN(config, kind, quant, f"{prefix}.mlp")
+        # the FFN under the family's published name: `mlp`, or Mixtral's `block_sparse_moe`
+        if kind == "drelu-moe":
+            self.ffn_name = "block_sparse_moe"
+            self.block_sparse_moe = DreluMoe(config, quant, f"{prefix}.block_sparse_moe")
+        else:
+            self.ffn_name = "mlp"
+            self.mlp = GatedFFN(config, kind, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -160,7 +207,7 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(positions, x)
         # the fused add-norm hands back the residual stream before the norm: the predictor's input
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x, residual), residual
+        return getattr(self, self.ffn_name)(x, residual), residual
 
 
 class ReluFamilyModel(nn.Module):
@@ -232,7 +279,7 @@ class _ReluFamilyForCausalLM(nn.Module, SupportsPP):
                 continue
             if self.config.tie_word_embeddings and name.startswith("lm_head."):
                 continue  # the head is the embedding matrix
-            if ".mlp.predictor." in name:
+            if ".predictor." in name:
                 if not is_pp_missing_parameter(name, self):
                     self._load_predictor(name, tensor)
                 loaded.add(name)
@@ -247,7 +294,7 @@ class _ReluFamilyForCausalLM(nn.Module, SupportsPP):
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             param = params[name]
-            if shard is None:
+            if shard is None:  # a renamed w2 too
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             else:
                 param.weight_loader(param, tensor, shard)
@@ -288,9 +335,28 @@ class BambooForCausalLM(_ReluFamilyForCausalLM):
         return "drelu"
 
     def _load_predictor(self, name: str, tensor: torch.Tensor) -> None:
-        # model.layers.N.mlp.predictor.fc1.weight
-        layer_path, which = name.rsplit(".predictor.", 1)
-        mlp = self.get_submodule(layer_path)
-        if mlp.predictor is None:
-            mlp.predictor = Predictor(mlp.gate_up_proj.weight)
-        mlp.predictor.load(which.split(".")[0], tensor, mlp.gate_up_proj.output_size_per_partition // 2)
+        _load_predictor(self, name, tensor)
+
+
+class TurboSparseMixtralForCausalLM(_ReluFamilyForCausalLM):
+    """TurboSparse-Mixtral (`model_type: turbosparsemixtral`): Mixtral's attention and routing,
+    dReLU experts, a predictor per expert (`block_sparse_moe.experts.E.predictor.fc1/fc2`)."""
+
+    @staticmethod
+    def _ffn_kind(config) -> str:
+        if getattr(config, "hidden_act", "relu") != "relu":
+            raise ValueError(f"hidden_act {config.hidden_act!r}: TurboSparse-Mixtral's experts are dReLU (relu)")
+        return "drelu-moe"
+
+    def _load_predictor(self, name: str, tensor: torch.Tensor) -> None:
+        _load_predictor(self, name, tensor)
+
+
+def _load_predictor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """`...mlp.predictor.fc1.weight` or `...experts.E.predictor.fc2.weight` into that FFN's
+    Predictor, made at its first tensor (the rank is the checkpoint's)."""
+    ffn_path, which = name.rsplit(".predictor.", 1)
+    ffn = model.get_submodule(ffn_path)
+    if ffn.predictor is None:
+        ffn.predictor = Predictor(ffn.gate_up_proj.weight)
+    ffn.predictor.load(which.split(".")[0], tensor, ffn.gate_up_proj.output_size_per_partition // 2)
