@@ -411,6 +411,13 @@ def main(argv=None) -> int:
         # quarter of one layer's neurons, which 10% of a few layers' rows may not reach)
         budgets = {"disk_50": max(sizes["least"], sizes["resident"] + int(0.5 * sizes["ffn"])),
                    "disk_90": max(sizes["least"], sizes["resident"] + int(0.1 * sizes["ffn"]))}
+        # The disk runs' kernels compile first, into numba's cache, with no limit: each budget once,
+        # two tokens. A limited run that compiled them took about 330 MB more than its floor and was
+        # killed where the in-RAM kernels were cached and the disk tier's were not (the tiny model at
+        # its least budget did not compile them all: a plan with more cache slots takes other calls).
+        for name, budget in budgets.items():
+            spawn(["--worker", "ours", "--path", str(files["hf"]), *common, "--tokens", "2", "--budget", str(budget)],
+                  None, f"kernels-{name}", False)
         for name, budget in budgets.items():
             runs[name] = ours(name, budget, env={"THERMOCLINE_DISK_LOOKAHEAD": "auto"})  # the default
             # the overlap measured: the next layer's guess read ahead while this layer computes, or never
