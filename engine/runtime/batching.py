@@ -103,7 +103,6 @@ class StepChooser:
     WINDOW = 4
 
     def __init__(self, ways: tuple[str, ...] = ("batch", "alone")):
-        self.cost: dict[str, float | None] = dict.fromkeys(ways)
         self.recent: dict[str, deque[float]] = {way: deque(maxlen=self.WINDOW) for way in ways}
         self.backoff = dict.fromkeys(ways, 0)  # how many times in a row each lost by more than FAR
         self.steps = 0
@@ -111,13 +110,19 @@ class StepChooser:
         self._due = 0  # the step at which another way is tried next
         self._turn = 0
 
+    @property
+    def cost(self) -> dict[str, float | None]:
+        """Each way's seconds per token: the least of its last WINDOW steps (None: untried)."""
+        return {way: min(times) if times else None for way, times in self.recent.items()}
+
     def choose(self) -> str:
         self.steps += 1
-        untried = [k for k, v in self.cost.items() if v is None]
+        cost = self.cost
+        untried = [k for k, v in cost.items() if v is None]
         if untried:
             return untried[0]
-        best = min(self.cost, key=lambda k: self.cost[k])
-        others = [k for k in self.cost if k != best]
+        best = min(cost, key=lambda k: cost[k])
+        others = [k for k in cost if k != best]
         if not others:
             return best
         if self._due == 0:
@@ -131,12 +136,10 @@ class StepChooser:
 
     def forget(self, way: str) -> None:
         """`way` changed (the fused batch came in): it is tried again at the next step."""
-        self.cost[way] = None
         self.recent[way].clear()
 
     def record(self, way: str, seconds_per_token: float) -> None:
         self.recent[way].append(seconds_per_token)
-        self.cost[way] = min(self.recent[way])
         rivals = [v for k, v in self.cost.items() if k != way and v is not None]
         if rivals and seconds_per_token > self.FAR * min(rivals):
             self.backoff[way] = min(self.backoff[way] + 1, self.MAX_BACKOFF)
