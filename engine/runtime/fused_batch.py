@@ -212,26 +212,10 @@ def decode_batch_step(model, ids: torch.Tensor, positions: list[int], caches: li
     if max(positions) >= table.cos.shape[0]:
         table.at(max(positions), 1)  # grows the table
     cos, sin = table.cos.numpy(), table.sin.numpy()
-    X = _embedded(model, ids)
+    X = fused_decode.embedded_rows(model, ids)
     small = sum(_weight_bytes(p) for p in (*plans, head)) < ONE_THREAD_STEP_BYTES
     with numba_pool.running_threads(1) if small else contextlib.nullcontext():
         return _run_layers_and_head(db, model, plans, head, arrays, X, positions, heads, cos, sin)
-
-
-def _embedded(model, ids: torch.Tensor) -> np.ndarray:
-    """The rows' embeddings [R, d] (fp32, a new array). A CPU fp32 table is read through numpy:
-    each torch op hands the GIL to any thread waiting for it (the server's event loop), and the
-    engine then waits out that thread's turn before its next layer."""
-    embed = model.embed
-    if embed.device.type == "cpu" and embed.dtype == torch.float32:
-        X = embed.numpy()[ids.numpy()]
-        if model.embedding_scale is not None:
-            X *= np.float32(model.embedding_scale)
-        return X
-    x = embed[ids.to(embed.device)]
-    if model.embedding_scale is not None:
-        x = x * model.embedding_scale
-    return np.ascontiguousarray(x.to(torch.device("cpu"), torch.float32).numpy()).copy()
 
 
 def _weight_bytes(plan: fused_decode.FusedLayer) -> int:

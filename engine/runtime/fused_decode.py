@@ -547,10 +547,7 @@ def decode_step(model, ids: torch.Tensor, start: int, cache) -> torch.Tensor | N
     cache.prepare(start, 1)
     table.at(start, 1)  # grows the table when the position is past it
     cos, sin = table.cos.numpy(), table.sin.numpy()
-    x = model.embed[ids.to(model.embed.device)]
-    if model.embedding_scale is not None:
-        x = x * model.embedding_scale
-    x = x.to(cpu, torch.float32).contiguous().numpy().reshape(-1).copy()
+    x = embedded_rows(model, ids).reshape(-1)
     kern = numba_pool.module()
     for layer, plan in zip(model.layers, plans):
         if plan.moe is not None:
@@ -579,6 +576,22 @@ def decode_step(model, ids: torch.Tensor, start: int, cache) -> torch.Tensor | N
         logits = dl.decode_head(x, numba_pool.use_threads(kern), *head.args)
     head.calls += 1
     return torch.from_numpy(logits)[None]
+
+
+def embedded_rows(model, ids: torch.Tensor) -> np.ndarray:
+    """The rows' embeddings [R, d] (fp32, a new array). A CPU fp32 table is read through numpy:
+    each torch op hands the GIL to any thread waiting for it (the server's event loop), and the
+    engine then waits out that thread's turn before its next layer."""
+    embed = model.embed
+    if embed.device.type == "cpu" and embed.dtype == torch.float32:
+        X = embed.numpy()[ids.numpy()]
+        if model.embedding_scale is not None:
+            X *= np.float32(model.embedding_scale)
+        return X
+    x = embed[ids.to(embed.device)]
+    if model.embedding_scale is not None:
+        x = x * model.embedding_scale
+    return np.ascontiguousarray(x.to(torch.device("cpu"), torch.float32).numpy()).copy()
 
 
 @dataclass
