@@ -326,6 +326,16 @@ class SparseLlamaForCausalLM(_ReluFamilyForCausalLM):
     _ffn_kind = staticmethod(_llama_ffn)
 
 
+def load_predictor_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """`...mlp.predictor.fc1.weight` or `...experts.E.predictor.fc2.weight` into that FFN's
+    Predictor, made at its first tensor (the rank is the checkpoint's)."""
+    ffn_path, which = name.rsplit(".predictor.", 1)
+    ffn = model.get_submodule(ffn_path)
+    if ffn.predictor is None:
+        ffn.predictor = Predictor(ffn.gate_up_proj.weight)
+    ffn.predictor.load(which.split(".")[0], tensor, ffn.gate_up_proj.output_size_per_partition // 2)
+
+
 class BambooForCausalLM(_ReluFamilyForCausalLM):
     """Bamboo and TurboSparse-Mistral: dReLU; TurboSparse's checkpoint adds a predictor per
     layer (`mlp.predictor.fc1/fc2`), which masks the FFN as the published code does."""
@@ -334,8 +344,7 @@ class BambooForCausalLM(_ReluFamilyForCausalLM):
     def _ffn_kind(config) -> str:
         return "drelu"
 
-    def _load_predictor(self, name: str, tensor: torch.Tensor) -> None:
-        _load_predictor(self, name, tensor)
+    _load_predictor = load_predictor_tensor
 
 
 class TurboSparseMixtralForCausalLM(_ReluFamilyForCausalLM):
@@ -348,15 +357,4 @@ class TurboSparseMixtralForCausalLM(_ReluFamilyForCausalLM):
             raise ValueError(f"hidden_act {config.hidden_act!r}: TurboSparse-Mixtral's experts are dReLU (relu)")
         return "drelu-moe"
 
-    def _load_predictor(self, name: str, tensor: torch.Tensor) -> None:
-        _load_predictor(self, name, tensor)
-
-
-def _load_predictor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """`...mlp.predictor.fc1.weight` or `...experts.E.predictor.fc2.weight` into that FFN's
-    Predictor, made at its first tensor (the rank is the checkpoint's)."""
-    ffn_path, which = name.rsplit(".predictor.", 1)
-    ffn = model.get_submodule(ffn_path)
-    if ffn.predictor is None:
-        ffn.predictor = Predictor(ffn.gate_up_proj.weight)
-    ffn.predictor.load(which.split(".")[0], tensor, ffn.gate_up_proj.output_size_per_partition // 2)
+    _load_predictor = load_predictor_tensor
